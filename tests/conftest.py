@@ -1,0 +1,64 @@
+"""Shared fixtures: the embedded model (loaded once) and small random-weight models."""
+
+from __future__ import annotations
+
+import tiered  # noqa: F401  (loads the optimized BLAS before mlx.core)
+
+import mlx.core as mx
+import pytest
+
+# Small random-weight configurations of several mlx-lm architectures: GQA and MHA, head_dim
+# 64 and 128. vocab matches the embedded tokenizer so mlx_lm.generate can drive them.
+SMALL_ARCHS = {
+    "llama-gqa-d64": dict(model_type="llama", hidden_size=256, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=64, rope_theta=10000.0),
+    "qwen2-gqa-d64": dict(model_type="qwen2", hidden_size=256, num_attention_heads=4,
+                          num_key_value_heads=2, rope_theta=1e6),
+    "qwen3-mha-d128": dict(model_type="qwen3", hidden_size=256, num_attention_heads=2,
+                           num_key_value_heads=2, head_dim=128, rope_theta=1e6,
+                           max_position_embeddings=4096, tie_word_embeddings=False),
+    "mistral-gqa-d128": dict(model_type="mistral", hidden_size=512, num_attention_heads=4,
+                             num_key_value_heads=1, head_dim=128, rope_theta=1e6),
+    "gemma3-mha-d64": dict(model_type="gemma3_text", hidden_size=256, num_attention_heads=4,
+                           num_key_value_heads=4, head_dim=64, query_pre_attn_scalar=64,
+                           sliding_window=16, sliding_window_pattern=2),
+}
+
+
+def make_small_model(name: str, *, layers: int = 4, vocab: int = 49152, seed: int = 0):
+    from mlx_lm.utils import _get_classes
+
+    cfg = dict(SMALL_ARCHS[name])
+    cfg.setdefault("num_hidden_layers", layers)
+    cfg.setdefault("intermediate_size", 2 * cfg["hidden_size"])
+    cfg.setdefault("rms_norm_eps", 1e-5)
+    cfg.setdefault("vocab_size", vocab)
+    cfg.setdefault("tie_word_embeddings", True)
+    cfg.setdefault("max_position_embeddings", 4096)
+    model_cls, args_cls = _get_classes(cfg)
+    mx.random.seed(seed)
+    model = model_cls(args_cls.from_dict(cfg))
+    # Scale weights so random activations stay O(1) and logits are not all ties.
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    params = tree_flatten(model.parameters())
+    params = [(k, v * 2.0 if v.ndim == 2 else v) for k, v in params]
+    model.update(tree_unflatten(params))
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    """(model, tokenizer) of the embedded SmolLM2-135M."""
+    return tiered.load()
+
+
+@pytest.fixture(autouse=True)
+def _restore_mlx_lm():
+    """Every test leaves mlx-lm unpatched, whatever it did."""
+    yield
+    from tiered.integration import uninstall
+
+    uninstall()

@@ -1,0 +1,98 @@
+"""Paged host store: round trips across pages, the CSR page table, truncation, persistence."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tiered.cpu import HostStore
+
+TOL = {"float32": 0, "float16": 1e-3, "int8": 1.5e-2}
+
+
+def _data(rng, B, H, L, d):
+    return rng.standard_normal((B, H, L, d)).astype(np.float32)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
+@pytest.mark.parametrize("chunks", [[1] * 40, [31, 33, 1, 70], [300]])
+def test_append_read_round_trip(dtype, chunks):
+    rng = np.random.default_rng(0)
+    store = HostStore(3, 16, value_dim=8, page_size=32, dtype=dtype, pages_per_block=2)
+    ks, vs = [], []
+    for n in chunks:
+        k, v = _data(rng, 1, 3, n, 16), _data(rng, 1, 3, n, 8)
+        store.append(v, k)
+        ks.append(k)
+        vs.append(v)
+    k, v = np.concatenate(ks, axis=2)[0], np.concatenate(vs, axis=2)[0]
+    assert store.length == k.shape[1]
+    tol = TOL[dtype] * (np.abs(k).max() if dtype == "int8" else 1)
+    np.testing.assert_allclose(store.read("keys"), k, atol=tol, rtol=TOL[dtype])
+    np.testing.assert_allclose(store.read("values"), v, atol=tol, rtol=TOL[dtype])
+    tokens = rng.integers(0, store.length, 50)
+    np.testing.assert_allclose(store.gather("values", 0, 2, tokens), v[2, tokens],
+                               atol=tol, rtol=TOL[dtype])
+    # Blocks hold whole pages; the page table covers exactly the tokens written.
+    pt = store.page_table()
+    n_pages = -(-store.length // 32)
+    assert pt.indptr.tolist() == [0, n_pages]
+    assert pt.last_page_len[0] == store.length - (n_pages - 1) * 32
+    assert len(set(pt.indices.tolist())) == n_pages
+
+
+def test_unwritten_slots_are_nan():
+    store = HostStore(2, 4, page_size=8, dtype="float16", keys=False, pages_per_block=4)
+    store.append(np.ones((1, 2, 3, 4), np.float32))
+    blk = store.values.views[0]
+    assert np.isnan(blk[0, :, 3:]).all() and np.isnan(blk[1:]).all()
+
+
+def test_truncate_frees_pages_and_reuses_them():
+    rng = np.random.default_rng(1)
+    store = HostStore(2, 4, page_size=4, dtype="float32", keys=False, pages_per_block=2)
+    v = _data(rng, 1, 2, 18, 4)
+    store.append(v)
+    store.truncate(6)
+    assert store.length == 6 and len(store.logical_pages()) == 2
+    w = _data(rng, 1, 2, 5, 4)
+    store.append(w)
+    expected = np.concatenate([v[0, :, :6], w[0]], axis=1)
+    np.testing.assert_array_equal(store.read("values"), expected)
+    assert store.values.capacity_pages == 6  # freed pages were reused, nothing new allocated
+    with pytest.raises(ValueError, match="Invalid length"):
+        store.truncate(99)
+
+
+def test_batch_rows_are_separate():
+    rng = np.random.default_rng(2)
+    store = HostStore(2, 4, page_size=4, dtype="float32", batch=3)
+    v, k = _data(rng, 3, 2, 9, 4), _data(rng, 3, 2, 9, 4)
+    store.append(v, k)
+    for b in range(3):
+        np.testing.assert_array_equal(store.read("values", b), v[b])
+        np.testing.assert_array_equal(store.read("keys", b), k[b])
+    pt = store.page_table()
+    assert pt.indptr.tolist() == [0, 3, 6, 9]
+
+
+def test_state_round_trip_copies():
+    rng = np.random.default_rng(3)
+    store = HostStore(2, 8, page_size=16, dtype="int8", pages_per_block=2)
+    store.append(_data(rng, 1, 2, 40, 8), _data(rng, 1, 2, 40, 8))
+    clone = HostStore.from_state(store.state())
+    np.testing.assert_array_equal(clone.read("values"), store.read("values"))
+    np.testing.assert_array_equal(clone.read("keys"), store.read("keys"))
+    clone.append(_data(rng, 1, 2, 1, 8), _data(rng, 1, 2, 1, 8))
+    assert store.length == 40  # the clone owns its memory
+    assert all(isinstance(b, mx.array) for b in store.state()["values"])
+
+
+def test_bad_input_is_rejected():
+    store = HostStore(2, 4, page_size=4, dtype="float32")
+    with pytest.raises(ValueError, match="Invalid shape of values"):
+        store.append(np.zeros((1, 3, 2, 4), np.float32), np.zeros((1, 3, 2, 4), np.float32))
+    with pytest.raises(ValueError, match="needs keys"):
+        store.append(np.zeros((1, 2, 2, 4), np.float32))
+    with pytest.raises(ValueError, match="host dtype"):
+        HostStore(2, 4, dtype="int4")
+    assert store.length == 0

@@ -1,0 +1,38 @@
+"""tiered: a memory-tiered KV cache for MLX language models.
+
+    import mlx_lm, tiered
+    model, tokenizer = tiered.load()                 # embedded default model, or tiered.load(repo)
+    cache = tiered.TieredCache.for_model(model, gpu_budget=0.125)
+    text = mlx_lm.generate(model, tokenizer, prompt=document + question, prompt_cache=cache)
+    print(tiered.report(cache))
+
+Importing tiered first loads an optimized BLAS for MLX's CPU backend on Linux (see
+``tiered._platform``); it patches nothing in mlx-lm until :func:`install` is called
+(``TieredCache.for_model`` calls it).
+"""
+
+from ._platform import BLAS, preload_blas
+
+preload_blas()
+
+from .cache import TieredCache, TieredCacheList  # noqa: E402
+from .config import TieredConfig  # noqa: E402
+from .integration import install, installed, uninstall  # noqa: E402
+from .model import load  # noqa: E402
+from .report import report, report_dict  # noqa: E402
+
+__version__ = "0.1.0"
+
+
+def load_prompt_cache(path: str, return_metadata: bool = False):
+    """``mlx_lm.load_prompt_cache`` for files holding TieredCache layers (installs routing)."""
+    from mlx_lm.models.cache import load_prompt_cache as _load
+
+    install()
+    return _load(path, return_metadata=return_metadata)
+
+
+__all__ = [
+    "BLAS", "TieredCache", "TieredCacheList", "TieredConfig", "install", "installed",
+    "uninstall", "load", "load_prompt_cache", "report", "report_dict", "__version__",
+]

@@ -1,0 +1,208 @@
+"""TieredConfig: every option of the tiered cache, validated with errors that name the option."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from tiered.cpu import HOST_DTYPES
+
+METHODS = ("tiered", "hcattention", "h2o")
+KEY_CODECS = ("auto", "codebook", "affine")
+RESCORE = ("approx", "exact")
+CALIBRATION = ("self",)  # or a path to a text file
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: Any, name: str) -> int:
+    """'2GB', '512MiB', 1_000_000 -> bytes. Raises ValueError naming the option."""
+    if isinstance(value, bool):
+        raise ValueError(f"Invalid {name}: {value!r} (expected a byte size such as '2GB')")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(
+                f"Invalid {name}: {value!r} (expected a byte size such as '2GB' or '512MiB')"
+            )
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    else:
+        raise ValueError(f"Invalid {name}: {value!r} (expected a byte size such as '2GB')")
+    if n <= 0:
+        raise ValueError(f"Invalid {name}: {value!r} (must be > 0 bytes)")
+    return n
+
+
+def default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tiered")
+
+
+@dataclass
+class TieredConfig:
+    """Options of a tiered KV cache.
+
+    gpu_budget: accelerator bytes for the whole cache, as a fraction in (0, 1] of what mlx-lm's
+        ``KVCache`` would hold for the same tokens (its dtype is the model's: fp16 for fp16
+        models), or an absolute size ("2GB", or an int of bytes). 1.0 keeps every token's full
+        K and V resident: attention is then exact and equals ``KVCache``.
+    method: "tiered" (codes + resident H2O set + host values), "hcattention" (codes, tau
+        selection, approximate weights, every value on the host), "h2o" (resident set only;
+        everything else is evicted permanently, no host tier).
+    """
+
+    gpu_budget: float | int | str = 0.125
+    _: dataclasses.KW_ONLY
+    method: str = "tiered"
+    # key codec (planner picks unset values)
+    key_codec: str = "auto"
+    codebook_groups: int | None = None  # g: groups of d/g dims per key
+    codebook_size: int | None = None  # c: centroids per group (<= 256: uint8 codes)
+    codebook_per_group: bool = False  # one codebook per group instead of one shared
+    affine_bits: int | None = None
+    affine_group_size: int = 32
+    rotate: bool = True  # random orthogonal rotation before affine quantization
+    # selection (tau-cumulative)
+    tau: float = 0.9
+    max_selected: int | float = 0.25  # hard cap: tokens, or a fraction of live tokens
+    min_selected: int = 32  # floor
+    rescore: str = "approx"  # "exact": exact scores of selected tokens from host keys
+    # resident set (H2O)
+    sinks: int = 4
+    recent: int = 64
+    ema_alpha: float = 0.95
+    refresh_every: int = 16  # decode steps between promotions / demotions
+    # host tier
+    host_dtype: str = "float16"
+    host_keys: bool = True
+    page_size: int = 256
+    host_budget: int | str | None = None
+    disk_dir: str | None = None
+    # prefill and calibration
+    prefill_window: int = 16384  # tokens kept exact on the accelerator during prefill
+    calibration: str = "self"  # "self" (first prefill chunk) or a path to a text file
+    calibration_tokens: int = 4096
+    kmeans_iters: int = 12
+    cache_dir: str = field(default_factory=default_cache_dir)
+    # runtime
+    workers: int = 2
+    step: int = 256  # accelerator buffers grow in steps of this many tokens
+    seed: int = 0
+
+    def __post_init__(self):
+        self._check_budget()
+        self._choice("method", METHODS)
+        self._choice("key_codec", KEY_CODECS)
+        self._choice("rescore", RESCORE)
+        self._choice("host_dtype", HOST_DTYPES)
+        if self.codebook_groups is not None:
+            self._int("codebook_groups", 1)
+        if self.codebook_size is not None:
+            self._int("codebook_size", 2, 65536)
+        if self.affine_bits is not None and self.affine_bits not in (2, 3, 4, 8):
+            raise ValueError(f"Invalid affine_bits: {self.affine_bits!r} (expected 2, 3, 4 or 8)")
+        if self.affine_group_size not in (32, 64, 128):
+            raise ValueError(
+                f"Invalid affine_group_size: {self.affine_group_size!r} (expected 32, 64 or 128)"
+            )
+        if not (isinstance(self.tau, (int, float)) and 0 < self.tau <= 1):
+            raise ValueError(f"Invalid tau: {self.tau!r} (expected 0 < tau <= 1)")
+        cap = self.max_selected
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0 or (
+            isinstance(cap, float) and cap > 1
+        ):
+            raise ValueError(
+                f"Invalid max_selected: {cap!r} (a token count >= 1, or a fraction in (0, 1])"
+            )
+        self._int("min_selected", 0)
+        self._int("sinks", 0)
+        self._int("recent", 1)
+        if not (isinstance(self.ema_alpha, (int, float)) and 0 <= self.ema_alpha < 1):
+            raise ValueError(f"Invalid ema_alpha: {self.ema_alpha!r} (expected 0 <= alpha < 1)")
+        self._int("refresh_every", 1)
+        self._int("page_size", 1)
+        if self.page_size & (self.page_size - 1):
+            raise ValueError(f"Invalid page_size: {self.page_size!r} (expected a power of two)")
+        if self.host_budget is not None:
+            self.host_budget = parse_bytes(self.host_budget, "host_budget")
+        if self.disk_dir is not None and not isinstance(self.disk_dir, (str, os.PathLike)):
+            raise ValueError(f"Invalid disk_dir: {self.disk_dir!r} (expected a path)")
+        self._int("prefill_window", 1)
+        if not isinstance(self.calibration, (str, os.PathLike)) or (
+            self.calibration != "self" and not os.path.isfile(self.calibration)
+        ):
+            raise ValueError(
+                f"Invalid calibration: {self.calibration!r} (expected 'self' or the path of an "
+                "existing text file)"
+            )
+        self._int("calibration_tokens", 64)
+        self._int("kmeans_iters", 1)
+        self._int("workers", 1, 256)
+        self._int("step", 1)
+        self._int("seed", 0)
+
+    # ---- helpers -------------------------------------------------------------------------
+    @property
+    def budget_fraction(self) -> float | None:
+        """The budget as a fraction, or None when it is an absolute byte size."""
+        return self.gpu_budget if isinstance(self.gpu_budget, float) else None
+
+    @property
+    def exact(self) -> bool:
+        """Budget 1.0: every token resident in full precision, attention exact."""
+        return self.budget_fraction is not None and self.budget_fraction >= 1.0
+
+    def _check_budget(self):
+        b = self.gpu_budget
+        if isinstance(b, bool):
+            raise ValueError(f"Invalid gpu_budget: {b!r}")
+        if isinstance(b, str):
+            self.gpu_budget = parse_bytes(b, "gpu_budget")
+        elif isinstance(b, int) and b > 1:
+            pass  # absolute bytes
+        elif isinstance(b, (int, float)):
+            b = float(b)
+            if not 0 < b <= 1:
+                raise ValueError(
+                    f"Invalid gpu_budget: {self.gpu_budget!r} (a fraction must be in (0, 1]; "
+                    "give an absolute size as a string such as '2GB')"
+                )
+            self.gpu_budget = b
+        else:
+            raise ValueError(
+                f"Invalid gpu_budget: {b!r} (expected a fraction in (0, 1] or a size like '2GB')"
+            )
+
+    def _choice(self, name, options):
+        value = getattr(self, name)
+        if value not in options:
+            raise ValueError(f"Invalid {name}: {value!r} (expected one of {options})")
+
+    def _int(self, name, lo=None, hi=None):
+        value = getattr(self, name)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"Invalid {name}: {value!r} (expected an integer)")
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            raise ValueError(f"Invalid {name}: {value!r} (expected an integer {bounds})")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "TieredConfig":
+        """Like the constructor, but an unknown option is a ValueError that names it."""
+        names = {f.name for f in dataclasses.fields(cls) if f.name != "_"}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(
+                f"Unknown TieredConfig option(s): {', '.join(map(repr, unknown))}. "
+                f"Valid options: {', '.join(sorted(names))}"
+            )
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "_"}

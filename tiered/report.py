@@ -1,0 +1,93 @@
+"""report(cache): what each tier holds, measured from the arrays, and what selection did."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def report_dict(caches) -> dict:
+    """Figures of a list of caches (``TieredCache.for_model`` output, or a loaded one)."""
+    from .cache import TieredCache
+
+    layers = [c for c in caches if isinstance(c, TieredCache)]
+    per_tier = {"accelerator": 0, "host": 0, "disk": 0}
+    for c in caches:
+        if isinstance(c, TieredCache):
+            for k, v in c.tier_bytes().items():
+                per_tier[k] += v
+        else:
+            per_tier["accelerator"] += int(getattr(c, "nbytes", 0) or 0)
+    tokens = max((c.offset for c in layers), default=0)
+    full = sum(c.full_cache_bytes() for c in layers)
+    out = {
+        "layers": len(caches),
+        "tiered_layers": len(layers),
+        "tokens": tokens,
+        "bytes": per_tier,
+        "full_cache_bytes": full,
+        "accelerator_fraction": per_tier["accelerator"] / full if full else None,
+        "phases": sorted({c.phase for c in layers}),
+        "peak_transient_accelerator_bytes": sum(c.stats.peak_transient_bytes for c in layers),
+    }
+    plan = getattr(caches, "plan", None) or (layers[0].plan if layers else None)
+    if plan is not None:
+        out["plan"] = plan.explain()
+        budget = plan.budget_bytes(tokens) if hasattr(plan, "budget_bytes") else None
+        if budget is not None:
+            out["budget_bytes"] = budget
+    sel = [c.stats.summary() for c in layers]
+    steps = [s for s in sel if s.get("decode_steps")]
+    if steps:
+        out["selection"] = {
+            "decode_steps": steps[0]["decode_steps"],
+            "selected_mean": float(np.mean([s["selected_mean"] for s in steps])),
+            "selected_p95": float(np.max([s["selected_p95"] for s in steps])),
+            "selected_fraction_mean": float(np.mean([s["selected_fraction_mean"] for s in steps])),
+            "resident_hit_rate": float(np.mean([s["resident_hit_rate"] for s in steps])),
+            "per_layer": [
+                {"layer": c.layer, "mean": s.get("selected_mean"), "p95": s.get("selected_p95"),
+                 "resident_hit_rate": s.get("resident_hit_rate")}
+                for c, s in zip(layers, sel)
+                if s.get("decode_steps")
+            ],
+        }
+    return out
+
+
+def report(caches) -> str:
+    """A readable summary: bytes per tier, tokens selected per layer, resident hit rate."""
+    d = report_dict(caches)
+    b = d["bytes"]
+    lines = [
+        f"tiered cache: {d['tiered_layers']} of {d['layers']} layers tiered, "
+        f"{d['tokens']} tokens, phase {'/'.join(d['phases']) or 'empty'}",
+        f"  accelerator {_fmt_bytes(b['accelerator'])}"
+        + (f" ({100 * d['accelerator_fraction']:.1f}% of the full cache "
+           f"{_fmt_bytes(d['full_cache_bytes'])})" if d["accelerator_fraction"] is not None else "")
+        + f" | host {_fmt_bytes(b['host'])} | disk {_fmt_bytes(b['disk'])}",
+    ]
+    if "budget_bytes" in d:
+        ok = b["accelerator"] <= d["budget_bytes"]
+        lines.append(f"  budget {_fmt_bytes(d['budget_bytes'])}: {'within' if ok else 'OVER'}")
+    if d["peak_transient_accelerator_bytes"]:
+        lines.append(f"  prefill transient peak (accelerator) "
+                     f"{_fmt_bytes(d['peak_transient_accelerator_bytes'])}")
+    if "plan" in d:
+        lines.append(f"  plan: {d['plan']}")
+    if "selection" in d:
+        s = d["selection"]
+        lines.append(
+            f"  selection over {s['decode_steps']} decode steps: {s['selected_mean']:.1f} "
+            f"offloaded tokens/kv-head mean (p95 {s['selected_p95']:.0f}, "
+            f"{100 * s['selected_fraction_mean']:.1f}% of live), resident hit rate "
+            f"{100 * s['resident_hit_rate']:.1f}%"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,35 @@
+"""Per-layer counters that report() aggregates: selection sizes, resident hits, timings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class LayerStats:
+    decode_steps: int = 0
+    selected: list = field(default_factory=list)  # offloaded tokens selected per step (per kv head, mean)
+    live: list = field(default_factory=list)  # live tokens per step
+    resident_mass: list = field(default_factory=list)  # softmax mass on the resident set
+    peak_transient_bytes: int = 0  # accelerator bytes held during prefill (exact window)
+
+    def record_step(self, selected: float, live: int, resident_mass: float) -> None:
+        self.decode_steps += 1
+        self.selected.append(float(selected))
+        self.live.append(int(live))
+        self.resident_mass.append(float(resident_mass))
+
+    def summary(self) -> dict:
+        if not self.selected:
+            return {"decode_steps": 0}
+        sel = np.asarray(self.selected)
+        live = np.asarray(self.live, dtype=np.float64)
+        return {
+            "decode_steps": self.decode_steps,
+            "selected_mean": float(sel.mean()),
+            "selected_p95": float(np.percentile(sel, 95)),
+            "selected_fraction_mean": float((sel / np.maximum(live, 1)).mean()),
+            "resident_hit_rate": float(np.mean(self.resident_mass)),
+        }
