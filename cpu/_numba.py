@@ -1,0 +1,131 @@
+"""Numba set-up shared by the CPU kernels: threading layer, jit options, raw-address intrinsics.
+
+Every kernel module imports numba through this one, so the threading layer is chosen before the
+first parallel launch. Numba's default layer falls back to ``workqueue``, which aborts when
+parallel kernels are entered from several Python threads (the overlap scheduler does exactly
+that); ``threadsafe`` picks ``tbb`` or ``omp`` instead. A layer chosen by the user (config or
+``NUMBA_THREADING_LAYER``) is left alone.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import numba
+
+if numba.config.THREADING_LAYER == "default":
+    numba.config.THREADING_LAYER = "threadsafe"
+
+from llvmlite import ir  # noqa: E402
+from numba import types  # noqa: E402
+from numba.extending import intrinsic  # noqa: E402
+
+# One place for the jit options: cached to disk, GIL released, fast math.
+JIT = dict(cache=True, nogil=True)
+# Fast math without the no-NaN / no-Inf promises, for kernels that read or write -inf on purpose
+# (empty selections, log-sum-exp of nothing): under "ninf" LLVM may fold those comparisons away.
+INF_SAFE_FASTMATH = frozenset({"nsz", "arcp", "contract", "afn", "reassoc"})
+
+
+def kernel(signature=None, *, parallel: bool = False, inf_safe: bool = False,
+           inline: bool = False):
+    """``numba.njit`` with the project's options; ``signature`` may be one or a list.
+
+    inf_safe: keep IEEE semantics for infinities and NaN (see ``INF_SAFE_FASTMATH``).
+    inline: inline into callers at Numba IR level, so literal arguments (a dtype code) fold and
+    the loops behind them vectorize; LLVM alone leaves such helpers as calls.
+    """
+    options = dict(parallel=parallel, fastmath=set(INF_SAFE_FASTMATH) if inf_safe else True,
+                   **JIT)
+    if inline:
+        options["inline"] = "always"
+    if signature is None:
+        return numba.njit(**options)
+    return numba.njit(signature, **options)
+
+
+@intrinsic
+def address_as_pointer(typingctx, address, dtype):
+    """``CPointer(dtype)`` at byte address ``address`` (int64), for blocks reached by address.
+
+    ``dtype`` is a numpy scalar type given as a global (``np.float32``); index the pointer like
+    an array (``ptr[i]``) or wrap it with ``numba.carray(ptr, shape)``.
+    """
+    if not isinstance(address, types.Integer):
+        return None
+    if isinstance(dtype, types.NumberClass):
+        elt = dtype.instance_type
+    elif isinstance(dtype, types.DType):
+        elt = dtype.dtype
+    else:
+        return None
+    sig = types.CPointer(elt)(address, dtype)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+    return sig, codegen
+
+
+def _native_half() -> bool:
+    """Whether the code Numba generates here converts float16 in hardware (x86 F16C, any
+    AArch64). Elsewhere LLVM would call a runtime helper the JIT may not resolve, so kernels
+    must fall back to a lookup table. A pinned generic target (NUMBA_CPU_NAME) gets the table."""
+    if platform.machine().lower() in ("arm64", "aarch64"):
+        return True
+    if numba.config.CPU_NAME not in (None, "host"):
+        return False
+    try:
+        import llvmlite.binding as llvm
+
+        return bool(llvm.get_host_cpu_features().get("f16c", False))
+    except Exception:  # no feature query on this llvmlite: be conservative
+        return False
+
+
+NATIVE_HALF = _native_half()
+
+
+@intrinsic
+def half_bits_as_float32(typingctx, bits):
+    """The float16 whose bits are the low 16 of an integer, widened to float32 (vcvtph2ps /
+    fcvt). Only where NATIVE_HALF: behind a constant-false guard LLVM drops it entirely."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        value = args[0]
+        if bits.bitwidth > 16:
+            value = builder.trunc(value, ir.IntType(16))
+        return builder.fpext(builder.bitcast(value, ir.HalfType()), ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+def _bits_as_float(bits, width, fp_type, signature_type):
+    """Shared body of the bit-reinterpreting intrinsics below."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        value = args[0]
+        if bits.bitwidth > width:
+            value = builder.trunc(value, ir.IntType(width))
+        elif bits.bitwidth < width:
+            value = builder.zext(value, ir.IntType(width))
+        return builder.bitcast(value, fp_type)
+
+    return signature_type(bits), codegen
+
+
+@intrinsic
+def int64_bits_as_float64(typingctx, bits):
+    """Reinterpret the bits of an integer (zero-extended to 64) as a float64."""
+    return _bits_as_float(bits, 64, ir.DoubleType(), types.float64)
+
+
+@intrinsic
+def int32_bits_as_float32(typingctx, bits):
+    """Reinterpret the low 32 bits of an integer as a float32 (vectorizes, unlike a memory
+    round trip). Numba widens int32 arithmetic to int64, so wider integers are truncated."""
+    return _bits_as_float(bits, 32, ir.FloatType(), types.float32)

@@ -1,0 +1,868 @@
+"""Numba kernels of the CPU tier: codebook scores, tau-cumulative selection, paged gather.
+
+Notation: ``H`` kv heads, ``Hq`` query heads, ``rep = Hq // H`` (query head ``qh`` reads kv head
+``qh // rep``), ``d`` key head_dim, ``dv`` value head_dim, ``n`` live tokens, ``g`` codebook
+groups of ``ds = d // g`` dims, ``c`` centroids per group. Scores are pre-softmax logits that
+already include the attention scale.
+
+Each public function validates shapes and dtypes in Python (``ValueError`` naming the argument)
+and calls one ``_``-prefixed Numba kernel, jitted with explicit signatures, ``cache=True`` and
+``nogil=True`` (see ``_numba``). Parallel kernels give every thread its own preallocated slice.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+from numba import prange
+
+from ._numba import (NATIVE_HALF, address_as_pointer, half_bits_as_float32,
+                     int32_bits_as_float32, int64_bits_as_float64, kernel)
+
+# Host storage dtypes as the kernels see them (same order as ``tiered.cpu.HOST_DTYPES``).
+DTYPE_CODES = {"float16": 0, "float32": 1, "int8": 2}
+# Internal: float16 decoded by the hardware instead of F16_TO_F32 (2x faster gathers where
+# NATIVE_HALF; gather_partial switches to it by itself).
+_FLOAT16_NATIVE = 3
+# float16 bits -> float32 value; Numba has no float16, so fp16 pages are read as uint16.
+F16_TO_F32 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
+
+_SCORE_BLOCK = 1024  # tokens per parallel task of the score kernel (16 KB of codes at g = 16)
+_ENCODE_BLOCK = 64  # keys per parallel task of the encoder
+_NBINS = 2048  # histogram bins per refinement pass of the threshold search
+_SMALL = 32  # candidates below which the threshold search sorts instead of binning
+_EXP_CHUNK = 256  # scores per vectorized exp batch of the selection
+_MASS_SPAN = 100.0  # logits further below the max than this carry < e^-100 of the mass
+# Token flags of the selection (per kv head); _NO_FLAG matches no token.
+_EXCLUDED, _IN_UNION, _AVAILABLE, _NO_FLAG = 0, 1, 2, 3
+
+
+def _check(name, x, shape, dtypes=None):
+    """Raise ValueError unless x is an ndarray of ``shape`` (None = any) and one of ``dtypes``."""
+    if not isinstance(x, np.ndarray) or x.ndim != len(shape) or any(
+        e is not None and e != s for e, s in zip(shape, x.shape)
+    ):
+        got = tuple(x.shape) if hasattr(x, "shape") else type(x).__name__
+        want = "(" + ", ".join("?" if e is None else str(e) for e in shape) + ")"
+        raise ValueError(f"Invalid shape of {name}: expected {want}, got {got}")
+    if dtypes is not None and x.dtype not in dtypes:
+        raise ValueError(f"Invalid dtype of {name}: expected one of {dtypes}, got {x.dtype}")
+
+
+def _check_out(name, x, shape, dtype):
+    _check(name, x, shape, (np.dtype(dtype),))
+    if not x.flags.c_contiguous or not x.flags.writeable:
+        raise ValueError(f"Invalid {name}: must be a writable C-contiguous array")
+
+
+def _c32(x):
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
+# ---- fast exp -------------------------------------------------------------------------------
+@kernel("float32(float32)", inf_safe=True)
+def fast_exp(x):
+    """exp(x) in float32 for x <= 0 (rel. error ~1e-7); LLVM vectorizes it, unlike libm's expf.
+
+    Cody-Waite range reduction to r in [-ln2/2, ln2/2], degree-7 polynomial, scale by 2^k
+    built from its bits. Inputs below -87 (also -inf) return exp(-87) ~ 1.6e-38, negligible
+    next to the max's 1 in a softmax.
+    """
+    x = max(x, np.float32(-87.0))
+    k = math.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
+    r = x - k * np.float32(0.693145751953125) - k * np.float32(1.428606765330187e-06)
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    p = p * r * r + r + np.float32(1.0)
+    return p * int32_bits_as_float32((np.int32(k) + 127) << 23)
+
+
+@kernel("float64(float64)", inf_safe=True)
+def fast_exp64(x):
+    """exp(x) in float64 (rel. error < 3e-15 for |x| < 40, < 5e-14 down to -708, where it
+    becomes 0, as for -inf), inlined
+    and vectorizable: the softmax masses of the selection must match a float64 reference to
+    the last digits, and libm's exp is an opaque call at ~5 ns."""
+    xc = min(max(x, -708.0), 709.0)
+    k = math.floor(xc * 1.4426950408889634 + 0.5)
+    r = xc - k * 6.93147180369123816490e-01 - k * 1.90821492927058770002e-10
+    # Taylor to r^12 on |r| <= ln2/2: truncation ~2e-16
+    p = 1.0 / 479001600.0
+    p = p * r + 1.0 / 39916800.0
+    p = p * r + 1.0 / 3628800.0
+    p = p * r + 1.0 / 362880.0
+    p = p * r + 1.0 / 40320.0
+    p = p * r + 1.0 / 5040.0
+    p = p * r + 1.0 / 720.0
+    p = p * r + 1.0 / 120.0
+    p = p * r + 1.0 / 24.0
+    p = p * r + 1.0 / 6.0
+    p = p * r + 0.5
+    p = p * r + 1.0
+    p = p * r + 1.0
+    e = p * int64_bits_as_float64((np.int64(k) + 1023) << 52)
+    return e if x >= -708.0 else 0.0
+
+
+# ---- (a) codebook scores --------------------------------------------------------------------
+@kernel("void(float32[:, ::1], float32[:, :, :, ::1], int64, float32[:, :, ::1])")
+def _codebook_lut(q, C, rep, out):
+    g, c, ds, shared = out.shape[1], out.shape[2], C.shape[3], C.shape[1] == 1
+    for h in range(out.shape[0]):
+        k = h // rep
+        for i in range(g):
+            gi = 0 if shared else i
+            for j in range(c):
+                acc = np.float32(0.0)
+                for e in range(ds):
+                    acc += q[h, i * ds + e] * C[k, gi, j, e]
+                out[h, i, j] = acc
+
+
+@kernel(
+    [
+        "void(uint8[:, :, ::1], int64, float32[:, :, ::1], int64, float32[:, ::1])",
+        "void(uint16[:, :, ::1], int64, float32[:, :, ::1], int64, float32[:, ::1])",
+    ],
+    parallel=True,
+)
+def _codebook_scores(P, n, T, rep, out):
+    H, g = P.shape[0], P.shape[2]
+    for b in prange((n + _SCORE_BLOCK - 1) // _SCORE_BLOCK):
+        j1 = min(n, (b + 1) * _SCORE_BLOCK)
+        # Tokens outer, heads inner: a row of codes is loaded once and reused from L1 by the
+        # rep query heads of its kv head.
+        for k in range(H):
+            for j in range(b * _SCORE_BLOCK, j1):
+                for r in range(rep):
+                    h = k * rep + r
+                    acc = np.float32(0.0)
+                    for i in range(g):
+                        acc += T[h, i, P[k, j, i]]
+                    out[h, j] = acc
+
+
+@kernel(
+    [
+        "void(float32[:, :, ::1], float32[:, :, :, ::1], uint8[:, :, ::1])",
+        "void(float32[:, :, ::1], float32[:, :, :, ::1], uint16[:, :, ::1])",
+    ],
+    parallel=True,
+)
+def _codebook_encode(x, C, out):
+    H, L, g = out.shape[0], out.shape[1], out.shape[2]
+    Gc, c, ds = C.shape[1], C.shape[2], C.shape[3]
+    # argmin_j |x - C_j|^2 = argmin_j (|C_j|^2 - 2 x.C_j); centroids innermost and contiguous
+    # (Ct is (H, Gc, ds, c)) so the distance loop vectorizes.
+    Ct = np.empty((H, Gc, ds, c), np.float32)
+    norms = np.zeros((H, Gc, c), np.float32)
+    for k in range(H):
+        for gi in range(Gc):
+            for j in range(c):
+                for e in range(ds):
+                    Ct[k, gi, e, j] = C[k, gi, j, e]
+                    norms[k, gi, j] += C[k, gi, j, e] * C[k, gi, j, e]
+    n_tasks = (H * L + _ENCODE_BLOCK - 1) // _ENCODE_BLOCK
+    dist = np.empty((n_tasks, c), np.float32)
+    for b in prange(n_tasks):
+        for t in range(b * _ENCODE_BLOCK, min(H * L, (b + 1) * _ENCODE_BLOCK)):
+            k, l = t // L, t % L
+            for i in range(g):
+                gi = 0 if Gc == 1 else i
+                for j in range(c):
+                    dist[b, j] = norms[k, gi, j]
+                for e in range(ds):
+                    xe = np.float32(-2.0) * x[k, l, i * ds + e]
+                    for j in range(c):
+                        dist[b, j] += xe * Ct[k, gi, e, j]
+                best = 0
+                for j in range(1, c):
+                    if dist[b, j] < dist[b, best]:
+                        best = j
+                out[k, l, i] = best
+
+
+def _codebook_geometry(C, d):
+    _check("C", C, (None, None, None, None), (np.dtype(np.float32),))
+    H, Gc, c, ds = C.shape
+    if ds == 0 or d % ds:
+        raise ValueError(f"Invalid shape of C: sub-dim {ds} does not divide head_dim {d}")
+    g = d // ds
+    if Gc not in (1, g):
+        raise ValueError(f"Invalid shape of C: expected Gc = 1 or g = {g} codebooks, got {Gc}")
+    return H, g, c
+
+
+def codebook_lut(q, C, rep, out=None):
+    """Per-query lookup tables T[qh, i, :] = q[qh, i*ds:(i+1)*ds] @ C[qh // rep, i or 0].T.
+
+    q: (Hq, d) float32, already scaled; C: (H, Gc, c, ds) float32 codebook, Gc = 1 (shared) or
+    g = d // ds (per group); out: optional (Hq, g, c) float32. Returns out.
+    """
+    _check("q", q, (None, None), (np.dtype(np.float32),))
+    H, g, c = _codebook_geometry(C, q.shape[1])
+    _check("q", q, (H * rep, g * C.shape[3]))
+    if out is None:
+        out = np.empty((H * rep, g, c), np.float32)
+    _check_out("out", out, (H * rep, g, c), np.float32)
+    _codebook_lut(np.ascontiguousarray(q), np.ascontiguousarray(C), int(rep), out)
+    return out
+
+
+def codebook_scores(P, n, T, rep, out=None):
+    """Approximate scores z[qh, j] = sum_i T[qh, i, P[qh // rep, j, i]] for tokens j < n.
+
+    P: (H, n_cap, g) uint8/uint16 codes (rows >= n ignored); T: (Hq, g, c) float32 from
+    :func:`codebook_lut`; out: optional (Hq, >= n) float32, C-contiguous (only [:, :n] is
+    written). Returns out. Codes must be < c (not checked: an index past c reads garbage).
+    """
+    _check("P", P, (None, None, None), (np.dtype(np.uint8), np.dtype(np.uint16)))
+    H, n_cap, g = P.shape
+    _check("T", T, (H * rep, g, None), (np.dtype(np.float32),))
+    if not 0 <= n <= n_cap:
+        raise ValueError(f"Invalid n: {n} (the codes hold {n_cap} tokens)")
+    if out is None:
+        out = np.empty((H * rep, n), np.float32)
+    _check_out("out", out, (H * rep, None), np.float32)
+    if out.shape[1] < n:
+        raise ValueError(f"Invalid shape of out: expected (Hq, >= {n}), got {out.shape}")
+    _codebook_scores(np.ascontiguousarray(P), int(n), np.ascontiguousarray(T), int(rep), out)
+    return out
+
+
+def codebook_encode(x, C, out=None):
+    """Nearest centroid (squared L2) of every group of every key.
+
+    x: (H, L, d) float32 keys; C: (H, Gc, c, ds) float32; out: optional (H, L, g) uint8
+    (c <= 256) or uint16 codes. Returns out.
+    """
+    _check("x", x, (None, None, None), (np.dtype(np.float32),))
+    H, g, c = _codebook_geometry(C, x.shape[2])
+    _check("x", x, (H, None, g * C.shape[3]))
+    if out is None:
+        out = np.empty((H, x.shape[1], g), np.uint8 if c <= 256 else np.uint16)
+    _check_out("out", out, (H, x.shape[1], g), out.dtype)
+    if out.dtype not in (np.uint8, np.uint16) or (out.dtype == np.uint8 and c > 256):
+        raise ValueError(f"Invalid dtype of out: {out.dtype} cannot hold {c} codes")
+    _codebook_encode(np.ascontiguousarray(x), np.ascontiguousarray(C), out)
+    return out
+
+
+# ---- row reductions -------------------------------------------------------------------------
+@kernel("float32(float32[::1], int64)", inf_safe=True)
+def _row_max(row, n):
+    """max(row[:n]), n >= 1. Eight independent maxima: LLVM does not vectorize a float max
+    reduction (it would need no-NaN), and the dependency chain alone costs 2x."""
+    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = row[0]
+    j = 0
+    while j + 8 <= n:
+        m0 = max(m0, row[j])
+        m1 = max(m1, row[j + 1])
+        m2 = max(m2, row[j + 2])
+        m3 = max(m3, row[j + 3])
+        m4 = max(m4, row[j + 4])
+        m5 = max(m5, row[j + 5])
+        m6 = max(m6, row[j + 6])
+        m7 = max(m7, row[j + 7])
+        j += 8
+    while j < n:
+        m0 = max(m0, row[j])
+        j += 1
+    return max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7)))
+
+
+@kernel("float32(float32[::1], int64)", inf_safe=True)
+def _row_min(row, n):
+    """min(row[:n]), n >= 1, as _row_max."""
+    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = row[0]
+    j = 0
+    while j + 8 <= n:
+        m0 = min(m0, row[j])
+        m1 = min(m1, row[j + 1])
+        m2 = min(m2, row[j + 2])
+        m3 = min(m3, row[j + 3])
+        m4 = min(m4, row[j + 4])
+        m5 = min(m5, row[j + 5])
+        m6 = min(m6, row[j + 6])
+        m7 = min(m7, row[j + 7])
+        j += 8
+    while j < n:
+        m0 = min(m0, row[j])
+        j += 1
+    return min(min(min(m0, m1), min(m2, m3)), min(min(m4, m5), min(m6, m7)))
+
+
+# ---- (b) tau-cumulative selection -----------------------------------------------------------
+@kernel(inf_safe=True)
+def _bin(x, lo, scale, nbins):
+    """Histogram bin of x: bins of width 1/scale from lo; x <= lo goes to bin 0."""
+    return 0 if x <= lo else min(nbins - 1, int((x - lo) * scale))
+
+
+@kernel(inf_safe=True)
+def _refine_threshold(vals, mref, cand, nc, above, target, weighted, hist):
+    """Largest v among vals[cand[:nc]] with above + sum_{x >= v} w(x) >= target, where w(x)
+    is exp(x - mref) (weighted) or 1; the minimum if none reaches target (rounding).
+
+    Each pass bins the candidates, keeps the bin where the cumulative weight from the top
+    crosses target and carries the weight above it. The smallest and largest candidate always
+    land in different bins, so nc strictly shrinks; few candidates are sorted. Overwrites cand.
+    """
+    nbins = hist.shape[0]
+    while True:
+        lo = np.float64(vals[cand[0]])
+        hi = lo
+        for t in range(1, nc):
+            x = np.float64(vals[cand[t]])
+            lo = min(lo, x)
+            hi = max(hi, x)
+        if lo == hi:
+            return hi
+        lo_bin = max(lo, hi - _MASS_SPAN) if weighted else lo
+        scale = nbins / (hi - lo_bin)
+        if nc <= _SMALL or not scale < 1e300:
+            break
+        hist[:] = 0.0
+        for t in range(nc):
+            x = np.float64(vals[cand[t]])
+            hist[_bin(x, lo_bin, scale, nbins)] += fast_exp64(x - mref) if weighted else 1.0
+        b = nbins - 1
+        while above + hist[b] < target:
+            above += hist[b]
+            b -= 1
+            if b < 0:
+                return lo  # the candidates' weight falls short of target by rounding: all in
+        kept = 0
+        for t in range(nc):
+            if _bin(np.float64(vals[cand[t]]), lo_bin, scale, nbins) == b:
+                cand[kept] = cand[t]
+                kept += 1
+        nc = kept
+    # Few candidates (or a span too small to bin): sort descending and walk the tie groups.
+    order = np.argsort(-vals[cand[:nc]].astype(np.float64), kind="mergesort")
+    ranked = cand[:nc][order]
+    t = 0
+    while t < nc:
+        v = np.float64(vals[ranked[t]])
+        while t < nc and np.float64(vals[ranked[t]]) == v:
+            above += fast_exp64(v - mref) if weighted else 1.0
+            t += 1
+        if above >= target:
+            return v
+    return lo
+
+
+@kernel(inf_safe=True)
+def _tau_threshold(row, n, mx, lo, tau, hist, cand, ebuf):
+    """(theta, s) of one query head: s = sum_j exp(row[j] - mx), theta the largest score whose
+    top set {row >= theta} holds tau * s (the minimum for tau >= 1). row[:n] spans [lo, mx]."""
+    chunk = ebuf.shape[0]
+    nbins = hist.shape[0]
+    lo_bin = max(lo, mx - _MASS_SPAN)  # the tail below holds < n e^-100 of the mass
+    scale = nbins / (mx - lo_bin) if mx > lo_bin else 0.0
+    hist[:] = 0.0
+    s = 0.0
+    for j0 in range(0, n, chunk):
+        j1 = min(n, j0 + chunk)
+        # exp and sum in their own loop so they vectorize; the histogram scatter cannot
+        for j in range(j0, j1):
+            e = fast_exp64(np.float64(row[j]) - mx)
+            ebuf[j - j0] = e
+            s += e
+        if tau < 1.0:
+            for j in range(j0, j1):
+                hist[_bin(np.float64(row[j]), lo_bin, scale, nbins)] += ebuf[j - j0]
+    if tau >= 1.0 or mx == lo:
+        return lo, s  # every token (also those whose weight underflows), or all tied
+    target = tau * s
+    above = 0.0
+    b = nbins - 1
+    while above + hist[b] < target:
+        above += hist[b]
+        b -= 1
+        if b < 0:
+            return lo, s
+    nc = 0
+    for j in range(n):
+        if _bin(np.float64(row[j]), lo_bin, scale, nbins) == b:
+            cand[nc] = j
+            nc += 1
+    return _refine_threshold(row, mx, cand, nc, above, target, True, hist), s
+
+
+@kernel(inf_safe=True)
+def _emit(k, n, flags, keys, take_flag, part_flag, v, n_part, idx):
+    """Write idx[k] ascending: tokens with flags == take_flag, plus the n_part best (by key,
+    ties to the lower index) of flags == part_flag, whose threshold key is v. Returns count."""
+    strict = 0
+    if n_part > 0:
+        for j in range(n):
+            if flags[k, j] == part_flag and keys[k, j] > v:
+                strict += 1
+    ties = n_part - strict
+    cnt = 0
+    for j in range(n):
+        f = flags[k, j]
+        if f == take_flag:
+            idx[k, cnt] = j
+            cnt += 1
+        elif f == part_flag and n_part > 0:
+            if keys[k, j] > v:
+                idx[k, cnt] = j
+                cnt += 1
+            elif keys[k, j] == v and ties > 0:
+                idx[k, cnt] = j
+                cnt += 1
+                ties -= 1
+    return cnt
+
+
+@kernel(inf_safe=True)
+def _rank_candidates(z, lse, rep, k, n, flags, flag, keys, cand):
+    """cand <- tokens with flags[k] == flag; keys[k, j] <- max_h log p_hj for them. Count."""
+    m = 0
+    for j in range(n):
+        if flags[k, j] == flag:
+            best = np.float64(z[k * rep, j]) - lse[k * rep]
+            for r in range(1, rep):
+                best = max(best, np.float64(z[k * rep + r, j]) - lse[k * rep + r])
+            keys[k, j] = best
+            cand[m] = j
+            m += 1
+    return m
+
+
+@kernel(inf_safe=True)
+def _select_kv_head(z, n, exclude, theta, lse, k, limit, floor, flags, keys, cand, hist, idx):
+    """U_k (union of the group's top sets, minus excluded), trimmed to limit or filled up to
+    floor by max_h log p_hj, written ascending to idx[k]. Returns the count."""
+    rep = z.shape[0] // idx.shape[0]
+    has_exclude = exclude.shape[1] > 0
+    # Branch-free passes over contiguous rows, so they vectorize.
+    member = flags[k]
+    member[:n] = 0
+    for r in range(rep):
+        th = theta[k * rep + r]
+        row = z[k * rep + r]
+        for j in range(n):
+            member[j] |= row[j] >= th
+    n_union = 0
+    n_free = 0
+    for j in range(n):
+        keep = (0 if exclude[k, j] else 1) if has_exclude else 1
+        n_union += keep * member[j]
+        n_free += keep * (1 - member[j])
+        # 1 -> _IN_UNION, 0 -> _AVAILABLE, excluded -> _EXCLUDED (branch-free)
+        member[j] = keep * (2 - member[j])
+    if n_union > limit:  # keep the limit best of U_k
+        m = _rank_candidates(z, lse, rep, k, n, flags, _IN_UNION, keys, cand)
+        v = _refine_threshold(keys[k], 0.0, cand, m, 0.0, float(limit), False, hist)
+        return _emit(k, n, flags, keys, _NO_FLAG, _IN_UNION, v, limit, idx)
+    if n_union < floor and n_free > 0:  # all of U_k and the best available up to floor
+        need = min(floor - n_union, n_free)
+        m = _rank_candidates(z, lse, rep, k, n, flags, _AVAILABLE, keys, cand)
+        v = _refine_threshold(keys[k], 0.0, cand, m, 0.0, float(need), False, hist)
+        return _emit(k, n, flags, keys, _IN_UNION, _AVAILABLE, v, need, idx)
+    return _emit(k, n, flags, keys, _IN_UNION, _NO_FLAG, 0.0, 0, idx)
+
+
+@kernel(
+    "void(float32[:, ::1], int64, uint8[:, ::1], float64, int64, int64, "
+    "int32[:, ::1], int32[::1], float32[::1], float32[::1], float32[::1])",
+    parallel=True,
+    inf_safe=True,
+)
+def _tau_select(z, n, exclude, tau, cap, floor, idx, count, m_out, s_out, mass_out):
+    Hq, H = z.shape[0], idx.shape[0]
+    rep = Hq // H
+    rows = max(Hq, H)
+    # per-task scratch, allocated before the parallel loops
+    cand = np.empty((rows, n), np.int32)
+    hist = np.empty((rows, _NBINS), np.float64)
+    ebuf = np.empty((rows, _EXP_CHUNK), np.float64)
+    theta = np.empty(Hq, np.float32)  # S_h = {j : z[h, j] >= theta[h]}
+    lse = np.empty(Hq, np.float64)
+    keys = np.empty((H, n), np.float64)  # max_h log p_hj, filled for ranked candidates only
+    flags = np.empty((H, n), np.uint8)  # _EXCLUDED, _IN_UNION or _AVAILABLE per token
+
+    for h in prange(Hq):
+        mx = np.float64(_row_max(z[h], n))
+        lo = np.float64(_row_min(z[h], n))
+        th, s = _tau_threshold(z[h], n, mx, lo, tau, hist[h], cand[h], ebuf[h])
+        theta[h] = th
+        m_out[h] = mx
+        s_out[h] = s
+        lse[h] = mx + math.log(s)
+
+    limit = max(cap, floor)  # a floor above the cap raises the cap
+    for k in prange(H):
+        cnt = _select_kv_head(z, n, exclude, theta, lse, k, limit, floor, flags, keys, cand[k],
+                              hist[k], idx)
+        count[k] = cnt
+        idx[k, cnt:] = -1
+        for r in range(rep):
+            h = k * rep + r
+            acc = 0.0
+            for t in range(cnt):
+                acc += fast_exp64(np.float64(z[h, idx[k, t]]) - lse[h])
+            mass_out[h] = acc
+
+
+class Selection(NamedTuple):
+    """Result of :func:`tau_select`.
+
+    idx: (H, cap_alloc) int32 selected offloaded tokens of each kv head, ascending, -1 past
+    count; count: (H,) int32; m: (Hq,) float32 max score; s: (Hq,) float32 sum of
+    exp(z - m) over all n tokens; mass: (Hq,) float32 softmax mass of the selected tokens.
+    """
+
+    idx: np.ndarray
+    count: np.ndarray
+    m: np.ndarray
+    s: np.ndarray
+    mass: np.ndarray
+
+
+def tau_select(z, exclude, tau, cap, floor=0, *, n=None, n_kv_heads=None, cap_alloc=None,
+               out=None) -> Selection:
+    """tau-cumulative selection of offloaded tokens, one union per kv head.
+
+    Per query head h: p = softmax(z[h, :n]); S_h = {j : p_j >= theta_h}, theta_h the largest t
+    with sum_{p_j >= t} p_j >= tau (ties at theta all in; tau = 1 takes every token). Per kv
+    head k: U_k = union of S_h over its rep heads, minus exclude[k]. If |U_k| > cap the cap
+    tokens of largest max_h p_hj are kept (ties: lower index); if |U_k| < floor, available
+    tokens are added by descending max_h p_hj up to floor. A floor above cap raises the cap.
+
+    z: (Hq, >= n) float32 scores (finite); exclude: (H, >= n) bool/uint8, or None (then pass
+    n_kv_heads); tau in (0, 1]; cap >= 1; floor >= 0; cap_alloc: columns of idx (default
+    max(cap, floor)); out: a previous Selection to reuse its buffers. O(n) per head (histogram
+    passes, no full sort).
+    """
+    _check("z", z, (None, None), (np.dtype(np.float32),))
+    Hq = z.shape[0]
+    n = z.shape[1] if n is None else int(n)
+    if not 0 <= n <= z.shape[1]:
+        raise ValueError(f"Invalid n: {n} (z holds {z.shape[1]} tokens)")
+    if exclude is None:
+        if n_kv_heads is None:
+            raise ValueError("tau_select needs exclude or n_kv_heads")
+        H = int(n_kv_heads)
+        exclude = np.zeros((H, 0), np.uint8)
+    else:
+        _check("exclude", exclude, (None, None), (np.dtype(np.bool_), np.dtype(np.uint8)))
+        H = exclude.shape[0]
+        if exclude.shape[1] < n:
+            raise ValueError(f"Invalid shape of exclude: expected (H, >= {n}), got {exclude.shape}")
+        exclude = np.ascontiguousarray(exclude).view(np.uint8)
+    if H < 1 or Hq % H:
+        raise ValueError(f"Invalid shape of z: {Hq} query heads is not a multiple of H = {H}")
+    if not 0.0 < tau <= 1.0:
+        raise ValueError(f"Invalid tau: {tau} (expected 0 < tau <= 1)")
+    if int(cap) < 1 or int(floor) < 0:
+        raise ValueError(f"Invalid cap/floor: cap={cap} (>= 1), floor={floor} (>= 0)")
+    cap, floor = int(cap), int(floor)
+    need = max(cap, floor)
+    if out is None:
+        cap_alloc = need if cap_alloc is None else int(cap_alloc)
+        out = Selection(np.empty((H, cap_alloc), np.int32), np.empty(H, np.int32),
+                        *(np.empty(Hq, np.float32) for _ in range(3)))
+    if out.idx.ndim != 2 or out.idx.shape[1] < need:
+        raise ValueError(f"Invalid shape of idx: expected (H, >= {need}), got {out.idx.shape}")
+    _check_out("idx", out.idx, (H, None), np.int32)
+    _check_out("count", out.count, (H,), np.int32)
+    for name in ("m", "s", "mass"):
+        _check_out(name, getattr(out, name), (Hq,), np.float32)
+    if n == 0:  # nothing live: empty selection, softmax statistics of an empty set
+        out.idx[:] = -1
+        out.count[:] = 0
+        out.m[:], out.s[:], out.mass[:] = -np.inf, 0.0, 0.0
+        return out
+    _tau_select(np.ascontiguousarray(z), n, exclude, float(tau), cap, floor, *out)
+    return out
+
+
+# ---- (c) gather + partial attention from the paged host store ------------------------------
+@kernel(inf_safe=True, inline=True)
+def _row_location(page_ids, page_size, ppb, H, k, j):
+    """(block, row) of token j of kv head k: the row's index within its block, counted in
+    rows of one head (block shape (ppb, H, page_size, dim))."""
+    lp = j // page_size
+    phys = page_ids[lp]
+    blk = phys // ppb
+    return blk, ((phys - blk * ppb) * H + k) * page_size + (j - lp * page_size)
+
+
+@kernel(inf_safe=True, inline=True)
+def _load_row(addrs, scale_addrs, code, dim, page_ids, page_size, ppb, H, k, j, f16, out):
+    """Decode token j of kv head k from the paged blocks into out (dim,) float32.
+
+    Inlined with a literal code, so only one decode loop remains and it vectorizes (a runtime
+    code measured 2x slower per row). No bounds checks here (they cost 25% per row): the
+    caller checks tokens and page ids once (_check_pages)."""
+    blk, row = _row_location(page_ids, page_size, ppb, H, k, j)
+    if code == 0:
+        p16 = address_as_pointer(addrs[blk] + 2 * row * dim, np.uint16)
+        for e in range(dim):
+            out[e] = f16[p16[e]]
+    elif code == _FLOAT16_NATIVE:
+        p16 = address_as_pointer(addrs[blk] + 2 * row * dim, np.uint16)
+        for e in range(dim):
+            out[e] = half_bits_as_float32(p16[e])
+    elif code == 1:
+        p32 = address_as_pointer(addrs[blk] + 4 * row * dim, np.float32)
+        for e in range(dim):
+            out[e] = p32[e]
+    else:
+        p8 = address_as_pointer(addrs[blk] + row * dim, np.int8)
+        scale = address_as_pointer(scale_addrs[blk] + 4 * row, np.float32)[0]
+        for e in range(dim):
+            out[e] = np.float32(p8[e]) * scale
+
+
+@kernel(inf_safe=True)
+def _check_pages(idx, count, kv_start, kv_stop, n_tokens, page_ids, ppb, n_blocks):
+    """Raise IndexError unless every selected token is one of n_tokens and every page id lies
+    in the n_blocks allocated blocks: the kernels below read raw addresses unchecked."""
+    for lp in range(page_ids.shape[0]):
+        if page_ids[lp] < 0 or page_ids[lp] // ppb >= n_blocks:
+            raise IndexError("page id outside the allocated blocks")
+    for k in range(kv_start, kv_stop):
+        lo = 0
+        hi = 0
+        for t in range(count[k]):
+            lo = min(lo, idx[k, t])
+            hi = max(hi, idx[k, t])
+        if lo < 0 or hi >= n_tokens:
+            raise IndexError("selected token outside the pages (or scores) of the sequence")
+
+
+@kernel(inf_safe=True, inline=True)
+def _exact_logits(q, idx, k, cnt, rep, addrs, scale_addrs, code, d, page_ids, page_size, ppb,
+                  f16, row, w):
+    """w[r, t] = q[k*rep + r] . key of token idx[k, t]; each key row is decoded once."""
+    H = idx.shape[0]
+    for t in range(cnt):
+        _load_row(addrs, scale_addrs, code, d, page_ids, page_size, ppb, H, k, idx[k, t], f16,
+                  row)
+        for r in range(rep):
+            acc = np.float32(0.0)
+            for e in range(d):
+                acc += q[k * rep + r, e] * row[e]
+            w[r, t] = acc
+
+
+@kernel(inf_safe=True, inline=True)
+def _weighted_values(idx, k, cnt, rep, addrs, scale_addrs, code, dv, page_ids, page_size, ppb,
+                     f16, row, w, acc):
+    """acc[r*dv:(r+1)*dv] = sum_t w[r, t] * value of token idx[k, t]; each value row is decoded
+    once. acc is a flat local buffer: accumulating into the 2-D output measured 1.5x slower."""
+    H = idx.shape[0]
+    acc[: rep * dv] = 0.0
+    for t in range(cnt):
+        _load_row(addrs, scale_addrs, code, dv, page_ids, page_size, ppb, H, k, idx[k, t], f16,
+                  row)
+        for r in range(rep):
+            p = w[r, t]
+            for e in range(dv):
+                acc[r * dv + e] += p * row[e]
+
+
+@kernel(
+    "void(float32[:, ::1], float32[:, :], int32[:, ::1], int32[::1], int64, int64[::1], int64, "
+    "int64, int64[::1], int64[::1], int64, int64, int64[::1], int64[::1], int64, int64, "
+    "boolean, float32[::1], int64, int64, float32[:, ::1], float32[::1])",
+    inf_safe=True,
+)
+def _gather_partial(q, z, idx, count, rep, page_ids, page_size, ppb, val_addrs,
+                    val_scale_addrs, val_code, dv, key_addrs, key_scale_addrs, key_code, d,
+                    rescore_exact, f16, kv_start, kv_stop, o_out, lse_out):
+    n_tokens = page_ids.shape[0] * page_size
+    if not rescore_exact:
+        n_tokens = min(n_tokens, z.shape[1])
+    n_blocks = val_addrs.shape[0]
+    if rescore_exact:
+        n_blocks = min(n_blocks, key_addrs.shape[0])
+    _check_pages(idx, count, kv_start, kv_stop, n_tokens, page_ids, ppb, n_blocks)
+    cmax = 0
+    for k in range(kv_start, kv_stop):
+        cmax = max(cmax, count[k])
+    w = np.empty((rep, cmax), np.float32)
+    row = np.empty(max(d, dv), np.float32)
+    acc = np.empty(rep * dv, np.float32)
+    for k in range(kv_start, kv_stop):
+        cnt = count[k]
+        h0 = k * rep
+        # Pass 1: logits of the rep heads. Literal dtype codes: see _load_row.
+        if not rescore_exact:
+            for t in range(cnt):
+                for r in range(rep):
+                    w[r, t] = z[h0 + r, idx[k, t]]
+        elif NATIVE_HALF and key_code == _FLOAT16_NATIVE:
+            _exact_logits(q, idx, k, cnt, rep, key_addrs, key_scale_addrs, _FLOAT16_NATIVE, d,
+                          page_ids, page_size, ppb, f16, row, w)
+        elif key_code == 0:
+            _exact_logits(q, idx, k, cnt, rep, key_addrs, key_scale_addrs, 0, d, page_ids,
+                          page_size, ppb, f16, row, w)
+        elif key_code == 1:
+            _exact_logits(q, idx, k, cnt, rep, key_addrs, key_scale_addrs, 1, d, page_ids,
+                          page_size, ppb, f16, row, w)
+        else:
+            _exact_logits(q, idx, k, cnt, rep, key_addrs, key_scale_addrs, 2, d, page_ids,
+                          page_size, ppb, f16, row, w)
+        # Softmax weights in place, in loops of their own so max and exp vectorize.
+        for r in range(rep):
+            mx = -np.inf
+            for t in range(cnt):
+                mx = max(mx, w[r, t])
+            total = 0.0
+            if mx > -np.inf:
+                for t in range(cnt):
+                    p = fast_exp(w[r, t] - mx)
+                    w[r, t] = p
+                    total += p
+            if total > 0.0:
+                lse_out[h0 + r] = mx + math.log(total)
+                inv = np.float32(1.0 / total)
+                for t in range(cnt):
+                    w[r, t] *= inv
+            else:  # nothing selected (or only -inf logits): o = 0, lse = -inf
+                lse_out[h0 + r] = -np.inf
+                for t in range(cnt):
+                    w[r, t] = 0.0
+        # Pass 2: each value row is decoded once and accumulated into all rep heads.
+        if NATIVE_HALF and val_code == _FLOAT16_NATIVE:
+            _weighted_values(idx, k, cnt, rep, val_addrs, val_scale_addrs, _FLOAT16_NATIVE, dv,
+                             page_ids, page_size, ppb, f16, row, w, acc)
+        elif val_code == 0:
+            _weighted_values(idx, k, cnt, rep, val_addrs, val_scale_addrs, 0, dv, page_ids,
+                             page_size, ppb, f16, row, w, acc)
+        elif val_code == 1:
+            _weighted_values(idx, k, cnt, rep, val_addrs, val_scale_addrs, 1, dv, page_ids,
+                             page_size, ppb, f16, row, w, acc)
+        else:
+            _weighted_values(idx, k, cnt, rep, val_addrs, val_scale_addrs, 2, dv, page_ids,
+                             page_size, ppb, f16, row, w, acc)
+        for r in range(rep):
+            for e in range(dv):
+                o_out[h0 + r, e] = acc[r * dv + e]
+
+
+_EMPTY_ADDRS = np.zeros(0, np.int64)
+_NO_QUERIES = np.zeros((0, 0), np.float32)
+
+
+def gather_partial(q, z, idx, count, rep, page_ids, page_size, pages_per_block, val_addrs,
+                   val_scale_addrs, val_dtype_code, dv, key_addrs, key_scale_addrs,
+                   key_dtype_code, d, rescore_exact, o_out, lse_out, *, kv_heads=None,
+                   native_half=NATIVE_HALF):
+    """Softmax-weighted sum of the selected host values, per query head (serial, nogil).
+
+    For query head qh (kv head k = qh // rep) over tokens j in idx[k, :count[k]]: logits
+    w_j = z[qh, j], or q[qh] . key_j read from the host keys when rescore_exact; writes
+    o_out[qh] = sum_j softmax(w)_j v_j and lse_out[qh] = logsumexp_j w_j (0 and -inf for an
+    empty selection). Blocks are reached by address: block p // pages_per_block of val_addrs
+    (fp16/fp32/int8 per DTYPE_CODES; int8 scales at val_scale_addrs), page slot
+    p % pages_per_block, shape (pages_per_block, H, page_size, dim).
+
+    q: (Hq, d) float32 scaled queries (read only when rescore_exact); z: (Hq, >= n) float32
+    scores (may be None when rescore_exact);
+    idx: (H, cap_alloc) int32; count: (H,) int32; page_ids: (n_pages,) int64 physical page of
+    each logical page; *_addrs: int64 block addresses (key_* unused unless rescore_exact);
+    o_out: (Hq, dv) float32; lse_out: (Hq,) float32. kv_heads: (start, stop) to compute only
+    those kv heads (split one step across workers); other rows are left untouched.
+    native_half: decode float16 in hardware (default where available) instead of F16_TO_F32.
+    """
+    _check("idx", idx, (None, None), (np.dtype(np.int32),))
+    H = idx.shape[0]
+    Hq = H * int(rep)
+    _check("count", count, (H,), (np.dtype(np.int32),))
+    if z is None and rescore_exact:
+        z = np.zeros((Hq, 0), np.float32)
+    _check("z", z, (Hq, None), (np.dtype(np.float32),))
+    _check_out("o_out", o_out, (Hq, int(dv)), np.float32)
+    _check_out("lse_out", lse_out, (Hq,), np.float32)
+    start, stop = (0, H) if kv_heads is None else (int(kv_heads[0]), int(kv_heads[1]))
+    if not 0 <= start <= stop <= H:
+        raise ValueError(f"Invalid kv_heads: {kv_heads} (H = {H})")
+    if count.min(initial=0) < 0 or count.max(initial=0) > idx.shape[1]:
+        raise ValueError(f"Invalid count: {count} (idx has {idx.shape[1]} columns)")
+    val_addrs = np.asarray(val_addrs, np.int64)
+    val_scale_addrs = _EMPTY_ADDRS if val_scale_addrs is None else np.asarray(val_scale_addrs,
+                                                                               np.int64)
+    if val_dtype_code not in (0, 1, 2) or (val_dtype_code == 2
+                                           and val_scale_addrs.size < val_addrs.size):
+        raise ValueError(f"Invalid val_dtype_code {val_dtype_code} (or int8 without scales)")
+    if rescore_exact:
+        _check("q", q, (Hq, int(d)), (np.dtype(np.float32),))
+        key_addrs = np.asarray(key_addrs, np.int64)
+        key_scale_addrs = _EMPTY_ADDRS if key_scale_addrs is None else np.asarray(
+            key_scale_addrs, np.int64)
+        if key_dtype_code not in (0, 1, 2) or key_addrs.size == 0 or (
+                key_dtype_code == 2 and key_scale_addrs.size < key_addrs.size):
+            raise ValueError("rescore_exact needs host keys (key_addrs, and scales for int8)")
+    else:
+        q = _NO_QUERIES  # not read without rescoring
+        key_addrs = key_scale_addrs = _EMPTY_ADDRS
+        key_dtype_code = 1
+    half = _FLOAT16_NATIVE if native_half and NATIVE_HALF else 0
+    val_dtype_code = half if val_dtype_code == 0 else val_dtype_code
+    key_dtype_code = half if key_dtype_code == 0 else key_dtype_code
+    _gather_partial(_c32(q), z, idx, count, int(rep), np.asarray(page_ids, np.int64),
+                    int(page_size), int(pages_per_block), val_addrs, val_scale_addrs,
+                    int(val_dtype_code), int(dv), key_addrs, key_scale_addrs, int(key_dtype_code),
+                    int(d), bool(rescore_exact), F16_TO_F32, start, stop, o_out, lse_out)
+    return o_out, lse_out
+
+
+def host_store_args(store, b=0):
+    """The paging arguments of :func:`gather_partial` for sequence b of a ``HostStore``:
+    (page_ids, page_size, pages_per_block, val_addrs, val_scale_addrs, val_dtype_code, dv,
+    key_addrs, key_scale_addrs, key_dtype_code, d). Read them again after the store grows."""
+    v, k = store.values, store.keys
+    return (store.logical_pages(b), store.page_size, v.pages_per_block, v.addrs, v.scale_addrs,
+            DTYPE_CODES[v.dtype], store.value_dim,
+            _EMPTY_ADDRS if k is None else k.addrs, _EMPTY_ADDRS if k is None else k.scale_addrs,
+            1 if k is None else DTYPE_CODES[k.dtype], store.head_dim)
+
+
+def merge_partials(o1, lse1, o2, lse2):
+    """Exact merge of two softmax partials over disjoint token sets (flash-decoding).
+
+    o*: (..., dv) normalized partial outputs; lse*: (...) their log-sum-exp (-inf for an empty
+    set). Returns (o, lse) of the union; o = 0 and lse = -inf when both are empty.
+    """
+    lse1, lse2 = np.asarray(lse1), np.asarray(lse2)
+    m = np.maximum(lse1, lse2)
+    m = np.where(np.isfinite(m), m, 0.0)  # both -inf: weights exp(-inf) = 0, no NaN
+    w1, w2 = np.exp(lse1 - m), np.exp(lse2 - m)
+    total = w1 + w2
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lse = (m + np.log(total)).astype(np.result_type(lse1, lse2))
+        o = (w1[..., None] * o1 + w2[..., None] * o2) / total[..., None]
+    o = np.where(total[..., None] > 0, o, 0.0).astype(np.result_type(o1, o2))
+    return o, lse
+
+
+# ---- (d) causal softmax for the CPU prefill -------------------------------------------------
+@kernel("void(float32[:, ::1], int64, int64, float32[::1])", parallel=True)
+def _causal_softmax_rows(S, block_rows, first_visible, inv_sum):
+    """In place: row r sees columns [0, first_visible + r % block_rows] (inclusive); there
+    S <- exp(S - max), beyond it 0. inv_sum[r] = 1 / sum of the row (normalize after P @ V)."""
+    ncols = S.shape[1]
+    for r in prange(S.shape[0]):
+        vis = min(ncols, first_visible + r % block_rows + 1)
+        mx = _row_max(S[r], vis)
+        acc = np.float32(0.0)
+        for j in range(vis):
+            e = fast_exp(S[r, j] - mx)
+            S[r, j] = e
+            acc += e
+        for j in range(vis, ncols):
+            S[r, j] = 0.0
+        inv_sum[r] = np.float32(1.0) / acc
