@@ -1,0 +1,28 @@
+"""tiered.metal: accelerator kernels of the tiered KV cache.
+
+Each kernel has a plain-MLX reference (``*_ops``), one shared body (``*.h``) compiled as a Metal
+kernel on Apple GPUs and as a CUDA kernel on NVIDIA GPUs (``prelude.metal`` / ``prelude.cu``
+supply the per-backend parts), and one public function whose ``use_kernel=None`` picks the
+kernel where the default device has one and the reference elsewhere (the CPU backend).
+Importing this package builds nothing; kernels are compiled on first use.
+"""
+
+from ._build import accelerator
+from .affine import AffineBench, affine_scores, affine_scores_ops, bench_affine_scores
+from .codebook import codebook_lut, codebook_scores, codebook_scores_ops
+from .tau import Selection, tau_select, tau_threshold, tau_threshold_ops
+
+__all__ = [
+    "AffineBench",
+    "Selection",
+    "accelerator",
+    "affine_scores",
+    "affine_scores_ops",
+    "bench_affine_scores",
+    "codebook_lut",
+    "codebook_scores",
+    "codebook_scores_ops",
+    "tau_select",
+    "tau_threshold",
+    "tau_threshold_ops",
+]

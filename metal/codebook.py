@@ -1,0 +1,215 @@
+"""Product-quantized (codebook) key scores with score export.
+
+Keys live on the accelerator only as codes: token j of kv head h is g indices into a codebook
+of c centroids of ds = d / g dims per group. A query scores all tokens through a lookup table
+(HCAttention): T[qh, i, :] = q[qh, group i] @ codebook[h, i].T, z[qh, j] = sum_i T[qh, i, code].
+
+Three layers: :func:`_make_codebook_kernel` (the MLX kernel, built once per backend),
+:func:`codebook_scores_ops` (plain MLX ops, the reference and the CPU path) and
+:func:`codebook_scores` (picks one).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ._build import (
+    KernelSpec,
+    accelerator,
+    Launch,
+    build_kernel,
+    check_shape,
+    launch,
+    resolve_backend,
+    shared_memory_limit,
+    token_blocks,
+)
+
+CODEBOOK_SPEC = KernelSpec(
+    name="tiered_codebook_scores",
+    body="codebook_scores.h",
+    input_names=("lut", "codes", "params"),
+    output_names=("z",),
+)
+THREADS = 256
+TARGET_GROUPS = 1024  # threadgroups per launch when n is large (a few per SM)
+CODE_DTYPES = (mx.uint8, mx.uint16)
+
+
+def _make_codebook_kernel(backend: str, shared_memory: int = 0):
+    """The codebook-scores kernel for ``backend`` (cached: built on first use only)."""
+    return build_kernel(CODEBOOK_SPEC, backend, shared_memory)
+
+
+def _check(q, codebook, codes, n, rep):
+    if q.ndim != 2:
+        raise ValueError(f"Invalid shape of q: expected (Hq, d), got {tuple(q.shape)}")
+    hq, d = q.shape
+    if codebook.ndim != 4:
+        raise ValueError(
+            f"Invalid shape of codebook: expected (H, Gc, c, ds), got {tuple(codebook.shape)}"
+        )
+    h, gc, c, ds = codebook.shape
+    if rep < 1 or hq != h * rep:
+        raise ValueError(f"Invalid rep: {rep!r} (q has {hq} heads, codebook {h} kv heads)")
+    if ds < 1 or d % ds:
+        raise ValueError(f"Invalid shape of codebook: ds={ds} does not divide head_dim {d}")
+    g = d // ds
+    if gc not in (1, g):
+        raise ValueError(f"Invalid shape of codebook: expected Gc of 1 or {g} groups, got {gc}")
+    check_shape("codes", codes, (h, None, g), CODE_DTYPES)
+    if codes.dtype == mx.uint8 and c > 256:
+        raise ValueError(f"Invalid dtype of codes: uint8 codes cannot index {c} centroids")
+    if not 1 <= n <= codes.shape[1]:
+        raise ValueError(f"Invalid n: {n!r} (expected 1 <= n <= {codes.shape[1]})")
+    return hq, d, h, gc, c, ds, g
+
+
+def codebook_lut(q: mx.array, codebook: mx.array, *, rep: int) -> mx.array:
+    """Per-query lookup table, built once per call.
+
+    q (Hq, d) float32, attention scale folded in; codebook (H, Gc, c, ds) float32 with Gc = 1
+    (one codebook shared by the g = d / ds groups) or Gc = g (one per group).
+    Returns T float32 (Hq, g, c):
+    T[qh, i, k] = q[qh, i*ds:(i+1)*ds] . codebook[qh // rep, i if Gc == g else 0, k].
+    """
+    hq, d = q.shape
+    h, gc, c, ds = codebook.shape
+    g = d // ds
+    qg = q.astype(mx.float32).reshape(h, rep, g, ds)
+    cb = codebook.astype(mx.float32)
+    if accelerator() == "cuda":
+        # MLX runs float32 matmuls as TF32 on CUDA (MLX_ENABLE_TF32, ~1e-3 relative error):
+        # multiply and sum instead, exact in float32 (an (Hq, g, c, ds) temporary).
+        lut = (qg[:, :, :, None, :] * cb[:, None]).sum(axis=-1)  # (H, rep, g, c)
+    elif gc == 1:
+        lut = qg @ cb.swapaxes(-1, -2)  # (H, rep, g, ds) @ (H, 1, ds, c)
+    else:  # via (H, g, rep, ds) @ (H, g, ds, c)
+        lut = (qg.transpose(0, 2, 1, 3) @ cb.swapaxes(-1, -2)).transpose(0, 2, 1, 3)
+    return lut.reshape(hq, g, c)
+
+
+def codebook_scores_ops(
+    q: mx.array, codebook: mx.array, codes: mx.array, n: int, *, rep: int
+) -> mx.array:
+    """Codebook scores in plain MLX ops (reference; the path on the CPU backend).
+
+    q        float32 (Hq, d), already multiplied by the attention scale
+    codebook float32 (H, Gc, c, ds), Gc in (1, g), g = d // ds
+    codes    uint8 (c <= 256) or uint16 (H, n_cap, g); rows >= n are never read
+    n        valid tokens, 1 <= n <= n_cap
+    rep      Hq // H: query head qh uses kv head qh // rep
+    Returns z float32 (Hq, n), z[qh, j] = sum_i T[qh, i, codes[qh // rep, j, i]].
+    """
+    hq, d, h, gc, c, ds, g = _check(q, codebook, codes, n, rep)
+    lut = codebook_lut(q, codebook, rep=rep).reshape(h, rep, g, c)
+    idx = codes[:, :n].astype(mx.int32)  # (H, n, g)
+    z = None
+    for i in range(g):  # one gather of (H, rep, n) per group keeps memory at O(Hq * n)
+        zi = mx.take_along_axis(lut[:, :, i, :], idx[:, None, :, i], axis=2)
+        z = zi if z is None else z + zi
+    return z.reshape(hq, n)
+
+
+def lut_tiling(backend: str, rep: int, g: int, c: int) -> tuple[int, bool]:
+    """(rep_tile, lut_shared): how many query heads one threadgroup scores, and whether
+    their lookup table (rep_tile * g * c floats) is staged in shared memory.
+
+    All rep heads of a kv head in shared memory when they fit, so codes are read once;
+    otherwise all rep heads still read each code once and the table comes from global memory
+    (cached: it is small next to the codes). ``codebook_scores(..., rep_tile=)`` can force
+    shared tiles of fewer heads instead (codes then read rep / rep_tile times).
+    """
+    if rep * g * c * 4 <= shared_memory_limit(backend):
+        return rep, True
+    return rep, False
+
+
+def codebook_launch(
+    lut: mx.array,
+    words: mx.array,
+    n: int,
+    *,
+    rep: int,
+    code_bits: int,
+    backend: str,
+    rep_tile: int | None = None,
+) -> Launch:
+    """Launch plan of the kernel: lut (Hq, g, c) float32, words (H, n_cap, W) uint32."""
+    hq, g, c = lut.shape
+    h, n_cap, w = words.shape
+    if rep_tile is None:
+        rep_tile, lut_shared = lut_tiling(backend, rep, g, c)
+    else:
+        if rep % rep_tile:
+            raise ValueError(f"Invalid rep_tile: {rep_tile!r} (must divide rep={rep})")
+        lut_shared = rep_tile * g * c * 4 <= shared_memory_limit(backend)
+    tiles = rep // rep_tile
+    lut_bytes = rep_tile * g * c * 4 if lut_shared else 0
+    # A block should carry at least as many code bytes as the table it stages.
+    min_block = 2 * THREADS + (lut_bytes // max(1, w * 4))
+    block, n_blocks = token_blocks(
+        n, THREADS, rows=h * tiles, min_block=min_block, target_groups=TARGET_GROUPS
+    )
+    return Launch(
+        inputs=[lut, words, mx.array([n, n_cap, block], dtype=mx.int32)],
+        template=[
+            ("G", g),
+            ("C", c),
+            ("W", w),
+            ("CODE_BITS", code_bits),
+            ("REP", rep),
+            ("REP_TILE", rep_tile),
+            ("LUT_SHARED", int(lut_shared)),
+        ],
+        grid=(n_blocks * THREADS, h * tiles, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(hq, n)],
+        output_dtypes=[mx.float32],
+        shared_memory=lut_bytes,
+        notes={"rep_tile": rep_tile, "lut_shared": lut_shared, "block": block},
+    )
+
+
+def kernel_supports(codes: mx.array) -> bool:
+    """Whether the kernel takes these codes: each token's codes must fill whole 32-bit words."""
+    return (codes.shape[2] * codes.dtype.size) % 4 == 0
+
+
+def codebook_scores(
+    q: mx.array,
+    codebook: mx.array,
+    codes: mx.array,
+    n: int,
+    *,
+    rep: int,
+    use_kernel: bool | None = None,
+    rep_tile: int | None = None,
+) -> mx.array:
+    """Product-quantized key scores z float32 (Hq, n); shapes as in :func:`codebook_scores_ops`.
+
+    use_kernel: None runs the Metal or CUDA kernel where the default device has one (and the
+    codes fill whole 32-bit words per token, i.e. g * itemsize % 4 == 0), else the reference;
+    True insists (``ValueError`` if impossible); False always runs the reference.
+    The lookup table is built by an MLX matmul on the same device; the kernel reads each
+    token's codes once for all rep query heads of its kv head. rep_tile (tuning/benchmarks)
+    forces shared-memory tables of rep_tile heads per threadgroup.
+    Codes must be < c: the kernel does not bounds-check them.
+    """
+    _check(q, codebook, codes, n, rep)
+    backend = resolve_backend(use_kernel, "codebook_scores")
+    if backend is not None and not kernel_supports(codes):
+        if use_kernel:
+            raise ValueError(
+                f"Invalid codes for the kernel: g * itemsize = {codes.shape[2] * codes.dtype.size}"
+                " bytes per token is not a multiple of 4"
+            )
+        backend = None
+    if backend is None:
+        return codebook_scores_ops(q, codebook, codes, n, rep=rep)
+    lut = codebook_lut(q, codebook, rep=rep)
+    words = mx.contiguous(codes).view(mx.uint32)
+    plan = codebook_launch(
+        lut, words, n, rep=rep, code_bits=8 * codes.dtype.size, backend=backend, rep_tile=rep_tile
+    )
+    return launch(CODEBOOK_SPEC, backend, plan)[0]

@@ -1,0 +1,54 @@
+// tiered.metal -- CUDA prelude for the shared kernel bodies (*.h in this folder).
+//
+// Same contract as prelude.metal: the text above the "@body-prologue" line is passed to
+// mx.fast.cuda_kernel as `header` (it lands before MLX's `namespace mlx::core::cu`), the text
+// below it is prepended to every kernel body. Helpers carry __device__ explicitly although
+// MLX compiles with --device-as-default-execution-space, so that plain nvcc accepts them too.
+#ifndef TIERED_PRELUDE_CUDA
+#define TIERED_PRELUDE_CUDA
+
+#define TQ_SIMD 32
+#define TQ_BARRIER() __syncthreads()
+#define TQ_SHARED(type, name, count) __shared__ type name[count]
+// Dynamic shared memory: the launch asks for the bytes (cuda_kernel's shared_memory), which
+// lets a lookup table grow past the 48 KB static limit.
+#define TQ_SHARED_LUT(type, name, count)          \
+  extern __shared__ float4 tq_dynamic_smem[];     \
+  type* name = reinterpret_cast<type*>(tq_dynamic_smem)
+#define TQ_UNROLL _Pragma("unroll")
+#define TQ_INF __int_as_float(0x7f800000)
+
+__device__ inline float tq_exp(float x) {
+  return expf(x);
+}
+
+__device__ inline float tq_as_float(uint32_t bits) {
+  return __uint_as_float(bits);
+}
+
+__device__ inline float4 tq_float4(float x, float y, float z, float w) {
+  return make_float4(x, y, z, w);
+}
+
+__device__ inline float tq_warp_sum(float x) {
+  for (int o = TQ_SIMD / 2; o > 0; o >>= 1) {
+    x += __shfl_xor_sync(0xffffffffu, x, o);
+  }
+  return x;
+}
+
+__device__ inline float tq_warp_max(float x) {
+  for (int o = TQ_SIMD / 2; o > 0; o >>= 1) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  }
+  return x;
+}
+
+#endif  // TIERED_PRELUDE_CUDA
+// @body-prologue
+const int tq_tid = int(threadIdx.x);
+const int tq_ntid = int(blockDim.x);
+const int tq_bx = int(blockIdx.x);
+const int tq_by = int(blockIdx.y);
+const int tq_lane = tq_tid % TQ_SIMD;
+const int tq_warp = tq_tid / TQ_SIMD;

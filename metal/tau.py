@@ -1,0 +1,221 @@
+"""Tau-cumulative token selection: softmax statistics, threshold, and the per-kv-head set.
+
+HCAttention keeps, per query head, the smallest set of tokens (by descending softmax weight)
+whose mass reaches tau. :func:`tau_threshold` finds that set's boundary as a logit without a
+sort (kernel: histogram passes; reference: sort). :func:`tau_select` turns the thresholds of
+the rep query heads of each kv head into one capped, topped-up index list with MLX ops.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import mlx.core as mx
+
+from ._build import KernelSpec, Launch, build_kernel, launch, resolve_backend
+
+TAU_SPEC = KernelSpec(
+    name="tiered_tau_threshold",
+    body="tau_threshold.h",
+    input_names=("z", "params", "fparams"),
+    output_names=("m_out", "s_out", "theta_out"),
+)
+THREADS = {"metal": 256, "cuda": 1024}  # one threadgroup per head; Metal kept modest (registers)
+BINS = 32  # log-domain bins per histogram pass
+PASSES = 4  # final bin width: SPAN / BINS**PASSES = 6e-5 logits
+SPAN = 64.0  # first pass covers [m - SPAN, m): exp(-64) ~ 1.6e-28, below float32 resolution of s
+
+
+def _make_tau_kernel(backend: str):
+    """The tau-threshold kernel for ``backend`` (cached: built on first use only)."""
+    return build_kernel(TAU_SPEC, backend)
+
+
+def _check(z, n, tau):
+    if z.ndim != 2:
+        raise ValueError(f"Invalid shape of z: expected (Hq, N), got {tuple(z.shape)}")
+    if not 1 <= n <= z.shape[1]:
+        raise ValueError(f"Invalid n: {n!r} (expected 1 <= n <= {z.shape[1]})")
+    if not 0.0 < tau <= 1.0:
+        raise ValueError(f"Invalid tau: {tau!r} (expected 0 < tau <= 1)")
+
+
+def tau_threshold_ops(z: mx.array, n: int, tau: float) -> tuple[mx.array, mx.array, mx.array]:
+    """Softmax statistics and the exact tau-cumulative threshold, by sorting (reference).
+
+    z float32 (Hq, N), N >= n; columns >= n are never read. 0 < tau <= 1.
+    Returns (m, s, theta_logit), each float32 (Hq,): m = max z, s = sum exp(z - m), and
+    theta_logit = z of the k-th largest token, k the smallest count whose softmax mass
+    reaches tau (so {j : z_j >= theta_logit} is that set, plus exact ties); tau == 1 gives
+    min z (every token kept).
+    """
+    _check(z, n, tau)
+    zs = mx.sort(z[:, :n].astype(mx.float32), axis=1)  # ascending
+    m = zs[:, -1]
+    e = mx.exp(zs - m[:, None])
+    # Summing from the smallest terms up keeps the many tiny ones that a running float32
+    # sum dominated by the heavy hitters would round away.
+    before = mx.cumsum(e, axis=1, inclusive=False)  # mass of the tokens below each one
+    s = before[:, -1] + e[:, -1]
+    # The boundary is the highest token whose mass-from-the-top still reaches tau * s, i.e.
+    # the last position whose mass below is <= (1 - tau) * s (position 0 always qualifies).
+    k = (before <= ((1.0 - tau) * s)[:, None]).astype(mx.int32).sum(axis=1) - 1
+    theta = mx.take_along_axis(zs, k[:, None], axis=1)[:, 0]
+    if tau >= 1.0:  # keep every token, also those whose exp(z - m) underflows to 0
+        theta = zs[:, 0]
+    return m, s, theta
+
+
+def tau_launch(z: mx.array, n: int, tau: float, *, backend: str) -> Launch:
+    """Launch plan of the threshold kernel: one threadgroup per query head."""
+    hq, n_total = z.shape
+    threads = THREADS[backend]
+    return Launch(
+        inputs=[
+            z,
+            mx.array([n, n_total], dtype=mx.int32),
+            mx.array([tau, SPAN], dtype=mx.float32),
+        ],
+        template=[("NB", BINS), ("PASSES", PASSES)],
+        grid=(threads, hq, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[(hq,), (hq,), (hq,)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32],
+    )
+
+
+def tau_threshold(
+    z: mx.array, n: int, tau: float, *, use_kernel: bool | None = None
+) -> tuple[mx.array, mx.array, mx.array]:
+    """(m, s, theta_logit) float32 (Hq,) per query head; shapes as in :func:`tau_threshold_ops`.
+
+    Keep token j of head qh when z[qh, j] >= theta_logit[qh]. The kernel (Metal/CUDA; one
+    threadgroup per head, no sort) makes one max pass and PASSES histogram passes of BINS
+    log-domain bins, each refining the previous boundary bin; its theta sits at most ~1.5
+    final bin widths (SPAN / BINS**PASSES logits) below the exact one, so it keeps the exact
+    set plus at most the tokens that are within that hair of the boundary. tau == 1 keeps
+    every token (theta = min z, an MLX reduction). use_kernel as in the other kernels.
+    """
+    _check(z, n, tau)
+    backend = resolve_backend(use_kernel, "tau_threshold")
+    if backend is None:
+        return tau_threshold_ops(z, n, tau)
+    z = z.astype(mx.float32)
+    m, s, theta = launch(TAU_SPEC, backend, tau_launch(z, n, tau, backend=backend))
+    if tau >= 1.0:
+        theta = z[:, :n].min(axis=1)
+    return m, s, theta
+
+
+class Selection(NamedTuple):
+    """:func:`tau_select` with ``with_stats=True`` (the fields of ``tiered.cpu``'s Selection).
+
+    idx (H, cap_alloc) int32 ascending, -1 past count; count (H,) int32; m, s (Hq,) float32
+    softmax max and sum over the n tokens; mass (Hq,) float32 softmax mass of the selection.
+    """
+
+    idx: mx.array
+    count: mx.array
+    m: mx.array
+    s: mx.array
+    mass: mx.array
+
+
+def tau_select(
+    z: mx.array,
+    n: int,
+    exclude: mx.array,
+    tau: float,
+    cap: int,
+    floor: int = 0,
+    *,
+    cap_alloc: int | None = None,
+    with_stats: bool = False,
+    use_kernel: bool | None = None,
+):
+    """Per kv head token set: union over its rep query heads of the tau-cumulative sets.
+
+    z       float32 (Hq, N), N >= n: exported scores; columns >= n are never read
+    exclude bool or uint8 (H, >= n): tokens never to select (e.g. resident ones); names H
+    tau     0 < tau <= 1; cap >= 1 the most tokens per kv head; floor >= 0 the fewest (a floor
+            above cap raises the cap, as in ``tiered.cpu.kernels.tau_select``)
+    cap_alloc columns of idx, >= max(cap, floor) (default that)
+    Returns (idx int32 (H, cap_alloc), count int32 (H,)): idx[h, :count[h]] are the selected
+    token indices in ascending order, the rest -1; with_stats=True returns a :class:`Selection`
+    that adds m, s and the selected softmax mass per query head.
+
+    The set is {j : z[qh, j] >= theta[qh] for some qh of the group} minus exclude. Over cap,
+    the tokens with the largest max-over-heads probability stay; under floor, the most
+    probable other non-excluded tokens are added (count <= non-excluded tokens). Exact ties in
+    probability at the cap are broken arbitrarily.
+    Where it runs: the threshold is the kernel of :func:`tau_threshold` (or its reference);
+    everything else is lazy MLX ops on the default device (compare, any/max over heads,
+    argpartition over n, sorts of cap entries), with no host synchronisation.
+    """
+    hq = z.shape[0]
+    if exclude is None:
+        raise ValueError("Invalid exclude: None (pass an all-False (H, n) mask; it names H)")
+    if exclude.ndim != 2 or exclude.shape[1] < n or hq % exclude.shape[0]:
+        raise ValueError(
+            f"Invalid shape of exclude: expected (H, >= {n}) with H dividing {hq}, "
+            f"got {tuple(exclude.shape)}"
+        )
+    if cap < 1 or floor < 0:
+        raise ValueError(f"Invalid cap/floor: cap={cap!r} (>= 1), floor={floor!r} (>= 0)")
+    h = exclude.shape[0]
+    rep = hq // h
+    cap = max(cap, floor)
+    cap_alloc = cap if cap_alloc is None else cap_alloc
+    if cap_alloc < cap:
+        raise ValueError(f"Invalid cap_alloc: {cap_alloc!r} (expected >= {cap})")
+    if n == 0:
+        idx = mx.full((h, cap_alloc), -1, dtype=mx.int32)
+        count = mx.zeros((h,), dtype=mx.int32)
+        if not with_stats:
+            return idx, count
+        empty = mx.zeros((hq,), dtype=mx.float32)
+        return Selection(idx, count, mx.full((hq,), -math.inf, dtype=mx.float32), empty, empty)
+    _check(z, n, tau)
+
+    m, s, theta = tau_threshold(z, n, tau, use_kernel=use_kernel)
+    zv = z[:, :n].astype(mx.float32)
+    logp = (zv - (m + mx.log(s))[:, None]).reshape(h, rep, n)
+    allowed = mx.logical_not(exclude[:, :n].astype(mx.bool_))
+    keep = (zv >= theta[:, None]).reshape(h, rep, n).any(axis=1) & allowed
+    lmax = logp.max(axis=1)  # (H, n): log of the max-over-heads probability
+
+    # Rank kept tokens above all others, each group by lmax: lift the kept ones by a per-head
+    # offset just large enough (a constant offset would cost float precision).
+    kept_min = mx.where(keep, lmax, math.inf).min(axis=1, keepdims=True)
+    other_max = mx.where(allowed & ~keep, lmax, -math.inf).max(axis=1, keepdims=True)
+    lift = mx.where(
+        mx.isfinite(kept_min) & mx.isfinite(other_max),
+        mx.maximum(other_max - kept_min + 1.0, 0.0),
+        0.0,
+    )
+    key = mx.where(keep, lmax + lift, mx.where(allowed, lmax, -math.inf))
+
+    n_keep = keep.astype(mx.int32).sum(axis=1)
+    n_allowed = allowed.astype(mx.int32).sum(axis=1)
+    count = mx.minimum(mx.clip(n_keep, floor, cap), n_allowed).astype(mx.int32)
+
+    k = min(cap, n)
+    if n > cap:
+        top = mx.argpartition(-key, kth=cap - 1, axis=1)[:, :cap]
+    else:
+        top = mx.broadcast_to(mx.arange(n, dtype=mx.uint32)[None], (h, n))
+    order = mx.argsort(-mx.take_along_axis(key, top, axis=1), axis=1)
+    top = mx.take_along_axis(top, order, axis=1).astype(mx.int32)  # (H, k) by key, descending
+    chosen = mx.arange(k, dtype=mx.int32)[None] < count[:, None]
+    big = mx.array(2**31 - 1, dtype=mx.int32)
+    idx = mx.sort(mx.where(chosen, top, big), axis=1)
+    idx = mx.where(idx == big, -1, idx)
+    if k < cap_alloc:
+        idx = mx.concatenate([idx, mx.full((h, cap_alloc - k), -1, dtype=mx.int32)], axis=1)
+    if not with_stats:
+        return idx, count
+    # Softmax mass of the selection for each query head: gather its rep rows at the k picks.
+    p_top = mx.exp(mx.take_along_axis(logp, mx.broadcast_to(top[:, None], (h, rep, k)), axis=2))
+    mass = (p_top * chosen[:, None]).sum(axis=2).reshape(hq)
+    return Selection(idx, count, m, s, mass)

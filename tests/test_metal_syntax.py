@@ -1,0 +1,344 @@
+"""Compile the kernel sources on the CPU so a typo cannot hide until someone runs a GPU.
+
+Metal: each kernel is wrapped exactly as ``mx.fast.metal_kernel`` wraps it (the signature
+builder below follows mlx/backend/common/metal_kernel.cpp, ``write_signature``: argument
+order, ``constant`` vs ``device`` buffers, attributes found by name in the body, template
+parameters and the explicit instantiation) and checked by ``g++ -fsyntax-only`` against a
+small shim of the Metal standard library. The shim declares only what Metal has (no ``expf``,
+no CUDA names), so an undeclared identifier or a type error in a body fails; a deliberately
+broken body proves it. CUDA: each kernel is wrapped as ``mx.fast.cuda_kernel`` wraps it
+(mlx/backend/cuda/custom_kernel.cpp, ``build_kernel``) and compiled to PTX by nvcc, if present,
+against a stub of MLX's device header.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tiered.metal._build import KernelSpec
+from tiered.metal.affine import AFFINE_SPEC, affine_launch
+from tiered.metal.codebook import CODEBOOK_SPEC, codebook_launch
+from tiered.metal.tau import TAU_SPEC, tau_launch
+
+METAL_TYPES = {
+    mx.float32: "float", mx.float16: "float16_t", mx.bfloat16: "bfloat16_t", mx.bool_: "bool",
+    mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t", mx.int64: "int64_t",
+    mx.uint8: "uint8_t", mx.uint16: "uint16_t", mx.uint32: "uint32_t", mx.uint64: "uint64_t",
+}  # fmt: skip
+CUDA_TYPES = {**METAL_TYPES, mx.float16: "__half", mx.bfloat16: "__nv_bfloat16"}
+METAL_ATTRIBUTES = {
+    "dispatch_quadgroups_per_threadgroup": "uint", "dispatch_simdgroups_per_threadgroup": "uint",
+    "dispatch_threads_per_threadgroup": "uint3", "grid_origin": "uint3", "grid_size": "uint3",
+    "quadgroup_index_in_threadgroup": "uint", "quadgroups_per_threadgroup": "uint",
+    "simdgroup_index_in_threadgroup": "uint", "simdgroups_per_threadgroup": "uint",
+    "thread_execution_width": "uint", "thread_index_in_quadgroup": "uint",
+    "thread_index_in_simdgroup": "uint", "thread_index_in_threadgroup": "uint",
+    "thread_position_in_grid": "uint3", "thread_position_in_threadgroup": "uint3",
+    "threadgroup_position_in_grid": "uint3", "threadgroups_per_grid": "uint3",
+    "threads_per_grid": "uint3", "threads_per_simdgroup": "uint",
+    "threads_per_threadgroup": "uint3",
+}  # fmt: skip
+
+# What MLX prepends (metal::utils(): metal_stdlib, bf16, `using namespace metal`), reduced
+# to declarations of the Metal names a kernel may use.
+METAL_SHIM = r"""
+#include <cstdint>
+#define device
+#define constant
+#define threadgroup
+#define thread
+#define INFINITY (__builtin_inff())
+#define NAN (__builtin_nanf(""))
+#define FLT_MAX (__FLT_MAX__)
+typedef unsigned int uint;
+typedef unsigned short ushort;
+struct uint2 { uint x, y; };
+struct uint3 { uint x, y, z; };
+struct int2 { int x, y; };
+struct int3 { int x, y, z; };
+struct float2 { float x, y; };
+struct float4 {
+  float x, y, z, w;
+  float4() = default;
+  float4(float x, float y, float z, float w);
+};
+struct half {
+  half() = default;
+  half(float);
+  operator float() const;
+};
+struct bfloat16_t {
+  bfloat16_t() = default;
+  bfloat16_t(float);
+  operator float() const;
+};
+typedef half float16_t;
+namespace metal {
+enum class mem_flags { mem_none, mem_device, mem_threadgroup, mem_texture };
+void threadgroup_barrier(mem_flags flags);
+void simdgroup_barrier(mem_flags flags);
+float exp(float x);
+float exp2(float x);
+float log(float x);
+float log2(float x);
+float sqrt(float x);
+float rsqrt(float x);
+float floor(float x);
+float ceil(float x);
+float fabs(float x);
+float fma(float a, float b, float c);
+float fmax(float a, float b);
+float fmin(float a, float b);
+bool isnan(float x);
+bool isinf(float x);
+bool isfinite(float x);
+template <typename T> T abs(T x);
+template <typename T, typename U> T as_type(U x);
+template <typename T> T min(T a, T b);
+template <typename T> T max(T a, T b);
+template <typename T> T clamp(T x, T lo, T hi);
+template <typename T> T select(T a, T b, bool c);
+namespace precise { float exp(float x); float log(float x); }
+namespace fast { float exp(float x); float log(float x); }
+template <typename T> T simd_sum(T x);
+template <typename T> T simd_max(T x);
+template <typename T> T simd_min(T x);
+template <typename T> T simd_prefix_exclusive_sum(T x);
+template <typename T> T simd_shuffle(T x, ushort lane);
+template <typename T> T simd_shuffle_xor(T x, ushort mask);
+template <typename T> T simd_shuffle_down(T x, ushort delta);
+template <typename T> T simd_broadcast(T x, ushort lane);
+}  // namespace metal
+using namespace metal;
+"""
+
+# Stands in for mlx/backend/cuda/device/utils.cuh (compiled into MLX, not shipped as a file).
+CUDA_UTILS_STUB = r"""
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda/std/array>
+#define MAX_NDIM 10
+namespace mlx::core::cu {
+using Shape = cuda::std::array<int32_t, MAX_NDIM>;
+using Strides = cuda::std::array<int64_t, MAX_NDIM>;
+}  // namespace mlx::core::cu
+"""
+
+
+def _template_value(v) -> str:
+    return str(int(v)) if isinstance(v, (bool, int)) else METAL_TYPES[v]
+
+
+def _template_kind(v) -> str:
+    return "typename" if isinstance(v, mx.Dtype) else "bool" if isinstance(v, bool) else "int"
+
+
+def metal_source(spec: KernelSpec, header: str, source: str, plan) -> str:
+    """The text MLX's metal_kernel compiles (after its metal::utils() prefix)."""
+    name = "custom_kernel_" + spec.name
+    tmpl = ", ".join(_template_value(v) for _, v in plan.template)
+    if plan.template:
+        name += "_" + tmpl.replace(", ", "_")
+    for arr in plan.inputs:
+        suffix = "s" if arr.ndim == 0 else "c" if arr.size < 8 else ""
+        name += "_" + METAL_TYPES[arr.dtype] + suffix
+    for dt in plan.output_dtypes:
+        name += "_" + METAL_TYPES[dt]
+    params = []
+    shape_args = (
+        ("_shape", "const constant int*"),
+        ("_strides", "const constant int64_t*"),
+        ("_ndim", "const constant int&"),
+    )
+    for arg, arr in zip(spec.input_names, plan.inputs):
+        space = "constant" if arr.size < 8 else "device"
+        ref = "&" if arr.ndim == 0 else "*"
+        ctype = f"const {space} {METAL_TYPES[arr.dtype]}{ref}"
+        params.append(f"  {ctype} {arg} [[buffer({len(params)})]]")
+        for suffix, ctype in shape_args if arr.ndim > 0 else ():
+            if arg + suffix in source:
+                params.append(f"  {ctype} {arg}{suffix} [[buffer({len(params)})]]")
+    for arg, dt in zip(spec.output_names, plan.output_dtypes):
+        params.append(f"  device {METAL_TYPES[dt]}* {arg} [[buffer({len(params)})]]")
+    params += [f"  {t} {a} [[{a}]]" for a, t in METAL_ATTRIBUTES.items() if a in source]
+    text = header
+    if plan.template:
+        kinds = (f"{_template_kind(v)} {n}" for n, v in plan.template)
+        text += "template <" + ", ".join(kinds) + ">\n"
+    text += f"[[kernel]] void {name}(\n" + ",\n".join(params) + ") {\n" + source + "\n}\n"
+    if plan.template:
+        inst = f"{name}<{tmpl}>"
+        text += f'\ntemplate [[host_name("{name}")]] [[kernel]] decltype({inst}) {inst};\n'
+    return text
+
+
+def cuda_source(spec: KernelSpec, header: str, source: str, plan) -> str:
+    """The text MLX's cuda_kernel hands to NVRTC."""
+    text = '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
+    text += header + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+    text += f"__global__ void custom_kernel_{spec.name}(\n"
+    params = []
+    for arg, arr in zip(spec.input_names, plan.inputs):
+        params.append(f"    const {CUDA_TYPES[arr.dtype]}* {arg}")
+        for suffix, ctype in (("_shape", "Shape"), ("_strides", "Strides"), ("_ndim", "int")):
+            if arr.ndim > 0 and arg + suffix in source:
+                params.append(f"    const __grid_constant__ {ctype} {arg}{suffix}")
+    for arg, dt in zip(spec.output_names, plan.output_dtypes):
+        params.append(f"    {CUDA_TYPES[dt]}* {arg}")
+    text += ",\n".join(params) + ") {\n"
+    for name, v in plan.template:
+        if isinstance(v, bool):
+            text += f"  constexpr bool {name} = {'true' if v else 'false'};\n"
+        elif isinstance(v, int):
+            text += f"  constexpr int {name} = {v};\n"
+        else:
+            text += f"  using {name} = {CUDA_TYPES[v]};\n"
+    return text + "\n" + source + "\n}\n\n} // namespace mlx::core::cu\n"
+
+
+def _codes(h, n_cap, g, dtype):
+    return mx.zeros((h, n_cap, g), dtype=dtype)
+
+
+def _plans(backend: str):
+    """(label, spec, plan) for a spread of configurations of every kernel."""
+    out = []
+    for g, c, dtype, rep, rep_tile in [
+        (32, 256, mx.uint8, 4, None),  # table too big: global memory
+        (32, 256, mx.uint8, 4, 1),  # one head per threadgroup: shared memory
+        (16, 4096, mx.uint16, 1, None),
+        (8, 16, mx.uint8, 8, None),
+    ]:
+        words = _codes(2, 40, g, dtype).view(mx.uint32)
+        lut = mx.zeros((2 * rep, g, c))
+        plan = codebook_launch(
+            lut, words, 33, rep=rep, code_bits=8 * dtype.size, backend=backend, rep_tile=rep_tile
+        )
+        out.append((f"codebook-g{g}-c{c}-rep{rep}-tile{rep_tile}", CODEBOOK_SPEC, plan))
+    for d, bits, gs, sdt, rep in [
+        (128, 4, 32, mx.float16, 4), (64, 3, 32, mx.bfloat16, 1),
+        (256, 8, 128, mx.float32, 8), (128, 2, 64, mx.float16, 3),
+    ]:  # fmt: skip
+        h = 2
+        q = mx.zeros((h * rep, d))
+        wq = mx.zeros((h, 40, d * bits // 32), dtype=mx.uint32)
+        sc = mx.zeros((h, 40, d // gs), dtype=sdt)
+        plan = affine_launch(q, wq, sc, sc, 33, rep=rep, group_size=gs, bits=bits)
+        out.append((f"affine-d{d}-b{bits}-gs{gs}-{sdt}", AFFINE_SPEC, plan))
+    out.append(("tau", TAU_SPEC, tau_launch(mx.zeros((8, 40)), 33, 0.9, backend=backend)))
+    return out  # fmt: skip
+
+
+def _gxx(text: str, workdir: Path, label: str) -> subprocess.CompletedProcess:
+    path = workdir / f"{label}.cpp"
+    path.write_text(METAL_SHIM + text)
+    flags = ["-std=c++17", "-fsyntax-only", "-Wno-attributes", "-Wno-unknown-pragmas"]
+    cmd = ["g++", *flags, str(path)]
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
+def _nvcc(text: str, workdir: Path, label: str) -> subprocess.CompletedProcess:
+    inc = workdir / "include" / "mlx" / "backend" / "cuda" / "device"
+    inc.mkdir(parents=True, exist_ok=True)
+    (inc / "utils.cuh").write_text(CUDA_UTILS_STUB)
+    path = workdir / f"{label}.cu"
+    path.write_text(text)
+    cmd = ["nvcc", "-std=c++17", "--ptx", "-arch=sm_80", "-I", str(workdir / "include")]
+    cmd += ["-o", str(workdir / f"{label}.ptx"), str(path)]
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
+def _check_all(backend, wrap, compile_fn):
+    plans = _plans(backend)
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(4) as pool:
+        jobs = {}
+        for label, spec, plan in plans:
+            header, source = spec.sources(backend)
+            text = wrap(spec, header, source, plan)
+            jobs[label] = pool.submit(compile_fn, text, Path(tmp), label)
+        failures = {k: j.result().stderr for k, j in jobs.items() if j.result().returncode != 0}
+    assert not failures, "\n\n".join(f"{k}:\n{v}" for k, v in failures.items())
+
+
+def _broken(spec: KernelSpec, backend: str, old: str, new: str):
+    header, source = spec.sources(backend)
+    assert old in source, f"{old!r} not in the {spec.name} body: update this test"
+    return header, source.replace(old, new, 1)
+
+
+# Planted bugs: an undeclared identifier, a type error, and a CUDA-only name in Metal.
+BROKEN = [
+    ("acc[r] += v;", "acc[r] += v_typo;"),
+    ("const uint32_t word = codes[row + w];", "const uint32_t word = codes;"),
+    ("TQ_BARRIER();", "__syncthreads();"),
+]
+
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not installed")
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+
+
+@needs_gxx
+def test_metal_sources_compile_against_shim():
+    _check_all("metal", metal_source, _gxx)
+
+
+@needs_gxx
+@pytest.mark.parametrize("old,new", BROKEN)
+def test_metal_checker_rejects_broken_body(old, new):
+    label, spec, plan = _plans("metal")[0]
+    header, source = _broken(spec, "metal", old, new)
+    with tempfile.TemporaryDirectory() as tmp:
+        good = _gxx(metal_source(spec, *spec.sources("metal"), plan), Path(tmp), "good")
+        bad = _gxx(metal_source(spec, header, source, plan), Path(tmp), "bad")
+    assert good.returncode == 0, good.stderr
+    assert bad.returncode != 0, f"shim accepted a body with {new!r}"
+
+
+def test_metal_signature_follows_mlx():
+    """The wrapper reproduces MLX's conventions that the bodies rely on."""
+    label, spec, plan = _plans("metal")[0]
+    text = metal_source(spec, *spec.sources("metal"), plan)
+    assert "const device float* lut [[buffer(0)]]" in text
+    assert "const constant int32_t* params [[buffer(2)]]" in text  # size < 8: constant space
+    assert "uint3 threadgroup_position_in_grid [[threadgroup_position_in_grid]]" in text
+    assert "thread_position_in_grid [[" not in text
+
+
+@needs_nvcc
+def test_cuda_sources_compile_with_nvcc():
+    _check_all("cuda", cuda_source, _nvcc)
+
+
+@needs_nvcc
+def test_cuda_checker_rejects_broken_body():
+    label, spec, plan = _plans("cuda")[0]
+    header, source = _broken(spec, "cuda", *BROKEN[0])
+    with tempfile.TemporaryDirectory() as tmp:
+        bad = _nvcc(cuda_source(spec, header, source, plan), Path(tmp), "bad")
+    assert bad.returncode != 0, "nvcc accepted an undeclared identifier"
+
+
+def test_preludes_define_the_same_dialect():
+    """Both preludes give the bodies the same macros, helpers and thread-index names."""
+    import re
+
+    from tiered.metal._build import prelude
+
+    names = {}
+    for backend in ("metal", "cuda"):
+        header, prologue = prelude(backend)
+        macros = set(re.findall(r"#define (TQ_\w+)", header))
+        helpers = set(re.findall(r"\b(tq_\w+)\(", header))
+        ints = set(re.findall(r"const int (tq_\w+)", prologue))
+        names[backend] = (macros, helpers, ints)
+    assert names["metal"] == names["cuda"]
+    assert np.all([len(x) > 0 for x in names["metal"]])
