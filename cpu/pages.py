@@ -260,16 +260,21 @@ class HostStore:
         return out
 
     def gather(self, kind: str, b: int, head: int, tokens: np.ndarray) -> np.ndarray:
-        """(len(tokens), d) float32 rows of one head (reference for the Numba gather)."""
+        """(len(tokens), d) float32 rows of one head, in the order given (vectorized by block)."""
         tensor = self._tensor(kind)
         tokens = np.asarray(tokens, np.int64)
         if tokens.size and (tokens.min() < 0 or tokens.max() >= self.length):
             raise IndexError(f"token index out of range [0, {self.length})")
         pages = self.logical_pages(b)[tokens // self.page_size]
-        slots = tokens % self.page_size
+        blocks, slots = np.divmod(pages, tensor.pages_per_block)
+        offs = tokens % self.page_size
         out = np.empty((tokens.size, tensor.head_dim), np.float32)
-        for i, (p, s) in enumerate(zip(pages, slots)):
-            out[i] = tensor.read(int(p), int(s), 1)[head, 0]
+        for blk in np.unique(blocks):
+            sel = blocks == blk
+            rows = tensor.views[blk][slots[sel], head, offs[sel]].astype(np.float32)
+            if tensor.dtype == "int8":
+                rows *= tensor.scale_views[blk][slots[sel], head, offs[sel], None]
+            out[sel] = rows
         return out
 
     def _tensor(self, kind) -> HostTensor:

@@ -246,3 +246,19 @@ def test_cli_document_run(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "prefill" in r.stderr and "--- summary ---" in r.stdout
     assert "accelerator" in r.stdout and "host" in r.stdout
+
+
+def test_numpy_first_still_gets_an_optimized_blas():
+    """numpy's bundled OpenBLAS prefixes its symbols and cannot serve MLX: tiered must not
+    mistake it for one (it would leave MLX on the ~30x slower reference BLAS)."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("BLAS preloading is Linux-only")
+    code = "import numpy, tiered, json; print(json.dumps([tiered.BLAS.status, tiered.BLAS.path]))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    import json
+
+    status, path = json.loads(r.stdout)
+    if status == "missing":
+        pytest.skip("no optimized BLAS installed on this machine")
+    assert status in ("loaded", "already-loaded")
+    assert "numpy" not in (path or "") and "scipy" not in (path or "")

@@ -50,17 +50,27 @@ class BlasState:
 BLAS = BlasState()
 
 
+def _serves_mlx(path: str) -> bool:
+    """Whether a library exports the unprefixed CBLAS symbols MLX resolves (numpy's bundled
+    OpenBLAS, for one, prefixes them: scipy_cblas_sgemm64_, and cannot serve MLX)."""
+    try:
+        lib = ctypes.CDLL(path, mode=ctypes.RTLD_NOLOAD | ctypes.RTLD_GLOBAL)
+    except (OSError, AttributeError):
+        return False
+    return hasattr(lib, "cblas_sgemm")
+
+
 def _loaded_optimized_blas() -> str | None:
-    """Path of an optimized BLAS already mapped into this process, if any."""
+    """Path of an optimized BLAS already mapped into this process and usable by MLX, if any."""
     try:
         with open("/proc/self/maps") as f:
-            for line in f:
-                path = line.split()[-1] if "/" in line else ""
-                name = os.path.basename(path)
-                if "openblas" in path or name.startswith(("libmkl_rt", "libblis")):
-                    return path
+            paths = {line.split()[-1] for line in f if "/" in line}
     except OSError:
-        pass
+        return None
+    for path in sorted(paths):
+        name = os.path.basename(path)
+        if ("openblas" in path or name.startswith(("libmkl_rt", "libblis"))) and _serves_mlx(path):
+            return path
     return None
 
 

@@ -27,7 +27,9 @@ from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
 from tiered.cpu import HostStore
 
+from . import ops
 from .config import TieredConfig
+from .context import SharedContext
 from .stats import LayerStats
 
 log = logging.getLogger("tiered")
@@ -50,13 +52,22 @@ def _check_kv(name: str, x: Any) -> None:
 class TieredCache(_BaseCache):
     """Tiered KV cache of one attention layer (see module docstring)."""
 
-    def __init__(self, config: TieredConfig | None = None, *, layer: int = 0, plan=None):
+    def __init__(self, config: TieredConfig | None = None, *, layer: int = 0,
+                 context: "SharedContext | None" = None):
         self.config = config or TieredConfig()
         self.layer = layer
-        self.plan = plan  # shared Plan of the whole model (tiered.planner), or None
+        self.context = context or SharedContext(self.config, layers=1)
         self.offset = 0  # RoPE position: tokens seen, never reduced by eviction
         self.stats = LayerStats()
         self._reset_storage()
+
+    @property
+    def plan(self):
+        return self.context.plan
+
+    @property
+    def scheduler(self):
+        return self.context.get_scheduler()
 
     def _reset_storage(self):
         self.phase = "exact"
@@ -67,6 +78,8 @@ class TieredCache(_BaseCache):
         self._pending_tokens = 0
         self._geometry = None  # (B, H, dk, dv, dtype)
         self.compressed = None  # tiered.compressed.CompressedLayer once compressed
+        self._compress_pending = False
+        self._obs = None
 
     # ---- the mlx-lm cache contract ---------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array):
@@ -77,12 +90,15 @@ class TieredCache(_BaseCache):
         Invalid input raises ``ValueError`` before anything is changed.
         """
         self._validate(keys, values)
-        if self.phase == "exact" and self._should_compress(keys.shape[2]):
-            self.compress()
         if self.phase == "compressed":
             self._require_routing()
+            out = self.compressed.append(keys, values)
             self.offset += keys.shape[2]
-            return self.compressed.append(keys, values)
+            return out
+        if self._should_compress(keys.shape[2]):
+            # Compression needs the queries and the scale: it runs in attention(), right after.
+            self._require_routing()
+            self._compress_pending = True
         return self._append_exact(keys, values)
 
     def _validate(self, keys, values):
@@ -152,6 +168,7 @@ class TieredCache(_BaseCache):
             "version": STATE_VERSION,
             "config": json.dumps(self.config.to_dict()),
             "layer": self.layer,
+            "layers": self.context.layers,
             "offset": self.offset,
             "phase": self.phase,
         }
@@ -163,7 +180,9 @@ class TieredCache(_BaseCache):
             st["keys"], st["values"] = self._exact_view()
         else:
             self._flush()
-            st["host"] = self.host.state()
+            st["q_heads"] = self.context.q_heads
+            if self.host is not None:
+                st["host"] = self.host.state()
             st["compressed"] = self.compressed.state()
         return st
 
@@ -175,7 +194,8 @@ class TieredCache(_BaseCache):
                 f"(expected version {STATE_VERSION})"
             )
         config = TieredConfig.from_kwargs(**json.loads(st["config"]))
-        self.__init__(config, layer=int(st["layer"]))
+        self.__init__(config, layer=int(st["layer"]),
+                      context=SharedContext(config, layers=int(st.get("layers", 1))))
         if "geometry" not in st:
             return
         B, H, dk, dv, dtype = st["geometry"]
@@ -186,8 +206,14 @@ class TieredCache(_BaseCache):
             from .compressed import CompressedLayer
 
             self._geometry = (int(B), int(H), int(dk), int(dv), dtype)
-            self.host = HostStore.from_state(st["host"])
-            self.compressed = CompressedLayer.from_state(self, st["compressed"])
+            self.context.q_heads = int(st["q_heads"])
+            if st["compressed"].get("kind") == "h2o":
+                from .h2o import H2OLayer
+
+                self.compressed = H2OLayer.from_state(self, st["compressed"])
+            else:
+                self.host = HostStore.from_state(st["host"])
+                self.compressed = CompressedLayer.from_state(self, st["compressed"])
             self.phase = "compressed"
             self.offset = int(st["offset"])
         if self.offset != int(st["offset"]):
@@ -235,26 +261,26 @@ class TieredCache(_BaseCache):
     # ---- attention -------------------------------------------------------------------------
     def attention(self, queries, keys, values, *, scale, mask, sinks=None):
         """Attention for this layer; ``keys``/``values`` are what update_and_fetch returned."""
+        if self._compress_pending:
+            L = queries.shape[2]
+            self.compress(queries, scale)
+            # The new tokens are compressed too; attend to them from the compressed tiers.
+            keys, values = keys[..., -L:, :], values[..., -L:, :]
         if self.phase == "exact":
             self._observe(queries)
-            return mx.fast.scaled_dot_product_attention(
-                queries, keys, values, scale=scale, mask=mask, sinks=sinks
-            )
+            return ops.exact_attention(queries, keys, values, scale=scale, mask=mask,
+                                       sinks=sinks, fast=self.config.exact is False)
         return self.compressed.attention(queries, keys, values, scale=scale, mask=mask,
                                          sinks=sinks)
 
     def _observe(self, queries):
         """Keep the last queries of the exact phase: they seed the resident set (SnapKV-style)."""
-        if self.config.exact:
-            return
-        w = self.config.recent
+        w = max(self.config.recent, 16)
         q = queries[..., -w:, :]
         if self._obs is None or q.shape[2] >= w:
             self._obs = q
         else:
             self._obs = mx.concatenate([self._obs, q], axis=2)[..., -w:, :]
-
-    _obs = None
 
     # ---- tiers -----------------------------------------------------------------------------
     def _write_behind(self, keys, values):
@@ -262,6 +288,11 @@ class TieredCache(_BaseCache):
         self._pending.append((keys, values))
         self._pending_tokens += keys.shape[2]
         if self._pending_tokens >= self.config.page_size:
+            self._flush()
+
+    def _flush_until(self, n: int):
+        """Make sure tokens [0, n) are on the host (older ones than the recent ring)."""
+        if self.host is None or self.host.length < n:
             self._flush()
 
     def _flush(self):
@@ -301,12 +332,39 @@ class TieredCache(_BaseCache):
         return B * H * (dk + dv) * dtype.size * self.offset
 
     def _should_compress(self, n_new: int) -> bool:
+        """Leave the exact phase at the first decode step, or when prefill outgrows its window."""
         if self.config.exact:
             return False
-        return False  # the compressed phase arrives with tiered.compressed
+        return n_new == 1 or self.offset + n_new > self.config.prefill_window
 
-    def compress(self):
-        raise NotImplementedError("compression arrives with tiered.compressed")
+    def compress(self, queries: mx.array, scale: float):
+        """Exact phase -> compressed phase: codes for every token, resident set, host pages."""
+        from .compressed import CompressedLayer
+
+        self._compress_pending = False
+        self._flush()
+        keys, values = self._exact_view()
+        self.stats.peak_transient_bytes = max(self.stats.peak_transient_bytes,
+                                              self.keys.nbytes + self.values.nbytes)
+        self.context.q_heads = queries.shape[1]
+        plan = self.context.plan_for(self)
+        obs = self._obs
+        if obs is None or obs.shape[2] == 0:
+            obs = queries[..., -self.config.recent:, :]
+        if plan.codec == "none":
+            from .h2o import H2OLayer
+
+            self.compressed = H2OLayer.from_exact(self, plan, keys, values, obs, scale)
+            self.host = None  # H2O-only: no host tier; what leaves the resident set is gone
+            self._pending.clear()
+            self._pending_tokens = 0
+        else:
+            codebook = self.context.codebook_for(self, keys)
+            self.compressed = CompressedLayer.from_exact(self, plan, codebook, keys, values,
+                                                         obs, scale)
+        self.phase = "compressed"
+        self.keys = self.values = None
+        self._obs = None
 
     def _require_routing(self):
         from .integration import is_installed
@@ -316,6 +374,22 @@ class TieredCache(_BaseCache):
                 "this TieredCache holds compressed keys, so attention must be routed to it: call "
                 "tiered.install() (TieredCache.for_model does) before running the model"
             )
+
+    def fork(self, config: TieredConfig, context: SharedContext) -> "TieredCache":
+        """A copy of this exact-phase layer under another config (one prefill, many methods)."""
+        if self.phase != "exact":
+            raise ValueError("only a cache still in its exact phase can be forked")
+        other = TieredCache(config, layer=self.layer, context=context)
+        if self._geometry is None:
+            return other
+        self._flush()
+        other._geometry = self._geometry
+        k, v = self._exact_view()
+        other.keys, other.values = k[..., :, :], v[..., :, :]  # new array objects
+        other.offset = self.offset
+        other.host = HostStore.from_state(self.host.state()) if self.host is not None else None
+        other._obs = self._obs
+        return other
 
     def __repr__(self) -> str:
         return (f"TieredCache(layer={self.layer}, phase={self.phase}, offset={self.offset}, "
@@ -346,8 +420,13 @@ class TieredCache(_BaseCache):
         for i, c in enumerate(base):
             routable = i >= len(layers) or _layer_is_routable(layers[i], is_routed, install)
             if type(c) is KVCache and routable:
-                caches.append(cls(cfg, layer=i))
                 tiered.append(i)
+        context = SharedContext(cfg, layers=len(tiered), model=model)
+        context.check_model_budget()
+        for i, c in enumerate(base):
+            routable = i >= len(layers) or _layer_is_routable(layers[i], is_routed, install)
+            if i in tiered:
+                caches.append(cls(cfg, layer=i, context=context))
             else:
                 caches.append(c)
                 kept.append((i, type(c).__name__ if routable or type(c) is not KVCache
@@ -355,12 +434,8 @@ class TieredCache(_BaseCache):
         if not tiered:
             log.warning("tiered: no layer of %s has a full-attention KVCache; nothing is tiered",
                         type(model).__name__)
-        result = TieredCacheList(caches, config=cfg, tiered_layers=tiered, kept_layers=kept)
-        from .planner import plan_for_model
-
-        result.plan = plan_for_model(model, cfg, tiered)
-        for i in tiered:
-            caches[i].plan = result.plan
+        result = TieredCacheList(caches, config=cfg, tiered_layers=tiered, kept_layers=kept,
+                                 context=context)
         log.info("tiered: %s", result.describe())
         return result
 
@@ -383,12 +458,58 @@ def _to_numpy(x: mx.array) -> np.ndarray:
 class TieredCacheList(list):
     """The per-layer caches of one model, as ``mlx_lm.generate`` expects, plus shared facts."""
 
-    def __init__(self, caches, *, config, tiered_layers, kept_layers):
+    def __init__(self, caches, *, config, tiered_layers, kept_layers, context=None):
         super().__init__(caches)
         self.config = config
         self.tiered_layers = list(tiered_layers)
         self.kept_layers = list(kept_layers)
-        self.plan = None
+        self.context = context
+
+    @property
+    def plan(self):
+        return self.context.plan if self.context is not None else None
+
+    @property
+    def scheduler(self):
+        return self.context.get_scheduler() if self.context is not None else None
+
+    def fork(self, **overrides) -> "TieredCacheList":
+        """The same prefilled (exact-phase) cache under other options, e.g. another budget.
+
+        Non-tiered layers are copied through their mlx-lm ``state``."""
+        cfg = TieredConfig.from_kwargs(**{**self.config.to_dict(), **overrides})
+        ctx = SharedContext(cfg, layers=len(self.tiered_layers))
+        ctx.model_geometry = self.context.model_geometry if self.context else None
+        ctx.check_model_budget()
+        caches = []
+        for c in self:
+            if isinstance(c, TieredCache):
+                caches.append(c.fork(cfg, ctx))
+            else:
+                caches.append(type(c).from_state(c.state) if not c.empty() else type(c)())
+        return TieredCacheList(caches, config=cfg, tiered_layers=self.tiered_layers,
+                               kept_layers=self.kept_layers, context=ctx)
+
+    def to_kvcache(self) -> list:
+        """mlx-lm ``KVCache`` layers holding this exact-phase cache's keys and values."""
+        out = []
+        for c in self:
+            if isinstance(c, TieredCache):
+                if c.phase != "exact":
+                    raise ValueError("to_kvcache needs a cache still in its exact phase")
+                kv = KVCache()
+                if not c.empty():
+                    k, v = c._exact_view()
+                    kv.update_and_fetch(k, v)
+                out.append(kv)
+            else:
+                out.append(type(c).from_state(c.state) if not c.empty() else type(c)())
+        return out
+
+    def close(self):
+        """Stop this cache's CPU workers (they restart if the cache is used again)."""
+        if self.context is not None:
+            self.context.close()
 
     def describe(self) -> str:
         kept = ", ".join(f"{i}:{n}" for i, n in self.kept_layers) or "none"

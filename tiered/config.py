@@ -72,7 +72,7 @@ class TieredConfig:
     tau: float = 0.9
     max_selected: int | float = 0.25  # hard cap: tokens, or a fraction of live tokens
     min_selected: int = 32  # floor
-    rescore: str = "approx"  # "exact": exact scores of selected tokens from host keys
+    rescore: str | None = None  # "exact" (from host keys) | "approx"; None: exact for "tiered"
     # resident set (H2O)
     sinks: int = 4
     recent: int = 64
@@ -99,7 +99,11 @@ class TieredConfig:
         self._check_budget()
         self._choice("method", METHODS)
         self._choice("key_codec", KEY_CODECS)
+        if self.rescore is None:
+            self.rescore = "approx" if self.method == "hcattention" else "exact"
         self._choice("rescore", RESCORE)
+        if self.rescore == "exact" and not self.host_keys:
+            raise ValueError("Invalid rescore: 'exact' needs host_keys=True (full keys on the host)")
         self._choice("host_dtype", HOST_DTYPES)
         if self.codebook_groups is not None:
             self._int("codebook_groups", 1)

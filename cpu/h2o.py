@@ -1,0 +1,46 @@
+"""Numba kernels of the H2O policy: the accumulated-attention EMA and heavy-hitter rows."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import prange
+
+from ._numba import kernel
+
+
+@kernel("void(float32[:, ::1], float32[:, ::1], float32[::1], float32[::1], int64, int64, "
+        "float32)", parallel=True)
+def _acc_update(acc, z, m, s, rep, n, alpha):
+    H = acc.shape[0]
+    inv = np.empty(z.shape[0], np.float32)
+    for h in range(z.shape[0]):
+        inv[h] = (1.0 - alpha) / (rep * s[h]) if s[h] > 0 else 0.0
+    blocks = (n + 1023) // 1024
+    for b in prange(blocks * H):
+        k = b // blocks
+        lo = (b % blocks) * 1024
+        hi = min(lo + 1024, n)
+        for j in range(lo, hi):
+            p = 0.0
+            for r in range(rep):
+                h = k * rep + r
+                p += math.exp(z[h, j] - m[h]) * inv[h]
+            acc[k, j] = alpha * acc[k, j] + p
+
+
+def acc_update(acc: np.ndarray, z: np.ndarray, m: np.ndarray, s: np.ndarray, rep: int, n: int,
+               alpha: float) -> None:
+    """In place: acc[k, j] = alpha * acc[k, j] + (1 - alpha) * mean_{h in group k} p[h, j].
+
+    acc: (H, >= n) float32 accumulators; z: (Hq, >= n) float32 scores with softmax statistics
+    m (max) and s (sum of exp(z - m)) per query head, so p[h, j] = exp(z[h, j] - m[h]) / s[h].
+    """
+    H = acc.shape[0]
+    if z.shape[0] != H * rep or acc.shape[1] < n or z.shape[1] < n:
+        raise ValueError(
+            f"Invalid shapes: acc {acc.shape}, z {z.shape} for rep={rep}, n={n}"
+        )
+    _acc_update(acc, z, np.ascontiguousarray(m, np.float32),
+                np.ascontiguousarray(s, np.float32), int(rep), int(n), np.float32(alpha))

@@ -1,0 +1,177 @@
+"""Worker pool for CPU jobs (Numba ``nogil`` kernels) that run beside accelerator work.
+
+A job is split by KV head across the workers; the caller keeps working (the accelerator's
+partial) and then waits. Every wait is timed, so the overlap ratio is measured, not assumed:
+
+    overlap = (CPU busy time - time the caller waited) / CPU busy time
+
+A worker's exception is re-raised in the caller by :meth:`Batch.wait`; nothing hangs: jobs
+have no inter-dependencies, and :meth:`Scheduler.close` joins every thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Timings:
+    """Per-scheduler totals, and per (layer) lists of per-step figures, in seconds."""
+
+    cpu_busy: float = 0.0  # sum of job run times (all workers)
+    waited: float = 0.0  # time callers spent blocked on jobs
+    accelerator: float = 0.0  # time callers spent on the accelerator partial meanwhile
+    jobs: int = 0
+    per_layer: dict = field(default_factory=dict)  # layer -> {"cpu": [...], "wait": [...], "accel": [...]}
+
+    @property
+    def overlap_ratio(self) -> float | None:
+        if self.cpu_busy <= 0:
+            return None
+        return max(0.0, min(1.0, (self.cpu_busy - self.waited) / self.cpu_busy))
+
+    def summary(self) -> dict:
+        return {
+            "jobs": self.jobs,
+            "cpu_busy_s": self.cpu_busy,
+            "waited_s": self.waited,
+            "accelerator_s": self.accelerator,
+            "overlap_ratio": self.overlap_ratio,
+        }
+
+
+class Batch:
+    """Jobs of one step of one layer. ``wait()`` returns their results in submission order."""
+
+    def __init__(self, scheduler: "Scheduler", layer: int):
+        self.scheduler, self.layer = scheduler, layer
+        self.futures: list[Future] = []
+        self.busy = [0.0]
+        self._lock = threading.Lock()
+
+    def submit(self, fn, *args):
+        def run():
+            t = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                dt = time.perf_counter() - t
+                with self._lock:
+                    self.busy[0] += dt
+
+        if self.scheduler.workers == 0:
+            # Inline mode (workers=0 is never user-facing; used by tests as a reference).
+            f = Future()
+            try:
+                f.set_result(run())
+            except BaseException as e:  # noqa: BLE001 - re-raised by wait()
+                f.set_exception(e)
+            self.futures.append(f)
+            return f
+        f = self.scheduler._executor().submit(run)
+        self.futures.append(f)
+        return f
+
+    def wait(self, accelerator_seconds: float = 0.0):
+        t = time.perf_counter()
+        try:
+            results = [f.result() for f in self.futures]
+        finally:
+            waited = time.perf_counter() - t
+            self.scheduler._record(self.layer, self.busy[0], waited, accelerator_seconds,
+                                   len(self.futures))
+        return results
+
+
+class Scheduler:
+    """A pool of ``workers`` threads for CPU jobs, with timing of what it overlapped."""
+
+    def __init__(self, workers: int = 2, *, record_steps: bool = True):
+        if not isinstance(workers, int) or workers < 0:
+            raise ValueError(f"Invalid workers: {workers!r} (expected an integer >= 1)")
+        self.workers = workers
+        self.record_steps = record_steps
+        self.timings = Timings()
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._finalizer = weakref.finalize(self, Scheduler._shutdown, [None])
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this Scheduler is closed")
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="tiered-cpu")
+                self._finalizer.detach()
+                self._finalizer = weakref.finalize(self, Scheduler._shutdown, [self._pool])
+            return self._pool
+
+    def batch(self, layer: int = -1) -> Batch:
+        return Batch(self, layer)
+
+    def _record(self, layer, busy, waited, accel, jobs):
+        with self._lock:
+            t = self.timings
+            t.cpu_busy += busy
+            t.waited += waited
+            t.accelerator += accel
+            t.jobs += jobs
+            if self.record_steps:
+                d = t.per_layer.setdefault(layer, {"cpu": [], "wait": [], "accel": []})
+                d["cpu"].append(busy)
+                d["wait"].append(waited)
+                d["accel"].append(accel)
+
+    def reset_timings(self):
+        with self._lock:
+            self.timings = Timings()
+
+    @staticmethod
+    def _shutdown(box):
+        pool = box[0] if isinstance(box, list) else box
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def close(self):
+        """Finish running jobs and join every worker thread. Idempotent."""
+        with self._lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        self._finalizer.detach()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+_default: Scheduler | None = None
+_default_lock = threading.Lock()
+
+
+def default_scheduler(workers: int = 2) -> Scheduler:
+    """A process-wide scheduler for caches that were not given one (e.g. loaded from disk)."""
+    global _default
+    with _default_lock:
+        if _default is None or _default.closed:
+            _default = Scheduler(workers)
+        return _default
+
+
+def split_heads(n_heads: int, workers: int) -> list[range]:
+    """Contiguous KV-head ranges, one per worker (fewer when there are fewer heads)."""
+    w = max(1, min(workers, n_heads))
+    bounds = [round(i * n_heads / w) for i in range(w + 1)]
+    return [range(bounds[i], bounds[i + 1]) for i in range(w) if bounds[i + 1] > bounds[i]]

@@ -1,0 +1,186 @@
+"""The compressed phase end to end: exactness limits, budgets, H2O invariants, persistence."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import make_small_model
+from mlx_lm.models.cache import KVCache, save_prompt_cache
+
+import tiered
+from tiered import TieredCache
+from tiered.planner import BudgetError
+
+
+def _prompt(n, seed=0, vocab=49152):
+    rng = np.random.default_rng(seed)
+    return mx.array(rng.integers(10, vocab - 10, n))[None]
+
+
+def _decode_logits(model, cache, prompt, steps):
+    """Prefill `prompt`, then greedy-decode `steps` tokens; logits of every step."""
+    logits = model(prompt, cache=cache)[:, -1]
+    out = []
+    for _ in range(steps):
+        y = mx.argmax(logits, axis=-1)[:, None]
+        logits = model(y, cache=cache)[:, -1]
+        out.append(logits)
+    return mx.concatenate(out).astype(mx.float32)
+
+
+@pytest.fixture(scope="module")
+def small():
+    return make_small_model("llama-gqa-d64", layers=3, seed=1)
+
+
+def test_tau_one_selects_everything_and_equals_full_attention(small):
+    """tau = 1, no cap, exact rescoring, fp32 host pages: every offloaded token is selected and
+    weighted exactly, so the split attention must equal full attention."""
+    prompt = _prompt(400)
+    ref = _decode_logits(small, [KVCache() for _ in range(3)], prompt, 6)
+    cache = TieredCache.for_model(small, gpu_budget=0.25, tau=1.0, max_selected=1.0,
+                                  rescore="exact", host_dtype="float32", page_size=64,
+                                  recent=16, refresh_every=2)
+    got = _decode_logits(small, cache, prompt, 6)
+    assert all(c.phase == "compressed" for c in cache)
+    sel = tiered.report_dict(cache)["selection"]
+    assert sel["resident_hit_rate"] < 1.0  # the offloaded part really was used
+    assert mx.abs(ref - got).max().item() < 2e-4
+
+
+def _teacher_forced(model, cache, prompt, cont):
+    model(prompt, cache=cache)
+    out = [model(mx.array([[t]]), cache=cache)[:, -1] for t in cont]
+    return mx.concatenate(out).astype(mx.float32)
+
+
+def test_default_policy_tracks_the_full_cache_on_real_text(embedded):
+    """Embedded model, real text, 1/4 of the accelerator bytes: the next-token distributions
+    stay close to the full cache's (teacher-forced, so both see the same tokens)."""
+    from tiered.tasks import topics_text
+
+    model, tok = embedded
+    ids = tok.encode(topics_text()[20000:26000])[:624]
+    prompt, cont = mx.array(ids[:600])[None], ids[600:624]
+    ref = _teacher_forced(model, [KVCache() for _ in model.layers], prompt, cont)
+    cache = TieredCache.for_model(model, gpu_budget=0.25, page_size=64)
+    got = _teacher_forced(model, cache, prompt, cont)
+    lp_ref = ref - mx.logsumexp(ref, axis=-1, keepdims=True)
+    lp = got - mx.logsumexp(got, axis=-1, keepdims=True)
+    kl = (mx.exp(lp_ref) * (lp_ref - lp)).sum(-1).mean().item()
+    agree = (mx.argmax(ref, -1) == mx.argmax(got, -1)).astype(mx.float32).mean().item()
+    assert all(c.phase == "compressed" for c in cache)
+    assert agree >= 0.9 and kl < 0.05, (agree, kl)
+
+
+@pytest.mark.parametrize("method", ["tiered", "hcattention", "h2o"])
+@pytest.mark.parametrize("budget", [0.5, 0.25, 0.125])
+def test_accelerator_bytes_within_budget(small, method, budget):
+    prompt = _prompt(700, seed=2)
+    try:
+        cache = TieredCache.for_model(small, gpu_budget=budget, method=method, page_size=64,
+                                      recent=16)
+        _decode_logits(small, cache, prompt, 20)
+    except BudgetError as e:
+        assert "smallest budget that works" in str(e)
+        return
+    rep = tiered.report_dict(cache)
+    assert rep["phases"] == ["compressed"]
+    full = sum(c.full_cache_bytes() for c in cache)
+    assert rep["bytes"]["accelerator"] <= budget * full
+    if method == "h2o":
+        assert rep["bytes"]["host"] == 0
+    else:
+        assert rep["bytes"]["host"] > 0
+
+
+def test_budget_refusal_names_the_smallest_that_works(small):
+    with pytest.raises(BudgetError, match="smallest budget that works"):
+        TieredCache.for_model(small, gpu_budget=0.01)
+
+
+def test_h2o_segments_and_offset(small):
+    """Sinks and the recent window are never evicted; offset keeps counting past eviction."""
+    prompt = _prompt(300, seed=4)
+    cache = TieredCache.for_model(small, gpu_budget=0.25, method="h2o", sinks=4, recent=8)
+    logits = small(prompt, cache=cache)[:, -1]
+    for step in range(40):
+        y = mx.argmax(logits, axis=-1)[:, None]
+        logits = small(y, cache=cache)[:, -1]
+        for c in cache:
+            assert c.offset == 300 + step + 1
+            layer = c.compressed
+            n = layer.n
+            assert n == c.offset
+            tok = layer.res_tok
+            for h in range(tok.shape[0]):
+                live = set(tok[h][tok[h] >= 0].tolist())
+                assert set(range(4)) <= live, "a sink was evicted"
+                assert set(range(n - 8, n)) <= live, "a recent token was evicted"
+                assert len(live) == (tok[h] >= 0).sum()  # no duplicates
+            assert (tok >= 0).sum(axis=1).max() < n  # something really was evicted
+
+
+def test_tiered_resident_segments(small):
+    prompt = _prompt(500, seed=5)
+    cache = TieredCache.for_model(small, gpu_budget=0.25, sinks=4, recent=16, page_size=64,
+                                  refresh_every=3)
+    logits = small(prompt, cache=cache)[:, -1]
+    for step in range(12):
+        y = mx.argmax(logits, axis=-1)[:, None]
+        logits = small(y, cache=cache)[:, -1]
+        for c in cache:
+            layer = c.compressed
+            n = layer.n
+            assert n == c.offset == 500 + step + 1
+            tok = np.array(layer.res_tok)
+            flags = np.array(layer.flags)[:, :n]
+            for h in range(tok.shape[0]):
+                live = tok[h][tok[h] >= 0]
+                assert set(range(4)) <= set(live.tolist())
+                assert set(range(n - 16, n)) <= set(live.tolist())
+                assert len(set(live.tolist())) == len(live)
+                # the resident flags mark exactly the resident tokens
+                assert set(np.flatnonzero(flags[h]).tolist()) == set(live.tolist())
+            assert c.host.length >= n - 16  # everything outside the ring is on the host
+
+
+def test_compressed_round_trip_through_mlx_lm(small, tmp_path):
+    prompt = _prompt(300, seed=6)
+    cache = TieredCache.for_model(small, gpu_budget=0.25, page_size=64, recent=16)
+    _decode_logits(small, cache, prompt, 3)
+    path = str(tmp_path / "c.safetensors")
+    save_prompt_cache(path, cache)
+    loaded = tiered.load_prompt_cache(path)
+    y = mx.array([[7]])
+    a = [small(y, cache=cache)]
+    b = [small(y, cache=loaded)]
+    for _ in range(5):
+        a.append(small(mx.argmax(a[-1][:, -1], axis=-1)[:, None], cache=cache))
+        b.append(small(mx.argmax(b[-1][:, -1], axis=-1)[:, None], cache=loaded))
+    for x, z in zip(a, b):
+        assert mx.abs(x - z).max().item() < 1e-5
+
+
+def test_compressed_trim(small):
+    prompt = _prompt(300, seed=7)
+    cache = TieredCache.for_model(small, gpu_budget=0.25, page_size=64, recent=16)
+    _decode_logits(small, cache, prompt, 4)
+    c = cache[0]
+    before = c.offset
+    assert c.is_trimmable()
+    assert c.trim(3) == 3
+    assert c.offset == before - 3 == c.compressed.n
+    assert c.host.length <= c.offset
+    tok = np.array(c.compressed.res_tok)
+    assert tok.max() < c.offset
+
+
+def test_compressed_needs_routing(small):
+    cache = TieredCache.for_model(small, gpu_budget=0.25, page_size=64, recent=16)
+    small(_prompt(200), cache=cache)
+    tiered.uninstall()
+    with pytest.raises(RuntimeError, match="tiered.install"):
+        small(mx.array([[5]]), cache=cache)
+    assert all(c.phase == "exact" for c in cache)  # nothing half-done

@@ -1,0 +1,108 @@
+"""What the layers of one model share: the plan, the key codebooks, the CPU workers."""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import numpy as np
+
+from .planner import Geometry, Plan, make_plan
+
+
+def model_geometry(model, tiered_layers: int) -> Geometry | None:
+    """KV geometry from an mlx-lm model's args, or None when they don't say."""
+    args = getattr(model, "args", None)
+    if args is None:
+        return None
+    args = getattr(args, "text_config", None) or args
+    if isinstance(args, dict):
+        get = args.get
+    else:
+        def get(k, default=None):
+            return getattr(args, k, default)
+    heads = get("num_attention_heads")
+    if not heads:
+        return None
+    kv = get("num_key_value_heads") or heads
+    d = get("head_dim") or (get("hidden_size") // heads if get("hidden_size") else None)
+    if not d:
+        return None
+    return Geometry(tiered_layers, int(kv), int(heads), int(d), int(d), _model_dtype(model).size)
+
+
+def _model_dtype(model) -> mx.Dtype:
+    from mlx.utils import tree_flatten
+
+    for name, p in tree_flatten(model.parameters()):
+        if mx.issubdtype(p.dtype, mx.floating) and not name.endswith(("scales", "biases")):
+            return p.dtype
+    for name, p in tree_flatten(model.parameters()):
+        if name.endswith("scales"):
+            return p.dtype
+    return mx.float32
+
+
+class SharedContext:
+    def __init__(self, config, *, layers: int, model=None):
+        self.config = config
+        self.layers = layers
+        self.model_geometry = model_geometry(model, layers) if model is not None else None
+        self.q_heads: int | None = None
+        self.plan: Plan | None = None
+        self.codebooks: dict[int, np.ndarray] | None = None  # from a calibration file
+        self._scheduler = None
+        self._lock = threading.Lock()
+
+    # ---- plan ------------------------------------------------------------------------------
+    def check_model_budget(self, reference_tokens: int = 4096):
+        """Refuse, before any work, a budget that cannot hold even a short document."""
+        if self.model_geometry is not None and not self.config.exact:
+            make_plan(self.model_geometry, self.config, reference_tokens=reference_tokens)
+
+    def adopt_plan(self, text: str) -> Plan:
+        """The plan saved with a cache (a loaded cache keeps the parameters it was built with)."""
+        with self._lock:
+            if self.plan is None:
+                self.plan = Plan.from_json(text)
+            return self.plan
+
+    def plan_for(self, layer) -> Plan:
+        """The model's plan, made at the first compression from the layer's real geometry."""
+        with self._lock:
+            if self.plan is None:
+                B, H, dk, dv, dtype = layer._geometry
+                q_heads = self.q_heads or H
+                geo = Geometry(self.layers, H, q_heads, dk, dv, dtype.size)
+                self.plan = make_plan(geo, self.config, reference_tokens=max(layer.offset, 1))
+            return self.plan
+
+    # ---- codebooks -------------------------------------------------------------------------
+    def codebook_for(self, layer, keys: mx.array) -> np.ndarray:
+        """This layer's codebook: from the calibration file, or trained on its own first keys."""
+        if self.codebooks is not None and layer.layer in self.codebooks:
+            return self.codebooks[layer.layer]
+        from .codecs import train_codebook
+
+        plan = self.plan
+        n = min(keys.shape[2], self.config.calibration_tokens)
+        sample = np.array(keys[0, :, :n, :].astype(mx.float32))
+        # One faiss thread: its OpenMP workers spin at barriers and stall beside other CPU work.
+        return train_codebook(sample, groups=plan.groups, size=plan.centroids,
+                              per_group=plan.per_group, iters=self.config.kmeans_iters,
+                              seed=self.config.seed + layer.layer, threads=1)
+
+    # ---- workers ---------------------------------------------------------------------------
+    def get_scheduler(self):
+        from tiered.scheduler import Scheduler
+
+        with self._lock:
+            if self._scheduler is None or self._scheduler.closed:
+                self._scheduler = Scheduler(self.config.workers)
+            return self._scheduler
+
+    def close(self):
+        with self._lock:
+            s, self._scheduler = self._scheduler, None
+        if s is not None:
+            s.close()

@@ -1,0 +1,107 @@
+"""One dispatcher for the per-step compute of a compressed layer.
+
+Every function takes and returns numpy arrays (CPU memory: MLX's CPU backend and unified
+memory share it). On the CPU backend the work runs in the Numba kernels of ``tiered.cpu``
+(MLX's CPU gather ops are ~20x slower for table lookups); on GPU backends the scoring and
+selection kernels of ``tiered.metal`` take over where they exist.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from tiered.cpu import kernels as K
+from tiered.cpu.h2o import acc_update  # noqa: F401  (re-exported)
+from tiered.scheduler import split_heads
+
+
+def on_cpu_backend() -> bool:
+    return mx.default_device() == mx.cpu
+
+
+# ---- exact attention ---------------------------------------------------------------------------
+def exact_attention(queries, keys, values, *, scale, mask, sinks=None, fast=False):
+    """Attention over full keys/values. ``fast``: on the CPU backend, prompt chunks go through
+    BLAS + a Numba softmax (MLX's CPU exp is the bottleneck there); else mlx's SDPA, bit-equal
+    to mlx-lm."""
+    L = queries.shape[2]
+    if (fast and L > 1 and sinks is None and on_cpu_backend() and queries.shape[0] == 1
+            and isinstance(mask, str) and mask == "causal"):
+        from tiered.cpu.attention import causal_attention
+
+        q = np.array(queries[0].astype(mx.float32))
+        k = np.array(keys[0].astype(mx.float32))
+        v = np.array(values[0].astype(mx.float32))
+        return mx.array(causal_attention(q, k, v, float(scale)))[None].astype(queries.dtype)
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask,
+                                                sinks=sinks)
+
+
+# ---- codes -------------------------------------------------------------------------------------
+def encode(keys: np.ndarray, codebook: np.ndarray) -> np.ndarray:
+    """keys (H, L, d) float32 -> codes (H, L, g)."""
+    return K.codebook_encode(np.ascontiguousarray(keys, np.float32), codebook)
+
+
+def scores(q: np.ndarray, codebook: np.ndarray, codes: np.ndarray, n: int, rep: int,
+           out: np.ndarray | None = None) -> np.ndarray:
+    """Approximate scores (Hq, n) of every live token from its codes; q (Hq, d) scaled."""
+    T = K.codebook_lut(q, codebook, rep)
+    return K.codebook_scores(codes, n, T, rep, out)
+
+
+def observed_weights(obs_q: np.ndarray, keys: np.ndarray, scale: float) -> np.ndarray:
+    """(H, n) mean softmax weight that the observation queries (Hq, w, d) put on each key.
+
+    Seeds the H2O accumulators at compression: the last prompt queries (usually the question)
+    point at the tokens that matter (as in SnapKV)."""
+    Hq, w, d = obs_q.shape
+    H, n, _ = keys.shape
+    rep = Hq // H
+    out = np.empty((H, n), np.float32)
+    for k in range(H):
+        q = obs_q[k * rep : (k + 1) * rep].reshape(rep * w, d) * np.float32(scale)
+        s = q @ keys[k].T
+        s -= s.max(axis=1, keepdims=True)
+        np.exp(s, out=s)
+        s /= s.sum(axis=1, keepdims=True)
+        out[k] = s.mean(axis=0)
+    return out
+
+
+# ---- selection and the host partial --------------------------------------------------------------
+def select(z, flags, tau, cap, floor, rep):
+    sel = K.tau_select(z, flags, tau, cap, floor)
+    return sel.idx, sel.count, sel.m, sel.s, sel.mass
+
+
+def gather_partial(scheduler, layer, q, z, idx, count, rep, host, rescore_exact):
+    """Weighted sums of the selected host values, split by KV head across the workers.
+
+    Returns (o (Hq, dv) normalized, lse (Hq,)). Worker errors are raised here."""
+    H = idx.shape[0]
+    Hq = H * rep
+    args = K.host_store_args(host)
+    o = np.zeros((Hq, host.value_dim), np.float32)
+    lse = np.full(Hq, -np.inf, np.float32)
+    batch = scheduler.batch(layer)
+    for heads in split_heads(H, scheduler.workers or 1):
+        batch.submit(_gather_job, q, z, idx, count, rep, args, rescore_exact, o, lse,
+                     (heads.start, heads.stop))
+    batch.wait()
+    return o, lse
+
+
+def _gather_job(q, z, idx, count, rep, args, rescore_exact, o, lse, heads):
+    (page_ids, page_size, ppb, va, vsa, vcode, dv, ka, ksa, kcode, d) = args
+    K.gather_partial(q, z, idx, count, rep, page_ids, page_size, ppb, va, vsa, vcode, dv, ka,
+                     ksa, kcode, d, rescore_exact, o, lse, kv_heads=heads)
+
+
+def merge(o1, lse1, o2, lse2):
+    return K.merge_partials(o1, lse1, o2, lse2)
+
+
+def logaddexp(a, b):
+    return np.logaddexp(a, b)
