@@ -676,14 +676,14 @@ def _weighted_values(idx, k, cnt, rep, addrs, scale_addrs, code, dv, page_ids, p
 @kernel(
     "void(float32[:, ::1], float32[:, :], int32[:, ::1], int32[::1], int64, int64[::1], int64, "
     "int64, int64[::1], int64[::1], int64, int64, int64[::1], int64[::1], int64, int64, "
-    "boolean, float32[::1], int64, int64, float32[:, ::1], float32[::1])",
+    "boolean, boolean, float32[::1], int64, int64, float32[:, ::1], float32[::1])",
     inf_safe=True,
 )
 def _gather_partial(q, z, idx, count, rep, page_ids, page_size, ppb, val_addrs,
                     val_scale_addrs, val_code, dv, key_addrs, key_scale_addrs, key_code, d,
-                    rescore_exact, f16, kv_start, kv_stop, o_out, lse_out):
+                    rescore_exact, z_by_slot, f16, kv_start, kv_stop, o_out, lse_out):
     n_tokens = page_ids.shape[0] * page_size
-    if not rescore_exact:
+    if not rescore_exact and not z_by_slot:
         n_tokens = min(n_tokens, z.shape[1])
     n_blocks = val_addrs.shape[0]
     if rescore_exact:
@@ -699,7 +699,11 @@ def _gather_partial(q, z, idx, count, rep, page_ids, page_size, ppb, val_addrs,
         cnt = count[k]
         h0 = k * rep
         # Pass 1: logits of the rep heads. Literal dtype codes: see _load_row.
-        if not rescore_exact:
+        if not rescore_exact and z_by_slot:
+            for t in range(cnt):
+                for r in range(rep):
+                    w[r, t] = z[h0 + r, t]
+        elif not rescore_exact:
             for t in range(cnt):
                 for r in range(rep):
                     w[r, t] = z[h0 + r, idx[k, t]]
@@ -760,7 +764,7 @@ _NO_QUERIES = np.zeros((0, 0), np.float32)
 def gather_partial(q, z, idx, count, rep, page_ids, page_size, pages_per_block, val_addrs,
                    val_scale_addrs, val_dtype_code, dv, key_addrs, key_scale_addrs,
                    key_dtype_code, d, rescore_exact, o_out, lse_out, *, kv_heads=None,
-                   native_half=NATIVE_HALF):
+                   native_half=NATIVE_HALF, z_by_slot=False):
     """Softmax-weighted sum of the selected host values, per query head (serial, nogil).
 
     For query head qh (kv head k = qh // rep) over tokens j in idx[k, :count[k]]: logits
@@ -777,6 +781,8 @@ def gather_partial(q, z, idx, count, rep, page_ids, page_size, pages_per_block, 
     o_out: (Hq, dv) float32; lse_out: (Hq,) float32. kv_heads: (start, stop) to compute only
     those kv heads (split one step across workers); other rows are left untouched.
     native_half: decode float16 in hardware (default where available) instead of F16_TO_F32.
+    z_by_slot: z is (Hq, >= cap) indexed by selection slot (z[qh, t] weighs idx[k, t]) rather
+    than by token id: an accelerator hands over only the scores of the selected tokens.
     """
     _check("idx", idx, (None, None), (np.dtype(np.int32),))
     H = idx.shape[0]
@@ -816,7 +822,8 @@ def gather_partial(q, z, idx, count, rep, page_ids, page_size, pages_per_block, 
     _gather_partial(_c32(q), z, idx, count, int(rep), np.asarray(page_ids, np.int64),
                     int(page_size), int(pages_per_block), val_addrs, val_scale_addrs,
                     int(val_dtype_code), int(dv), key_addrs, key_scale_addrs, int(key_dtype_code),
-                    int(d), bool(rescore_exact), F16_TO_F32, start, stop, o_out, lse_out)
+                    int(d), bool(rescore_exact), bool(z_by_slot), F16_TO_F32, start, stop, o_out,
+                    lse_out)
     return o_out, lse_out
 
 

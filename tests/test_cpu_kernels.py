@@ -381,6 +381,27 @@ def test_gather_partial_kv_subsets_from_threads():
             np.testing.assert_array_equal(lse, lse_all)
 
 
+def test_gather_partial_scores_by_slot_equal_scores_by_token():
+    """An accelerator ships only the selected tokens' scores (z_by_slot): same result as the
+    full score row indexed by token id."""
+    rng = np.random.default_rng(5)
+    H, rep, d, n = 3, 3, 64, 1500
+    store = _store("float16", H, d, d, n, rng, page_size=64)
+    z = rng.standard_normal((H * rep, n)).astype(np.float32)
+    idx, count = _selection(H, n, 400, rng)
+    zslot = np.full((H * rep, 400), np.nan, np.float32)
+    for qh in range(H * rep):
+        k = qh // rep
+        zslot[qh, : count[k]] = z[qh, idx[k, : count[k]]]
+    o_id, lse_id = _run_partial(store, 0, None, z, idx, count, rep, False)
+    o = np.full_like(o_id, np.nan)
+    lse = np.full_like(lse_id, np.nan)
+    K.gather_partial(None, zslot, idx, count, rep, *K.host_store_args(store, 0), False, o, lse,
+                     z_by_slot=True)
+    np.testing.assert_array_equal(o, o_id)
+    np.testing.assert_array_equal(lse, lse_id)
+
+
 def test_gather_partial_rejects_bad_inputs():
     rng = np.random.default_rng(0)
     store = _store("float32", 2, 64, 64, 40, rng)

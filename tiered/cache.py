@@ -359,7 +359,7 @@ class TieredCache(_BaseCache):
             self._pending.clear()
             self._pending_tokens = 0
         else:
-            codebook = self.context.codebook_for(self, keys)
+            codebook = self.context.codebook_for(self, keys) if plan.codec == "codebook" else None
             self.compressed = CompressedLayer.from_exact(self, plan, codebook, keys, values,
                                                          obs, scale)
         self.phase = "compressed"
@@ -398,12 +398,15 @@ class TieredCache(_BaseCache):
     # ---- construction ----------------------------------------------------------------------
     @classmethod
     def for_model(cls, model, gpu_budget: float | int | str = 0.125, *, install: bool = True,
-                  **config) -> "TieredCacheList":
+                  tokenizer=None, **config) -> "TieredCacheList":
         """One cache per layer of ``model``: TieredCache for full-attention KV layers.
 
         Layers whose own cache is something else (sliding-window ``RotatingKVCache``, SSM
         ``ArraysCache``...) keep the cache the model makes for them. ``install=True`` routes
         mlx-lm attention to TieredCache (see :func:`tiered.install`).
+        ``calibration="path/to/text"`` trains the key codebooks once on that text (``tokenizer``
+        is then needed unless the result is already in ``cache_dir``); the default ``"self"``
+        trains each layer's codebook on the document's own first keys.
         Unknown options raise ``ValueError`` naming them.
         """
         cfg = TieredConfig.from_kwargs(gpu_budget=gpu_budget, **config)
@@ -423,6 +426,9 @@ class TieredCache(_BaseCache):
                 tiered.append(i)
         context = SharedContext(cfg, layers=len(tiered), model=model)
         context.check_model_budget()
+        if cfg.calibration != "self" and not cfg.exact and tiered:
+            context.calibrate_from_text(model, tokenizer or getattr(model, "tiered_tokenizer", None),
+                                        tiered)
         for i, c in enumerate(base):
             routable = i >= len(layers) or _layer_is_routable(layers[i], is_routed, install)
             if i in tiered:

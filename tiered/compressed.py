@@ -1,21 +1,26 @@
 """The compressed phase of one layer: codes for every token, full K/V for a resident set.
 
-Accelerator tier (MLX arrays, all ``(H, capacity, ...)`` grown in steps):
+Accelerator tier (MLX arrays, ``(H, capacity, ...)``, grown in steps):
 
-- ``codes`` (H, cap, g) uint8/uint16: product-quantized keys of every live token;
+- compressed keys of every live token (:mod:`tiered.keys`: codebook codes or affine);
 - ``acc`` (H, cap) fp32: H2O accumulator (EMA of softmax weight, averaged over the GQA group);
 - ``flags`` (H, cap) uint8: 1 where a token is resident;
-- resident set ``res_k``/``res_v`` (H, R, d) in the model dtype and ``res_tok`` (H, R) int32:
-  slots ``[0, S)`` sinks, ``[S, S+W)`` a ring of the W most recent tokens, ``[S+W, R)`` heavy
-  hitters (per KV head). Empty slots hold token id -1.
+- the resident set ``res_k``/``res_v`` (H, R, d) in the model dtype and ``res_tok`` (H, R)
+  int32: slots ``[0, S)`` sinks, ``[S, S+W)`` a ring of the W most recent tokens, ``[S+W, R)``
+  heavy hitters (per KV head). Empty slots hold token id -1.
 
 Host tier: :class:`tiered.cpu.HostStore` with every token's values (and keys).
 
 A decode step (one query): exact scores and the partial over the resident set on the
-accelerator; approximate scores of every token from the codes; tau-cumulative selection of the
-offloaded tokens that matter; their values gathered and summed on CPU workers (approximate or
-exactly rescored weights); the two partials merged exactly; H2O accumulators updated and, every
-``refresh_every`` steps, heavy hitters promoted from the host (and demoted) to follow attention.
+accelerator; approximate scores of every token from the compressed keys (exported); tau-
+cumulative selection of the offloaded tokens that matter; their values gathered and summed by
+CPU workers (approximate weights, or exactly rescored from the host keys) while the accelerator
+works on; the two partials merged exactly; H2O accumulators updated and, every
+``refresh_every`` steps, heavy hitters promoted from the host (and demoted).
+
+Two implementations of the step share this state: ``numpy_path`` (MLX's CPU backend: Numba
+kernels on zero-copy views) and the MLX path (GPUs: kernels of ``tiered.metal``; only the
+selected indices and their scores cross to the CPU).
 """
 
 from __future__ import annotations
@@ -25,7 +30,10 @@ import time
 import mlx.core as mx
 import numpy as np
 
+from tiered import metal
+
 from . import ops
+from .keys import AffineKeys, CodebookKeys, _capacity
 from .planner import Plan
 
 
@@ -35,93 +43,83 @@ def _np(a: mx.array) -> np.ndarray:
     return np.array(a, copy=False)
 
 
-def _zeros(shape, dtype, fill=0):
-    a = mx.full(shape, fill, dtype=dtype) if fill else mx.zeros(shape, dtype=dtype)
-    mx.eval(a)
-    return a
-
-
 class CompressedLayer:
-    def __init__(self, parent, plan: Plan, codebook: np.ndarray, capacity: int):
+    def __init__(self, parent, plan: Plan, keys_store, capacity: int):
         self.parent = parent
         self.config = parent.config
         self.plan = plan
         B, H, dk, dv, dtype = parent._geometry
         self.H, self.dk, self.dv, self.dtype = H, dk, dv, dtype
-        self.codebook = mx.array(codebook.astype(np.float32))
-        self._codebook_np = _np(self.codebook)
-        self.code_dtype = mx.uint8 if plan.centroids <= 256 else mx.uint16
+        self.numpy_path = _numpy_path(self.config)
+        self.keys = keys_store
         self.n = 0  # live tokens
         self.steps = 0  # decode steps since compression
         self.scale = None
+        self.S, self.W = plan.sinks, plan.recent
+        self.S_eff = self.W_eff = 0
+        self.acc = self.flags = None
         self._alloc(capacity)
-        S, W = plan.sinks, plan.recent
-        self.S, self.W = S, W
-        self.R = 0
         self.res_k = self.res_v = self.res_tok = None
+        self._res_tok_np = None
 
     # ---- storage ---------------------------------------------------------------------------
-    def _alloc(self, capacity):
-        H, g = self.H, self.plan.groups
-        self.codes = _zeros((H, capacity, g), self.code_dtype)
-        self.acc = _zeros((H, capacity), mx.float32) if self.plan.use_h2o else None
-        self.flags = _zeros((H, capacity), mx.uint8)
-        self._views()
-
-    def _views(self):
-        self._codes_np = _np(self.codes)
-        self._flags_np = _np(self.flags)
-        self._acc_np = _np(self.acc) if self.acc is not None else None
+    def _alloc(self, capacity: int, n: int = 0):
+        H = self.H
+        flags = mx.zeros((H, capacity), mx.uint8)
+        acc = mx.zeros((H, capacity), mx.float32) if self.plan.use_h2o else None
+        if self.flags is not None and n:
+            flags[:, :n] = self.flags[:, :n]
+            if acc is not None:
+                acc[:, :n] = self.acc[:, :n]
+        mx.eval(flags, *([acc] if acc is not None else []))
+        self.flags, self.acc = flags, acc
+        self._flags_np = _np(flags) if self.numpy_path else None
+        self._acc_np = _np(acc) if self.numpy_path and acc is not None else None
 
     @property
     def capacity(self) -> int:
-        return self.codes.shape[1]
+        return self.flags.shape[1]
 
-    def _grow(self, need: int):
-        if need <= self.capacity:
-            return
-        step = self.plan.step
-        cap = -(-need // step) * step
-        old = (self._codes_np, self._flags_np, self._acc_np)
-        self._alloc(cap)
-        n = self.n
-        self._codes_np[:, :n] = old[0][:, :n]
-        self._flags_np[:, :n] = old[1][:, :n]
-        if old[2] is not None:
-            self._acc_np[:, :n] = old[2][:, :n]
-
-    def _set_resident(self, res_k, res_v, res_tok):
+    def _set_resident(self, res_k, res_v, tok: np.ndarray):
         self.res_k, self.res_v = res_k, res_v
-        self.res_tok = res_tok
-        self._res_tok_np = _np(self.res_tok)
-        self.R = res_tok.shape[1]
+        self._res_tok_np = np.ascontiguousarray(tok, np.int32)
+        self.res_tok = mx.array(self._res_tok_np)
+        self.R = tok.shape[1]
 
     @property
     def nbytes(self) -> int:
-        arrays = [self.codes, self.flags, self.codebook]
+        arrays = [self.flags]
         if self.acc is not None:
             arrays.append(self.acc)
         if self.res_k is not None:
             arrays += [self.res_k, self.res_v, self.res_tok]
-        return sum(a.nbytes for a in arrays)
+        return sum(a.nbytes for a in arrays) + self.keys.nbytes
+
+    def _acc_host(self) -> np.ndarray:
+        if self._acc_np is not None:
+            return self._acc_np
+        return np.array(self.acc[:, : self.n])
 
     # ---- construction from the exact phase -------------------------------------------------
     @classmethod
-    def from_exact(cls, parent, plan: Plan, codebook: np.ndarray, keys: mx.array,
-                   values: mx.array, obs_queries: mx.array | None, scale: float):
+    def from_exact(cls, parent, plan: Plan, codebook, keys: mx.array, values: mx.array,
+                   obs_queries: mx.array | None, scale: float):
         """Compress ``keys``/``values`` (1, H, n, d) of the exact phase."""
         n = keys.shape[2]
-        step = plan.step
-        self = cls(parent, plan, codebook, -(-n // step) * step)
+        cap = _capacity(n, plan.step)
+        store = make_key_store(parent, plan, codebook, cap)
+        self = cls(parent, plan, store, cap)
         self.scale = scale
-        k32 = np.ascontiguousarray(_np(keys[0].astype(mx.float32)))
-        self._codes_np[:, :n] = ops.encode(k32, self._codebook_np)
+        store.append(keys[0], 0)
         self.n = n
         # Heavy hitters seeded from the last prefill queries (SnapKV-style observation window).
         if self.acc is not None and obs_queries is not None:
-            self._acc_np[:, :n] = ops.observed_weights(
-                _np(obs_queries[0].astype(mx.float32)), k32, scale
-            )
+            w = ops.observed_weights(np.array(obs_queries[0].astype(mx.float32)),
+                                     np.array(keys[0].astype(mx.float32)), scale)
+            if self.numpy_path:
+                self._acc_np[:, :n] = w
+            else:
+                self.acc[:, :n] = mx.array(w)
         self._rebuild_resident(keys[0], values[0])
         return self
 
@@ -138,7 +136,7 @@ class CompressedLayer:
         lo, hi = min(S, n), max(n - W, 0)
         if count <= 0 or hi <= lo:
             return out
-        acc = self._acc_np[:, lo:hi]
+        acc = self._acc_host()[:, lo:hi]
         k = min(count, hi - lo)
         top = np.argpartition(-acc, k - 1, axis=1)[:, :k] if k < hi - lo else np.tile(
             np.arange(hi - lo), (H, 1))
@@ -152,10 +150,10 @@ class CompressedLayer:
         if keys is None:
             self.parent._flush()  # tokens leaving the ring are read back from the host
         R = self._resident_layout(n)
-        W = min(self.plan.recent_window(R), n)
-        S = min(self.S, n) if self.plan.keep_values_resident else 0
-        if not self.plan.keep_values_resident:
-            W = R
+        if self.plan.keep_values_resident:
+            S, W = min(self.S, n), min(self.plan.recent_window(R), n)
+        else:
+            S, W = 0, R
         ring = np.full((H, W), -1, np.int32)
         for t in range(max(0, n - W), n):
             ring[:, t % W] = t
@@ -166,16 +164,18 @@ class CompressedLayer:
         tok = np.concatenate([sinks, ring, heavy], axis=1).astype(np.int32)
         res_k, res_v = self._fetch_kv(tok, keys, values)
         self.S_eff, self.W_eff = S, W
-        self._set_resident(res_k, res_v, mx.array(tok))
-        flags = self._flags_np
-        flags[:, : self.n] = 0
+        self._set_resident(res_k, res_v, tok)
+        flags = np.zeros((H, n), np.uint8)
         for h in range(H):
-            valid = tok[h][tok[h] >= 0]
-            flags[h, valid] = 1
+            flags[h, tok[h][tok[h] >= 0]] = 1
+        if self.numpy_path:
+            self._flags_np[:, :n] = flags
+        else:
+            self.flags[:, :n] = mx.array(flags)
+            mx.eval(self.flags)
 
     def _fetch_kv(self, tok: np.ndarray, keys, values):
         """Full K/V (H, R, d) for token ids ``tok`` (-1: zeros), in the model dtype."""
-        H, R = tok.shape
         safe = np.maximum(tok, 0)
         if keys is not None:
             idx = mx.array(safe)[..., None]
@@ -195,7 +195,7 @@ class CompressedLayer:
         host = self.parent.host
         k = np.zeros((self.H, tok.shape[1], self.dk), np.float32)
         v = np.zeros((self.H, tok.shape[1], self.dv), np.float32)
-        old_tok = self._res_tok_np if self.res_tok is not None else None
+        old_tok = self._res_tok_np
         res_k = np.array(self.res_k.astype(mx.float32)) if old_tok is not None else None
         res_v = np.array(self.res_v.astype(mx.float32)) if old_tok is not None else None
         for h in range(self.H):
@@ -216,15 +216,17 @@ class CompressedLayer:
 
     # ---- appends ---------------------------------------------------------------------------
     def append(self, keys: mx.array, values: mx.array):
-        """New tokens (1, H, L, d): codes, recent ring, write-behind to the host."""
+        """New tokens (1, H, L, d): compressed keys, recent ring, write-behind to the host."""
         L = keys.shape[2]
         n0 = self.n
-        self._grow(n0 + L)
-        k32 = np.ascontiguousarray(_np(keys[0].astype(mx.float32)))
-        self._codes_np[:, n0 : n0 + L] = ops.encode(k32, self._codebook_np)
-        if self._acc_np is not None:
+        if n0 + L > self.capacity:
+            self._alloc(_capacity(n0 + L, self.plan.step), n0)
+        self.keys.append(keys[0], n0)
+        self.n = n0 + L  # new tokens' accumulators start at 0 (fresh buffers are zeroed)
+        if self.acc is not None and not self.numpy_path:
+            self.acc[:, n0 : n0 + L] = 0.0
+        elif self._acc_np is not None:
             self._acc_np[:, n0 : n0 + L] = 0.0
-        self.n = n0 + L
         self._ring_insert(keys[0], values[0], n0)
         self.parent._write_behind(keys, values)
         return keys, values
@@ -237,25 +239,35 @@ class CompressedLayer:
             return
         tok = self._res_tok_np
         first = max(n0, n0 + L - W)
-        slots = [S + (t % W) for t in range(first, n0 + L)]
+        slots = np.array([S + (t % W) for t in range(first, n0 + L)], np.int32)
         old = tok[:, slots].copy()
-        for h in range(self.H):
-            gone = old[h][old[h] >= 0]
-            self._flags_np[h, gone] = 0
-        idx = mx.array(np.array(slots, np.int32))
-        src = k[:, first - n0 :].astype(self.dtype)
-        vsrc = v[:, first - n0 :].astype(self.dtype)
-        self.res_k[:, idx] = src
-        self.res_v[:, idx] = vsrc
-        mx.eval(self.res_k, self.res_v)
-        tok[:, slots] = np.arange(first, n0 + L, dtype=np.int32)
-        self._flags_np[:, first : n0 + L] = 1
+        new = np.arange(first, n0 + L, dtype=np.int32)
+        idx = mx.array(slots)
+        self.res_k[:, idx] = k[:, first - n0 :].astype(self.dtype)
+        self.res_v[:, idx] = v[:, first - n0 :].astype(self.dtype)
+        tok[:, slots] = new
+        self.res_tok = mx.array(tok)
+        if self.numpy_path:
+            for h in range(self.H):
+                self._flags_np[h, old[h][old[h] >= 0]] = 0
+            self._flags_np[:, first : n0 + L] = 1
+            mx.eval(self.res_k, self.res_v)
+        else:
+            heads = np.repeat(np.arange(self.H, dtype=np.int32), old.shape[1])
+            gone = old.reshape(-1)
+            keep = gone >= 0
+            if keep.any():
+                self.flags[mx.array(heads[keep]), mx.array(gone[keep])] = 0
+            self.flags[:, first : n0 + L] = 1
+            mx.eval(self.res_k, self.res_v, self.flags)
 
     # ---- attention -------------------------------------------------------------------------
     def attention(self, queries, keys, values, *, scale, mask, sinks=None):
         self.scale = scale
         if queries.shape[2] == 1:
-            return self._decode(queries, scale, sinks)
+            if self.numpy_path:
+                return self._decode_numpy(queries, scale, sinks)
+            return self._decode_mlx(queries, scale, sinks)
         return self._chunk(queries, keys, values, scale, sinks)
 
     def _resident_partial(self, q: mx.array):
@@ -270,59 +282,105 @@ class CompressedLayer:
         p = mx.exp(s - m)
         den = mx.sum(p, axis=-1, keepdims=True)
         o = (p @ self.res_v.astype(mx.float32)) / mx.maximum(den, 1e-30)
-        lse = (m + mx.log(den))[..., 0]
+        lse = mx.where(den[..., 0] > 0, (m + mx.log(den))[..., 0], -mx.inf)
         return o, lse, s
 
-    def _decode(self, queries, scale, sinks):
+    def _cap(self, n: int) -> tuple[int, int]:
+        cfg = self.config
+        cap = cfg.max_selected if isinstance(cfg.max_selected, int) else max(
+            1, int(cfg.max_selected * n))
+        return cap, min(cfg.min_selected, cap)
+
+    def _finish(self, queries, o_r, lse_r, o_c, lse_c, count, sinks, t0):
+        Hq = queries.shape[1]
+        o, lse = ops.merge(o_r, lse_r, o_c, lse_c)
+        if sinks is not None:
+            o, lse = ops.merge(o, lse, np.zeros_like(o), np.array(sinks, np.float32).reshape(Hq))
+        resident_mass = float(np.mean(np.exp(lse_r - ops.logaddexp(lse_r, lse_c))))
+        self.steps += 1
+        self.parent.stats.record_step(float(np.mean(count)), self.n, resident_mass)
+        if self.acc is not None and self.steps % self.config.refresh_every == 0:
+            self._rebuild_resident()  # promote / demote heavy hitters
+        self.parent.stats.last_step_s = time.perf_counter() - t0
+        return mx.array(o.reshape(1, Hq, 1, -1)).astype(queries.dtype)
+
+    def _decode_numpy(self, queries, scale, sinks):
+        """One query on the CPU backend: Numba kernels on zero-copy views."""
+        t0 = time.perf_counter()
         cfg = self.config
         H, n = self.H, self.n
         Hq, d = queries.shape[1], queries.shape[3]
         rep = Hq // H
         self.parent._flush_until(n - self.W_eff)
-        q = (queries[0, :, 0, :].astype(mx.float32) * scale)
-        qg = q.reshape(H, rep, d)
-        # Accelerator: exact partial over the resident set (evaluated while CPU jobs run).
-        o_r, lse_r, s_r = self._resident_partial(qg)
+        q = queries[0, :, 0, :].astype(mx.float32) * scale
+        o_r, lse_r, s_r = self._resident_partial(q.reshape(H, rep, d))
         mx.eval(q, o_r, lse_r, s_r)
         q_np = np.array(q)
-        z = ops.scores(q_np, self._codebook_np, self._codes_np, n, rep)
-        # Resident tokens use their exact scores in the softmax the policy sees.
+        z = self.keys.scores(q, n, rep, q_np)
+        # Resident tokens enter the policy's softmax with their exact scores.
         tok = self._res_tok_np
         s_np = np.array(s_r).reshape(Hq, -1)
         for h in range(Hq):
-            kv = h // rep
-            valid = tok[kv] >= 0
-            z[h, tok[kv][valid]] = s_np[h][valid]
-        cap = cfg.max_selected if isinstance(cfg.max_selected, int) else max(
-            1, int(cfg.max_selected * n))
-        idx, count, m, ssum, mass = ops.select(z, self._flags_np[:, :n], cfg.tau, cap,
-                                               min(cfg.min_selected, cap), rep)
-        # CPU workers: gather the selected offloaded values, weighted sums + log-sum-exp.
-        t0 = time.perf_counter()
+            valid = tok[h // rep] >= 0
+            z[h, tok[h // rep][valid]] = s_np[h][valid]
+        cap, floor = self._cap(n)
+        idx, count, m, ssum, _ = ops.select(z, self._flags_np[:, :n], cfg.tau, cap, floor, rep)
         o_c, lse_c = ops.gather_partial(
             self.parent.scheduler, self.parent.layer, q_np, z, idx, count, rep,
             self.parent.host, cfg.rescore == "exact",
         )
-        o_r = np.array(o_r).reshape(Hq, -1)
-        lse_r = np.array(lse_r).reshape(Hq)
-        o, lse = ops.merge(o_r, lse_r, o_c, lse_c)
-        if sinks is not None:
-            o, lse = ops.merge(o, lse, np.zeros_like(o), np.array(sinks, np.float32).reshape(Hq))
-        out = mx.array(o.reshape(1, Hq, 1, -1)).astype(queries.dtype)
-        # H2O bookkeeping.
         if self._acc_np is not None:
             ops.acc_update(self._acc_np, z, m, ssum, rep, n, cfg.ema_alpha)
-        self.steps += 1
-        resident_mass = float(np.mean(np.exp(lse_r - ops.logaddexp(lse_r, lse_c))))
-        self.parent.stats.record_step(float(np.mean(count)), n, resident_mass)
-        if self._acc_np is not None and self.steps % cfg.refresh_every == 0:
-            self._refresh()
-        self.parent.stats.last_step_s = time.perf_counter() - t0
-        return out
+        return self._finish(queries, np.array(o_r).reshape(Hq, -1), np.array(lse_r).reshape(Hq),
+                            o_c, lse_c, count, sinks, t0)
 
-    def _refresh(self):
-        """Promote/demote heavy hitters to follow the accumulators (and grow with the budget)."""
-        self._rebuild_resident()
+    def _decode_mlx(self, queries, scale, sinks):
+        """One query on an accelerator: scores, selection and H2O stay on the device; the
+        selected indices (and their scores) go to the CPU workers, whose gather overlaps the
+        accelerator's resident partial and accumulator update."""
+        t0 = time.perf_counter()
+        cfg = self.config
+        H, n = self.H, self.n
+        Hq, d = queries.shape[1], queries.shape[3]
+        rep = Hq // H
+        self.parent._flush_until(n - self.W_eff)
+        q = queries[0, :, 0, :].astype(mx.float32) * scale
+        o_r, lse_r, s_r = self._resident_partial(q.reshape(H, rep, d))
+        z = self.keys.scores(q, n, rep)
+        # Resident tokens take their exact scores (scatter into a spare column for empty slots).
+        R = self.R
+        tok = mx.repeat(self.res_tok, rep, axis=0)  # (Hq, R)
+        cols = mx.where(tok >= 0, tok, n)
+        zp = mx.concatenate([z, mx.zeros((Hq, 1), mx.float32)], axis=1)
+        z = mx.put_along_axis(zp, cols, s_r.reshape(Hq, R), axis=1)[:, :n]
+        cap, floor = self._cap(n)
+        sel = metal.tau_select(z, n, self.flags[:, :n].astype(mx.bool_), cfg.tau, cap, floor,
+                               with_stats=True)
+        exact = cfg.rescore == "exact"
+        zsel = None
+        if not exact:
+            rows = mx.repeat(mx.maximum(sel.idx, 0), rep, axis=0)
+            zsel = mx.take_along_axis(z, rows, axis=1)
+        mx.eval(q, sel.idx, sel.count, *([zsel] if zsel is not None else []))
+        idx = np.array(sel.idx)
+        count = np.array(sel.count)
+        q_np = np.array(q)
+        batch = ops.submit_gather(self.parent.scheduler, self.parent.layer, q_np,
+                                  None if exact else np.array(zsel), idx, count, rep,
+                                  self.parent.host, exact, z_by_slot=not exact)
+        t_acc = time.perf_counter()
+        if self.acc is not None:
+            p = mx.exp(z - sel.m[:, None]) / sel.s[:, None]
+            pm = p.reshape(H, rep, n).mean(axis=1)
+            a = cfg.ema_alpha
+            self.acc[:, :n] = a * self.acc[:, :n] + (1 - a) * pm
+            mx.eval(o_r, lse_r, self.acc)
+        else:
+            mx.eval(o_r, lse_r)
+        accel_s = time.perf_counter() - t_acc
+        o_c, lse_c = ops.wait_gather(batch, accel_s)
+        return self._finish(queries, np.array(o_r).reshape(Hq, -1), np.array(lse_r).reshape(Hq),
+                            o_c, lse_c, count, sinks, t0)
 
     def _chunk(self, queries, keys, values, scale, sinks):
         """A prompt chunk after compression: exact attention over the resident set and the
@@ -333,10 +391,8 @@ class CompressedLayer:
         n0 = self.n - L
         # The chunk's own tokens may sit in the ring already: keep resident keys older than it.
         old = (tok >= 0) & (tok < n0)
-        rk = self.res_k[None]
-        rv = self.res_v[None]
-        k = mx.concatenate([rk, keys.astype(self.dtype)], axis=2)
-        v = mx.concatenate([rv, values.astype(self.dtype)], axis=2)
+        k = mx.concatenate([self.res_k[None], keys.astype(self.dtype)], axis=2)
+        v = mx.concatenate([self.res_v[None], values.astype(self.dtype)], axis=2)
         R = self.R
         causal = mx.arange(L)[:, None] >= mx.arange(L)[None, :]
         res_mask = mx.broadcast_to(old[:, None, None, :], (H, rep, L, R))
@@ -357,9 +413,12 @@ class CompressedLayer:
         self.n -= n_trim
         self.parent.host.truncate(self.n)
         tok = self._res_tok_np
-        gone = tok >= self.n
-        tok[gone] = -1
-        self._flags_np[:, self.n :] = 0
+        tok[tok >= self.n] = -1
+        self.res_tok = mx.array(tok)
+        if self.numpy_path:
+            self._flags_np[:, self.n :] = 0
+        else:
+            self.flags[:, self.n :] = 0
         self._rebuild_resident()
         return n_trim
 
@@ -370,8 +429,7 @@ class CompressedLayer:
             "n": n,
             "steps": self.steps,
             "scale": float(self.scale) if self.scale is not None else -1.0,
-            "codebook": self.codebook,
-            "codes": self.codes[:, :n],
+            "keys": self.keys.state(n),
             "flags": self.flags[:, :n],
             "res_k": self.res_k,
             "res_v": self.res_v,
@@ -386,15 +444,40 @@ class CompressedLayer:
     def from_state(cls, parent, st):
         plan = parent.context.adopt_plan(st["plan"])
         n = int(st["n"])
-        self = cls(parent, plan, np.array(st["codebook"]), max(plan.step, -(-n // plan.step) * plan.step))
-        self.n = n
-        self.steps = int(st["steps"])
+        cap = _capacity(n, plan.step)
+        B, H, dk, dv, dtype = parent._geometry
+        ks = st["keys"]
+        if ks["kind"] == "affine":
+            store = AffineKeys.from_state(ks, H, dk, plan.affine_bits, plan.affine_group_size,
+                                          plan.step, dtype)
+        else:
+            store = CodebookKeys.from_state(ks, H, plan.step, _numpy_path(parent.config))
+        self = cls(parent, plan, store, cap)
+        self.n, self.steps = n, int(st["steps"])
         self.scale = None if st["scale"] < 0 else float(st["scale"])
-        self._codes_np[:, :n] = np.array(st["codes"])
-        self._flags_np[:, :n] = np.array(st["flags"])
-        if self._acc_np is not None and "acc" in st:
-            self._acc_np[:, :n] = np.array(st["acc"])
+        if self.numpy_path:
+            self._flags_np[:, :n] = np.array(st["flags"])
+            if self._acc_np is not None and "acc" in st:
+                self._acc_np[:, :n] = np.array(st["acc"])
+        else:
+            self.flags[:, :n] = st["flags"]
+            if self.acc is not None and "acc" in st:
+                self.acc[:, :n] = st["acc"]
         self.S_eff, self.W_eff = (int(x) for x in st["layout"])
         self._set_resident(mx.array(st["res_k"]), mx.array(st["res_v"]),
-                           mx.array(np.array(st["res_tok"]).astype(np.int32)))
+                           np.array(st["res_tok"]).astype(np.int32))
         return self
+
+
+def _numpy_path(config) -> bool:
+    if config.kernels == "auto":
+        return ops.on_cpu_backend()
+    return config.kernels == "numba"
+
+
+def make_key_store(parent, plan: Plan, codebook, capacity: int):
+    B, H, dk, dv, dtype = parent._geometry
+    if plan.codec == "affine":
+        return AffineKeys(H, dk, plan.affine_bits, plan.affine_group_size, parent.config.rotate,
+                          parent.config.seed + parent.layer, plan.step, dtype)
+    return CodebookKeys(H, codebook, capacity, plan.step, numpy_path=_numpy_path(parent.config))

@@ -91,6 +91,7 @@ class TieredConfig:
     kmeans_iters: int = 12
     cache_dir: str = field(default_factory=default_cache_dir)
     # runtime
+    kernels: str = "auto"  # per-step scoring/selection: "numba" (CPU backend), "mlx" (GPUs)
     workers: int = 2
     step: int = 256  # accelerator buffers grow in steps of this many tokens
     seed: int = 0
@@ -105,6 +106,7 @@ class TieredConfig:
         if self.rescore == "exact" and not self.host_keys:
             raise ValueError("Invalid rescore: 'exact' needs host_keys=True (full keys on the host)")
         self._choice("host_dtype", HOST_DTYPES)
+        self._choice("kernels", ("auto", "numba", "mlx"))
         if self.codebook_groups is not None:
             self._int("codebook_groups", 1)
         if self.codebook_size is not None:

@@ -225,7 +225,9 @@ def load_default(*, dequantize: bool | None = None, dtype=None):
         dtype = mx.float32 if on_cpu else mx.float16
     model = build_model(weights, meta, dequantize=dequantize, dtype=dtype)
     model.tiered_name = DEFAULT_MODEL_NAME
-    return model, build_tokenizer(meta)
+    tokenizer = build_tokenizer(meta)
+    model.tiered_tokenizer = tokenizer  # lets for_model calibrate from a text file unasked
+    return model, tokenizer
 
 
 def load(path_or_repo: str | None = None, **kwargs):

@@ -76,27 +76,43 @@ def select(z, flags, tau, cap, floor, rep):
     return sel.idx, sel.count, sel.m, sel.s, sel.mass
 
 
-def gather_partial(scheduler, layer, q, z, idx, count, rep, host, rescore_exact):
-    """Weighted sums of the selected host values, split by KV head across the workers.
+def submit_gather(scheduler, layer, q, z, idx, count, rep, host, rescore_exact, *,
+                  z_by_slot=False):
+    """Start the weighted sums of the selected host values, split by KV head across the
+    workers. Returns a handle for :func:`wait_gather`; the caller works meanwhile.
 
-    Returns (o (Hq, dv) normalized, lse (Hq,)). Worker errors are raised here."""
+    q (Hq, d) scaled queries (read when rescore_exact); z (Hq, n) scores by token id, or
+    (Hq, cap) by selection slot with ``z_by_slot``; idx (H, cap) int32; count (H,) int32."""
     H = idx.shape[0]
     Hq = H * rep
     args = K.host_store_args(host)
     o = np.zeros((Hq, host.value_dim), np.float32)
     lse = np.full(Hq, -np.inf, np.float32)
+    if z is not None:
+        z = np.ascontiguousarray(z, np.float32)
     batch = scheduler.batch(layer)
     for heads in split_heads(H, scheduler.workers or 1):
-        batch.submit(_gather_job, q, z, idx, count, rep, args, rescore_exact, o, lse,
+        batch.submit(_gather_job, q, z, idx, count, rep, args, rescore_exact, z_by_slot, o, lse,
                      (heads.start, heads.stop))
-    batch.wait()
+    return batch, o, lse
+
+
+def wait_gather(handle, accelerator_seconds: float = 0.0):
+    """(o (Hq, dv) normalized, lse (Hq,)) of a submitted gather; worker errors raise here."""
+    batch, o, lse = handle
+    batch.wait(accelerator_seconds)
     return o, lse
 
 
-def _gather_job(q, z, idx, count, rep, args, rescore_exact, o, lse, heads):
+def gather_partial(scheduler, layer, q, z, idx, count, rep, host, rescore_exact):
+    return wait_gather(submit_gather(scheduler, layer, q, z, idx, count, rep, host,
+                                     rescore_exact))
+
+
+def _gather_job(q, z, idx, count, rep, args, rescore_exact, z_by_slot, o, lse, heads):
     (page_ids, page_size, ppb, va, vsa, vcode, dv, ka, ksa, kcode, d) = args
     K.gather_partial(q, z, idx, count, rep, page_ids, page_size, ppb, va, vsa, vcode, dv, ka,
-                     ksa, kcode, d, rescore_exact, o, lse, kv_heads=heads)
+                     ksa, kcode, d, rescore_exact, o, lse, kv_heads=heads, z_by_slot=z_by_slot)
 
 
 def merge(o1, lse1, o2, lse2):
