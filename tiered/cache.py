@@ -485,7 +485,10 @@ class TieredCacheList(list):
         Non-tiered layers are copied through their mlx-lm ``state``."""
         cfg = TieredConfig.from_kwargs(**{**self.config.to_dict(), **overrides})
         ctx = SharedContext(cfg, layers=len(self.tiered_layers))
-        ctx.model_geometry = self.context.model_geometry if self.context else None
+        if self.context is not None:
+            ctx.model_geometry = self.context.model_geometry
+            ctx.codebook_memo = self.context.codebook_memo  # same document: same codebooks
+            ctx.codebooks = self.context.codebooks
         ctx.check_model_budget()
         caches = []
         for c in self:

@@ -258,8 +258,7 @@ class CompressedLayer:
             keep = gone >= 0
             if keep.any():
                 self.flags[mx.array(heads[keep]), mx.array(gone[keep])] = 0
-            self.flags[:, first : n0 + L] = 1
-            mx.eval(self.res_k, self.res_v, self.flags)
+            self.flags[:, first : n0 + L] = 1  # stays lazy: the step's one sync evaluates it
 
     # ---- attention -------------------------------------------------------------------------
     def attention(self, queries, keys, values, *, scale, mask, sinks=None):
@@ -270,20 +269,23 @@ class CompressedLayer:
             return self._decode_mlx(queries, scale, sinks)
         return self._chunk(queries, keys, values, scale, sinks)
 
-    def _resident_partial(self, q: mx.array):
-        """Exact attention over the resident set. q (H, rep, d) fp32 scaled.
-
-        Returns (o (H, rep, dv) normalized, lse (H, rep), scores (H, rep, R))."""
+    def _resident_scores(self, q: mx.array) -> mx.array:
+        """Exact scores (H, rep, R) of the resident set; q (H, rep, d) fp32 scaled. -inf on
+        empty slots."""
         s = q @ self.res_k.astype(mx.float32).swapaxes(-1, -2)
-        valid = (self.res_tok >= 0)[:, None, :]
-        s = mx.where(valid, s, -mx.inf)
+        return mx.where((self.res_tok >= 0)[:, None, :], s, -mx.inf)
+
+    def _resident_partial(self, s: mx.array):
+        """Exact attention over the resident set from its scores s (H, rep, R).
+
+        Returns (o (H, rep, dv) normalized, lse (H, rep); -inf where the set is empty)."""
         m = mx.max(s, axis=-1, keepdims=True)
         m = mx.where(mx.isfinite(m), m, 0)
         p = mx.exp(s - m)
         den = mx.sum(p, axis=-1, keepdims=True)
         o = (p @ self.res_v.astype(mx.float32)) / mx.maximum(den, 1e-30)
         lse = mx.where(den[..., 0] > 0, (m + mx.log(den))[..., 0], -mx.inf)
-        return o, lse, s
+        return o, lse
 
     def _cap(self, n: int) -> tuple[int, int]:
         cfg = self.config
@@ -305,7 +307,8 @@ class CompressedLayer:
         return mx.array(o.reshape(1, Hq, 1, -1)).astype(queries.dtype)
 
     def _decode_numpy(self, queries, scale, sinks):
-        """One query on the CPU backend: Numba kernels on zero-copy views."""
+        """One query on the CPU backend: Numba kernels on zero-copy views. The CPU workers
+        gather while this thread computes the resident partial and the H2O update."""
         t0 = time.perf_counter()
         cfg = self.config
         H, n = self.H, self.n
@@ -313,8 +316,8 @@ class CompressedLayer:
         rep = Hq // H
         self.parent._flush_until(n - self.W_eff)
         q = queries[0, :, 0, :].astype(mx.float32) * scale
-        o_r, lse_r, s_r = self._resident_partial(q.reshape(H, rep, d))
-        mx.eval(q, o_r, lse_r, s_r)
+        s_r = self._resident_scores(q.reshape(H, rep, d))
+        mx.eval(q, s_r)
         q_np = np.array(q)
         z = self.keys.scores(q, n, rep, q_np)
         # Resident tokens enter the policy's softmax with their exact scores.
@@ -325,19 +328,22 @@ class CompressedLayer:
             z[h, tok[h // rep][valid]] = s_np[h][valid]
         cap, floor = self._cap(n)
         idx, count, m, ssum, _ = ops.select(z, self._flags_np[:, :n], cfg.tau, cap, floor, rep)
-        o_c, lse_c = ops.gather_partial(
-            self.parent.scheduler, self.parent.layer, q_np, z, idx, count, rep,
-            self.parent.host, cfg.rescore == "exact",
-        )
+        handle = ops.submit_gather(self.parent.scheduler, self.parent.layer, q_np, z, idx, count,
+                                   rep, self.parent.host, cfg.rescore == "exact")
+        t_acc = time.perf_counter()
+        o_r, lse_r = self._resident_partial(s_r)
+        mx.eval(o_r, lse_r)
         if self._acc_np is not None:
             ops.acc_update(self._acc_np, z, m, ssum, rep, n, cfg.ema_alpha)
+        o_c, lse_c = ops.wait_gather(handle, time.perf_counter() - t_acc)
         return self._finish(queries, np.array(o_r).reshape(Hq, -1), np.array(lse_r).reshape(Hq),
                             o_c, lse_c, count, sinks, t0)
 
     def _decode_mlx(self, queries, scale, sinks):
-        """One query on an accelerator: scores, selection and H2O stay on the device; the
-        selected indices (and their scores) go to the CPU workers, whose gather overlaps the
-        accelerator's resident partial and accumulator update."""
+        """One query on an accelerator. Scores, selection and H2O stay on the device; one sync
+        per layer brings the selected indices (and, for approximate weights, their scores) to
+        the CPU workers, whose gather overlaps the resident partial and the accumulator update;
+        the merge happens on the device and the layer's output stays lazy."""
         t0 = time.perf_counter()
         cfg = self.config
         H, n = self.H, self.n
@@ -345,7 +351,7 @@ class CompressedLayer:
         rep = Hq // H
         self.parent._flush_until(n - self.W_eff)
         q = queries[0, :, 0, :].astype(mx.float32) * scale
-        o_r, lse_r, s_r = self._resident_partial(q.reshape(H, rep, d))
+        s_r = self._resident_scores(q.reshape(H, rep, d))
         z = self.keys.scores(q, n, rep)
         # Resident tokens take their exact scores (scatter into a spare column for empty slots).
         R = self.R
@@ -357,30 +363,42 @@ class CompressedLayer:
         sel = metal.tau_select(z, n, self.flags[:, :n].astype(mx.bool_), cfg.tau, cap, floor,
                                with_stats=True)
         exact = cfg.rescore == "exact"
-        zsel = None
+        wanted = [sel.idx, sel.count] + ([q] if exact else [])
         if not exact:
             rows = mx.repeat(mx.maximum(sel.idx, 0), rep, axis=0)
             zsel = mx.take_along_axis(z, rows, axis=1)
-        mx.eval(q, sel.idx, sel.count, *([zsel] if zsel is not None else []))
-        idx = np.array(sel.idx)
-        count = np.array(sel.count)
-        q_np = np.array(q)
-        batch = ops.submit_gather(self.parent.scheduler, self.parent.layer, q_np,
-                                  None if exact else np.array(zsel), idx, count, rep,
-                                  self.parent.host, exact, z_by_slot=not exact)
+            wanted.append(zsel)
+        mx.eval(*wanted)  # the one sync of the step
+        idx, count = np.array(sel.idx), np.array(sel.count)
+        handle = ops.submit_gather(self.parent.scheduler, self.parent.layer,
+                                   np.array(q) if exact else None,
+                                   None if exact else np.array(zsel), idx, count, rep,
+                                   self.parent.host, exact, z_by_slot=not exact)
         t_acc = time.perf_counter()
+        o_r, lse_r = self._resident_partial(s_r)
+        lazy = [o_r, lse_r]
         if self.acc is not None:
             p = mx.exp(z - sel.m[:, None]) / sel.s[:, None]
-            pm = p.reshape(H, rep, n).mean(axis=1)
             a = cfg.ema_alpha
-            self.acc[:, :n] = a * self.acc[:, :n] + (1 - a) * pm
-            mx.eval(o_r, lse_r, self.acc)
-        else:
-            mx.eval(o_r, lse_r)
-        accel_s = time.perf_counter() - t_acc
-        o_c, lse_c = ops.wait_gather(batch, accel_s)
-        return self._finish(queries, np.array(o_r).reshape(Hq, -1), np.array(lse_r).reshape(Hq),
-                            o_c, lse_c, count, sinks, t0)
+            self.acc[:, :n] = a * self.acc[:, :n] + (1 - a) * p.reshape(H, rep, n).mean(axis=1)
+            lazy.append(self.acc)
+        mx.async_eval(*lazy)  # the device works while the CPU gathers
+        o_c, lse_c = ops.wait_gather(handle, time.perf_counter() - t_acc)
+        o_c, lse_c = mx.array(o_c), mx.array(lse_c)
+        lse_r = lse_r.reshape(Hq)
+        lse = mx.logaddexp(lse_r, lse_c)
+        lse = mx.where(mx.isfinite(lse), lse, 0)
+        o = (o_r.reshape(Hq, -1) * mx.exp(lse_r - lse)[:, None]
+             + o_c * mx.exp(lse_c - lse)[:, None])
+        if sinks is not None:  # a learned sink logit per head joins the softmax with no value
+            s_sink = mx.array(sinks).astype(mx.float32).reshape(Hq)
+            o = o * mx.sigmoid(lse - s_sink)[:, None]
+        self.steps += 1
+        self.parent.stats.record_step(float(np.mean(count)), n, mx.exp(lse_r - lse).mean())
+        if self.acc is not None and self.steps % cfg.refresh_every == 0:
+            self._rebuild_resident()
+        self.parent.stats.last_step_s = time.perf_counter() - t0
+        return o.reshape(1, Hq, 1, -1).astype(queries.dtype)
 
     def _chunk(self, queries, keys, values, scale, sinks):
         """A prompt chunk after compression: exact attention over the resident set and the

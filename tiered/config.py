@@ -39,6 +39,12 @@ def parse_bytes(value: Any, name: str) -> int:
     return n
 
 
+def default_workers() -> int:
+    """CPU gather workers: half the cores (the other half runs the accelerator's host side and
+    MLX's CPU backend), at least 1, at most 8."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
 def default_cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "tiered")
@@ -70,7 +76,7 @@ class TieredConfig:
     rotate: bool = True  # random orthogonal rotation before affine quantization
     # selection (tau-cumulative)
     tau: float = 0.9
-    max_selected: int | float = 0.25  # hard cap: tokens, or a fraction of live tokens
+    max_selected: int | float = 2048  # hard cap per KV head: tokens, or a fraction of live ones
     min_selected: int = 32  # floor
     rescore: str | None = None  # "exact" (from host keys) | "approx"; None: exact for "tiered"
     # resident set (H2O)
@@ -92,7 +98,7 @@ class TieredConfig:
     cache_dir: str = field(default_factory=default_cache_dir)
     # runtime
     kernels: str = "auto"  # per-step scoring/selection: "numba" (CPU backend), "mlx" (GPUs)
-    workers: int = 2
+    workers: int = field(default_factory=lambda: default_workers())
     step: int = 256  # accelerator buffers grow in steps of this many tokens
     seed: int = 0
 

@@ -71,6 +71,9 @@ class SharedContext:
         self.q_heads: int | None = None
         self.plan: Plan | None = None
         self.codebooks: dict[int, np.ndarray] | None = None  # from a calibration file
+        # Self-calibrated codebooks by (layer, codec, sample digest): forks of one prefill
+        # (one document, several budgets) train each codebook once.
+        self.codebook_memo: dict = {}
         self._scheduler = None
         self._lock = threading.Lock()
 
@@ -145,13 +148,20 @@ class SharedContext:
             return self.codebooks[layer.layer]
         from .codecs import train_codebook
 
+        import hashlib
+
         plan = self.plan
         n = min(keys.shape[2], self.config.calibration_tokens)
-        sample = np.array(keys[0, :, :n, :].astype(mx.float32))
-        # One faiss thread: its OpenMP workers spin at barriers and stall beside other CPU work.
-        return train_codebook(sample, groups=plan.groups, size=plan.centroids,
-                              per_group=plan.per_group, iters=self.config.kmeans_iters,
-                              seed=self.config.seed + layer.layer, threads=1)
+        sample = np.ascontiguousarray(np.array(keys[0, :, :n, :].astype(mx.float32)))
+        memo_key = (layer.layer, plan.groups, plan.centroids, plan.per_group,
+                    self.config.kmeans_iters, self.config.seed,
+                    hashlib.sha1(sample.tobytes()).hexdigest())
+        if memo_key not in self.codebook_memo:
+            # One faiss thread: its OpenMP workers spin at barriers and stall beside other work.
+            self.codebook_memo[memo_key] = train_codebook(
+                sample, groups=plan.groups, size=plan.centroids, per_group=plan.per_group,
+                iters=self.config.kmeans_iters, seed=self.config.seed + layer.layer, threads=1)
+        return self.codebook_memo[memo_key]
 
     # ---- workers ---------------------------------------------------------------------------
     def get_scheduler(self):

@@ -43,6 +43,10 @@ def report_dict(caches) -> dict:
         budget = plan.budget_bytes(tokens) if hasattr(plan, "budget_bytes") else None
         if budget is not None:
             out["budget_bytes"] = budget
+    sched = getattr(caches, "context", None)
+    sched = sched._scheduler if sched is not None else None
+    if sched is not None and sched.timings.jobs:
+        out["scheduler"] = sched.timings.summary()
     sel = [c.stats.summary() for c in layers]
     steps = [s for s in sel if s.get("decode_steps")]
     if steps:
@@ -89,5 +93,11 @@ def report(caches) -> str:
             f"offloaded tokens/kv-head mean (p95 {s['selected_p95']:.0f}, "
             f"{100 * s['selected_fraction_mean']:.1f}% of live), resident hit rate "
             f"{100 * s['resident_hit_rate']:.1f}%"
+        )
+    if "scheduler" in d:
+        t = d["scheduler"]
+        lines.append(
+            f"  CPU workers: {t['jobs']} jobs, busy {t['cpu_busy_s']:.3f}s, caller waited "
+            f"{t['waited_s']:.3f}s, overlap ratio {t['overlap_ratio']:.2f}"
         )
     return "\n".join(lines)

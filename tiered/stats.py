@@ -15,11 +15,12 @@ class LayerStats:
     resident_mass: list = field(default_factory=list)  # softmax mass on the resident set
     peak_transient_bytes: int = 0  # accelerator bytes held during prefill (exact window)
 
-    def record_step(self, selected: float, live: int, resident_mass: float) -> None:
+    def record_step(self, selected: float, live: int, resident_mass) -> None:
+        """resident_mass may be a lazy MLX scalar (read when summarized: no sync per step)."""
         self.decode_steps += 1
         self.selected.append(float(selected))
         self.live.append(int(live))
-        self.resident_mass.append(float(resident_mass))
+        self.resident_mass.append(resident_mass)
 
     def summary(self) -> dict:
         if not self.selected:
@@ -31,5 +32,5 @@ class LayerStats:
             "selected_mean": float(sel.mean()),
             "selected_p95": float(np.percentile(sel, 95)),
             "selected_fraction_mean": float((sel / np.maximum(live, 1)).mean()),
-            "resident_hit_rate": float(np.mean(self.resident_mass)),
+            "resident_hit_rate": float(np.mean([float(x) for x in self.resident_mass])),
         }

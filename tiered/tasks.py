@@ -59,6 +59,39 @@ def passkey(tokenizer, n_tokens: int, depth: float, *, seed: int = 0, digits: in
     return Sample(prompt=text, answer=key, depth=depth, n_tokens=n)
 
 
+NAMES = ["Alder", "Birch", "Cedar", "Dahlia", "Elm", "Fern", "Ginkgo", "Hazel", "Iris", "Juniper"]
+
+
+def multi_needle(tokenizer, n_tokens: int, *, needles: int = 4, ask: int | None = None,
+                 seed: int = 0) -> Sample:
+    """Several pass keys, each with a name, spread through the filler; one of them is asked.
+
+    Selection must keep more than one spot alive: the question names one key among several
+    look-alikes."""
+    rng = random.Random(seed * 31337 + n_tokens + needles)
+    names = rng.sample(NAMES, needles)
+    keys = [str(rng.randrange(10000, 100000)) for _ in range(needles)]
+    ask = rng.randrange(needles) if ask is None else ask
+    depths = sorted(rng.uniform(0.05, 0.95) for _ in range(needles))
+    head = ("There are several pass keys hidden inside a lot of irrelevant text, each with a "
+            "name. Memorize them all. ")
+    question = f"What is the pass key of {names[ask]}? The pass key of {names[ask]} is"
+
+    def make(k: int) -> str:
+        parts, last = [head], 0
+        for name, key, depth in zip(names, keys, depths):
+            at = int(round(k * depth))
+            parts.append(FILLER * (at - last))
+            parts.append(f"The pass key of {name} is {key}. Remember it. ")
+            last = at
+        parts.append(FILLER * (k - last))
+        parts.append(question)
+        return "".join(parts)
+
+    text, n = _fit(tokenizer, make, n_tokens)
+    return Sample(prompt=text, answer=keys[ask], depth=depths[ask], n_tokens=n)
+
+
 def topics_text() -> str:
     """Natural text available on every Python install: the pydoc topic help pages."""
     from pydoc_data.topics import topics
