@@ -1,0 +1,280 @@
+"""Decode speed at long contexts: mlx-lm KVCache, QuantizedKVCache (8-bit) and TieredCache.
+
+All methods in one run, on the same model and backend. Long caches are built from real prefill
+keys/values repeated: the model prefills ``--seed-tokens`` tokens (pydoc_data text for the
+embedded model; random token ids for random-weight models), and each layer's K/V are tiled up
+to the context length (RoPE positions repeat, which changes nothing for timing). Each method
+then decodes ``--warmup`` steps (the first one compresses the tiered cache; its time is reported
+apart) and ``--steps`` timed steps; the median ms/token is reported.
+
+Bytes read per step are counted from the layout (attention state only, and the model weights
+apart), and set against the machine's measured copy bandwidth.
+
+    python bench/decode_speed.py                                  # embedded model, CPU
+    python bench/decode_speed.py --model llama3-8b --contexts 4096 16384 65536 131072
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+
+import common  # noqa: F401  (tiered before mlx)
+from common import RESULTS, machine, md_table, write_results
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache
+
+import tiered
+
+LLAMA3_8B = dict(model_type="llama", hidden_size=4096, num_hidden_layers=32,
+                 intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                 head_dim=128, rms_norm_eps=1e-5, vocab_size=128256, rope_theta=500000.0,
+                 tie_word_embeddings=False, max_position_embeddings=131072)
+
+
+def build_model(name: str, dtype):
+    if name == "embedded":
+        model, tok = tiered.load()
+        return model, tok
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm.utils import _get_classes
+
+    cfg = dict(LLAMA3_8B)
+    if name == "llama3-8b-2l":  # a 2-layer slice, for checking the script on small machines
+        cfg.update(num_hidden_layers=2, intermediate_size=1024, vocab_size=4096)
+    model_cls, args_cls = _get_classes(cfg)
+    mx.random.seed(0)
+    model = model_cls(args_cls.from_dict(cfg))
+    params = [(k, v.astype(dtype)) for k, v in tree_flatten(model.parameters())]
+    model.update(tree_unflatten(params))
+    mx.eval(model.parameters())
+    model.eval()
+    return model, None
+
+
+def memory_bandwidth() -> float:
+    """Device copy bandwidth in GB/s, counting bytes read + written (256 MiB buffers)."""
+    x = mx.random.uniform(shape=(64 * 2**20,))
+    mx.eval(x)
+    for _ in range(2):
+        mx.eval(x + 0)
+    reps = 10
+    t = time.perf_counter()
+    for _ in range(reps):
+        y = x + 0
+        mx.eval(y)
+    return 2 * x.nbytes * reps / (time.perf_counter() - t) / 1e9
+
+
+def seed_kv(model, tok, n_seed: int):
+    """Per-layer (K, V) of a real prefill of n_seed tokens, (1, H, n_seed, d)."""
+    if tok is not None:
+        from tiered.tasks import topics_text
+
+        ids = tok.encode(topics_text()[:12 * n_seed])[:n_seed]
+    else:
+        ids = np.random.default_rng(0).integers(0, model.args.vocab_size, n_seed).tolist()
+    caches = [KVCache() for _ in model.layers]
+    x = mx.array(ids)[None]
+    for i in range(0, n_seed, 1024):
+        model(x[:, i : i + 1024], cache=caches)
+        mx.eval([c.state for c in caches])
+    return [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in caches]
+
+
+def tile(a: mx.array, n: int) -> mx.array:
+    reps = -(-n // a.shape[2])
+    return mx.concatenate([a] * reps, axis=2)[..., :n, :]
+
+
+def kv_caches(seed, n):
+    out = []
+    for k, v in seed:
+        c = KVCache()
+        c.update_and_fetch(tile(k, n), tile(v, n))
+        out.append(c)
+    mx.eval([c.state for c in out])
+    return out
+
+
+def tiered_caches(model, seed, n, budget, options):
+    cache = tiered.TieredCache.for_model(model, gpu_budget=budget, prefill_window=n + 1,
+                                         **options)
+    for c, (k, v) in zip(cache, seed):
+        c.update_and_fetch(tile(k, n), tile(v, n))
+        c._flush()
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def time_decode(model, cache, steps: int, warmup: int):
+    """(median ms/token, first-step seconds, all step times)."""
+    y = mx.array([[1]])
+    times = []
+    for i in range(warmup + steps):
+        t = time.perf_counter()
+        logits = model(y, cache=cache)
+        y = mx.argmax(logits[:, -1], axis=-1)[:, None]
+        mx.eval(y)
+        times.append(time.perf_counter() - t)
+    return 1e3 * float(np.median(times[warmup:])), times[0], times
+
+
+def attention_bytes(method: str, cache, n: int, geo) -> dict:
+    """Bytes one decode step reads for attention (whole model), by tier."""
+    L, H, Hq, d, b = geo.layers, geo.kv_heads, geo.q_heads, geo.k_dim, geo.dtype_bytes
+    if method == "KVCache":
+        return {"accelerator": L * H * n * 2 * d * b, "host": 0}
+    if method.startswith("QuantizedKVCache"):
+        per = d * 8 // 8 + 2 * (d // 64) * b  # 8-bit codes + scales and biases per group of 64
+        return {"accelerator": L * H * n * 2 * per, "host": 0}
+    acc, host = 0, 0
+    for c in cache:
+        layer = c.compressed
+        if layer is None:
+            continue
+        codes = layer.keys.nbytes  # codes (+codebook) read once
+        scores = Hq * n * 4 * 3  # exported scores: written, read by selection, read by H2O
+        h2o = 0 if layer.acc is None else H * n * 4 * 2 + H * n  # accumulator r/w + flags
+        resident = layer.res_k.nbytes + layer.res_v.nbytes
+        acc += codes + scores + h2o + resident
+        sel = np.mean(c.stats.selected[-5:]) if c.stats.selected else 0
+        per_row = (d * (2 if c.config.rescore == "exact" else 1)) * 2  # fp16 host rows
+        host += int(sel * H * per_row)
+    return {"accelerator": int(acc), "host": int(host)}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="embedded", choices=["embedded", "llama3-8b", "llama3-8b-2l"])
+    p.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 65536, 131072])
+    p.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.125])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--seed-tokens", type=int, default=2048)
+    p.add_argument("--calibration-tokens", type=int, default=2048)
+    p.add_argument("--workers", type=int, default=None)
+    p.add_argument("--methods", nargs="+", default=["KVCache", "QuantizedKVCache-8", "tiered"])
+    p.add_argument("--name", default=None)
+    args = p.parse_args(argv)
+    on_cpu = mx.default_device() == mx.cpu
+    dtype = mx.float32 if on_cpu else mx.float16
+    args.name = args.name or f"decode_speed_{'cpu' if on_cpu else 'gpu'}_{args.model}"
+    info = machine()
+    model, tok = build_model(args.model, dtype)
+    from tiered.context import model_geometry
+
+    geo = model_geometry(model, len(model.layers))
+    bw = memory_bandwidth()
+    weights = sum(v.nbytes for _, v in __import__("mlx.utils").utils.tree_flatten(model.parameters()))
+    print(f"model {args.model}: {geo}, weights {weights / 1e9:.2f} GB; copy bandwidth {bw:.0f} GB/s",
+          flush=True)
+    seed = seed_kv(model, tok, args.seed_tokens)
+    options = dict(calibration_tokens=args.calibration_tokens)
+    if args.workers:
+        options["workers"] = args.workers
+    rows, records = [], []
+    for n in args.contexts:
+        runs = []
+        if "KVCache" in args.methods:
+            runs.append(("KVCache", lambda: kv_caches(seed, n)))
+        if "QuantizedKVCache-8" in args.methods:
+            runs.append(("QuantizedKVCache-8",
+                         lambda: [c.to_quantized(group_size=64, bits=8) for c in kv_caches(seed, n)]))
+        if "tiered" in args.methods:
+            for b in args.budgets:
+                runs.append((f"tiered@{b}", lambda b=b: tiered_caches(model, seed, n, b, options)))
+        for name, make in runs:
+            t = time.perf_counter()
+            cache = make()
+            build_s = time.perf_counter() - t
+            if isinstance(cache, tiered.TieredCacheList):
+                cache.scheduler.reset_timings()
+            ms, first_s, times = time_decode(model, cache, args.steps, args.warmup)
+            rec = {"context": n, "method": name, "ms_per_token": ms, "first_step_s": first_s,
+                   "build_s": build_s, "step_ms": [1e3 * x for x in times]}
+            if isinstance(cache, tiered.TieredCacheList):
+                rep = tiered.report_dict(cache)
+                rec["bytes_resident"] = rep["bytes"]
+                rec["selection"] = rep.get("selection", {})
+                rec["scheduler"] = rep.get("scheduler")
+                rec["within_budget"] = rep["bytes"]["accelerator"] <= rep.get("budget_bytes", 1 << 62)
+            nb = attention_bytes(name.split("@")[0] if not name.startswith("tiered") else "tiered",
+                                 cache, n, geo)
+            rec["bytes_per_step"] = nb
+            total = nb["accelerator"] + weights
+            rec["bandwidth_fraction"] = total / (ms / 1e3) / 1e9 / bw
+            rec["attention_floor_ms"] = 1e3 * (nb["accelerator"] + weights) / (bw * 1e9)
+            records.append(rec)
+            sched = rec.get("scheduler") or {}
+            print(f"{n:>7} {name:<20} {ms:9.1f} ms/token (first step {first_s:.1f}s, build "
+                  f"{build_s:.1f}s) attn bytes {nb['accelerator'] / 1e6:.0f} MB dev + "
+                  f"{nb['host'] / 1e6:.1f} MB host, {100 * rec['bandwidth_fraction']:.0f}% of copy "
+                  f"bandwidth" + (f", overlap {sched.get('overlap_ratio'):.2f}"
+                                  if sched.get("overlap_ratio") is not None else ""), flush=True)
+            if isinstance(cache, tiered.TieredCacheList):
+                cache.close()
+            del cache
+            gc.collect()
+            mx.clear_cache()
+    for n in args.contexts:
+        sub = {r["method"]: r for r in records if r["context"] == n}
+        base = sub.get("KVCache", {}).get("ms_per_token")
+        for name, r in sub.items():
+            sched = r.get("scheduler") or {}
+            rows.append([n, name, f"{r['ms_per_token']:.1f}",
+                         f"{base / r['ms_per_token']:.2f}x" if base else "",
+                         f"{r['bytes_per_step']['accelerator'] / 1e6:.0f}",
+                         f"{r['bytes_per_step']['host'] / 1e6:.1f}",
+                         f"{100 * r['bandwidth_fraction']:.0f}%",
+                         f"{sched['overlap_ratio']:.2f}" if sched.get("overlap_ratio") is not None else "",
+                         f"{r['first_step_s']:.1f}"])
+    header = ["context", "method", "ms/token (median)", "speed-up vs KVCache",
+              "attention MB/step (device)", "MB/step (host gather)",
+              "of copy bandwidth (incl. weights)", "overlap ratio", "first step s"]
+    md = (f"# Decode speed\n\n`{info['command']}` on {info['platform']} ({info['backend']}, "
+          f"{info['device']}, {info['cpu_count']} cores), {info['date']}.\n\n"
+          f"Model: {args.model} ({geo.layers} layers, {geo.q_heads} q / {geo.kv_heads} kv heads, "
+          f"head_dim {geo.k_dim}, {dtype}), weights {weights / 1e9:.2f} GB; measured copy "
+          f"bandwidth {bw:.0f} GB/s. Long caches: real prefill K/V of {args.seed_tokens} tokens "
+          f"tiled to each context. Median of {args.steps} steps after {args.warmup} warm-up "
+          f"steps (the first compresses the tiered cache).\n\n" + md_table(header, rows))
+    os.makedirs(RESULTS, exist_ok=True)
+    plot(records, args, os.path.join(RESULTS, f"{args.name}.png"))
+    md += f"\n![decode speed]({args.name}.png)\n"
+    data = {"machine": info, "args": vars(args), "bandwidth_gbs": bw, "weights_bytes": weights,
+            "geometry": geo.__dict__, "records": records}
+    paths = write_results(args.name, data, md)
+    print(md)
+    print("wrote", *paths)
+
+
+def plot(records, args, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in dict.fromkeys(r["method"] for r in records):
+        pts = [(r["context"], r["ms_per_token"]) for r in records if r["method"] == name]
+        xs, ys = zip(*pts)
+        ax.plot(xs, ys, "o-", label=name, lw=2 if name.startswith("tiered") else 1)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("ms / token (median)")
+    ax.set_title(f"decode speed, {args.model}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

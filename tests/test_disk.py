@@ -1,0 +1,142 @@
+"""Disk tier: page files with checksums, spill under a host budget, errors before loss."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from tiered.cpu import HostStore
+from tiered.cpu import kernels as K
+from tiered.cpu.disk import DiskTierError, HostBudget, PageFile
+
+
+def _data(rng, L, H=2, d=8):
+    return rng.standard_normal((1, H, L, d)).astype(np.float32)
+
+
+def _store(tmp_path, budget_blocks, dtype="float16", **kw):
+    probe = HostStore(2, 8, page_size=16, dtype=dtype, pages_per_block=2)
+    block = probe.values.block_bytes
+    budget = HostBudget(budget_blocks * block)
+    return HostStore(2, 8, page_size=16, dtype=dtype, pages_per_block=2, budget=budget,
+                     disk_dir=str(tmp_path), **kw), budget
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "int8"])
+def test_spill_round_trip_with_checksums(tmp_path, dtype):
+    rng = np.random.default_rng(0)
+    store, budget = _store(tmp_path, 3, dtype)
+    v, k = _data(rng, 300), _data(rng, 300)
+    store.append(v, k)
+    assert budget.used <= budget.limit  # RAM never above the budget
+    assert store.disk_bytes > 0 and store.values.disk_index.count(-1) >= 1
+    tol = 1e-3 if dtype == "float16" else (0 if dtype == "float32" else 0.05)
+    np.testing.assert_allclose(store.read("values"), v[0], atol=tol, rtol=tol)
+    np.testing.assert_allclose(store.read("keys"), k[0], atol=tol, rtol=tol)
+    store.verify_tokens(0, np.arange(300))  # every disk page's CRC32 holds
+    files = [f for f in os.listdir(tmp_path) if f.endswith(".pages")]
+    assert files
+    store.close()
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".pages")], "page files left"
+
+
+def test_gather_kernel_reads_spilled_blocks(tmp_path):
+    rng = np.random.default_rng(1)
+    store, _ = _store(tmp_path, 1)
+    v, k = _data(rng, 200), _data(rng, 200)
+    store.append(v, k)
+    assert any(i >= 0 for i in store.values.disk_index)
+    rep, H = 2, 2
+    q = rng.standard_normal((H * rep, 8)).astype(np.float32)
+    idx = np.stack([np.sort(rng.choice(200, 60, replace=False)) for _ in range(H)]).astype(np.int32)
+    count = np.full(H, 60, np.int32)
+    o = np.zeros((H * rep, 8), np.float32)
+    lse = np.zeros(H * rep, np.float32)
+    K.gather_partial(q, None, idx, count, rep, *K.host_store_args(store), True, o, lse)
+    for qh in range(H * rep):
+        h = qh // rep
+        keys = store.gather("keys", 0, h, idx[h])
+        vals = store.gather("values", 0, h, idx[h])
+        w = keys.astype(np.float64) @ q[qh]
+        p = np.exp(w - w.max())
+        np.testing.assert_allclose(o[qh], (p / p.sum()) @ vals, rtol=1e-4, atol=1e-5)
+    store.close()
+
+
+def test_corrupt_page_is_detected(tmp_path):
+    rng = np.random.default_rng(2)
+    store, _ = _store(tmp_path, 1)
+    store.append(_data(rng, 200), _data(rng, 200))
+    t = store.values
+    blk = t.disk_index.index(0)
+    t.verify(range(blk * 2, blk * 2 + 2))  # intact
+    fd = os.open(t.disk.path, os.O_WRONLY)
+    os.pwrite(fd, b"\xff\x7f\x00\x01", 100)  # flip bytes inside the first page on disk
+    os.close(fd)
+    with pytest.raises(ValueError, match="Corrupt page"):
+        store.verify_tokens(0, np.arange(200))
+    store.close()
+
+
+def test_unwritable_directory_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    store = HostStore(2, 8, page_size=16, pages_per_block=2, budget=HostBudget(1),
+                      disk_dir=str(blocker / "pages"))
+    with pytest.raises(DiskTierError, match="not writable"):
+        store.append(np.zeros((1, 2, 5, 8), np.float32), np.zeros((1, 2, 5, 8), np.float32))
+
+
+def test_full_disk_loses_nothing(tmp_path, monkeypatch):
+    rng = np.random.default_rng(3)
+    store, budget = _store(tmp_path, 2)
+    v, k = _data(rng, 64), _data(rng, 64)
+    store.append(v, k)  # exactly the two RAM blocks (2 pages x 16 tokens each)
+    import shutil
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=10))
+    with pytest.raises(DiskTierError, match="disk tier full"):
+        store.append(_data(rng, 1), _data(rng, 1))
+    monkeypatch.undo()
+    # What was there is intact and still readable from RAM.
+    np.testing.assert_allclose(store.read("values", 0, 0, 64), v[0], atol=1e-3)
+    np.testing.assert_allclose(store.read("keys", 0, 0, 64), k[0], atol=1e-3)
+    store.close()
+
+
+def test_disk_budget_is_enforced(tmp_path):
+    rng = np.random.default_rng(4)
+    store, _ = _store(tmp_path, 1, disk_budget=HostBudget(1))
+    with pytest.raises(DiskTierError, match="disk tier budget full"):
+        store.append(_data(rng, 200), _data(rng, 200))
+    store.close()
+
+
+def test_state_references_disk_blocks(tmp_path):
+    rng = np.random.default_rng(5)
+    store, _ = _store(tmp_path, 1, keep_disk=True)
+    v = _data(rng, 150)
+    store.append(v, _data(rng, 150))
+    st = store.state()
+    clone = HostStore.from_state(st)
+    np.testing.assert_array_equal(clone.read("values"), store.read("values"))
+    store.close()  # kept: the clone can still read the file
+    np.testing.assert_allclose(clone.read("values"), v[0], atol=1e-3)
+    path = clone.values.disk.path
+    clone.close()
+    os.remove(path)
+    with pytest.raises(ValueError, match="is gone"):
+        HostStore.from_state(st)
+
+
+def test_page_file_rejects_a_truncated_file(tmp_path):
+    pf = PageFile(str(tmp_path), "t", (2, 2, 16, 8), np.float16, keep=True)
+    pf.append(np.ones((2, 2, 16, 8), np.float16))
+    st = pf.state()
+    st["blocks"] = 5
+    with pytest.raises(ValueError, match="Corrupt disk tier file"):
+        PageFile.reopen(st)
+    pf.close()
