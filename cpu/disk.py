@@ -22,6 +22,9 @@ import zlib
 import numpy as np
 
 ALIGN = mmap.ALLOCATIONGRANULARITY
+# Where reopen() looks for a page file whose recorded path is gone (a saved cache directory's
+# pages/ folder while it is loaded; see tiered.persist).
+REOPEN_DIR: str | None = None
 
 
 class DiskTierError(OSError):
@@ -155,6 +158,9 @@ class PageFile:
     def reopen(cls, st: dict, *, keep: bool = True) -> "PageFile":
         """Map a page file written earlier (e.g. saved with a cache), checking its size."""
         path = st["path"]
+        if not os.path.exists(path) and REOPEN_DIR is not None:
+            moved = os.path.join(REOPEN_DIR, os.path.basename(path))
+            path = moved if os.path.exists(moved) else path
         if not os.path.exists(path):
             raise ValueError(f"disk tier file {path!r} is gone: a cache with a disk tier can be "
                              "reopened only while its page file exists (save it with "

@@ -140,3 +140,37 @@ def test_page_file_rejects_a_truncated_file(tmp_path):
     with pytest.raises(ValueError, match="Corrupt disk tier file"):
         PageFile.reopen(st)
     pf.close()
+
+
+def test_cache_with_host_budget_spills_and_stays_correct(tmp_path):
+    """A TieredCache under a small host budget puts pages on disk; with tau = 1 and exact
+    rescoring the output still equals the full cache's; RAM stays within the budget."""
+    import mlx.core as mx
+    from conftest import make_small_model
+    from mlx_lm.models.cache import KVCache
+
+    import tiered
+
+    model = make_small_model("llama-gqa-d64", layers=2, seed=2)
+    prompt = mx.array(np.random.default_rng(6).integers(10, 49000, 600))[None]
+
+    def run(cache):
+        logits = model(prompt, cache=cache)[:, -1]
+        out = []
+        for _ in range(4):
+            y = mx.argmax(logits, axis=-1)[:, None]
+            logits = model(y, cache=cache)[:, -1]
+            out.append(logits)
+        return mx.concatenate(out)
+
+    ref = run([KVCache(), KVCache()])
+    cache = tiered.TieredCache.for_model(
+        model, gpu_budget=0.25, tau=1.0, max_selected=1.0, host_dtype="float32", page_size=16,
+        recent=16, host_budget="100KB", disk_dir=str(tmp_path), verify_pages=True)
+    got = run(cache)
+    rep = tiered.report_dict(cache)
+    assert rep["bytes"]["disk"] > 0
+    assert rep["bytes"]["host"] <= 100_000
+    assert mx.abs(ref - got).max().item() < 2e-4
+    cache.close()
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".pages")]

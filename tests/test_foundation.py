@@ -262,3 +262,21 @@ def test_numpy_first_still_gets_an_optimized_blas():
         pytest.skip("no optimized BLAS installed on this machine")
     assert status in ("loaded", "already-loaded")
     assert "numpy" not in (path or "") and "scipy" not in (path or "")
+
+
+def test_cli_ask_again(tmp_path):
+    """--save-cache after reading, --load-cache answers without the document; a cache made
+    with other options is refused."""
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The harbour master keeps a blue bicycle behind the bakery. " * 40)
+    save = tmp_path / "cache"
+    r = _cli("run", "--document", str(doc), "--question", "Where is the bicycle?",
+             "--save-cache", str(save), "--max-tokens", "4", "--gpu-budget", "0.25")
+    assert r.returncode == 0, r.stderr
+    assert (save / "tiered.json").exists() and (save / "cache.safetensors").exists()
+    r = _cli("run", "--load-cache", str(save), "--question", "What colour is the bicycle?",
+             "--max-tokens", "4")
+    assert r.returncode == 0, r.stderr
+    assert "loaded from" in r.stderr and "answer:" in r.stdout
+    r = _cli("run", "--load-cache", str(save), "--question", "x", "--gpu-budget", "0.5")
+    assert r.returncode == 2 and "other options" in r.stderr

@@ -178,6 +178,8 @@ class TieredCache(_BaseCache):
         st["geometry"] = [B, H, dk, dv, str(dtype).split(".")[-1]]
         if self.phase == "exact":
             st["keys"], st["values"] = self._exact_view()
+            if self._obs is not None:
+                st["obs"] = self._obs  # the last queries: they seed the heavy hitters
         else:
             self._flush()
             st["q_heads"] = self.context.q_heads
@@ -202,6 +204,7 @@ class TieredCache(_BaseCache):
         dtype = getattr(mx, dtype)
         if st["phase"] == "exact":
             self._append_exact(st["keys"].astype(dtype), st["values"].astype(dtype))
+            self._obs = st.get("obs")
         else:
             from .compressed import CompressedLayer
 
@@ -300,9 +303,12 @@ class TieredCache(_BaseCache):
             return
         B, H, dk, dv, _ = self._geometry
         if self.host is None:
+            cfg = self.config
             self.host = HostStore(
-                H, dk, value_dim=dv, page_size=self.config.page_size,
-                dtype=self.config.host_dtype, keys=self.config.host_keys, batch=B,
+                H, dk, value_dim=dv, page_size=cfg.page_size, dtype=cfg.host_dtype,
+                keys=cfg.host_keys, batch=B, budget=self.context.host_budget,
+                disk_dir=cfg.disk_dir, keep_disk=cfg.keep_disk,
+                disk_budget=self.context.disk_budget, name=f"layer{self.layer}",
             )
         ks = [k for k, _ in self._pending]
         vs = [v for _, v in self._pending]
@@ -322,7 +328,8 @@ class TieredCache(_BaseCache):
         else:
             acc = self.compressed.nbytes
         host = self.host.nbytes if self.host is not None else 0
-        return {"accelerator": acc, "host": host, "disk": 0}
+        disk = self.host.disk_bytes if self.host is not None else 0
+        return {"accelerator": acc, "host": host, "disk": disk}
 
     def full_cache_bytes(self) -> int:
         """Bytes mlx-lm's KVCache would hold for this layer's tokens (the budget reference)."""
@@ -361,7 +368,7 @@ class TieredCache(_BaseCache):
         else:
             codebook = self.context.codebook_for(self, keys) if plan.codec == "codebook" else None
             self.compressed = CompressedLayer.from_exact(self, plan, codebook, keys, values,
-                                                         obs, scale)
+                                                         obs, scale, chunk=queries.shape[2])
         self.phase = "compressed"
         self.keys = self.values = None
         self._obs = None
@@ -499,6 +506,19 @@ class TieredCacheList(list):
         return TieredCacheList(caches, config=cfg, tiered_layers=self.tiered_layers,
                                kept_layers=self.kept_layers, context=ctx)
 
+    def save(self, directory: str, model) -> str:
+        """Persist this cache (after prefill) to ``directory``: ask again without re-reading."""
+        from .persist import save
+
+        return save(self, directory, model)
+
+    @classmethod
+    def load(cls, directory: str, model, **expect) -> "TieredCacheList":
+        """A cache saved with :meth:`save`; refuses another model or other options."""
+        from .persist import load
+
+        return load(directory, model, expect_config=expect or None)
+
     def to_kvcache(self) -> list:
         """mlx-lm ``KVCache`` layers holding this exact-phase cache's keys and values."""
         out = []
@@ -516,9 +536,12 @@ class TieredCacheList(list):
         return out
 
     def close(self):
-        """Stop this cache's CPU workers (they restart if the cache is used again)."""
+        """Stop this cache's CPU workers and release its host pages and page files."""
         if self.context is not None:
             self.context.close()
+        for c in self:
+            if isinstance(c, TieredCache) and c.host is not None:
+                c.host.close()
 
     def describe(self) -> str:
         kept = ", ".join(f"{i}:{n}" for i, n in self.kept_layers) or "none"

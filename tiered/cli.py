@@ -47,55 +47,95 @@ def _demo_document(tokenizer, n_tokens: int, seed: int | None):
     return sample
 
 
+MARKER = "\u2063TIERED-CONTENT\u2063"
+
+
+def split_prompt(tokenizer, document: str, question: str, *, chat: bool):
+    """Token ids of (document prefix, question suffix). The prefix is what a saved cache holds;
+    the suffix is asked on top of it, now or later (``--load-cache``): both runs tokenize the
+    same way."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        full = tokenizer.apply_chat_template([{"role": "user", "content": MARKER}],
+                                             add_generation_prompt=True, tokenize=False)
+        head, tail = full.split(MARKER)
+        prefix, suffix = head + document, f"\n\nQuestion: {question}" + tail
+        enc = tokenizer._tokenizer if hasattr(tokenizer, "_tokenizer") else tokenizer
+        pre = enc.encode(prefix, add_special_tokens=False)
+        return pre, enc.encode(suffix, add_special_tokens=False)
+    return tokenizer.encode(document), tokenizer.encode(question, add_special_tokens=False)
+
+
+def _options(args) -> dict:
+    opts = json.loads(args.options) if args.options else {}
+    if args.gpu_budget is not None:
+        opts["gpu_budget"] = args.gpu_budget
+    if args.method is not None:
+        opts["method"] = args.method
+    if args.host_budget is not None:
+        opts["host_budget"] = args.host_budget
+    if args.disk_dir is not None:
+        opts["disk_dir"] = args.disk_dir
+    return opts
+
+
 def cmd_run(args) -> int:
     if args.document is not None and not os.path.isfile(args.document):
         print(f"tiered run: error: document not found: {args.document}", file=sys.stderr)
         return 2
-    if args.document is not None and not args.question:
-        print("tiered run: error: --question is required with --document", file=sys.stderr)
+    if (args.document is not None or args.load_cache) and not args.question:
+        print("tiered run: error: --question is required with --document or --load-cache",
+              file=sys.stderr)
+        return 2
+    if args.load_cache and args.document:
+        print("tiered run: error: --load-cache answers from a saved cache; drop --document",
+              file=sys.stderr)
         return 2
     import mlx_lm
+
+    from .prefill import peak_rss_bytes, prefill
 
     t0 = time.perf_counter()
     model, tokenizer = tiered.load(args.model)
     print(f"model: {getattr(model, 'tiered_name', args.model)} loaded in "
           f"{time.perf_counter() - t0:.1f}s", file=sys.stderr)
-
+    options = _options(args)
     expected = None
-    if args.document is None:
-        sample = _demo_document(tokenizer, args.demo_tokens, args.seed)
-        prompt = sample.prompt
-        expected = sample.answer
-        print(f"demo: a {sample.n_tokens}-token document with a 5-digit pass key hidden at "
-              f"{100 * sample.depth:.0f}% depth", file=sys.stderr)
-        prompt_tokens = tokenizer.encode(prompt)
-    else:
-        with open(args.document, encoding="utf-8", errors="replace") as f:
-            document = f.read()
-        content = f"{document}\n\nQuestion: {args.question}"
-        if getattr(tokenizer, "chat_template", None) and not args.no_chat:
-            prompt_tokens = tokenizer.apply_chat_template(
-                [{"role": "user", "content": content}], add_generation_prompt=True
-            )
-        else:
-            prompt_tokens = tokenizer.encode(content + "\nAnswer:")
-
+    prefill_stats = None
     try:
-        options = json.loads(args.options) if args.options else {}
-        cache = tiered.TieredCache.for_model(model, gpu_budget=args.gpu_budget,
-                                             method=args.method, **options)
-    except ValueError as e:
+        if args.load_cache:
+            cache = tiered.TieredCacheList.load(args.load_cache, model, **options)
+            _, suffix = split_prompt(tokenizer, "", args.question, chat=not args.no_chat)
+            print(f"cache: {cache[cache.tiered_layers[0]].offset} tokens loaded from "
+                  f"{args.load_cache}", file=sys.stderr)
+        else:
+            if args.document is None:
+                sample = _demo_document(tokenizer, args.demo_tokens, args.seed)
+                expected = sample.answer
+                print(f"demo: a {sample.n_tokens}-token document with a 5-digit pass key hidden "
+                      f"at {100 * sample.depth:.0f}% depth", file=sys.stderr)
+                prefix = tokenizer.encode(sample.document)
+                suffix = tokenizer.encode(sample.question, add_special_tokens=False)
+            else:
+                with open(args.document, encoding="utf-8", errors="replace") as f:
+                    document = f.read()
+                prefix, suffix = split_prompt(tokenizer, document, args.question,
+                                              chat=not args.no_chat)
+            options.setdefault("gpu_budget", 0.125)
+            cache = tiered.TieredCache.for_model(model, tokenizer=tokenizer, **options)
+            prefill_stats = prefill(model, cache, prefix, chunk=args.prefill_step,
+                                    progress=Progress("prefill"))
+            if args.save_cache:
+                cache.save(args.save_cache, model)
+                print(f"cache saved to {args.save_cache}", file=sys.stderr)
+    except (ValueError, OSError) as e:
         print(f"tiered run: error: {e}", file=sys.stderr)
         return 2
 
     if args.max_tokens is None:
         args.max_tokens = 10 if expected is not None else 32
-    progress = Progress("prefill")
     text, last = [], None
-    for response in mlx_lm.stream_generate(
-        model, tokenizer, prompt_tokens, max_tokens=args.max_tokens, prompt_cache=cache,
-        prefill_step_size=args.prefill_step, prompt_progress_callback=progress,
-    ):
+    for response in mlx_lm.stream_generate(model, tokenizer, suffix, max_tokens=args.max_tokens,
+                                           prompt_cache=cache):
         if last is None:
             sys.stdout.write("answer: ")
         sys.stdout.write(response.text)
@@ -107,9 +147,15 @@ def cmd_run(args) -> int:
 
     rep = tiered.report_dict(cache)
     print("\n--- summary ---")
-    print(f"tokens: {last.prompt_tokens} prompt, {last.generation_tokens} generated")
-    print(f"prefill: {last.prompt_tps:,.1f} tok/s | decode: {last.generation_tps:,.2f} tok/s "
-          f"| peak MLX memory {last.peak_memory:.2f} GB")
+    doc_tokens = (prefill_stats["tokens"] if prefill_stats
+                  else rep["tokens"] - last.generation_tokens - len(suffix))
+    print(f"tokens: {doc_tokens} document + {len(suffix)} question, "
+          f"{last.generation_tokens} generated")
+    if prefill_stats:
+        print(f"prefill: {prefill_stats['tokens_per_s']:,.1f} tok/s "
+              f"({prefill_stats['seconds']:.1f}s)", end=" | ")
+    print(f"decode: {last.generation_tps:,.2f} tok/s | peak host RSS "
+          f"{peak_rss_bytes() / 2**30:.2f} GiB | peak MLX memory {last.peak_memory:.2f} GB")
     print(tiered.report(cache))
     if expected is not None:
         from .tasks import is_correct
@@ -117,11 +163,11 @@ def cmd_run(args) -> int:
         ok = is_correct(expected, answer)
         print(f"pass key {expected}: {'found' if ok else 'NOT found'}")
     if args.json:
-        rep.update(answer=answer, prompt_tokens=last.prompt_tokens,
-                   generation_tokens=last.generation_tokens, prompt_tps=last.prompt_tps,
-                   generation_tps=last.generation_tps, expected=expected)
+        rep.update(answer=answer, generation_tokens=last.generation_tokens,
+                   generation_tps=last.generation_tps, expected=expected, prefill=prefill_stats)
         with open(args.json, "w") as f:
-            json.dump(rep, f, indent=2)
+            json.dump(rep, f, indent=2, default=str)
+    cache.close()
     return 0
 
 
@@ -189,9 +235,18 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--document", help="text file to read; without it a pass-key demo runs")
     r.add_argument("--question", help="question about the document")
     r.add_argument("--model", default=None, help="mlx-lm model path or repo (default: embedded)")
-    r.add_argument("--gpu-budget", default="0.125",
-                   help="accelerator budget: fraction of the full cache or a size like 2GB")
-    r.add_argument("--method", default="tiered", choices=["tiered", "hcattention", "h2o"])
+    r.add_argument("--gpu-budget", default=None,
+                   help="accelerator budget: fraction of the full cache or a size like 2GB "
+                        "(default 0.125)")
+    r.add_argument("--method", default=None, choices=["tiered", "hcattention", "h2o"],
+                   help="default: tiered")
+    r.add_argument("--host-budget", default=None,
+                   help="host RAM for pages (e.g. 4GB); beyond it pages go to --disk-dir")
+    r.add_argument("--disk-dir", default=None, help="directory of the disk tier's page files")
+    r.add_argument("--save-cache", metavar="DIR",
+                   help="after reading the document, save the cache to DIR (ask again later)")
+    r.add_argument("--load-cache", metavar="DIR",
+                   help="answer --question from a cache saved with --save-cache")
     r.add_argument("--options", help="extra TieredConfig options as JSON, e.g. '{\"tau\": 0.95}'")
     r.add_argument("--max-tokens", type=int, default=None,
                    help="tokens to generate (default: 32, or 10 for the demo)")
@@ -217,7 +272,7 @@ def _budget(value: str):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if hasattr(args, "gpu_budget"):
+    if getattr(args, "gpu_budget", None) is not None:
         args.gpu_budget = _budget(args.gpu_budget)
     return args.func(args)
 

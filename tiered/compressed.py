@@ -61,6 +61,11 @@ class CompressedLayer:
         self._alloc(capacity)
         self.res_k = self.res_v = self.res_tok = None
         self._res_tok_np = None
+        # Block-wise prefill (prompt chunks after compression): exact K/V of the anchor block
+        # (the first tokens) and of the previous chunk (the local block), until decoding starts.
+        self.anchor_k = self.anchor_v = None
+        self.local_k = self.local_v = None
+        self.local_start = 0
 
     # ---- storage ---------------------------------------------------------------------------
     def _alloc(self, capacity: int, n: int = 0):
@@ -93,6 +98,8 @@ class CompressedLayer:
             arrays.append(self.acc)
         if self.res_k is not None:
             arrays += [self.res_k, self.res_v, self.res_tok]
+        arrays += [a for a in (self.anchor_k, self.anchor_v, self.local_k, self.local_v)
+                   if a is not None]
         return sum(a.nbytes for a in arrays) + self.keys.nbytes
 
     def _acc_host(self) -> np.ndarray:
@@ -103,8 +110,10 @@ class CompressedLayer:
     # ---- construction from the exact phase -------------------------------------------------
     @classmethod
     def from_exact(cls, parent, plan: Plan, codebook, keys: mx.array, values: mx.array,
-                   obs_queries: mx.array | None, scale: float):
-        """Compress ``keys``/``values`` (1, H, n, d) of the exact phase."""
+                   obs_queries: mx.array | None, scale: float, chunk: int = 0):
+        """Compress ``keys``/``values`` (1, H, n, d) of the exact phase. ``chunk`` > 1: the last
+        ``chunk`` tokens are a prompt chunk still to be attended (block-wise); the chunk before
+        them becomes the local block."""
         n = keys.shape[2]
         cap = _capacity(n, plan.step)
         store = make_key_store(parent, plan, codebook, cap)
@@ -121,6 +130,18 @@ class CompressedLayer:
             else:
                 self.acc[:, :n] = mx.array(w)
         self._rebuild_resident(keys[0], values[0])
+        A = min(parent.config.anchor_tokens, n)
+        if A and chunk > 1:
+            self.anchor_k = keys[0, :, :A].astype(self.dtype)
+            self.anchor_v = values[0, :, :A].astype(self.dtype)
+            n0 = n - chunk
+            lo = max(A, n0 - chunk)
+            if n0 > lo:
+                self.local_k = keys[0, :, lo:n0].astype(self.dtype)
+                self.local_v = values[0, :, lo:n0].astype(self.dtype)
+                self.local_start = lo
+            mx.eval(self.anchor_k, self.anchor_v,
+                    *[a for a in (self.local_k, self.local_v) if a is not None])
         return self
 
     def _resident_layout(self, n: int) -> int:
@@ -264,6 +285,8 @@ class CompressedLayer:
     def attention(self, queries, keys, values, *, scale, mask, sinks=None):
         self.scale = scale
         if queries.shape[2] == 1:
+            if self.anchor_k is not None or self.local_k is not None:
+                self.end_prefill()
             if self.numpy_path:
                 return self._decode_numpy(queries, scale, sinks)
             return self._decode_mlx(queries, scale, sinks)
@@ -286,6 +309,25 @@ class CompressedLayer:
         o = (p @ self.res_v.astype(mx.float32)) / mx.maximum(den, 1e-30)
         lse = mx.where(den[..., 0] > 0, (m + mx.log(den))[..., 0], -mx.inf)
         return o, lse
+
+    def _check_pages(self, idx: np.ndarray, count: np.ndarray):
+        """Debug mode: verify the disk pages the gather is about to read."""
+        host = self.parent.host
+        if self.config.verify_pages and host.disk_bytes:
+            for k in range(idx.shape[0]):
+                host.verify_tokens(0, idx[k, : count[k]])
+
+    def _prefetch_likely(self):
+        """Read ahead the disk pages of the tokens the policy is likely to select next: the
+        highest accumulators outside the resident set (off the critical path, on a worker)."""
+        host = self.parent.host
+        if host is None or not host.disk_bytes or self._acc_np is None:
+            return
+        acc = self._acc_np[:, : self.n]
+        k = min(256, self.n)
+        top = np.argpartition(-acc, k - 1, axis=1)[:, :k]
+        b = self.parent.scheduler.batch(self.parent.layer)
+        b.submit(host.prefetch_tokens, 0, top.reshape(-1))
 
     def _cap(self, n: int) -> tuple[int, int]:
         cfg = self.config
@@ -328,6 +370,7 @@ class CompressedLayer:
             z[h, tok[h // rep][valid]] = s_np[h][valid]
         cap, floor = self._cap(n)
         idx, count, m, ssum, _ = ops.select(z, self._flags_np[:, :n], cfg.tau, cap, floor, rep)
+        self._check_pages(idx, count)
         handle = ops.submit_gather(self.parent.scheduler, self.parent.layer, q_np, z, idx, count,
                                    rep, self.parent.host, cfg.rescore == "exact")
         t_acc = time.perf_counter()
@@ -336,6 +379,8 @@ class CompressedLayer:
         if self._acc_np is not None:
             ops.acc_update(self._acc_np, z, m, ssum, rep, n, cfg.ema_alpha)
         o_c, lse_c = ops.wait_gather(handle, time.perf_counter() - t_acc)
+        if self.steps % self.config.refresh_every == 0:
+            self._prefetch_likely()
         return self._finish(queries, np.array(o_r).reshape(Hq, -1), np.array(lse_r).reshape(Hq),
                             o_c, lse_c, count, sinks, t0)
 
@@ -370,6 +415,7 @@ class CompressedLayer:
             wanted.append(zsel)
         mx.eval(*wanted)  # the one sync of the step
         idx, count = np.array(sel.idx), np.array(sel.count)
+        self._check_pages(idx, count)
         handle = ops.submit_gather(self.parent.scheduler, self.parent.layer,
                                    np.array(q) if exact else None,
                                    None if exact else np.array(zsel), idx, count, rep,
@@ -401,25 +447,54 @@ class CompressedLayer:
         return o.reshape(1, Hq, 1, -1).astype(queries.dtype)
 
     def _chunk(self, queries, keys, values, scale, sinks):
-        """A prompt chunk after compression: exact attention over the resident set and the
-        chunk itself (causal). Block-wise prefill: sinks + heavy hitters are the anchor."""
+        """A prompt chunk after compression: block-wise attention (HCAttention's appendix).
+
+        The chunk (positions [n0, n0 + L)) attends exactly to the anchor block (the first
+        ``anchor_tokens`` tokens), the local block (the previous chunk), the resident set
+        (sinks and heavy hitters, minus tokens already in those blocks) and itself, causally.
+        Accelerator memory stays bounded: anchor + two chunks + the resident set."""
         L = queries.shape[2]
         H, rep = self.H, queries.shape[1] // self.H
-        tok = self.res_tok
         n0 = self.n - L
-        # The chunk's own tokens may sit in the ring already: keep resident keys older than it.
-        old = (tok >= 0) & (tok < n0)
-        k = mx.concatenate([self.res_k[None], keys.astype(self.dtype)], axis=2)
-        v = mx.concatenate([self.res_v[None], values.astype(self.dtype)], axis=2)
-        R = self.R
+        A = 0 if self.anchor_k is None else self.anchor_k.shape[1]
+        loc0, locn = self.local_start, (0 if self.local_k is None else self.local_k.shape[1])
+        if loc0 + locn != n0:  # the local block must be the tokens right before the chunk
+            locn = 0
+        tok = self.res_tok
+        # Resident tokens older than the chunk and in neither block (no token counted twice).
+        res_ok = (tok >= A) & (tok < n0) & ((tok < loc0) | (tok >= loc0 + locn) | (locn == 0))
+        parts_k, parts_v, masks = [], [], []
+        if A:
+            parts_k.append(self.anchor_k)
+            parts_v.append(self.anchor_v)
+            masks.append(mx.ones((H, L, A), mx.bool_))
+        if locn:
+            parts_k.append(self.local_k)
+            parts_v.append(self.local_v)
+            masks.append(mx.ones((H, L, locn), mx.bool_))
+        parts_k.append(self.res_k)
+        parts_v.append(self.res_v)
+        masks.append(mx.broadcast_to(res_ok[:, None, :], (H, L, self.R)))
+        parts_k.append(keys[0].astype(self.dtype))
+        parts_v.append(values[0].astype(self.dtype))
         causal = mx.arange(L)[:, None] >= mx.arange(L)[None, :]
-        res_mask = mx.broadcast_to(old[:, None, None, :], (H, rep, L, R))
-        chunk_mask = mx.broadcast_to(causal[None, None], (H, rep, L, L))
-        full = mx.concatenate([res_mask, chunk_mask], axis=-1).reshape(1, H * rep, L, R + L)
-        return mx.fast.scaled_dot_product_attention(
-            queries, k.astype(queries.dtype), v.astype(queries.dtype), scale=scale, mask=full,
+        masks.append(mx.broadcast_to(causal[None], (H, L, L)))
+        k = mx.concatenate(parts_k, axis=1)[None]
+        v = mx.concatenate(parts_v, axis=1)[None]
+        mask = mx.concatenate(masks, axis=-1)  # (H, L, total)
+        mask = mx.broadcast_to(mask[:, None], (H, rep, L, mask.shape[-1])).reshape(
+            1, H * rep, L, mask.shape[-1])
+        out = mx.fast.scaled_dot_product_attention(
+            queries, k.astype(queries.dtype), v.astype(queries.dtype), scale=scale, mask=mask,
             sinks=sinks,
         )
+        self.local_k, self.local_v = keys[0].astype(self.dtype), values[0].astype(self.dtype)
+        self.local_start = n0
+        return out
+
+    def end_prefill(self):
+        """Decoding starts: the prefill-only blocks (anchor, local) leave the accelerator."""
+        self.anchor_k = self.anchor_v = self.local_k = self.local_v = None
 
     # ---- trim and persistence --------------------------------------------------------------
     def is_trimmable(self) -> bool:
@@ -456,6 +531,11 @@ class CompressedLayer:
         }
         if self.acc is not None:
             st["acc"] = self.acc[:, :n]
+        if self.anchor_k is not None:  # block-wise prefill in progress: its blocks travel too
+            st["anchor"] = [self.anchor_k, self.anchor_v]
+        if self.local_k is not None:
+            st["local"] = [self.local_k, self.local_v]
+            st["local_start"] = self.local_start
         return st
 
     @classmethod
@@ -484,6 +564,11 @@ class CompressedLayer:
         self.S_eff, self.W_eff = (int(x) for x in st["layout"])
         self._set_resident(mx.array(st["res_k"]), mx.array(st["res_v"]),
                            np.array(st["res_tok"]).astype(np.int32))
+        if "anchor" in st:
+            self.anchor_k, self.anchor_v = st["anchor"]
+        if "local" in st:
+            self.local_k, self.local_v = st["local"]
+            self.local_start = int(st["local_start"])
         return self
 
 

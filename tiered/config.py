@@ -88,10 +88,14 @@ class TieredConfig:
     host_dtype: str = "float16"
     host_keys: bool = True
     page_size: int = 256
-    host_budget: int | str | None = None
-    disk_dir: str | None = None
+    host_budget: int | str | None = None  # host RAM for pages; beyond it they go to disk_dir
+    disk_dir: str | None = None  # default: the system temp directory
+    disk_budget: int | str | None = None  # cap on disk-tier bytes (None: the disk's free space)
+    keep_disk: bool = False  # keep page files after close (for reopening a saved state)
+    verify_pages: bool = False  # check disk pages' CRC32 on every read (debug; also TIERED_DEBUG=1)
     # prefill and calibration
     prefill_window: int = 16384  # tokens kept exact on the accelerator during prefill
+    anchor_tokens: int = 1024  # block-wise prefill beyond the window: the anchor block
     calibration: str = "self"  # "self" (first prefill chunk) or a path to a text file
     calibration_tokens: int = 4096
     kmeans_iters: int = 12
@@ -143,9 +147,14 @@ class TieredConfig:
             raise ValueError(f"Invalid page_size: {self.page_size!r} (expected a power of two)")
         if self.host_budget is not None:
             self.host_budget = parse_bytes(self.host_budget, "host_budget")
+        if self.disk_budget is not None:
+            self.disk_budget = parse_bytes(self.disk_budget, "disk_budget")
+        if os.environ.get("TIERED_DEBUG") == "1":
+            self.verify_pages = True
         if self.disk_dir is not None and not isinstance(self.disk_dir, (str, os.PathLike)):
             raise ValueError(f"Invalid disk_dir: {self.disk_dir!r} (expected a path)")
         self._int("prefill_window", 1)
+        self._int("anchor_tokens", 0)
         if not isinstance(self.calibration, (str, os.PathLike)) or (
             self.calibration != "self" and not os.path.isfile(self.calibration)
         ):

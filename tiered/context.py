@@ -76,6 +76,10 @@ class SharedContext:
         self.codebook_memo: dict = {}
         self._scheduler = None
         self._lock = threading.Lock()
+        from tiered.cpu.disk import HostBudget
+
+        self.host_budget = HostBudget(config.host_budget)
+        self.disk_budget = HostBudget(config.disk_budget) if config.disk_budget else None
 
     # ---- plan ------------------------------------------------------------------------------
     def check_model_budget(self, reference_tokens: int = 4096):

@@ -23,6 +23,11 @@ class Sample:
     answer: str
     depth: float  # where the needle sits, as a fraction of the document
     n_tokens: int  # prompt length in tokens
+    question: str = ""  # the end of the prompt that asks (prompt = document + question)
+
+    @property
+    def document(self) -> str:
+        return self.prompt[: len(self.prompt) - len(self.question)]
 
 
 def _fit(tokenizer, make, target_tokens: int) -> tuple[str, int]:
@@ -56,7 +61,7 @@ def passkey(tokenizer, n_tokens: int, depth: float, *, seed: int = 0, digits: in
         return head + FILLER * at + needle + FILLER * (k - at) + question
 
     text, n = _fit(tokenizer, make, n_tokens)
-    return Sample(prompt=text, answer=key, depth=depth, n_tokens=n)
+    return Sample(prompt=text, answer=key, depth=depth, n_tokens=n, question=question)
 
 
 NAMES = ["Alder", "Birch", "Cedar", "Dahlia", "Elm", "Fern", "Ginkgo", "Hazel", "Iris", "Juniper"]
@@ -89,7 +94,7 @@ def multi_needle(tokenizer, n_tokens: int, *, needles: int = 4, ask: int | None 
         return "".join(parts)
 
     text, n = _fit(tokenizer, make, n_tokens)
-    return Sample(prompt=text, answer=keys[ask], depth=depths[ask], n_tokens=n)
+    return Sample(prompt=text, answer=keys[ask], depth=depths[ask], n_tokens=n, question=question)
 
 
 def topics_text() -> str:
@@ -118,7 +123,7 @@ def needle_in_text(tokenizer, n_tokens: int, depth: float, *, seed: int = 0) -> 
         return body[:at] + needle + body[at:] + question
 
     text, n = _fit(tokenizer, make, n_tokens)
-    return Sample(prompt=text, answer=item, depth=depth, n_tokens=n)
+    return Sample(prompt=text, answer=item, depth=depth, n_tokens=n, question=question)
 
 
 def is_correct(answer: str, generated: str) -> bool:

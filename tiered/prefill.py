@@ -1,0 +1,48 @@
+"""Prefill a long prompt into a cache in chunks, with progress and memory figures."""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+
+import mlx.core as mx
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r if sys.platform == "darwin" else r * 1024
+
+
+def current_rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        return peak_rss_bytes()
+
+
+def prefill(model, cache, tokens, *, chunk: int = 2048, progress=None, on_chunk=None) -> dict:
+    """Run ``tokens`` (a list of ids) through ``model`` into ``cache``, ``chunk`` at a time.
+
+    progress(done, total) is called after every chunk (``tiered.cli.Progress`` draws a bar);
+    on_chunk(done) too, e.g. to sample memory. Returns timing figures."""
+    total = len(tokens)
+    x = mx.array(tokens)[None]
+    t0 = time.perf_counter()
+    done = 0
+    if progress:
+        progress(0, total)
+    while done < total:
+        step = x[:, done : done + chunk]
+        model(step, cache=cache)
+        mx.eval([c.state for c in cache])
+        done += step.shape[1]
+        if progress:
+            progress(done, total)
+        if on_chunk:
+            on_chunk(done)
+        mx.clear_cache()
+    seconds = time.perf_counter() - t0
+    return {"tokens": total, "seconds": seconds, "tokens_per_s": total / max(seconds, 1e-9)}
