@@ -320,16 +320,20 @@ class TieredCache(_BaseCache):
         self.host.append(v, k if self.config.host_keys else None)
 
     def tier_bytes(self) -> dict:
-        """Bytes per tier, measured from the arrays this layer holds."""
-        acc = 0
+        """Bytes per tier, measured from the arrays this layer holds. ``transient``: the part of
+        "accelerator" that only prefill holds (the exact window of a compressing cache, or the
+        block-wise anchor + local blocks); bounded, reported apart from the steady state."""
+        acc = transient = 0
         if self.phase == "exact":
             if self.keys is not None:
                 acc = self.keys.nbytes + self.values.nbytes
+                transient = 0 if self.config.exact else acc
         else:
             acc = self.compressed.nbytes
+            transient = getattr(self.compressed, "prefill_bytes", 0)
         host = self.host.nbytes if self.host is not None else 0
         disk = self.host.disk_bytes if self.host is not None else 0
-        return {"accelerator": acc, "host": host, "disk": disk}
+        return {"accelerator": acc, "transient": transient, "host": host, "disk": disk}
 
     def full_cache_bytes(self) -> int:
         """Bytes mlx-lm's KVCache would hold for this layer's tokens (the budget reference)."""
@@ -549,7 +553,7 @@ class TieredCacheList(list):
                 f"(budget {self.config.gpu_budget}, method {self.config.method}); kept: {kept}")
 
     def tier_bytes(self) -> dict:
-        total = {"accelerator": 0, "host": 0, "disk": 0}
+        total = {"accelerator": 0, "transient": 0, "host": 0, "disk": 0}
         for c in self:
             if isinstance(c, TieredCache):
                 for k, v in c.tier_bytes().items():

@@ -158,10 +158,22 @@ class CompressedLayer:
         if count <= 0 or hi <= lo:
             return out
         acc = self._acc_host()[:, lo:hi]
+        host = self.parent.host
+        if self.res_tok is not None and (host is None or host.keys is None):
+            # No full keys on the host: only tokens whose K/V are on the accelerator (the
+            # resident set, the recent ring) can be heavy hitters. Eviction, as in H2O.
+            allowed = np.zeros_like(acc, dtype=bool)
+            for h in range(H):
+                t = self._res_tok_np[h]
+                t = t[(t >= lo) & (t < hi)] - lo
+                allowed[h, t] = True
+            acc = np.where(allowed, acc, -np.inf)
         k = min(count, hi - lo)
         top = np.argpartition(-acc, k - 1, axis=1)[:, :k] if k < hi - lo else np.tile(
             np.arange(hi - lo), (H, 1))
-        out[:, :k] = np.sort(top, axis=1) + lo
+        picked = np.take_along_axis(acc, top, axis=1)
+        top = np.where(np.isfinite(picked), top + lo, -1)
+        out[:, :k] = np.sort(top, axis=1)
         return out
 
     def _rebuild_resident(self, keys: mx.array | None = None, values: mx.array | None = None):
@@ -450,9 +462,9 @@ class CompressedLayer:
         """A prompt chunk after compression: block-wise attention (HCAttention's appendix).
 
         The chunk (positions [n0, n0 + L)) attends exactly to the anchor block (the first
-        ``anchor_tokens`` tokens), the local block (the previous chunk), the resident set
-        (sinks and heavy hitters, minus tokens already in those blocks) and itself, causally.
-        Accelerator memory stays bounded: anchor + two chunks + the resident set."""
+        ``anchor_tokens`` tokens), the local block (the previous chunk), the sinks, and itself,
+        causally. Accelerator memory and time per chunk stay bounded whatever the document's
+        length: anchor + two chunks."""
         L = queries.shape[2]
         H, rep = self.H, queries.shape[1] // self.H
         n0 = self.n - L
@@ -460,37 +472,39 @@ class CompressedLayer:
         loc0, locn = self.local_start, (0 if self.local_k is None else self.local_k.shape[1])
         if loc0 + locn != n0:  # the local block must be the tokens right before the chunk
             locn = 0
-        tok = self.res_tok
-        # Resident tokens older than the chunk and in neither block (no token counted twice).
-        res_ok = (tok >= A) & (tok < n0) & ((tok < loc0) | (tok >= loc0 + locn) | (locn == 0))
-        parts_k, parts_v, masks = [], [], []
+        parts_k, parts_v = [], []
         if A:
             parts_k.append(self.anchor_k)
             parts_v.append(self.anchor_v)
-            masks.append(mx.ones((H, L, A), mx.bool_))
         if locn:
             parts_k.append(self.local_k)
             parts_v.append(self.local_v)
-            masks.append(mx.ones((H, L, locn), mx.bool_))
-        parts_k.append(self.res_k)
-        parts_v.append(self.res_v)
-        masks.append(mx.broadcast_to(res_ok[:, None, :], (H, L, self.R)))
+        S = self.S_eff if A == 0 else 0  # the sinks live in the anchor block when there is one
+        if S:
+            parts_k.append(self.res_k[:, :S])
+            parts_v.append(self.res_v[:, :S])
         parts_k.append(keys[0].astype(self.dtype))
         parts_v.append(values[0].astype(self.dtype))
-        causal = mx.arange(L)[:, None] >= mx.arange(L)[None, :]
-        masks.append(mx.broadcast_to(causal[None], (H, L, L)))
         k = mx.concatenate(parts_k, axis=1)[None]
         v = mx.concatenate(parts_v, axis=1)[None]
-        mask = mx.concatenate(masks, axis=-1)  # (H, L, total)
-        mask = mx.broadcast_to(mask[:, None], (H, rep, L, mask.shape[-1])).reshape(
-            1, H * rep, L, mask.shape[-1])
-        out = mx.fast.scaled_dot_product_attention(
-            queries, k.astype(queries.dtype), v.astype(queries.dtype), scale=scale, mask=mask,
-            sinks=sinks,
-        )
+        if sinks is None and queries.shape[0] == 1:
+            # Every earlier key is visible to every row: plain causal attention over [past, chunk].
+            out = ops.exact_attention(queries, k.astype(queries.dtype), v.astype(queries.dtype),
+                                      scale=scale, mask="causal", fast=True)
+        else:
+            out = mx.fast.scaled_dot_product_attention(
+                queries, k.astype(queries.dtype), v.astype(queries.dtype), scale=scale,
+                mask="causal", sinks=sinks)
         self.local_k, self.local_v = keys[0].astype(self.dtype), values[0].astype(self.dtype)
         self.local_start = n0
         return out
+
+    @property
+    def prefill_bytes(self) -> int:
+        """Bytes of the block-wise prefill's working set (anchor + local block): bounded, and
+        gone once decoding starts."""
+        return sum(a.nbytes for a in (self.anchor_k, self.anchor_v, self.local_k, self.local_v)
+                   if a is not None)
 
     def end_prefill(self):
         """Decoding starts: the prefill-only blocks (anchor, local) leave the accelerator."""

@@ -78,7 +78,7 @@ class TieredConfig:
     tau: float = 0.9
     max_selected: int | float = 2048  # hard cap per KV head: tokens, or a fraction of live ones
     min_selected: int = 32  # floor
-    rescore: str | None = None  # "exact" (from host keys) | "approx"; None: exact for "tiered"
+    rescore: str | None = None  # "exact" (from host keys) | "approx"; None: exact if it can
     # resident set (H2O)
     sinks: int = 4
     recent: int = 64
@@ -110,8 +110,8 @@ class TieredConfig:
         self._check_budget()
         self._choice("method", METHODS)
         self._choice("key_codec", KEY_CODECS)
-        if self.rescore is None:
-            self.rescore = "approx" if self.method == "hcattention" else "exact"
+        if self.rescore is None:  # exact rescoring needs the full keys on the host
+            self.rescore = "approx" if self.method == "hcattention" or not self.host_keys else "exact"
         self._choice("rescore", RESCORE)
         if self.rescore == "exact" and not self.host_keys:
             raise ValueError("Invalid rescore: 'exact' needs host_keys=True (full keys on the host)")

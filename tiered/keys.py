@@ -25,8 +25,7 @@ def _np(a: mx.array) -> np.ndarray:
     return np.array(a, copy=False)
 
 
-def _capacity(n: int, step: int) -> int:
-    return max(step, -(-n // step) * step)
+from .planner import capacity as _capacity  # noqa: E402  (one growth rule for all buffers)
 
 
 class CodebookKeys:

@@ -197,8 +197,17 @@ class Plan:
         return "; ".join(parts)
 
 
-def _capacity(n: int, step: int) -> int:
-    return max(step, -(-n // step) * step)
+def capacity(n: int, step: int) -> int:
+    """Tokens an accelerator buffer holds when it holds n: grown in steps of the larger of
+    ``step`` and n/16 (a power of two), so slack stays under 6.25% and a million-token prefill
+    reallocates O(log n) times, not O(n / step)."""
+    q = step
+    while q * 32 <= n:
+        q *= 2
+    return max(step, -(-n // q) * q)
+
+
+_capacity = capacity
 
 
 def _fmt_bytes(n: float) -> str:

@@ -23,12 +23,22 @@ def current_rss_bytes() -> int:
         return peak_rss_bytes()
 
 
+def _body(model):
+    """The model without its LM head (prefill needs no logits), when mlx-lm exposes it."""
+    inner = getattr(model, "model", None)
+    if inner is not None and callable(inner) and hasattr(inner, "layers"):
+        return inner
+    return model
+
+
 def prefill(model, cache, tokens, *, chunk: int = 2048, progress=None, on_chunk=None) -> dict:
     """Run ``tokens`` (a list of ids) through ``model`` into ``cache``, ``chunk`` at a time.
 
-    progress(done, total) is called after every chunk (``tiered.cli.Progress`` draws a bar);
-    on_chunk(done) too, e.g. to sample memory. Returns timing figures."""
+    Only the transformer body runs (no logits). progress(done, total) is called after every
+    chunk (``tiered.cli.Progress`` draws a bar); on_chunk(done) too, e.g. to sample memory.
+    Returns timing figures."""
     total = len(tokens)
+    body = _body(model)
     x = mx.array(tokens)[None]
     t0 = time.perf_counter()
     done = 0
@@ -36,7 +46,7 @@ def prefill(model, cache, tokens, *, chunk: int = 2048, progress=None, on_chunk=
         progress(0, total)
     while done < total:
         step = x[:, done : done + chunk]
-        model(step, cache=cache)
+        body(step, cache=cache)
         mx.eval([c.state for c in cache])
         done += step.shape[1]
         if progress:

@@ -18,7 +18,7 @@ def report_dict(caches) -> dict:
     from .cache import TieredCache
 
     layers = [c for c in caches if isinstance(c, TieredCache)]
-    per_tier = {"accelerator": 0, "host": 0, "disk": 0}
+    per_tier = {"accelerator": 0, "transient": 0, "host": 0, "disk": 0}
     for c in caches:
         if isinstance(c, TieredCache):
             for k, v in c.tier_bytes().items():

@@ -1,0 +1,256 @@
+"""A million-token document: bounded-memory prefill, the disk tier, decode at 1M tokens.
+
+The document is real text: ``pydoc_data.topics`` split into paragraphs, shuffled (seeded) and
+repeated until it holds ``--tokens`` tokens, with a pass key planted at 10% depth. The prefill
+runs chunk by chunk: exact while the prompt fits the prefill window, block-wise (anchor +
+local block) beyond; key codes, host pages (spilling to the disk tier beyond ``--host-budget``)
+and the calibration are made as the chunks go. Every chunk samples the process's own memory:
+host RSS (``/proc/self/statm``), the accelerator tier (measured from the arrays; on a GPU also
+the device memory in use, from NVML) and the disk tier's bytes.
+
+    python bench/million.py --model embedded --layers 10 --host-budget 2GB     # CPU
+    python bench/million.py --model llama3-8b --host-budget 40GB --no-host-keys  # GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import threading
+import time
+
+import common  # noqa: F401  (tiered before mlx)
+from common import RESULTS, machine, md_table, write_results
+
+import mlx.core as mx
+import numpy as np
+
+import tiered
+from tiered.cli import Progress
+from tiered.prefill import current_rss_bytes, peak_rss_bytes, prefill
+
+
+def document_tokens(tok, n_tokens: int, seed: int = 0):
+    """(token ids, pass key) of a shuffled-pydoc document of n_tokens with a key at 10%."""
+    from tiered.tasks import topics_text
+
+    paras = [p for p in topics_text().split("\n\n") if p.strip()]
+    rng = random.Random(seed)
+    key = str(rng.randrange(10000, 100000))
+    needle = tok.encode(f"\n\nThe pass key is {key}. Remember it. {key} is the pass key.\n\n")
+    ids: list[int] = []
+    while len(ids) < n_tokens:
+        rng.shuffle(paras)
+        ids += tok.encode("\n\n".join(paras))
+    ids = ids[:n_tokens]
+    at = n_tokens // 10
+    question = tok.encode("\n\nWhat is the pass key? The pass key is")
+    ids = ids[:at] + needle + ids[at : n_tokens - len(needle) - len(question)] + question
+    return ids, key
+
+
+def build_model(name: str, layers: int | None):
+    if name == "embedded":
+        model, tok = tiered.load()
+        if layers:
+            model.model.layers = model.model.layers[:layers]
+            model.args.num_hidden_layers = layers
+        return model, tok
+    from decode_speed import build_model as random_model
+
+    model, _ = random_model(name, mx.float16)
+    from tiered.model import load_default
+
+    _, tok = load_default()  # token ids from the embedded tokenizer (all < its 49152 vocab)
+    return model, tok
+
+
+class DeviceMemory:
+    """Device memory in use (NVML), sampled in a thread; None where there is no NVIDIA GPU."""
+
+    def __init__(self, interval=0.2):
+        self.peak = self.base = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._h = pynvml.nvmlDeviceGetHandleByIndex(0)
+            self._read = lambda: pynvml.nvmlDeviceGetMemoryInfo(self._h).used
+            self.base = self.peak = self._read()
+        except Exception:
+            return
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._loop, args=(interval,), daemon=True)
+        self._t.start()
+
+    def _loop(self, interval):
+        while not self._stop.wait(interval):
+            self.peak = max(self.peak, self._read())
+
+    def used(self):
+        return None if self.base is None else self._read() - self.base
+
+    def stop(self):
+        if self.base is not None:
+            self._stop.set()
+            self._t.join()
+            self.peak = max(self.peak, self._read())
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="embedded", choices=["embedded", "llama3-8b", "llama3-8b-2l"])
+    p.add_argument("--layers", type=int, default=None, help="keep the first N layers (embedded)")
+    p.add_argument("--tokens", type=int, default=1_000_000)
+    p.add_argument("--budget", type=float, default=0.125)
+    p.add_argument("--host-budget", default="2GB")
+    p.add_argument("--host-dtype", default="float16")
+    p.add_argument("--no-host-keys", action="store_true")
+    p.add_argument("--disk-dir", default=None)
+    p.add_argument("--chunk", type=int, default=None, help="default: 512 on the CPU, 2048 on GPUs")
+    p.add_argument("--prefill-window", type=int, default=16384)
+    p.add_argument("--anchor", type=int, default=None, help="default: the chunk size")
+    p.add_argument("--decode-steps", type=int, default=8)
+    p.add_argument("--name", default=None)
+    args = p.parse_args(argv)
+    on_cpu = mx.default_device() == mx.cpu
+    args.name = args.name or f"million_{'cpu' if on_cpu else 'gpu'}_{args.model}"
+    args.chunk = args.chunk or (512 if on_cpu else 2048)
+    args.anchor = args.anchor if args.anchor is not None else args.chunk
+    info = machine()
+    dev = DeviceMemory()
+    model, tok = build_model(args.model, args.layers)
+    from tiered.context import model_geometry
+
+    geo = model_geometry(model, len(model.layers))
+    t = time.perf_counter()
+    ids, key = document_tokens(tok, args.tokens)
+    print(f"document: {len(ids)} tokens ({time.perf_counter() - t:.0f}s to build); model "
+          f"{args.model} {geo}", flush=True)
+    disk_dir = args.disk_dir or os.path.join(RESULTS, "..", ".pages")
+    cache = tiered.TieredCache.for_model(
+        model, gpu_budget=args.budget, host_budget=args.host_budget, disk_dir=disk_dir,
+        host_dtype=args.host_dtype, host_keys=not args.no_host_keys,
+        prefill_window=args.prefill_window, anchor_tokens=args.anchor)
+    budget_bytes = lambda n: int(args.budget * geo.full_bytes(n))  # noqa: E731
+    samples = []
+    rss0 = current_rss_bytes()
+    t_start = time.perf_counter()
+
+    def sample(done):
+        tb = cache.tier_bytes()
+        samples.append({"tokens": done, "s": time.perf_counter() - t_start,
+                        "rss": current_rss_bytes(), "transient": tb["transient"],
+                        "accelerator": tb["accelerator"] - tb["transient"],
+                        "host": tb["host"], "disk": tb["disk"], "device": dev.used(),
+                        "budget": budget_bytes(done)})
+
+    body = ids[:-1]
+    stats = prefill(model, cache, body, chunk=args.chunk, progress=Progress("prefill"),
+                    on_chunk=sample)
+    print(f"prefill: {stats['tokens']} tokens in {stats['seconds']:.0f}s = "
+          f"{stats['tokens_per_s']:.1f} tok/s", flush=True)
+    # decode at 1M: the last prompt token, then greedy steps
+    times, out = [], []
+    y = mx.array([[ids[-1]]])
+    for _ in range(args.decode_steps):
+        t = time.perf_counter()
+        logits = model(y, cache=cache)
+        y = mx.argmax(logits[:, -1], axis=-1)[:, None]
+        mx.eval(y)
+        times.append(time.perf_counter() - t)
+        out.append(int(y.item()))
+    sample(len(ids) + args.decode_steps)
+    dev.stop()
+    answer = tok.decode(out)
+    rep = tiered.report_dict(cache)
+    decode_ms = 1e3 * float(np.median(times[1:])) if len(times) > 1 else 1e3 * times[0]
+    peaks = {
+        "accelerator_tier_bytes": max(s["accelerator"] for s in samples),
+        "prefill_transient_accelerator_bytes": max(
+            [rep["peak_transient_accelerator_bytes"]] + [s["transient"] for s in samples]),
+        "device_memory_bytes": (dev.peak - dev.base) if dev.base is not None else None,
+        "host_rss_bytes": peak_rss_bytes(),
+        "host_rss_at_start": rss0,
+        "host_tier_bytes": max(s["host"] for s in samples),
+        "disk_bytes": max(s["disk"] for s in samples),
+    }
+    host_budget = tiered.config.parse_bytes(args.host_budget, "host_budget")
+    checks = {
+        "accelerator tier <= gpu budget (every chunk after the exact window)": all(
+            s["accelerator"] <= s["budget"] for s in samples if s["tokens"] > args.prefill_window),
+        "block-wise working set <= anchor + 2 chunks of full K/V": all(
+            s["transient"] <= geo.layers * geo.kv_heads * geo.full_token_head_bytes
+            * (args.anchor + 2 * args.chunk) for s in samples if s["tokens"] > args.prefill_window),
+        "host tier <= host budget": peaks["host_tier_bytes"] <= host_budget,
+    }
+    rows = [["prefill", f"{stats['tokens_per_s']:.1f} tok/s", f"{stats['seconds'] / 60:.1f} min", ""],
+            [f"decode at {len(ids):,} tokens", f"{decode_ms:.0f} ms/token",
+             f"first step {times[0]:.1f}s", ""],
+            ["accelerator tier (peak, measured from arrays)",
+             f"{peaks['accelerator_tier_bytes'] / 2**30:.2f} GiB",
+             f"budget {rep.get('budget_bytes', budget_bytes(len(ids))) / 2**30:.2f} GiB at the end",
+             checks["accelerator tier <= gpu budget (every chunk after the exact window)"]],
+            ["prefill working set (accelerator, apart from the tier)",
+             f"{peaks['prefill_transient_accelerator_bytes'] / 2**30:.2f} GiB",
+             "exact window, then anchor + local blocks",
+             checks["block-wise working set <= anchor + 2 chunks of full K/V"]],
+            ["host tier (peak)", f"{peaks['host_tier_bytes'] / 2**30:.2f} GiB",
+             f"budget {host_budget / 2**30:.2f} GiB", checks["host tier <= host budget"]],
+            ["host RSS (peak, process)", f"{peaks['host_rss_bytes'] / 2**30:.2f} GiB",
+             f"{rss0 / 2**30:.2f} GiB before prefill", ""],
+            ["disk tier", f"{peaks['disk_bytes'] / 2**30:.2f} GiB", "", ""]]
+    if peaks["device_memory_bytes"] is not None:
+        rows.append(["device memory in use (peak, NVML)",
+                     f"{peaks['device_memory_bytes'] / 2**30:.2f} GiB", "model weights included", ""])
+    md = (f"# One million tokens\n\n`{info['command']}` on {info['platform']} ({info['backend']}, "
+          f"{info['device']}, {info['cpu_count']} cores), {info['date']}.\n\nModel {args.model}"
+          + (f" (first {args.layers} layers)" if args.layers else "")
+          + f": {geo.layers} layers, {geo.q_heads} q / {geo.kv_heads} kv heads, head_dim "
+          f"{geo.k_dim}. Document: {len(ids)} tokens of shuffled pydoc_data.topics paragraphs with "
+          f"a pass key at 10% depth. gpu_budget {args.budget}, host_budget {args.host_budget} "
+          f"({args.host_dtype}{', no host keys' if args.no_host_keys else ''}), chunk {args.chunk}, "
+          f"exact window {args.prefill_window}, anchor {args.anchor}.\n\n"
+          + md_table(["what", "measured", "against", "within"], rows)
+          + f"\nGenerated after the document: {answer!r} (pass key {key}).\n\n"
+          + f"![memory over the prefill]({args.name}.png)\n")
+    plot(samples, args, os.path.join(RESULTS, f"{args.name}.png"))
+    data = {"machine": info, "args": vars(args), "prefill": stats, "decode_ms": decode_ms,
+            "decode_step_s": times, "peaks": peaks, "checks": checks, "samples": samples,
+            "answer": answer, "key": key, "report": rep}
+    paths = write_results(args.name, data, md)
+    print(md)
+    print("wrote", *paths)
+    cache.close()
+    return 0 if all(checks.values()) else 1
+
+
+def plot(samples, args, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [s["tokens"] for s in samples]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    g = 2**30
+    ax.plot(x, [s["rss"] / g for s in samples], label="host RSS (process)")
+    ax.plot(x, [s["host"] / g for s in samples], label="host tier")
+    ax.plot(x, [s["disk"] / g for s in samples], label="disk tier")
+    ax.plot(x, [s["accelerator"] / g for s in samples], label="accelerator tier", lw=2)
+    ax.plot(x, [s["budget"] / g for s in samples], "--", label="gpu budget")
+    if samples and samples[0]["device"] is not None:
+        ax.plot(x, [s["device"] / g for s in samples], label="device memory (NVML)")
+    ax.set_xlabel("tokens prefilled")
+    ax.set_ylabel("GiB")
+    ax.set_title(f"memory over a {args.tokens:,}-token prefill ({args.model})")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
