@@ -27,7 +27,7 @@ def _as_f32(name, x, want):
     return x
 
 
-def causal_attention(q, k, v, scale, *, block=512):
+def causal_attention(q, k, v, scale, *, block=512, column_mass=None):
     """softmax(q k^T * scale + causal mask) v for the last L positions of a sequence of n.
 
     Args:
@@ -40,6 +40,10 @@ def causal_attention(q, k, v, scale, *, block=512):
 
     Query row i sees keys 0 .. n - L + i; query head qh reads kv head qh // (Hq // H).
     Returns (Hq, L, dv) float32.
+
+    column_mass: optional (H, >= n) float32, accumulated in place with the attention mass every
+    key receives, summed over the chunk's rows and the rep query heads of its group (H2O's
+    accumulated attention, exported from the softmax already computed: no second QK pass).
     """
     q = _as_f32("q", q, "(Hq, L, d)")
     k, v = _as_f32("k", k, "(H, n, d)"), _as_f32("v", v, "(H, n, dv)")
@@ -75,6 +79,8 @@ def causal_attention(q, k, v, scale, *, block=512):
             S = scores[: rep * b * ncols].reshape(rep * b, ncols)
             np.matmul(qb, k[kh, :ncols].T, out=S)
             _causal_softmax_rows(S, b, past + i0, inv_sum[: rep * b])
+            if column_mass is not None:  # sum_r p[r, :] = inv_sum @ exp-scores
+                column_mass[kh, :ncols] += inv_sum[: rep * b] @ S
             ob = obuf[: rep * b]
             np.matmul(S, v[kh, :ncols], out=ob)
             ob *= inv_sum[: rep * b, None]

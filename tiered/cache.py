@@ -80,6 +80,7 @@ class TieredCache(_BaseCache):
         self.compressed = None  # tiered.compressed.CompressedLayer once compressed
         self._compress_pending = False
         self._obs = None
+        self._colmass = None  # exact phase: attention mass per key over the prefill (H2O seed)
 
     # ---- the mlx-lm cache contract ---------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array):
@@ -180,6 +181,8 @@ class TieredCache(_BaseCache):
             st["keys"], st["values"] = self._exact_view()
             if self._obs is not None:
                 st["obs"] = self._obs  # the last queries: they seed the heavy hitters
+            if self._colmass is not None:
+                st["colmass"] = mx.array(self._colmass[:, : self.offset])
         else:
             self._flush()
             st["q_heads"] = self.context.q_heads
@@ -205,6 +208,8 @@ class TieredCache(_BaseCache):
         if st["phase"] == "exact":
             self._append_exact(st["keys"].astype(dtype), st["values"].astype(dtype))
             self._obs = st.get("obs")
+            if "colmass" in st:
+                self._colmass = np.array(st["colmass"], np.float32)
         else:
             from .compressed import CompressedLayer
 
@@ -272,9 +277,23 @@ class TieredCache(_BaseCache):
         if self.phase == "exact":
             self._observe(queries)
             return ops.exact_attention(queries, keys, values, scale=scale, mask=mask,
-                                       sinks=sinks, fast=self.config.exact is False)
+                                       sinks=sinks, fast=self.config.exact is False,
+                                       column_mass=self._column_mass(keys.shape[2]))
         return self.compressed.attention(queries, keys, values, scale=scale, mask=mask,
                                          sinks=sinks)
+
+    def _column_mass(self, n: int):
+        """The exported per-key attention mass buffer (H, >= n), or None when not needed."""
+        if self.config.exact or self._geometry is None or self._geometry[0] != 1:
+            return None
+        H = self._geometry[1]
+        if self._colmass is None or self._colmass.shape[1] < n:
+            grown = np.zeros((H, max(n, 2 * (0 if self._colmass is None else
+                                             self._colmass.shape[1]))), np.float32)
+            if self._colmass is not None:
+                grown[:, : self._colmass.shape[1]] = self._colmass
+            self._colmass = grown
+        return self._colmass
 
     def _observe(self, queries):
         """Keep the last queries of the exact phase: they seed the resident set (SnapKV-style)."""
@@ -362,17 +381,21 @@ class TieredCache(_BaseCache):
         obs = self._obs
         if obs is None or obs.shape[2] == 0:
             obs = queries[..., -self.config.recent:, :]
+        rep = queries.shape[1] // self._geometry[1]
+        seed = ops.h2o_seed(np.array(obs[0].astype(mx.float32)) if obs is not None else None,
+                            np.array(keys[0].astype(mx.float32)), scale, self._colmass, rep)
+        self._colmass = None
         if plan.codec == "none":
             from .h2o import H2OLayer
 
-            self.compressed = H2OLayer.from_exact(self, plan, keys, values, obs, scale)
+            self.compressed = H2OLayer.from_exact(self, plan, keys, values, seed)
             self.host = None  # H2O-only: no host tier; what leaves the resident set is gone
             self._pending.clear()
             self._pending_tokens = 0
         else:
             codebook = self.context.codebook_for(self, keys) if plan.codec == "codebook" else None
             self.compressed = CompressedLayer.from_exact(self, plan, codebook, keys, values,
-                                                         obs, scale, chunk=queries.shape[2])
+                                                         seed, scale, chunk=queries.shape[2])
         self.phase = "compressed"
         self.keys = self.values = None
         self._obs = None
@@ -400,6 +423,7 @@ class TieredCache(_BaseCache):
         other.offset = self.offset
         other.host = HostStore.from_state(self.host.state()) if self.host is not None else None
         other._obs = self._obs
+        other._colmass = None if self._colmass is None else self._colmass.copy()
         return other
 
     def __repr__(self) -> str:
@@ -500,7 +524,8 @@ class TieredCacheList(list):
             ctx.model_geometry = self.context.model_geometry
             ctx.codebook_memo = self.context.codebook_memo  # same document: same codebooks
             ctx.codebooks = self.context.codebooks
-        ctx.check_model_budget()
+        tokens = max((c.offset for c in self if isinstance(c, TieredCache)), default=0)
+        ctx.check_model_budget(reference_tokens=tokens or 4096)  # at the length it will compress
         caches = []
         for c in self:
             if isinstance(c, TieredCache):

@@ -110,7 +110,7 @@ class CompressedLayer:
     # ---- construction from the exact phase -------------------------------------------------
     @classmethod
     def from_exact(cls, parent, plan: Plan, codebook, keys: mx.array, values: mx.array,
-                   obs_queries: mx.array | None, scale: float, chunk: int = 0):
+                   seed: np.ndarray | None, scale: float, chunk: int = 0):
         """Compress ``keys``/``values`` (1, H, n, d) of the exact phase. ``chunk`` > 1: the last
         ``chunk`` tokens are a prompt chunk still to be attended (block-wise); the chunk before
         them becomes the local block."""
@@ -121,10 +121,9 @@ class CompressedLayer:
         self.scale = scale
         store.append(keys[0], 0)
         self.n = n
-        # Heavy hitters seeded from the last prefill queries (SnapKV-style observation window).
-        if self.acc is not None and obs_queries is not None:
-            w = ops.observed_weights(np.array(obs_queries[0].astype(mx.float32)),
-                                     np.array(keys[0].astype(mx.float32)), scale)
+        # Heavy hitters seeded from the prefill's attention (tiered.ops.h2o_seed).
+        if self.acc is not None and seed is not None:
+            w = seed
             if self.numpy_path:
                 self._acc_np[:, :n] = w
             else:

@@ -69,8 +69,8 @@ class TieredConfig:
     # key codec (planner picks unset values)
     key_codec: str = "auto"
     codebook_groups: int | None = None  # g: groups of d/g dims per key
-    codebook_size: int | None = None  # c: centroids per group (<= 256: uint8 codes)
-    codebook_per_group: bool = False  # one codebook per group instead of one shared
+    codebook_size: int | None = None  # c: centroids per group (None: 64 per-group, 256 shared)
+    codebook_per_group: bool | None = None  # per group (robust to rare keys) / shared; None: auto
     affine_bits: int | None = None
     affine_group_size: int = 32
     rotate: bool = True  # random orthogonal rotation before affine quantization

@@ -85,7 +85,7 @@ class SharedContext:
     def check_model_budget(self, reference_tokens: int = 4096):
         """Refuse, before any work, a budget that cannot hold even a short document."""
         if self.model_geometry is not None and not self.config.exact:
-            make_plan(self.model_geometry, self.config, reference_tokens=reference_tokens)
+            make_plan(self.model_geometry, self.config, reference_tokens=max(1, reference_tokens))
 
     def adopt_plan(self, text: str) -> Plan:
         """The plan saved with a cache (a loaded cache keeps the parameters it was built with)."""

@@ -33,14 +33,13 @@ class H2OLayer:
 
     # ---- construction ----------------------------------------------------------------------
     @classmethod
-    def from_exact(cls, parent, plan: Plan, keys: mx.array, values: mx.array, obs_queries,
-                   scale: float):
+    def from_exact(cls, parent, plan: Plan, keys: mx.array, values: mx.array,
+                   weights: np.ndarray):
+        """weights (H, n): the initial accumulators (tiered.ops.h2o_seed)."""
         self = cls(parent, plan)
         n = keys.shape[2]
-        self.n, self.scale = n, scale
+        self.n = n
         R = min(n, max(plan.check(n), 0))
-        k32 = np.array(keys[0].astype(mx.float32))
-        weights = ops.observed_weights(np.array(obs_queries[0].astype(mx.float32)), k32, scale)
         tok = np.full((self.H, R), -1, np.int32)
         S, W = min(self.S, n), min(self.W, max(R - min(self.S, n), 0))
         recent = np.arange(n - W, n)

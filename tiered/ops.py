@@ -21,21 +21,42 @@ def on_cpu_backend() -> bool:
 
 
 # ---- exact attention ---------------------------------------------------------------------------
-def exact_attention(queries, keys, values, *, scale, mask, sinks=None, fast=False):
+def exact_attention(queries, keys, values, *, scale, mask, sinks=None, fast=False,
+                    column_mass=None):
     """Attention over full keys/values. ``fast``: on the CPU backend, prompt chunks go through
     BLAS + a Numba softmax (MLX's CPU exp is the bottleneck there); else mlx's SDPA, bit-equal
-    to mlx-lm."""
+    to mlx-lm.
+
+    column_mass: optional numpy (H, >= n) float32 accumulating, per key, the attention mass the
+    chunk's queries (and the rep heads of each group) put on it: exported from the fast path's
+    softmax, or computed with MLX ops for prompt chunks on other backends."""
     L = queries.shape[2]
+    causal = isinstance(mask, str) and mask == "causal"
     if (fast and L > 1 and sinks is None and on_cpu_backend() and queries.shape[0] == 1
-            and isinstance(mask, str) and mask == "causal"):
+            and causal):
         from tiered.cpu.attention import causal_attention
 
         q = np.array(queries[0].astype(mx.float32))
         k = np.array(keys[0].astype(mx.float32))
         v = np.array(values[0].astype(mx.float32))
-        return mx.array(causal_attention(q, k, v, float(scale)))[None].astype(queries.dtype)
+        out = causal_attention(q, k, v, float(scale), column_mass=column_mass)
+        return mx.array(out)[None].astype(queries.dtype)
+    if column_mass is not None and L > 1 and queries.shape[0] == 1 and (causal or mask is None):
+        column_mass[:, : keys.shape[2]] += np.array(_column_mass_mlx(queries, keys, scale, causal))
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask,
                                                 sinks=sinks)
+
+
+def _column_mass_mlx(queries, keys, scale, causal):
+    """(H, n) attention mass per key of a chunk of queries (1, Hq, L, d), in MLX ops."""
+    _, Hq, L, d = queries.shape
+    H, n = keys.shape[1], keys.shape[2]
+    q = (queries[0].astype(mx.float32) * scale).reshape(H, (Hq // H) * L, d)
+    s = q @ keys[0].astype(mx.float32).swapaxes(-1, -2)  # (H, rep*L, n)
+    if causal:
+        rows = mx.tile(mx.arange(n - L, n), (Hq // H,))[:, None]
+        s = mx.where(mx.arange(n)[None] <= rows, s, -mx.inf)
+    return mx.softmax(s, axis=-1).sum(axis=1)
 
 
 # ---- codes -------------------------------------------------------------------------------------
@@ -49,6 +70,23 @@ def scores(q: np.ndarray, codebook: np.ndarray, codes: np.ndarray, n: int, rep: 
     """Approximate scores (Hq, n) of every live token from its codes; q (Hq, d) scaled."""
     T = K.codebook_lut(q, codebook, rep)
     return K.codebook_scores(codes, n, T, rep, out)
+
+
+def h2o_seed(obs_q: np.ndarray | None, keys: np.ndarray, scale: float,
+             column_mass: np.ndarray | None, rep: int) -> np.ndarray:
+    """(H, n) initial H2O accumulators at compression: the mean attention each key received
+    over the whole exact prefill (from the exported column mass: sum over queries that could
+    see it, / (their count x rep)) plus what the last queries (the observation window, usually
+    the question) put on it."""
+    H, n, _ = keys.shape
+    out = np.zeros((H, n), np.float32)
+    if column_mass is not None:
+        m = min(n, column_mass.shape[1])  # keys appended after the last prompt chunk: no mass yet
+        seen = (n - np.arange(m, dtype=np.float32)) * rep
+        out[:, :m] += column_mass[:, :m] / seen
+    if obs_q is not None:
+        out += observed_weights(obs_q, keys, scale)
+    return out
 
 
 def observed_weights(obs_q: np.ndarray, keys: np.ndarray, scale: float) -> np.ndarray:

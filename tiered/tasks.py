@@ -126,7 +126,10 @@ def needle_in_text(tokenizer, n_tokens: int, depth: float, *, seed: int = 0) -> 
     return Sample(prompt=text, answer=item, depth=depth, n_tokens=n, question=question)
 
 
-def is_correct(answer: str, generated: str) -> bool:
-    """Exact match of the answer as the first word of the generation."""
-    words = generated.strip().replace(".", " ").replace(",", " ").split()
-    return bool(words) and words[0].lower() == answer.lower()
+def is_correct(answer: str, generated: str, within: int = 12) -> bool:
+    """The answer, as a whole word (exact match: '6072' is not '60725'), among the first
+    ``within`` words of the generation (the model may restate the question first)."""
+    import re
+
+    words = re.findall(r"[a-z0-9]+", generated.lower())[:within]
+    return answer.lower() in words

@@ -1,0 +1,147 @@
+"""Shared benchmark plumbing: machine facts, one shared prefill per document, result files."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+
+import tiered  # noqa: F401  (optimized BLAS before mlx)
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def machine() -> dict:
+    """Machine, versions and the exact command line, for every result file."""
+    from tiered.cli import info_dict
+
+    info = info_dict()
+    info["command"] = " ".join(shlex.quote(a) for a in [os.path.basename(sys.executable)] + sys.argv)
+    info["date"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    info["processor"] = platform.processor() or platform.machine()
+    return info
+
+
+def write_results(name: str, data: dict, markdown: str) -> tuple[str, str]:
+    os.makedirs(RESULTS, exist_ok=True)
+    jpath = os.path.join(RESULTS, f"{name}.json")
+    mpath = os.path.join(RESULTS, f"{name}.md")
+    with open(jpath, "w") as f:
+        json.dump(data, f, indent=2, default=_jsonable)
+    with open(mpath, "w") as f:
+        f.write(markdown)
+    return jpath, mpath
+
+
+def _jsonable(x):
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (np.floating,)):
+        return float(x)
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    return str(x)
+
+
+def md_table(header: list[str], rows: list[list]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        out.append("| " + " | ".join(str(x) for x in r) + " |")
+    return "\n".join(out) + "\n"
+
+
+def shared_prefill(model, tokens: list[int], *, chunk: int = 2048, progress=None):
+    """Prefill all but the last token once, exactly, into a TieredCache still in its exact phase.
+
+    Every method that compresses after prefill forks from this (``cache.fork(...)``,
+    ``cache.to_kvcache()``): one exact prefill per document. The prefill window is set to the
+    document so nothing compresses before the first decode step.
+    """
+    cache = tiered.TieredCache.for_model(model, gpu_budget=0.5, prefill_window=len(tokens) + 1)
+    body = mx.array(tokens[:-1])[None]
+    done = 0
+    while done < body.shape[1]:
+        step = body[:, done : done + chunk]
+        model(step, cache=cache)
+        mx.eval([c.state for c in cache])
+        done += step.shape[1]
+        if progress:
+            progress(done, body.shape[1])
+    return cache, tokens[-1]
+
+
+def continue_greedy(model, tokenizer, cache, last_token: int, max_tokens: int) -> str:
+    """Greedy continuation from a prefilled cache (the last prompt token goes in first)."""
+    return mlx_lm.generate(model, tokenizer, prompt=[last_token], prompt_cache=cache,
+                           max_tokens=max_tokens)
+
+
+def rotating_from(base, window: int, keep: int = 4):
+    """mlx-lm RotatingKVCache layers (window + ``keep`` sinks) holding what a sliding window
+    keeps of a shared exact prefill: the first ``keep`` and the last ``window - keep`` tokens,
+    with the RoPE offset of the whole prompt."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    out = []
+    for kv in base.to_kvcache():
+        c = RotatingKVCache(max_size=max(window, keep + 1), keep=keep)
+        n = kv.offset
+        k, v = kv.keys[..., :n, :], kv.values[..., :n, :]
+        if n > window:
+            k = mx.concatenate([k[..., :keep, :], k[..., n - (window - keep):, :]], axis=2)
+            v = mx.concatenate([v[..., :keep, :], v[..., n - (window - keep):, :]], axis=2)
+        c.update_and_fetch(k, v)
+        c.offset = n  # RoPE positions continue from the real length
+        out.append(c)
+    mx.eval([c.state for c in out])
+    return out
+
+
+def rotating_cache(model, window: int, keep: int = 4):
+    from mlx_lm.models.cache import RotatingKVCache
+
+    return [RotatingKVCache(max_size=max(window, keep + 1), keep=keep) for _ in model.layers]
+
+
+def full_cache_bytes(model, n_tokens: int) -> int:
+    """Bytes mlx-lm's KVCache holds for n tokens (all layers), in the model's dtype."""
+    from tiered.context import model_geometry
+
+    geo = model_geometry(model, len(model.layers))
+    return geo.full_bytes(n_tokens)
+
+
+def cache_bytes(cache) -> int:
+    """Accelerator bytes a list of caches holds, measured from its arrays."""
+    if isinstance(cache, tiered.TieredCacheList):
+        return cache.tier_bytes()["accelerator"]
+    total = 0
+    for c in cache:
+        st = c.state
+        arrays = [a for a in _flatten(st) if isinstance(a, mx.array)]
+        total += sum(a.nbytes for a in arrays)
+    return total
+
+
+def _flatten(x):
+    if isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _flatten(y)
+    else:
+        yield x
+
+
+class Timer:
+    def __enter__(self):
+        self.t = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.s = time.perf_counter() - self.t
