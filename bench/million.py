@@ -51,7 +51,7 @@ def document_tokens(tok, n_tokens: int, seed: int = 0):
     return ids, key
 
 
-def build_model(name: str, layers: int | None):
+def build_model(name: str, layers: int | None, tokenizer: bool = True):
     if name == "embedded":
         model, tok = tiered.load()
         if layers:
@@ -61,6 +61,8 @@ def build_model(name: str, layers: int | None):
     from decode_speed import build_model as random_model
 
     model, _ = random_model(name, mx.float16)
+    if not tokenizer:
+        return model, None
     from tiered.model import load_default
 
     _, tok = load_default()  # token ids from the embedded tokenizer (all < its 49152 vocab)
@@ -113,20 +115,39 @@ def main(argv=None):
     p.add_argument("--prefill-window", type=int, default=16384)
     p.add_argument("--anchor", type=int, default=None, help="default: the chunk size")
     p.add_argument("--decode-steps", type=int, default=8)
+    p.add_argument("--tokens-file", help="read the document's token ids (.npz) instead of "
+                   "tokenizing (machines without the embedded model's tokenizer)")
+    p.add_argument("--write-tokens", help="only write the document's token ids to this .npz")
     p.add_argument("--name", default=None)
     args = p.parse_args(argv)
     on_cpu = mx.default_device() == mx.cpu
     args.name = args.name or f"million_{'cpu' if on_cpu else 'gpu'}_{args.model}"
     args.chunk = args.chunk or (512 if on_cpu else 2048)
     args.anchor = args.anchor if args.anchor is not None else args.chunk
+    if args.write_tokens:
+        _, tok = tiered.load()
+        ids, key = document_tokens(tok, args.tokens)
+        q = len(tok.encode("\n\nWhat is the pass key? The pass key is"))
+        np.savez_compressed(args.write_tokens, ids=np.array(ids, np.int32), key=key,
+                            question_len=q)
+        print(f"wrote {len(ids)} token ids to {args.write_tokens}")
+        return 0
     info = machine()
     dev = DeviceMemory()
-    model, tok = build_model(args.model, args.layers)
+    t = time.perf_counter()
+    if args.tokens_file:
+        z = np.load(args.tokens_file)
+        ids, key, tok = z["ids"].tolist(), str(z["key"]), None
+        if args.tokens < len(ids):  # a shorter run: keep the head and the closing question
+            q = int(z["question_len"]) if "question_len" in z else 12
+            ids = ids[: args.tokens - q] + ids[-q:]
+        model, _ = build_model(args.model, args.layers, tokenizer=False)
+    else:
+        model, tok = build_model(args.model, args.layers)
+        ids, key = document_tokens(tok, args.tokens)
     from tiered.context import model_geometry
 
     geo = model_geometry(model, len(model.layers))
-    t = time.perf_counter()
-    ids, key = document_tokens(tok, args.tokens)
     print(f"document: {len(ids)} tokens ({time.perf_counter() - t:.0f}s to build); model "
           f"{args.model} {geo}", flush=True)
     disk_dir = args.disk_dir or os.path.join(RESULTS, "..", ".pages")
@@ -164,7 +185,7 @@ def main(argv=None):
         out.append(int(y.item()))
     sample(len(ids) + args.decode_steps)
     dev.stop()
-    answer = tok.decode(out)
+    answer = tok.decode(out) if tok is not None else str(out)
     rep = tiered.report_dict(cache)
     decode_ms = 1e3 * float(np.median(times[1:])) if len(times) > 1 else 1e3 * times[0]
     peaks = {

@@ -49,11 +49,35 @@ def check_directory(directory: str) -> str:
     return directory
 
 
+_FD_LIMIT_RAISED = False
+
+
+def raise_open_files_limit() -> int:
+    """Lift the soft limit on open files to the hard limit (once): every mapped block holds a
+    descriptor (Python's mmap keeps a duplicate), and a million-token document maps thousands.
+    Returns the soft limit now in force."""
+    global _FD_LIMIT_RAISED
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if not _FD_LIMIT_RAISED:
+        _FD_LIMIT_RAISED = True
+        want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+        if soft != resource.RLIM_INFINITY and soft < want:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+                soft = want
+            except (ValueError, OSError):
+                pass
+    return soft
+
+
 class PageFile:
     """Append-only file of blocks; each block mapped read-only once written."""
 
     def __init__(self, directory: str, name: str, block_shape: tuple, dtype, *, keep=False,
                  path: str | None = None):
+        raise_open_files_limit()
         self.block_shape = tuple(block_shape)
         self.dtype = np.dtype(dtype)
         self.block_bytes = int(np.prod(self.block_shape)) * self.dtype.itemsize
@@ -99,8 +123,13 @@ class PageFile:
             written = 0
             while written < data.size:
                 written += os.pwrite(self.fd, memoryview(data[written:]), offset + written)
-            mm = mmap.mmap(self.fd, self.stride, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ,
-                           offset=offset)
+            try:
+                mm = mmap.mmap(self.fd, self.stride, flags=mmap.MAP_SHARED,
+                               prot=mmap.PROT_READ, offset=offset)
+            except OSError as e:  # the RAM block is still held by the caller: nothing lost
+                raise DiskTierError(e.errno, f"disk tier: cannot map block {index} of "
+                                    f"{self.path!r} ({e.strerror}); with EMFILE raise the "
+                                    "open-files limit (ulimit -n) or host_budget") from None
             view = np.frombuffer(mm, dtype=self.dtype, count=int(np.prod(self.block_shape)))
             view = view.reshape(self.block_shape)
             self.maps.append(mm)

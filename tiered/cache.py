@@ -382,8 +382,8 @@ class TieredCache(_BaseCache):
         if obs is None or obs.shape[2] == 0:
             obs = queries[..., -self.config.recent:, :]
         rep = queries.shape[1] // self._geometry[1]
-        seed = ops.h2o_seed(np.array(obs[0].astype(mx.float32)) if obs is not None else None,
-                            np.array(keys[0].astype(mx.float32)), scale, self._colmass, rep)
+        seed = ops.h2o_seed(obs[0] if obs is not None else None, keys[0], scale,
+                            self._colmass, rep)
         self._colmass = None
         if plan.codec == "none":
             from .h2o import H2OLayer

@@ -253,7 +253,8 @@ class CompressedLayer:
         n0 = self.n
         if n0 + L > self.capacity:
             self._alloc(_capacity(n0 + L, self.plan.step), n0)
-        self.keys.append(keys[0], n0)
+        with ops.kernel_threads(self.config.kernel_threads if L == 1 else 1 << 16):
+            self.keys.append(keys[0], n0)
         self.n = n0 + L  # new tokens' accumulators start at 0 (fresh buffers are zeroed)
         if self.acc is not None and not self.numpy_path:
             self.acc[:, n0 : n0 + L] = 0.0
@@ -362,6 +363,10 @@ class CompressedLayer:
     def _decode_numpy(self, queries, scale, sinks):
         """One query on the CPU backend: Numba kernels on zero-copy views. The CPU workers
         gather while this thread computes the resident partial and the H2O update."""
+        with ops.kernel_threads(self.config.kernel_threads):
+            return self._decode_numpy_step(queries, scale, sinks)
+
+    def _decode_numpy_step(self, queries, scale, sinks):
         t0 = time.perf_counter()
         cfg = self.config
         H, n = self.H, self.n

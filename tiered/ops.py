@@ -8,6 +8,8 @@ selection kernels of ``tiered.metal`` take over where they exist.
 
 from __future__ import annotations
 
+import contextlib
+
 import mlx.core as mx
 import numpy as np
 
@@ -18,6 +20,22 @@ from tiered.scheduler import split_heads
 
 def on_cpu_backend() -> bool:
     return mx.default_device() == mx.cpu
+
+
+@contextlib.contextmanager
+def kernel_threads(n: int):
+    """Numba threads for the parallel kernels called inside (thread-local, restored after)."""
+    import numba
+
+    before = numba.get_num_threads()
+    n = max(1, min(n, numba.config.NUMBA_NUM_THREADS))
+    if n != before:
+        numba.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n != before:
+            numba.set_num_threads(before)
 
 
 # ---- exact attention ---------------------------------------------------------------------------
@@ -72,12 +90,12 @@ def scores(q: np.ndarray, codebook: np.ndarray, codes: np.ndarray, n: int, rep: 
     return K.codebook_scores(codes, n, T, rep, out)
 
 
-def h2o_seed(obs_q: np.ndarray | None, keys: np.ndarray, scale: float,
+def h2o_seed(obs_q: mx.array | None, keys: mx.array, scale: float,
              column_mass: np.ndarray | None, rep: int) -> np.ndarray:
     """(H, n) initial H2O accumulators at compression: the mean attention each key received
     over the whole exact prefill (from the exported column mass: sum over queries that could
     see it, / (their count x rep)) plus what the last queries (the observation window, usually
-    the question) put on it."""
+    the question) put on it. keys (H, n, d) and obs_q (Hq, w, d) stay on the device."""
     H, n, _ = keys.shape
     out = np.zeros((H, n), np.float32)
     if column_mass is not None:
@@ -89,23 +107,29 @@ def h2o_seed(obs_q: np.ndarray | None, keys: np.ndarray, scale: float,
     return out
 
 
-def observed_weights(obs_q: np.ndarray, keys: np.ndarray, scale: float) -> np.ndarray:
-    """(H, n) mean softmax weight that the observation queries (Hq, w, d) put on each key.
-
-    Seeds the H2O accumulators at compression: the last prompt queries (usually the question)
-    point at the tokens that matter (as in SnapKV)."""
+def observed_weights(obs_q: mx.array, keys: mx.array, scale: float,
+                     block: int = 65536) -> np.ndarray:
+    """(H, n) mean softmax weight that the observation queries (Hq, w, d) put on each key
+    (H, n, d), computed on the device in blocks of keys (a max-and-sum pass, then the weights),
+    so that memory stays O(w x block) whatever n is."""
     Hq, w, d = obs_q.shape
     H, n, _ = keys.shape
     rep = Hq // H
-    out = np.empty((H, n), np.float32)
-    for k in range(H):
-        q = obs_q[k * rep : (k + 1) * rep].reshape(rep * w, d) * np.float32(scale)
-        s = q @ keys[k].T
-        s -= s.max(axis=1, keepdims=True)
-        np.exp(s, out=s)
-        s /= s.sum(axis=1, keepdims=True)
-        out[k] = s.mean(axis=0)
-    return out
+    q = (obs_q.astype(mx.float32) * scale).reshape(H, rep * w, d)
+
+    def scores(i):
+        return q @ keys[:, i : i + block].astype(mx.float32).swapaxes(-1, -2)
+
+    m = mx.full((H, rep * w, 1), -mx.inf)
+    total = mx.zeros((H, rep * w, 1))
+    for i in range(0, n, block):  # online max and sum
+        s = scores(i)
+        m_new = mx.maximum(m, s.max(axis=-1, keepdims=True))
+        total = total * mx.exp(m - m_new) + mx.exp(s - m_new).sum(axis=-1, keepdims=True)
+        m = m_new
+    out = [(mx.exp(scores(i) - m) / total).mean(axis=1) for i in range(0, n, block)]
+    res = mx.concatenate(out, axis=1) if len(out) > 1 else out[0]
+    return np.array(res.astype(mx.float32))
 
 
 # ---- selection and the host partial --------------------------------------------------------------

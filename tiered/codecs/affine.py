@@ -137,8 +137,9 @@ class AffineCodec:
                 f"Invalid shape of q: {tuple(q.shape)} does not match packed keys of "
                 f"{B} x {H} kv heads"
             )
-        qr = self.apply_rotation(q).astype(scales.dtype).reshape(B, H, Hq // H, m, d)
-        packed = [mx.expand_dims(a, axis=-3) for a in (wq, scales, biases)]  # (B, H, 1, L, .)
-        s = mx.quantized_matmul(qr, *packed, transpose=True, group_size=self.group_size,
-                                bits=self.bits)
+        # the rep query heads of a kv head as rows of one (rep * m, d) matrix: no broadcast
+        # batch (MLX's CUDA quantized_matmul has no path for one)
+        qr = self.apply_rotation(q).astype(scales.dtype).reshape(B, H, (Hq // H) * m, d)
+        s = mx.quantized_matmul(qr, wq, scales, biases, transpose=True,
+                                group_size=self.group_size, bits=self.bits)
         return s.reshape(B, Hq, m, L).astype(q.dtype)

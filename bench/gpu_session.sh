@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# What runs on the accelerator machine (device tool), one step per call:
+#   bash bench/gpu_session.sh stage .device/part-00     # carry that part; copies it to /tmp/stage
+#   bash bench/gpu_session.sh install                   # unpack the wheels, build the package tree
+#   bash bench/gpu_session.sh tests|kernels|decode|million
+# Wheels: ../shared/tools/pack-wheels.sh-like parts of mlx, mlx-cuda-13, mlx-lm, faiss-cpu
+# (split -b 56M so that two parts travel), reassembled under /tmp/stage. The package is a tree
+# of symlinks (tiered/ with cpu/, metal/, scheduler/ as subpackages, as pyproject maps them),
+# so no build backend is needed offline. Results are copied to $OUT.
+set -uo pipefail
+step=${1:?usage: gpu_session.sh stage PART | install | tests | kernels | decode | million}
+export PYTHONPATH=/tmp/pkg:/tmp/site
+export TOKENIZERS_PARALLELISM=false
+collect() { mkdir -p "${OUT:-/tmp/out}"; for f in "$@"; do [ -f "$f" ] && cp "$f" "${OUT:-/tmp/out}/"; done; }
+case "$step" in
+  stage)
+    mkdir -p /tmp/stage && cp "${2:?part}" /tmp/stage/ && ls -la /tmp/stage ;;
+  install)
+    set -e
+    cat /tmp/stage/part-* | tar xf - -C /tmp/stage
+    [ -d /tmp/site/mlx ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/stage/*.whl
+    rm -rf /tmp/pkg && mkdir -p /tmp/pkg/tiered
+    for f in "$PWD"/tiered/*; do ln -s "$f" /tmp/pkg/tiered/; done
+    for sub in cpu metal scheduler; do ln -s "$PWD/$sub" "/tmp/pkg/tiered/$sub"; done
+    (cd /tmp && python3 -c "import tiered, tiered.metal, mlx.core as mx; print(mx.default_device(), tiered.metal.accelerator(), mx.__version__)")
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ;;
+  tests)
+    MLX_ENABLE_TF32=0 python3 -P -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_accel_kernels.py \
+      tests/test_metal_syntax.py tests/test_tiered_core.py tests/test_scheduler.py \
+      tests/test_disk.py tests/test_codecs.py} 2>&1 | tail -25 ;;
+  kernels)
+    python3 bench/kernels.py --sizes 16384 131072 1048576 --reps 20
+    collect bench/results/kernels_cuda.* ;;
+  decode)
+    python3 bench/decode_speed.py --model llama3-8b --contexts ${CONTEXTS:-4096 16384 65536 131072} \
+      --steps 20 --warmup 3 --calibration-tokens 2048
+    collect bench/results/decode_speed_gpu_llama3-8b.* ;;
+  million)
+    python3 bench/million.py --model llama3-8b --tokens-file bench/data/million_tokens.npz \
+      --host-budget ${HOST_BUDGET:-40GB} --no-host-keys --disk-dir /tmp/pages --decode-steps 6
+    collect bench/results/million_gpu_llama3-8b.* ;;
+  *) echo "unknown step $step" >&2; exit 2 ;;
+esac
