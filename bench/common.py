@@ -50,6 +50,37 @@ def _jsonable(x):
     return str(x)
 
 
+def figure(ncols: int = 1, *, size=(6, 4)):
+    """(fig, axes) of a headless matplotlib figure; axes is an array when ncols > 1."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(1, ncols, figsize=size)
+
+
+def finish_axes(ax, *, xlabel: str, ylabel: str | None = None, title: str, logx: bool = True,
+                logy: bool = False, legend: int | None = 8):
+    """Labels, log scales (base 2 on x), grid and legend, as every benchmark plot has them."""
+    if logx:
+        ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    if ylabel:
+        ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if legend:
+        ax.legend(fontsize=legend)
+
+
+def save_figure(fig, path: str):
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def md_table(header: list[str], rows: list[list]) -> str:
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:

@@ -23,7 +23,8 @@ import sys
 import time
 
 import common  # noqa: F401  (tiered before mlx)
-from common import RESULTS, machine, md_table, write_results
+from common import (RESULTS, figure, finish_axes, machine, md_table, save_figure,
+                    write_results)
 
 import mlx.core as mx
 import numpy as np
@@ -253,23 +254,17 @@ def main(argv=None):
           f"bandwidth {bw:.0f} GB/s. Long caches: real prefill K/V of {args.seed_tokens} tokens "
           f"tiled to each context. Median of {args.steps} steps after {args.warmup} warm-up "
           f"steps (the first compresses the tiered cache).\n\n" + md_table(header, rows))
-    os.makedirs(RESULTS, exist_ok=True)
-    plot(records, args, os.path.join(RESULTS, f"{args.name}.png"))
     md += f"\n![decode speed]({args.name}.png)\n"
     data = {"machine": info, "args": vars(args), "bandwidth_gbs": bw, "weights_bytes": weights,
             "geometry": geo.__dict__, "records": records}
-    paths = write_results(args.name, data, md)
+    paths = write_results(args.name, data, md)  # the figures first: a plot failure loses nothing
+    plot(records, args, os.path.join(RESULTS, f"{args.name}.png"))
     print(md)
     print("wrote", *paths)
 
 
 def plot(records, args, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = figure()
     for name in dict.fromkeys(r["method"] for r in records):
         pts = [(r["context"], r["ms_per_token"]) for r in records
                if r["method"] == name and "error" not in r]
@@ -277,15 +272,9 @@ def plot(records, args, path):
             continue
         xs, ys = zip(*pts)
         ax.plot(xs, ys, "o-", label=name, lw=2 if name.startswith("tiered") else 1)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("context (tokens)")
-    ax.set_ylabel("ms / token (median)")
-    ax.set_title(f"decode speed, {args.model}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    finish_axes(ax, xlabel="context (tokens)", ylabel="ms / token (median)",
+                title=f"decode speed, {args.model}", logy=True)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

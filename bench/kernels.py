@@ -20,7 +20,8 @@ import sys
 import time
 
 import common  # noqa: F401  (tiered before mlx)
-from common import RESULTS, machine, md_table, write_results
+from common import (RESULTS, figure, finish_axes, machine, md_table, save_figure,
+                    write_results)
 
 import mlx.core as mx
 import numpy as np
@@ -182,35 +183,22 @@ def main(argv=None):
           f"Llama-3-8B attention shape: {H} kv / {HQ} query heads, head_dim {D}.\n\n"
           + md_table(["tokens", "kernel", "ms (median)", "GB/s", "of bandwidth / speed-up",
                       "rel. error vs reference"], table))
-    os.makedirs(RESULTS, exist_ok=True)
-    plot(rows, os.path.join(RESULTS, f"{args.name}.png"), backend)
     md += f"\n![kernels]({args.name}.png)\n"
-    paths = write_results(args.name, {"machine": info, "backend": backend, "copy_gbs": bw, "bandwidth": bws,
-                                      "rows": rows}, md)
+    paths = write_results(args.name, {"machine": info, "backend": backend, "copy_gbs": bw,
+                                      "bandwidth": bws, "rows": rows}, md)
+    plot(rows, os.path.join(RESULTS, f"{args.name}.png"), backend)
     print(md)
     print("wrote", *paths)
 
 
 def plot(rows, path, backend):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig, ax = figure(size=(6.5, 4))
     for name in dict.fromkeys(r["kernel"] for r in rows):
-        pts = [(r["n"], r["ms"]) for r in rows if r["kernel"] == name]
-        xs, ys = zip(*pts)
+        xs, ys = zip(*[(r["n"], r["ms"]) for r in rows if r["kernel"] == name])
         ax.plot(xs, ys, "o-", label=name)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("tokens")
-    ax.set_ylabel("ms (median)")
-    ax.set_title(f"kernels on {backend}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    finish_axes(ax, xlabel="tokens", ylabel="ms (median)", title=f"kernels on {backend}",
+                logy=True, legend=6)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

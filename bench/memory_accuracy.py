@@ -31,8 +31,8 @@ import sys
 import time
 
 import common  # noqa: F401  (tiered before mlx)
-from common import (cache_bytes, continue_greedy, full_cache_bytes, machine, md_table,
-                    rotating_from, shared_prefill, write_results)
+from common import (cache_bytes, continue_greedy, figure, finish_axes, full_cache_bytes, machine,
+                    md_table, rotating_from, save_figure, shared_prefill, write_results)
 
 import mlx.core as mx
 import numpy as np
@@ -263,13 +263,8 @@ def markdown(table, fracs, info, wall, args):
 
 
 def plot(table, fracs, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     tasks = [t for t in ("passkey", "needle", "multi", "ppl") if t in table]
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.8))
+    fig, axes = figure(len(tasks), size=(4.2 * len(tasks), 3.8))
     axes = np.atleast_1d(axes)
     for ax, task in zip(axes, tasks):
         for m in METHODS:
@@ -280,14 +275,10 @@ def plot(table, fracs, path):
             xs, ys = zip(*pts)
             style = "o" if len(pts) == 1 else "o-"
             ax.plot(xs, ys, style, label=LABELS[m], lw=2 if m == "tiered" else 1)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("accelerator bytes / full cache")
-        ax.set_title({"ppl": "perplexity (lower is better)", "passkey": "passkey accuracy (%)",
-                      "needle": "needle in text (%)", "multi": "multi-needle (%)"}[task])
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+        finish_axes(ax, xlabel="accelerator bytes / full cache", legend=7 if ax is axes[0] else None,
+                    title={"ppl": "perplexity (lower is better)", "passkey": "passkey accuracy (%)",
+                           "needle": "needle in text (%)", "multi": "multi-needle (%)"}[task])
+    save_figure(fig, path)
 
 
 def main(argv=None):
@@ -319,14 +310,13 @@ def main(argv=None):
 
     from common import RESULTS
 
-    os.makedirs(RESULTS, exist_ok=True)
-    plot(table, fracs, os.path.join(RESULTS, f"{args.name}.png"))
     md = markdown(table, fracs, info, wall, args)
     data = {"machine": info, "grid": {k: list(map(list, [v])) for k, v in grid.items()},
             "wall_s": wall, "records": records,
             "table": {t: {f"{m}@{b}": v for (m, b), v in d.items()} for t, d in table.items()},
             "fractions": {f"{m}@{b}": v for (m, b), v in fracs.items()}}
-    paths = write_results(args.name, data, md)
+    paths = write_results(args.name, data, md)  # the figures first: a plot failure loses nothing
+    plot(table, fracs, os.path.join(RESULTS, f"{args.name}.png"))
     print(md)
     print("wrote", *paths)
 

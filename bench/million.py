@@ -22,7 +22,8 @@ import threading
 import time
 
 import common  # noqa: F401  (tiered before mlx)
-from common import RESULTS, machine, md_table, write_results
+from common import (RESULTS, figure, finish_axes, machine, md_table, save_figure,
+                    write_results)
 
 import mlx.core as mx
 import numpy as np
@@ -237,11 +238,11 @@ def main(argv=None):
           + md_table(["what", "measured", "against", "within"], rows)
           + f"\nGenerated after the document: {answer!r} (pass key {key}).\n\n"
           + f"![memory over the prefill]({args.name}.png)\n")
-    plot(samples, args, os.path.join(RESULTS, f"{args.name}.png"))
     data = {"machine": info, "args": vars(args), "prefill": stats, "decode_ms": decode_ms,
             "decode_step_s": times, "peaks": peaks, "checks": checks, "samples": samples,
             "answer": answer, "key": key, "report": rep}
     paths = write_results(args.name, data, md)
+    plot(samples, args, os.path.join(RESULTS, f"{args.name}.png"))
     print(md)
     print("wrote", *paths)
     cache.close()
@@ -249,13 +250,8 @@ def main(argv=None):
 
 
 def plot(samples, args, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     x = [s["tokens"] for s in samples]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = figure(size=(7, 4))
     g = 2**30
     ax.plot(x, [s["rss"] / g for s in samples], label="host RSS (process)")
     ax.plot(x, [s["host"] / g for s in samples], label="host tier")
@@ -264,13 +260,9 @@ def plot(samples, args, path):
     ax.plot(x, [s["budget"] / g for s in samples], "--", label="gpu budget")
     if samples and samples[0]["device"] is not None:
         ax.plot(x, [s["device"] / g for s in samples], label="device memory (NVML)")
-    ax.set_xlabel("tokens prefilled")
-    ax.set_ylabel("GiB")
-    ax.set_title(f"memory over a {args.tokens:,}-token prefill ({args.model})")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    finish_axes(ax, xlabel="tokens prefilled", ylabel="GiB", logx=False,
+                title=f"memory over a {args.tokens:,}-token prefill ({args.model})")
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":
