@@ -366,15 +366,21 @@ class CompressedLayer:
         with ops.kernel_threads(self.config.kernel_threads):
             return self._decode_numpy_step(queries, scale, sinks)
 
-    def _decode_numpy_step(self, queries, scale, sinks):
-        t0 = time.perf_counter()
-        cfg = self.config
+    def _decode_start(self, queries, scale):
+        """What both decode paths do first: flush the write-behind up to the ring, scale the
+        query (Hq, d) and score the resident tokens exactly. Returns (Hq, rep, q, s_r)."""
         H, n = self.H, self.n
         Hq, d = queries.shape[1], queries.shape[3]
         rep = Hq // H
         self.parent._flush_until(n - self.W_eff)
         q = queries[0, :, 0, :].astype(mx.float32) * scale
-        s_r = self._resident_scores(q.reshape(H, rep, d))
+        return Hq, rep, q, self._resident_scores(q.reshape(H, rep, d))
+
+    def _decode_numpy_step(self, queries, scale, sinks):
+        t0 = time.perf_counter()
+        cfg = self.config
+        n = self.n
+        Hq, rep, q, s_r = self._decode_start(queries, scale)
         mx.eval(q, s_r)
         q_np = np.array(q)
         z = self.keys.scores(q, n, rep, q_np)
@@ -408,11 +414,7 @@ class CompressedLayer:
         t0 = time.perf_counter()
         cfg = self.config
         H, n = self.H, self.n
-        Hq, d = queries.shape[1], queries.shape[3]
-        rep = Hq // H
-        self.parent._flush_until(n - self.W_eff)
-        q = queries[0, :, 0, :].astype(mx.float32) * scale
-        s_r = self._resident_scores(q.reshape(H, rep, d))
+        Hq, rep, q, s_r = self._decode_start(queries, scale)
         z = self.keys.scores(q, n, rep)
         # Resident tokens take their exact scores (scatter into a spare column for empty slots).
         R = self.R
@@ -470,7 +472,6 @@ class CompressedLayer:
         causally. Accelerator memory and time per chunk stay bounded whatever the document's
         length: anchor + two chunks."""
         L = queries.shape[2]
-        H, rep = self.H, queries.shape[1] // self.H
         n0 = self.n - L
         A = 0 if self.anchor_k is None else self.anchor_k.shape[1]
         loc0, locn = self.local_start, (0 if self.local_k is None else self.local_k.shape[1])
