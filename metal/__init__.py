@@ -7,7 +7,7 @@ kernel where the default device has one and the reference elsewhere (the CPU bac
 Importing this package builds nothing; kernels are compiled on first use.
 """
 
-from ._build import accelerator
+from ._build import accelerator, device_floats, device_ints
 from .affine import AffineBench, affine_scores, affine_scores_ops, bench_affine_scores
 from .codebook import codebook_lut, codebook_scores, codebook_scores_ops
 from .tau import Selection, tau_select, tau_threshold, tau_threshold_ops
@@ -16,6 +16,8 @@ __all__ = [
     "AffineBench",
     "Selection",
     "accelerator",
+    "device_floats",
+    "device_ints",
     "affine_scores",
     "affine_scores_ops",
     "bench_affine_scores",

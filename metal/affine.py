@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ._build import KernelSpec, Launch, build_kernel, check_shape, launch, resolve_backend
-from ._build import token_blocks
+from ._build import device_ints, token_blocks
 
 AFFINE_SPEC = KernelSpec(
     name="tiered_affine_scores",
@@ -98,7 +98,7 @@ def affine_launch(q, wq, scales, biases, n: int, *, rep: int, group_size: int, b
         n, THREADS, rows=h, min_block=2 * THREADS, target_groups=TARGET_GROUPS
     )
     return Launch(
-        inputs=[q, wq, scales, biases, mx.array([n, n_cap, block], dtype=mx.int32)],
+        inputs=[q, wq, scales, biases, device_ints(n, n_cap, block)],
         template=[("D", d), ("BITS", bits), ("GS", group_size), ("REP", rep)],
         grid=(n_blocks * THREADS, h, 1),
         threadgroup=(THREADS, 1, 1),

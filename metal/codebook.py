@@ -19,6 +19,8 @@ from ._build import (
     Launch,
     build_kernel,
     check_shape,
+    device_floats,
+    device_ints,
     launch,
     resolve_backend,
     shared_memory_limit,
@@ -28,12 +30,17 @@ from ._build import (
 CODEBOOK_SPEC = KernelSpec(
     name="tiered_codebook_scores",
     body="codebook_scores.h",
-    input_names=("lut", "codes", "params"),
-    output_names=("z",),
+    input_names=("q", "codebook", "lut", "codes", "params"),
+    output_names=("z", "zmax"),
 )
-THREADS = 256
-TARGET_GROUPS = 1024  # threadgroups per launch when n is large (a few per SM)
+THREADS = {"metal": 256, "cuda": 1024}  # CUDA: one 1024-thread block per SM when the table is big
+# Threadgroups per launch when n is large: with a table over 64 KB one block fills an SM, so
+# about one wave on an H100/H200 (132 SMs); smaller tables allow a few blocks per SM.
+TARGET_GROUPS = {True: 128, False: 256}
 CODE_DTYPES = (mx.uint8, mx.uint16)
+def static_shared(rep_tile: int, d: int) -> int:
+    """Bytes of static shared memory the body adds beside the table (reductions, queries)."""
+    return 4 * (32 * rep_tile + rep_tile * d)
 
 
 def _make_codebook_kernel(backend: str, shared_memory: int = 0):
@@ -111,22 +118,25 @@ def codebook_scores_ops(
     return z.reshape(hq, n)
 
 
-def lut_tiling(backend: str, rep: int, g: int, c: int) -> tuple[int, bool]:
+def lut_tiling(backend: str, rep: int, g: int, c: int, d: int) -> tuple[int, bool]:
     """(rep_tile, lut_shared): how many query heads one threadgroup scores, and whether
-    their lookup table (rep_tile * g * c floats) is staged in shared memory.
+    their lookup table (rep_tile * g * c floats) is built in shared memory by the kernel.
 
-    All rep heads of a kv head in shared memory when they fit, so codes are read once;
-    otherwise all rep heads still read each code once and the table comes from global memory
-    (cached: it is small next to the codes). ``codebook_scores(..., rep_tile=)`` can force
-    shared tiles of fewer heads instead (codes then read rep / rep_tile times).
+    All rep heads of a kv head when their table fits, so codes are read once; else the
+    largest divisor of rep whose table fits (codes then read rep / rep_tile times, mostly
+    from the L2 cache); else all rep heads with the table built by MLX ops in global memory.
+    ``codebook_scores(..., rep_tile=)`` can force a tile instead.
     """
-    if rep * g * c * 4 <= shared_memory_limit(backend):
-        return rep, True
+    for tile in range(rep, 0, -1):
+        room = shared_memory_limit(backend) - static_shared(tile, d)
+        if rep % tile == 0 and tile * g * c * 4 <= room:
+            return tile, True
     return rep, False
 
 
 def codebook_launch(
-    lut: mx.array,
+    q: mx.array,
+    codebook: mx.array,
     words: mx.array,
     n: int,
     *,
@@ -134,41 +144,61 @@ def codebook_launch(
     code_bits: int,
     backend: str,
     rep_tile: int | None = None,
+    lut: mx.array | None = None,
 ) -> Launch:
-    """Launch plan of the kernel: lut (Hq, g, c) float32, words (H, n_cap, W) uint32."""
-    hq, g, c = lut.shape
-    h, n_cap, w = words.shape
+    """Launch plan of the kernel: q (Hq, d), codebook (H, Gc, c, ds) float32, words
+    (H, n_cap, W) uint32. ``lut`` (Hq, g, c), the MLX-built table, is needed (and built here
+    if not given) only when the table does not fit in shared memory."""
+    hq, d = q.shape
+    h, gc, c, ds = codebook.shape
+    g = d // ds
+    _, n_cap, w = words.shape
     if rep_tile is None:
-        rep_tile, lut_shared = lut_tiling(backend, rep, g, c)
+        rep_tile, lut_shared = lut_tiling(backend, rep, g, c, d)
     else:
         if rep % rep_tile:
             raise ValueError(f"Invalid rep_tile: {rep_tile!r} (must divide rep={rep})")
-        lut_shared = rep_tile * g * c * 4 <= shared_memory_limit(backend)
+        room = shared_memory_limit(backend) - static_shared(rep_tile, d)
+        lut_shared = rep_tile * g * c * 4 <= room
+    if not lut_shared and lut is None:
+        lut = codebook_lut(q, codebook, rep=rep)
     tiles = rep // rep_tile
     lut_bytes = rep_tile * g * c * 4 if lut_shared else 0
-    # A block should carry at least as many code bytes as the table it stages.
-    min_block = 2 * THREADS + (lut_bytes // max(1, w * 4))
+    threads = THREADS[backend]
+    # A block should carry at least as many code bytes as the table it builds.
+    min_block = 2 * threads + (lut_bytes // max(1, w * 4))
     block, n_blocks = token_blocks(
-        n, THREADS, rows=h * tiles, min_block=min_block, target_groups=TARGET_GROUPS
+        n, threads, rows=h * tiles, min_block=min_block,
+        target_groups=TARGET_GROUPS[lut_bytes > 64 * 1024],
     )
     return Launch(
-        inputs=[lut, words, mx.array([n, n_cap, block], dtype=mx.int32)],
+        inputs=[q.astype(mx.float32), codebook.astype(mx.float32),
+                lut if not lut_shared else _placeholder(), words,
+                device_ints(n, n_cap, block)],
         template=[
             ("G", g),
             ("C", c),
+            ("DS", ds),
+            ("GC", gc),
             ("W", w),
             ("CODE_BITS", code_bits),
             ("REP", rep),
             ("REP_TILE", rep_tile),
             ("LUT_SHARED", int(lut_shared)),
+            ("VEC4", int(w % 4 == 0)),
         ],
-        grid=(n_blocks * THREADS, h * tiles, 1),
-        threadgroup=(THREADS, 1, 1),
-        output_shapes=[(hq, n)],
-        output_dtypes=[mx.float32],
+        grid=(n_blocks * threads, h * tiles, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[(hq, n), (hq, n_blocks)],
+        output_dtypes=[mx.float32, mx.float32],
         shared_memory=lut_bytes,
-        notes={"rep_tile": rep_tile, "lut_shared": lut_shared, "block": block},
+        notes={"rep_tile": rep_tile, "lut_shared": lut_shared, "block": block,
+               "n_blocks": n_blocks},
     )
+
+
+def _placeholder() -> mx.array:
+    return device_floats(0.0)
 
 
 def kernel_supports(codes: mx.array) -> bool:
@@ -191,9 +221,9 @@ def codebook_scores(
     use_kernel: None runs the Metal or CUDA kernel where the default device has one (and the
     codes fill whole 32-bit words per token, i.e. g * itemsize % 4 == 0), else the reference;
     True insists (``ValueError`` if impossible); False always runs the reference.
-    The lookup table is built by an MLX matmul on the same device; the kernel reads each
-    token's codes once for all rep query heads of its kv head. rep_tile (tuning/benchmarks)
-    forces shared-memory tables of rep_tile heads per threadgroup.
+    Each threadgroup builds its heads' lookup table in shared memory (where it fits; else
+    MLX ops build it in global memory) and reads each token's codes once for all the query
+    heads of its tile. rep_tile (tuning/benchmarks) forces tiles of rep_tile heads.
     Codes must be < c: the kernel does not bounds-check them.
     """
     _check(q, codebook, codes, n, rep)
@@ -207,9 +237,26 @@ def codebook_scores(
         backend = None
     if backend is None:
         return codebook_scores_ops(q, codebook, codes, n, rep=rep)
-    lut = codebook_lut(q, codebook, rep=rep)
+    return codebook_scores_and_max(q, codebook, codes, n, rep=rep, backend=backend,
+                                   rep_tile=rep_tile)[0]
+
+
+def codebook_scores_and_max(
+    q: mx.array,
+    codebook: mx.array,
+    codes: mx.array,
+    n: int,
+    *,
+    rep: int,
+    backend: str,
+    rep_tile: int | None = None,
+) -> tuple[mx.array, mx.array, dict]:
+    """The kernel on ``backend``: (z (Hq, n), zmax (Hq, n_blocks), plan notes). zmax holds the
+    maximum of each block's scores, so a later pass needs no separate max over z."""
     words = mx.contiguous(codes).view(mx.uint32)
     plan = codebook_launch(
-        lut, words, n, rep=rep, code_bits=8 * codes.dtype.size, backend=backend, rep_tile=rep_tile
+        q, codebook, words, n, rep=rep, code_bits=8 * codes.dtype.size, backend=backend,
+        rep_tile=rep_tile,
     )
-    return launch(CODEBOOK_SPEC, backend, plan)[0]
+    z, zmax = launch(CODEBOOK_SPEC, backend, plan)
+    return z, zmax, plan.notes

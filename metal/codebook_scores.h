@@ -1,16 +1,25 @@
 // Product-quantized key scores with score export (HCAttention's lookup-table scoring).
 //
 //   z[qh, j] = sum_i lut[qh, i, code_i(h, j)]     for j < n, kv head h = qh / REP
+//   lut[qh, i, k] = q[qh, i*DS:(i+1)*DS] . codebook[h, GC == 1 ? 0 : i, k]
 //
 // Inputs (names as in codebook.py):
-//   lut    float    (Hq, G, C)      per query head and group: q_group . centroid (scale folded in)
-//   codes  uint32_t (H, n_cap, W)   the uint8/uint16 codes of each token, viewed as 32-bit words
-//   params int32_t  [n, n_cap, block_len]
-// Output:
-//   z      float    (Hq, n)
-// Template constants: G, C, W (= G * CODE_BITS / 32), CODE_BITS (8 or 16), REP (query heads
-// per kv head), REP_TILE (query heads handled per threadgroup; divides REP), LUT_SHARED (1: the
-// threadgroup's REP_TILE * G * C table is staged in shared memory; 0: read from global memory).
+//   q        float    (Hq, G * DS)    queries, attention scale folded in
+//   codebook float    (H, GC, C, DS)  centroids (GC = 1: one codebook for all groups)
+//   lut      float    (Hq, G, C)      the table built by MLX ops (read only when LUT_SHARED == 0;
+//                                     a 1-element placeholder otherwise)
+//   codes    uint32_t (H, n_cap, W)   the uint8/uint16 codes of each token, as 32-bit words
+//   params   int32_t  [n, n_cap, block_len]
+// Outputs:
+//   z        float    (Hq, n)         the exported scores
+//   zmax     float    (Hq, n_blocks)  max of z over each block's tokens (-inf for none), which
+//                                     the selection kernels reduce instead of re-reading z
+// Template constants: G, C, DS, GC, W (= G * CODE_BITS / 32), CODE_BITS (8 or 16), REP (query
+// heads per kv head), REP_TILE (query heads per threadgroup; divides REP), LUT_SHARED (1: the
+// threadgroup builds its REP_TILE heads' table in shared memory from q and the codebook, laid
+// out [group][centroid][head] so one vector load fetches every head's entry; 0: the table is
+// read from `lut` in global memory), VEC4 (1: W % 4 == 0, a token's codes are read as 16-byte
+// vectors).
 //
 // Grid: x = blocks of block_len tokens (tq_bx), y = kv head x rep tile (tq_by). Each thread
 // scores whole tokens: it reads a token's codes once and accumulates all REP_TILE query heads,
@@ -18,22 +27,49 @@
 const int n = params[0];
 const int n_cap = params[1];
 const int block_len = params[2];
+const int n_blocks = (n + block_len - 1) / block_len;
 constexpr int CODES_PER_WORD = 32 / CODE_BITS;
 constexpr uint32_t CODE_MASK = (1u << CODE_BITS) - 1u;
-constexpr int LUT_FLOATS = REP_TILE * G * C;
 constexpr int TILES = REP / REP_TILE;
+constexpr int D = G * DS;
+constexpr int LUT_FLOATS = LUT_SHARED ? REP_TILE * G * C : 1;
+constexpr int QUADS = (REP_TILE % 4 == 0) ? REP_TILE / 4 : 0;  // float4 loads per lookup
 const int h = tq_by / TILES;
 const int qh0 = h * REP + (tq_by % TILES) * REP_TILE;
-const int64_t lut_base = int64_t(qh0) * (G * C);
 
-TQ_SHARED_LUT(float, lut_s, LUT_SHARED ? LUT_FLOATS : 1);
+TQ_SHARED_LUT(float, lut_s, LUT_FLOATS);
+TQ_SHARED(float, red, 32 * REP_TILE);
+TQ_SHARED(float, q_s, LUT_SHARED ? REP_TILE * D : 1);
 if (LUT_SHARED) {
-  for (int t = tq_tid; t < LUT_FLOATS; t += tq_ntid) {
-    lut_s[t] = lut[lut_base + t];
+  // Stage the tile's queries, then build the table: entry (i, k, r) = q[qh0 + r, group i] .
+  // centroid k of group i (the codebook rows come through the L1 cache).
+  for (int t = tq_tid; t < REP_TILE * D; t += tq_ntid) {
+    q_s[t] = q[int64_t(qh0) * D + t];
+  }
+  TQ_BARRIER();
+  for (int t = tq_tid; t < G * C; t += tq_ntid) {
+    const int i = t / C;
+    const int k = t - i * C;
+    const int64_t cb_row = ((int64_t(h) * GC + (GC == 1 ? 0 : i)) * C + k) * DS;
+    float cv[DS];
+    TQ_UNROLL for (int s = 0; s < DS; ++s) {
+      cv[s] = codebook[cb_row + s];
+    }
+    TQ_UNROLL for (int r = 0; r < REP_TILE; ++r) {
+      float acc = 0.0f;
+      TQ_UNROLL for (int s = 0; s < DS; ++s) {
+        acc += q_s[r * D + i * DS + s] * cv[s];
+      }
+      lut_s[t * REP_TILE + r] = acc;
+    }
   }
 }
 TQ_BARRIER();
 
+float best[REP_TILE];
+TQ_UNROLL for (int r = 0; r < REP_TILE; ++r) {
+  best[r] = -TQ_INF;
+}
 const int j_begin = tq_bx * block_len;
 const int j_end = (j_begin + block_len < n) ? j_begin + block_len : n;
 for (int j = j_begin + tq_tid; j < j_end; j += tq_ntid) {
@@ -42,24 +78,62 @@ for (int j = j_begin + tq_tid; j < j_end; j += tq_ntid) {
     acc[r] = 0.0f;
   }
   const int64_t row = (int64_t(h) * n_cap + j) * W;
+  uint32_t words[W];
+  if (VEC4) {
+    TQ_UNROLL for (int w4 = 0; w4 < W / 4; ++w4) {
+      const uint4 v = TQ_LOAD_UINT4(codes, row / 4 + w4);
+      words[4 * w4 + 0] = v.x;
+      words[4 * w4 + 1] = v.y;
+      words[4 * w4 + 2] = v.z;
+      words[4 * w4 + 3] = v.w;
+    }
+  } else {
+    TQ_UNROLL for (int w = 0; w < W; ++w) {
+      words[w] = codes[row + w];
+    }
+  }
   TQ_UNROLL for (int w = 0; w < W; ++w) {
-    const uint32_t word = codes[row + w];
     TQ_UNROLL for (int k = 0; k < CODES_PER_WORD; ++k) {
       const int i = w * CODES_PER_WORD + k;
-      const int code = int((word >> (k * CODE_BITS)) & CODE_MASK);
-      TQ_UNROLL for (int r = 0; r < REP_TILE; ++r) {
-        const int e = (r * G + i) * C + code;
-        float v;
-        if (LUT_SHARED) {
-          v = lut_s[e];
-        } else {
-          v = lut[lut_base + e];
+      const int code = int((words[w] >> (k * CODE_BITS)) & CODE_MASK);
+      if (LUT_SHARED && QUADS > 0) {
+        TQ_UNROLL for (int u = 0; u < QUADS; ++u) {
+          const float4 v = TQ_SHARED_FLOAT4(lut_s, (i * C + code) * QUADS + u);
+          acc[4 * u + 0] += v.x;
+          acc[4 * u + 1] += v.y;
+          acc[4 * u + 2] += v.z;
+          acc[4 * u + 3] += v.w;
         }
-        acc[r] += v;
+      } else {
+        TQ_UNROLL for (int r = 0; r < REP_TILE; ++r) {
+          if (LUT_SHARED) {
+            acc[r] += lut_s[(i * C + code) * REP_TILE + r];
+          } else {
+            acc[r] += lut[(int64_t(qh0 + r) * G + i) * C + code];
+          }
+        }
       }
     }
   }
   TQ_UNROLL for (int r = 0; r < REP_TILE; ++r) {
     z[int64_t(qh0 + r) * n + j] = acc[r];
+    best[r] = acc[r] > best[r] ? acc[r] : best[r];
   }
+}
+
+// Block maxima per query head: warp reduction, then one warp over the warps' results.
+const int nwarps = tq_ntid / TQ_SIMD;
+TQ_UNROLL for (int r = 0; r < REP_TILE; ++r) {
+  const float b = tq_warp_max(best[r]);
+  if (tq_lane == 0) {
+    red[tq_warp * REP_TILE + r] = b;
+  }
+}
+TQ_BARRIER();
+if (tq_tid < REP_TILE) {
+  float b = -TQ_INF;
+  for (int wp = 0; wp < nwarps; ++wp) {
+    b = red[wp * REP_TILE + tq_tid] > b ? red[wp * REP_TILE + tq_tid] : b;
+  }
+  zmax[int64_t(qh0 + tq_tid) * n_blocks + tq_bx] = b;
 }

@@ -10,16 +10,36 @@
 #define TQ_SIMD 32
 #define TQ_BARRIER() __syncthreads()
 #define TQ_SHARED(type, name, count) __shared__ type name[count]
+#define TQ_TG  // address space of shared-memory pointers (Metal: threadgroup)
+#define TQ_DEVICE_FN __device__ inline  // a helper function of the kernel header
 // Dynamic shared memory: the launch asks for the bytes (cuda_kernel's shared_memory), which
 // lets a lookup table grow past the 48 KB static limit.
 #define TQ_SHARED_LUT(type, name, count)          \
   extern __shared__ float4 tq_dynamic_smem[];     \
   type* name = reinterpret_cast<type*>(tq_dynamic_smem)
 #define TQ_UNROLL _Pragma("unroll")
+// Vector loads: 16 bytes of a global uint32 array, 16 bytes of the shared (float) table.
+#define TQ_LOAD_UINT4(ptr, i) (reinterpret_cast<const uint4*>(ptr)[(i)])
+#define TQ_SHARED_FLOAT4(ptr, i) (reinterpret_cast<const float4*>(ptr)[(i)])
+// Relaxed atomic adds on global (output) arrays, which the launch zero-fills (init_value).
+#define TQ_ATOMIC_ADD_F32(ptr, i, v) atomicAdd(&(ptr)[(i)], (v))
+#define TQ_ATOMIC_ADD_U32(ptr, i, v) atomicAdd(&(ptr)[(i)], (v))
+#define TQ_SHARED_ATOMIC_ADD_F32(ptr, i, v) atomicAdd(&(ptr)[(i)], (v))
+#define TQ_SHARED_ATOMIC_ADD_U32(ptr, i, v) atomicAdd(&(ptr)[(i)], (v))
+// Shared arrays updated atomically, and plain loads/stores of atomically updated arrays
+// (shared ones, and outputs, which Metal declares atomic in kernels that use atomics).
+#define TQ_SHARED_ATOMIC_F32(name, count) __shared__ float name[count]
+#define TQ_SHARED_ATOMIC_U32(name, count) __shared__ uint32_t name[count]
+#define TQ_ATOMIC_LOAD(ptr, i) ((ptr)[(i)])
+#define TQ_ATOMIC_STORE(ptr, i, v) ((ptr)[(i)] = (v))
 #define TQ_INF __int_as_float(0x7f800000)
 
 __device__ inline float tq_exp(float x) {
   return expf(x);
+}
+
+__device__ inline float tq_log(float x) {
+  return logf(x);
 }
 
 __device__ inline float tq_as_float(uint32_t bits) {
@@ -40,6 +60,25 @@ __device__ inline float tq_warp_sum(float x) {
 __device__ inline float tq_warp_max(float x) {
   for (int o = TQ_SIMD / 2; o > 0; o >>= 1) {
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  }
+  return x;
+}
+
+__device__ inline float tq_warp_min(float x) {
+  for (int o = TQ_SIMD / 2; o > 0; o >>= 1) {
+    x = fminf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  }
+  return x;
+}
+
+// Inclusive prefix sum over the lanes of a warp.
+__device__ inline float tq_warp_prefix_sum(float x) {
+  const int lane = int(threadIdx.x) % TQ_SIMD;
+  for (int o = 1; o < TQ_SIMD; o <<= 1) {
+    const float y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) {
+      x += y;
+    }
   }
   return x;
 }

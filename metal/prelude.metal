@@ -7,8 +7,10 @@
 //
 // Every body may use: TQ_SIMD, TQ_BARRIER(), TQ_SHARED(type, name, count) (static
 // threadgroup array), TQ_SHARED_LUT(type, name, count) (the one large array of a kernel:
-// static here, dynamic shared memory on CUDA), TQ_UNROLL, TQ_INF, the helpers tq_exp,
-// tq_as_float (bit cast), tq_float4, tq_warp_sum, tq_warp_max, the type float4 (.x .y .z .w),
+// static here, dynamic shared memory on CUDA), TQ_UNROLL, TQ_INF, the helpers tq_exp, tq_log,
+// tq_as_float (bit cast), tq_float4, tq_warp_sum, tq_warp_max, tq_warp_min,
+// tq_warp_prefix_sum (inclusive), vector loads TQ_LOAD_UINT4 / TQ_SHARED_FLOAT4, atomics
+// (TQ_ATOMIC_ADD_*, TQ_SHARED_ATOMIC_*, TQ_ATOMIC_LOAD/STORE), the type float4 (.x .y .z .w),
 // and the ints tq_tid, tq_ntid, tq_bx, tq_by, tq_lane, tq_warp.
 #ifndef TIERED_PRELUDE_METAL
 #define TIERED_PRELUDE_METAL
@@ -16,12 +18,34 @@
 #define TQ_SIMD 32
 #define TQ_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
 #define TQ_SHARED(type, name, count) threadgroup type name[count]
-#define TQ_SHARED_LUT(type, name, count) threadgroup type name[count]
+#define TQ_TG threadgroup  // address space of shared-memory pointers
+#define TQ_DEVICE_FN inline  // a helper function of the kernel header
+// Declared as float4 so that the table can be read with 16-byte vector loads.
+#define TQ_SHARED_LUT(type, name, count)                     \
+  threadgroup float4 name##_vec[((count) + 3) / 4];          \
+  threadgroup type* name = (threadgroup type*)(name##_vec)
 #define TQ_UNROLL _Pragma("clang loop unroll(full)")
 #define TQ_INF INFINITY
+#define TQ_LOAD_UINT4(ptr, i) (((const device uint4*)(ptr))[(i)])
+#define TQ_SHARED_FLOAT4(ptr, i) (((const threadgroup float4*)(ptr))[(i)])
+// Relaxed atomic adds: global arrays are outputs of a kernel built with atomic_outputs=True
+// (device atomic<T>*), zero-filled by the launch (init_value); shared ones are declared
+// threadgroup atomic<T> arrays by the body through TQ_SHARED_ATOMIC.
+#define TQ_ATOMIC_ADD_F32(ptr, i, v) atomic_fetch_add_explicit(&(ptr)[(i)], (v), memory_order_relaxed)
+#define TQ_ATOMIC_ADD_U32(ptr, i, v) atomic_fetch_add_explicit(&(ptr)[(i)], (v), memory_order_relaxed)
+#define TQ_SHARED_ATOMIC_ADD_F32(ptr, i, v) atomic_fetch_add_explicit(&(ptr)[(i)], (v), memory_order_relaxed)
+#define TQ_SHARED_ATOMIC_ADD_U32(ptr, i, v) atomic_fetch_add_explicit(&(ptr)[(i)], (v), memory_order_relaxed)
+#define TQ_SHARED_ATOMIC_F32(name, count) threadgroup atomic<float> name[count]
+#define TQ_SHARED_ATOMIC_U32(name, count) threadgroup atomic_uint name[count]
+#define TQ_ATOMIC_LOAD(ptr, i) atomic_load_explicit(&(ptr)[(i)], memory_order_relaxed)
+#define TQ_ATOMIC_STORE(ptr, i, v) atomic_store_explicit(&(ptr)[(i)], (v), memory_order_relaxed)
 
 inline float tq_exp(float x) {
   return metal::exp(x);
+}
+
+inline float tq_log(float x) {
+  return metal::log(x);
 }
 
 inline float tq_as_float(uint32_t bits) {
@@ -38,6 +62,14 @@ inline float tq_warp_sum(float x) {
 
 inline float tq_warp_max(float x) {
   return simd_max(x);
+}
+
+inline float tq_warp_min(float x) {
+  return simd_min(x);
+}
+
+inline float tq_warp_prefix_sum(float x) {
+  return simd_prefix_inclusive_sum(x);
 }
 
 #endif  // TIERED_PRELUDE_METAL

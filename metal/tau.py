@@ -13,7 +13,16 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from ._build import KernelSpec, Launch, build_kernel, launch, resolve_backend
+from ._build import (
+    KernelSpec,
+    Launch,
+    build_kernel,
+    device_floats,
+    device_ints,
+    launch,
+    resolve_backend,
+    token_blocks,
+)
 
 TAU_SPEC = KernelSpec(
     name="tiered_tau_threshold",
@@ -74,8 +83,8 @@ def tau_launch(z: mx.array, n: int, tau: float, *, backend: str) -> Launch:
     return Launch(
         inputs=[
             z,
-            mx.array([n, n_total], dtype=mx.int32),
-            mx.array([tau, SPAN], dtype=mx.float32),
+            device_ints(n, n_total),
+            device_floats(tau, SPAN),
         ],
         template=[("NB", BINS), ("PASSES", PASSES)],
         grid=(threads, hq, 1),
@@ -112,7 +121,8 @@ class Selection(NamedTuple):
     """:func:`tau_select` with ``with_stats=True`` (the fields of ``tiered.cpu``'s Selection).
 
     idx (H, cap_alloc) int32 ascending, -1 past count; count (H,) int32; m, s (Hq,) float32
-    softmax max and sum over the n tokens; mass (Hq,) float32 softmax mass of the selection.
+    softmax max and sum over the n tokens; mass (Hq,) float32 softmax mass of the selection;
+    theta (Hq,) float32 the logit thresholds used (kept: z >= theta), None from the reference.
     """
 
     idx: mx.array
@@ -120,6 +130,95 @@ class Selection(NamedTuple):
     m: mx.array
     s: mx.array
     mass: mx.array
+    theta: mx.array | None = None
+
+
+# The fused selection (three passes, see tau_hist.h, tau_keys.h, tau_compact.h).
+SELECT_BINS = {"metal": 2048, "cuda": 4096}  # mass bins (Metal: 32 KB of threadgroup memory)
+LMAX_BINS = 2048  # bins of the cap ranking
+SELECT_THREADS = {"metal": 256, "cuda": 1024}
+SELECT_GROUPS = 256  # threadgroups per pass when n is large
+SPAN_T = 32.0  # logits below the max that the mass histogram resolves (exp(-32) ~ 1e-14)
+SPAN_L = 32.0  # logits of max-over-heads log-probability that the cap ranking resolves
+HIST_SPEC = KernelSpec(
+    name="tiered_tau_hist", body="tau_hist.h", input_names=("z", "zmax", "params", "fparams"),
+    output_names=("hist", "m_out"), atomic_outputs=True,
+)
+KEYS_SPEC = KernelSpec(
+    name="tiered_tau_keys", body="tau_keys.h",
+    input_names=("z", "hist", "m", "exclude", "params", "fparams"),
+    output_names=("code", "lhist", "counts", "s_out", "theta_out"), atomic_outputs=True,
+    headers=("select_common.h",),
+)
+COMPACT_SPEC = KernelSpec(
+    name="tiered_tau_compact", body="tau_compact.h",
+    input_names=("code", "lhist", "counts", "z", "m", "s", "params"),
+    output_names=("idx", "count", "fill", "mass"), atomic_outputs=True,
+    headers=("select_common.h",),
+)
+
+
+def select_bin_widths(backend: str) -> tuple[float, float]:
+    """(threshold bin width, cap-ranking bin width) in logits of the fused selection."""
+    return SPAN_T / SELECT_BINS[backend], SPAN_L / LMAX_BINS
+
+
+def select_launches(z, n, exclude, zmax, tau, cap, floor, cap_alloc, *, backend):
+    """Launch plans of the three passes (the later ones take earlier outputs as inputs, so
+    they are returned as functions of those)."""
+    hq, n_total = z.shape
+    h, e = exclude.shape
+    rep = hq // h
+    nb = SELECT_BINS[backend]
+    threads = SELECT_THREADS[backend]
+    chunk_q, blocks_q = token_blocks(n, threads, rows=hq, min_block=threads,
+                                     target_groups=SELECT_GROUPS)
+    chunk_h, blocks_h = token_blocks(n, threads, rows=h, min_block=threads,
+                                     target_groups=SELECT_GROUPS)
+    hist = Launch(
+        inputs=[z, zmax, device_ints(n, n_total, zmax.shape[1], chunk_q), device_floats(SPAN_T)],
+        template=[("NB", nb)], grid=(blocks_q * threads, hq, 1), threadgroup=(threads, 1, 1),
+        output_shapes=[(hq, nb), (hq,)], output_dtypes=[mx.float32, mx.float32], init_value=0,
+    )
+
+    def keys(hist_out, m):
+        return Launch(
+            inputs=[z, hist_out, m, exclude, device_ints(n, n_total, e, chunk_h),
+                    device_floats(tau, SPAN_T, SPAN_L)],
+            template=[("NB", nb), ("NL", LMAX_BINS), ("REP", rep), ("ET", exclude.dtype)],
+            grid=(blocks_h * threads, h, 1), threadgroup=(threads, 1, 1),
+            output_shapes=[(h, n), (h, 2, LMAX_BINS), (h, 2), (hq,), (hq,)],
+            output_dtypes=[mx.uint32, mx.uint32, mx.uint32, mx.float32, mx.float32],
+            init_value=0,
+        )
+
+    def compact(code, lhist, counts, m, s):
+        return Launch(
+            inputs=[code, lhist, counts, z, m, s,
+                    device_ints(n, n_total, cap, floor, cap_alloc, chunk_h)],
+            template=[("NL", LMAX_BINS), ("REP", rep)],
+            grid=(blocks_h * threads, h, 1), threadgroup=(threads, 1, 1),
+            output_shapes=[(h, cap_alloc), (h,), (h, 2), (hq,)],
+            output_dtypes=[mx.uint32, mx.int32, mx.uint32, mx.float32], init_value=0,
+        )
+
+    return hist, keys, compact
+
+
+def tau_select_fused(z, n, exclude, tau, cap, floor, cap_alloc, *, backend, zmax=None):
+    """The kernel path of :func:`tau_select`: three passes and one sort of cap_alloc entries
+    per kv head, all on the device. Returns a :class:`Selection` (theta included)."""
+    if zmax is None:
+        zmax = z[:, :n].max(axis=1, keepdims=True)
+    if exclude.dtype not in (mx.bool_, mx.uint8):
+        exclude = exclude.astype(mx.uint8)
+    hist_plan, keys_plan, compact_plan = select_launches(
+        z, n, exclude, zmax, tau, cap, floor, cap_alloc, backend=backend)
+    hist, m = launch(HIST_SPEC, backend, hist_plan)
+    code, lhist, counts, s, theta = launch(KEYS_SPEC, backend, keys_plan(hist, m))
+    idx, count, _, mass = launch(COMPACT_SPEC, backend, compact_plan(code, lhist, counts, m, s))
+    idx = mx.sort(idx, axis=1).view(mx.int32)  # ascending; 0xffffffff padding reads as -1
+    return Selection(idx, count, m, s, mass, theta)
 
 
 def tau_select(
@@ -133,6 +232,7 @@ def tau_select(
     cap_alloc: int | None = None,
     with_stats: bool = False,
     use_kernel: bool | None = None,
+    zmax: mx.array | None = None,
 ):
     """Per kv head token set: union over its rep query heads of the tau-cumulative sets.
 
@@ -149,9 +249,14 @@ def tau_select(
     the tokens with the largest max-over-heads probability stay; under floor, the most
     probable other non-excluded tokens are added (count <= non-excluded tokens). Exact ties in
     probability at the cap are broken arbitrarily.
-    Where it runs: the threshold is the kernel of :func:`tau_threshold` (or its reference);
-    everything else is lazy MLX ops on the default device (compare, any/max over heads,
-    argpartition over n, sorts of cap entries), with no host synchronisation.
+    Where it runs: on a Metal or CUDA device (use_kernel None/True), three kernel passes
+    (tau_hist.h, tau_keys.h, tau_compact.h) and one sort of cap_alloc entries per kv head,
+    without a sort over n. Their thresholds sit up to 1.5 bins of SPAN_T / SELECT_BINS logits
+    below the exact ones (a hair more kept), and over cap the ranking by max-over-heads
+    probability is exact to one bin of SPAN_L / SELECT_BINS logits (ties within a bin broken
+    by arrival); :func:`select_bin_widths` gives both widths. zmax (Hq, M): maxima of blocks
+    of z (the codebook kernel's second output) save a reduction. Elsewhere, lazy MLX ops
+    (sort-based reference threshold, argpartition over n). No host synchronisation either way.
     """
     hq = z.shape[0]
     if exclude is None:
@@ -177,8 +282,13 @@ def tau_select(
         empty = mx.zeros((hq,), dtype=mx.float32)
         return Selection(idx, count, mx.full((hq,), -math.inf, dtype=mx.float32), empty, empty)
     _check(z, n, tau)
+    backend = resolve_backend(use_kernel, "tau_select")
+    if backend is not None:
+        sel = tau_select_fused(z.astype(mx.float32), n, exclude, tau, cap, floor, cap_alloc,
+                               backend=backend, zmax=zmax)
+        return sel if with_stats else (sel.idx, sel.count)
 
-    m, s, theta = tau_threshold(z, n, tau, use_kernel=use_kernel)
+    m, s, theta = tau_threshold(z, n, tau, use_kernel=False)
     zv = z[:, :n].astype(mx.float32)
     logp = (zv - (m + mx.log(s))[:, None]).reshape(h, rep, n)
     allowed = mx.logical_not(exclude[:, :n].astype(mx.bool_))
@@ -208,7 +318,7 @@ def tau_select(
     order = mx.argsort(-mx.take_along_axis(key, top, axis=1), axis=1)
     top = mx.take_along_axis(top, order, axis=1).astype(mx.int32)  # (H, k) by key, descending
     chosen = mx.arange(k, dtype=mx.int32)[None] < count[:, None]
-    big = mx.array(2**31 - 1, dtype=mx.int32)
+    big = 2**31 - 1
     idx = mx.sort(mx.where(chosen, top, big), axis=1)
     idx = mx.where(idx == big, -1, idx)
     if k < cap_alloc:

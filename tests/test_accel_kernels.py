@@ -24,7 +24,8 @@ from tiered.metal import (
     tau_threshold,
     tau_threshold_ops,
 )
-from tiered.metal.tau import BINS, PASSES, SPAN
+from tiered.metal.codebook import codebook_scores_and_max
+from tiered.metal.tau import BINS, PASSES, SPAN, select_bin_widths
 
 # Relative tolerance by the dtype the arithmetic runs in (all outputs here are float32).
 TOL = {mx.float32: 1e-5, mx.float16: 1e-3, mx.bfloat16: 1e-2}
@@ -418,18 +419,80 @@ def test_tau_threshold_kernel_matches_ops(n, tau, scale):
     assert np.all(np.asarray(theta) >= np.asarray(theta_ref) - THETA_SLACK)
 
 
+def np_lmax(z, n, m, s, rep):
+    """float32 max-over-heads log-probability (H, n), as the kernel computes it."""
+    zv = np.asarray(z, np.float32)[:, :n]
+    lp = zv - np.asarray(m, np.float32)[:, None] - np.log(np.asarray(s, np.float32))[:, None]
+    return lp.reshape(-1, rep, n).max(1)
+
+
 @pytest.mark.accelerator
 @needs_accel
 @pytest.mark.parametrize(
-    "n,rep,cap,floor", [(4099, 4, 64, 8), (131072, 8, 2048, 64), (33, 3, 40, 10)]
-)
-def test_tau_select_kernel_matches_ops(n, rep, cap, floor):
+    "n,rep,cap,floor,tau",
+    [(4099, 4, 64, 8, 0.9), (131072, 8, 2048, 64, 0.9), (33, 3, 40, 10, 0.9),
+     (31, 1, 64, 0, 1.0), (4099, 4, 4096, 8, 0.5), (131072, 4, 2048, 2100, 0.99)],
+)  # fmt: skip
+@pytest.mark.parametrize("exclude_dtype", [mx.bool_, mx.uint8])
+def test_tau_select_kernel_follows_rule(n, rep, cap, floor, tau, exclude_dtype):
+    """The fused selection against the documented rule, with its own thresholds: thresholds
+    within their slack of the exact ones, the kept set and count they imply, the cap ranking
+    exact to one bin, and m, s and the selected mass against float64."""
     h = 2
-    z = make_scores(h * rep, n, n, seed=3)
-    exclude = mx.array(np.random.default_rng(2).random((h, n)) < 0.1)
-    idx, count = tau_select(z, n, exclude, 0.9, cap, floor, use_kernel=True)
-    got = check_select_output(idx, count, exclude, cap, floor, n)
-    idx_r, count_r = tau_select(z, n, exclude, 0.9, cap, floor, use_kernel=False)
-    want = check_select_output(idx_r, count_r, exclude, cap, floor, n)
-    for a, b in zip(got, want):  # the kernel's theta may keep a hair more at the boundary
-        assert len(a ^ b) <= max(2, len(b) // 1000), (len(a), len(b), len(a ^ b))
+    z = make_scores(h * rep, n, n + 5, seed=n + rep)
+    exclude = mx.array(np.random.default_rng(2).random((h, n + 3)) < 0.1).astype(exclude_dtype)
+    sel = tau_select(z, n, exclude, tau, cap, floor, with_stats=True, use_kernel=True)
+    ex = np.asarray(exclude).astype(bool)[:, :n]
+    got = check_select_output(sel.idx, sel.count, ex, max(cap, floor), floor, n)
+    w_t, w_l = select_bin_widths(accelerator())
+    theta = np.asarray(sel.theta)
+    zv, m, s = np_softmax_stats(z, n)
+    np.testing.assert_array_equal(np.asarray(sel.m), m.astype(np.float32))
+    np.testing.assert_allclose(np.asarray(sel.s), s, rtol=KERNEL_TOL)
+    if tau < 1.0:
+        _, _, theta_exact = np_tau_threshold(z, n, tau)
+        assert np.all(theta <= theta_exact + 1e-6) and np.all(theta >= theta_exact - 2 * w_t)
+        assert_valid_threshold(z, n, tau, theta, slack=2 * w_t)
+    else:
+        assert np.all(np.isneginf(theta))
+    keep = (np.asarray(z)[:, :n] >= theta[:, None]).reshape(h, rep, n).any(1) & ~ex
+    lmax = np_lmax(z, n, sel.m, sel.s, rep)
+    p = np.exp(zv - m[:, None]) / s[:, None]
+    for i in range(h):
+        chosen = np.array(sorted(got[i]), dtype=np.int64)
+        n_keep, n_allowed = int(keep[i].sum()), int((~ex[i]).sum())
+        k = min(max(n_keep, floor), max(cap, floor), n_allowed)
+        assert int(np.asarray(sel.count)[i]) == k
+        mask = np.zeros(n, bool)
+        mask[chosen] = True
+        if k <= n_keep:  # only kept tokens, the most probable ones (to one bin)
+            assert np.all(keep[i][mask])
+            pool = keep[i]
+        else:  # every kept token plus the most probable others
+            assert np.all(mask[keep[i]])
+            pool = ~ex[i] & ~keep[i]
+        left = pool & ~mask
+        if left.any() and (mask & pool).any():
+            assert lmax[i][mask & pool].min() >= lmax[i][left].max() - 1.01 * w_l
+        for r in range(rep):
+            qh = i * rep + r
+            np.testing.assert_allclose(np.asarray(sel.mass)[qh], p[qh, chosen].sum(),
+                                       rtol=KERNEL_TOL, atol=1e-6)
+
+
+@pytest.mark.accelerator
+@needs_accel
+def test_tau_select_kernel_takes_codebook_block_maxima():
+    """Passing the codebook kernel's block maxima gives the same selection as without."""
+    q, cb, codes = make_codebook_case(h=2, rep=4, d=128, ds=4, c=256, n=20000, n_cap=20010,
+                                      per_group=False, code_dtype=np.uint8)
+    z, zmax, notes = codebook_scores_and_max(q, cb, codes, 20000, rep=4, backend=accelerator())
+    assert zmax.shape == (8, notes["n_blocks"])
+    np.testing.assert_array_equal(np.asarray(zmax).max(1), np.asarray(z).max(1))
+    exclude = mx.zeros((2, 20000), dtype=mx.bool_)
+    a = tau_select(z, 20000, exclude, 0.9, 512, 8, with_stats=True, zmax=zmax)
+    b = tau_select(z, 20000, exclude, 0.9, 512, 8, with_stats=True)
+    np.testing.assert_array_equal(np.asarray(a.m), np.asarray(b.m))
+    np.testing.assert_allclose(np.asarray(a.s), np.asarray(b.s), rtol=KERNEL_TOL)
+    w_t, _ = select_bin_widths(accelerator())  # float atomics: sums may differ in the last bit
+    np.testing.assert_allclose(np.asarray(a.theta), np.asarray(b.theta), atol=1.01 * w_t)

@@ -26,7 +26,8 @@ import pytest
 from tiered.metal._build import KernelSpec
 from tiered.metal.affine import AFFINE_SPEC, affine_launch
 from tiered.metal.codebook import CODEBOOK_SPEC, codebook_launch
-from tiered.metal.tau import TAU_SPEC, tau_launch
+from tiered.metal.tau import (COMPACT_SPEC, HIST_SPEC, KEYS_SPEC, LMAX_BINS, TAU_SPEC,
+                              select_launches, tau_launch)
 
 METAL_TYPES = {
     mx.float32: "float", mx.float16: "float16_t", mx.bfloat16: "bfloat16_t", mx.bool_: "bool",
@@ -64,6 +65,7 @@ struct uint2 { uint x, y; };
 struct uint3 { uint x, y, z; };
 struct int2 { int x, y; };
 struct int3 { int x, y, z; };
+struct uint4 { uint x, y, z, w; };
 struct float2 { float x, y; };
 struct float4 {
   float x, y, z, w;
@@ -112,10 +114,19 @@ template <typename T> T simd_sum(T x);
 template <typename T> T simd_max(T x);
 template <typename T> T simd_min(T x);
 template <typename T> T simd_prefix_exclusive_sum(T x);
+template <typename T> T simd_prefix_inclusive_sum(T x);
 template <typename T> T simd_shuffle(T x, ushort lane);
 template <typename T> T simd_shuffle_xor(T x, ushort mask);
 template <typename T> T simd_shuffle_down(T x, ushort delta);
 template <typename T> T simd_broadcast(T x, ushort lane);
+enum memory_order { memory_order_relaxed };
+template <typename T> struct atomic { T value; };
+typedef atomic<uint> atomic_uint;
+typedef atomic<int> atomic_int;
+template <typename T> struct same { typedef T type; };
+template <typename T> T atomic_fetch_add_explicit(atomic<T>* p, typename same<T>::type v, memory_order o);
+template <typename T> T atomic_load_explicit(atomic<T>* p, memory_order o);
+template <typename T> void atomic_store_explicit(atomic<T>* p, typename same<T>::type v, memory_order o);
 }  // namespace metal
 using namespace metal;
 """
@@ -168,7 +179,8 @@ def metal_source(spec: KernelSpec, header: str, source: str, plan) -> str:
             if arg + suffix in source:
                 params.append(f"  {ctype} {arg}{suffix} [[buffer({len(params)})]]")
     for arg, dt in zip(spec.output_names, plan.output_dtypes):
-        params.append(f"  device {METAL_TYPES[dt]}* {arg} [[buffer({len(params)})]]")
+        ctype = f"atomic<{METAL_TYPES[dt]}>" if spec.atomic_outputs else METAL_TYPES[dt]
+        params.append(f"  device {ctype}* {arg} [[buffer({len(params)})]]")
     params += [f"  {t} {a} [[{a}]]" for a, t in METAL_ATTRIBUTES.items() if a in source]
     text = header
     if plan.template:
@@ -212,16 +224,20 @@ def _codes(h, n_cap, g, dtype):
 def _plans(backend: str):
     """(label, spec, plan) for a spread of configurations of every kernel."""
     out = []
-    for g, c, dtype, rep, rep_tile in [
-        (32, 256, mx.uint8, 4, None),  # table too big: global memory
-        (32, 256, mx.uint8, 4, 1),  # one head per threadgroup: shared memory
-        (16, 4096, mx.uint16, 1, None),
-        (8, 16, mx.uint8, 8, None),
+    for g, c, dtype, rep, rep_tile, gc in [
+        (32, 256, mx.uint8, 4, None, 1),  # CUDA: whole table in shared memory; Metal: tiled
+        (32, 256, mx.uint8, 4, 1, 32),  # one head per threadgroup, a codebook per group
+        (16, 4096, mx.uint16, 1, None, 1),  # table too big: built by MLX in global memory
+        (8, 16, mx.uint8, 8, None, 8),  # 2 words per token: no vector loads
+        (64, 256, mx.uint8, 3, None, 1),  # rep 3: scalar table reads
     ]:
         words = _codes(2, 40, g, dtype).view(mx.uint32)
+        q = mx.zeros((2 * rep, g * 4))
+        cb = mx.zeros((2, gc, c, 4))
         lut = mx.zeros((2 * rep, g, c))
         plan = codebook_launch(
-            lut, words, 33, rep=rep, code_bits=8 * dtype.size, backend=backend, rep_tile=rep_tile
+            q, cb, words, 33, rep=rep, code_bits=8 * dtype.size, backend=backend,
+            rep_tile=rep_tile, lut=lut,
         )
         out.append((f"codebook-g{g}-c{c}-rep{rep}-tile{rep_tile}", CODEBOOK_SPEC, plan))
     for d, bits, gs, sdt, rep in [
@@ -235,6 +251,18 @@ def _plans(backend: str):
         plan = affine_launch(q, wq, sc, sc, 33, rep=rep, group_size=gs, bits=bits)
         out.append((f"affine-d{d}-b{bits}-gs{gs}-{sdt}", AFFINE_SPEC, plan))
     out.append(("tau", TAU_SPEC, tau_launch(mx.zeros((8, 40)), 33, 0.9, backend=backend)))
+    for rep, ex_dtype in [(4, mx.bool_), (1, mx.uint8), (8, mx.bool_)]:
+        z = mx.zeros((2 * rep, 40))
+        ex = mx.zeros((2, 40), dtype=ex_dtype)
+        hist, keys, compact = select_launches(z, 33, ex, mx.zeros((2 * rep, 3)), 0.9, 16, 4, 16,
+                                              backend=backend)
+        hq, nb = 2 * rep, hist.output_shapes[0][1]
+        f, u = mx.zeros((hq,)), mx.zeros((2, 2), dtype=mx.uint32)
+        out.append((f"tau-hist-rep{rep}", HIST_SPEC, hist))
+        out.append((f"tau-keys-rep{rep}-{ex_dtype}", KEYS_SPEC, keys(mx.zeros((hq, nb)), f)))
+        out.append((f"tau-compact-rep{rep}", COMPACT_SPEC,
+                    compact(mx.zeros((2, 33), dtype=mx.uint32),
+                            mx.zeros((2, 2, LMAX_BINS), dtype=mx.uint32), u, f, f)))
     return out  # fmt: skip
 
 
@@ -277,8 +305,8 @@ def _broken(spec: KernelSpec, backend: str, old: str, new: str):
 
 # Planted bugs: an undeclared identifier, a type error, and a CUDA-only name in Metal.
 BROKEN = [
-    ("acc[r] += v;", "acc[r] += v_typo;"),
-    ("const uint32_t word = codes[row + w];", "const uint32_t word = codes;"),
+    ("best[r] = acc[r] > best[r] ? acc[r] : best[r];", "best[r] = acc_typo[r];"),
+    ("words[w] = codes[row + w];", "words[w] = codes;"),
     ("TQ_BARRIER();", "__syncthreads();"),
 ]
 
@@ -307,8 +335,8 @@ def test_metal_signature_follows_mlx():
     """The wrapper reproduces MLX's conventions that the bodies rely on."""
     label, spec, plan = _plans("metal")[0]
     text = metal_source(spec, *spec.sources("metal"), plan)
-    assert "const device float* lut [[buffer(0)]]" in text
-    assert "const constant int32_t* params [[buffer(2)]]" in text  # size < 8: constant space
+    assert "const device float* q [[buffer(0)]]" in text
+    assert "const constant int32_t* params [[buffer(4)]]" in text  # size < 8: constant space
     assert "uint3 threadgroup_position_in_grid [[threadgroup_position_in_grid]]" in text
     assert "thread_position_in_grid [[" not in text
 

@@ -1,0 +1,65 @@
+// Selection pass 1 of 3: softmax mass histogram of one query head's scores, over many
+// threadgroups per head (the chunks of its tokens).
+//
+//   m = max z (reduced from per-block maxima, e.g. the codebook kernel's zmax),
+//   hist[qh, b] += exp(z_j - m) for the tokens j with (m - z_j) / w in [b, b + 1),
+//   w = span / NB; bin NB - 1 also takes everything below m - span.
+//
+// Inputs (names as in tau.py):
+//   z       float   (Hq, N)     scores; only the first n columns are read
+//   zmax    float   (Hq, M)     maxima of blocks of z (any partition of the n columns)
+//   params  int32_t [n, N, M, chunk]
+//   fparams float   [span]
+// Outputs (zero-filled by the launch; atomic on Metal):
+//   hist    float   (Hq, NB)
+//   m_out   float   (Hq,)
+// Template constants: NB (bins).
+// Grid: x = chunks of `chunk` tokens (tq_bx), y = query head (tq_by).
+const int n = params[0];
+const int N = params[1];
+const int M = params[2];
+const int chunk = params[3];
+const float span = fparams[0];
+const int qh = tq_by;
+const int nwarps = tq_ntid / TQ_SIMD;
+
+TQ_SHARED_ATOMIC_F32(hist_s, NB);
+TQ_SHARED(float, red, 32);
+for (int b = tq_tid; b < NB; b += tq_ntid) {
+  TQ_ATOMIC_STORE(hist_s, b, 0.0f);
+}
+float mm = -TQ_INF;
+for (int t = tq_tid; t < M; t += tq_ntid) {
+  const float v = zmax[int64_t(qh) * M + t];
+  mm = v > mm ? v : mm;
+}
+mm = tq_warp_max(mm);
+if (tq_lane == 0) {
+  red[tq_warp] = mm;
+}
+TQ_BARRIER();
+float m = red[0];
+for (int wp = 1; wp < nwarps; ++wp) {
+  m = red[wp] > m ? red[wp] : m;
+}
+
+const float inv_w = float(NB) / span;
+const int j_begin = tq_bx * chunk;
+const int j_end = (j_begin + chunk < n) ? j_begin + chunk : n;
+const int64_t row = int64_t(qh) * N;
+for (int j = j_begin + tq_tid; j < j_end; j += tq_ntid) {
+  const float v = z[row + j];
+  const float pos = (m - v) * inv_w;
+  const int b = pos >= float(NB - 1) ? NB - 1 : (pos > 0.0f ? int(pos) : 0);
+  TQ_SHARED_ATOMIC_ADD_F32(hist_s, b, tq_exp(v - m));
+}
+TQ_BARRIER();
+for (int b = tq_tid; b < NB; b += tq_ntid) {
+  const float e = TQ_ATOMIC_LOAD(hist_s, b);
+  if (e != 0.0f) {
+    TQ_ATOMIC_ADD_F32(hist, int64_t(qh) * NB + b, e);
+  }
+}
+if (tq_bx == 0 && tq_tid == 0) {
+  TQ_ATOMIC_STORE(m_out, qh, m);
+}
