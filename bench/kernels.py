@@ -33,30 +33,65 @@ HQ = H * REP
 G, C = D // 4, 256
 
 
+COPY_SOURCE = """
+// Each thread copies UNROLL float4 at a stride of the grid, all loads issued before stores.
+const size_t t0 = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+const size_t stride = size_t(gridDim.x) * blockDim.x;
+const float4* a4 = reinterpret_cast<const float4*>(a);
+float4* o4 = reinterpret_cast<float4*>(o);
+float4 v[UNROLL];
+for (size_t base = t0; base < size_t(N4); base += stride * UNROLL) {
+  #pragma unroll
+  for (int u = 0; u < UNROLL; ++u) {
+    const size_t i = base + u * stride;
+    if (i < size_t(N4)) v[u] = a4[i];
+  }
+  #pragma unroll
+  for (int u = 0; u < UNROLL; ++u) {
+    const size_t i = base + u * stride;
+    if (i < size_t(N4)) o4[i] = v[u];
+  }
+}
+"""
+
+
 def measured_bandwidth() -> dict:
-    """Device memory bandwidth in GB/s over a 1 GiB buffer: ``copy`` (x + 0, bytes read +
-    written), ``read`` (a sum: bytes read) and ``best`` of the two, the reference the kernels
-    are held to (MLX's elementwise copy alone under-reads a GPU: its SDPA decode outran it)."""
+    """Device memory bandwidth in GB/s over a 1 GiB buffer: ``copy`` is the best copy (bytes
+    read + written) of MLX's x + 0 and, on CUDA, a plain vectorised copy kernel at a few grid
+    sizes; ``read`` a read-only sum (bytes read), for comparison. Kernels are held to ``copy``."""
     x = mx.random.uniform(shape=(256 * 2**20,))  # 1 GiB of fp32
     mx.eval(x)
-    copy = 2 * x.nbytes / timed(lambda: x + 0, reps=10, warmup=2) / 1e9
+    copies = {"x + 0": 2 * x.nbytes / timed(lambda: x + 0, reps=10, warmup=2) / 1e9}
+    if metal.accelerator() == "cuda":
+        kernel = mx.fast.cuda_kernel(name="bench_copy", input_names=["a"], output_names=["o"],
+                                     source=COPY_SOURCE)
+        for blocks, unroll in [(132 * 8, 4), (132 * 32, 4), (132 * 8, 8), (132 * 64, 1)]:
+            def run(blocks=blocks, unroll=unroll):
+                return kernel(inputs=[x], template=[("N4", x.size // 4), ("UNROLL", unroll)],
+                              grid=(blocks * 256, 1, 1), threadgroup=(256, 1, 1),
+                              output_shapes=[x.shape], output_dtypes=[x.dtype])[0]
+            got = run()
+            if not mx.array_equal(got, x).item():
+                raise RuntimeError("copy kernel produced a wrong copy")
+            del got
+            copies[f"kernel {blocks}x256 unroll {unroll}"] = (
+                2 * x.nbytes / timed(run, reps=10, warmup=2) / 1e9)
     read = x.nbytes / timed(lambda: mx.sum(x), reps=10, warmup=2) / 1e9
-    return {"copy": copy, "read": read, "best": max(copy, read)}
+    best = max(copies, key=copies.get)
+    return {"copy": copies[best], "copy_how": best, "copies": copies, "read": read}
 
 
-def copy_bandwidth() -> float:
-    return measured_bandwidth()["best"]
-
-
-def timed(fn, *, reps: int, warmup: int) -> float:
-    """Median seconds of fn() evaluated, after warm-up."""
+def timed(fn, *, reps: int, warmup: int, batch: int = 1) -> float:
+    """Median seconds per call of fn(), ``batch`` calls queued per evaluation (batch > 1
+    measures the device's throughput for back-to-back calls, as in a decode step where the
+    layers' work is queued without host synchronisation; batch 1 adds one host round trip)."""
     for _ in range(warmup):
-        mx.eval(fn())
+        mx.eval([fn() for _ in range(batch)])
     out = []
     for _ in range(reps):
         t = time.perf_counter()
-        mx.eval(fn())
-        out.append(time.perf_counter() - t)
+        mx.eval([fn() for _ in range(batch)])
+        out.append((time.perf_counter() - t) / batch)
     return float(np.median(out))
 
 
@@ -78,11 +113,21 @@ def rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def bench_size(n: int, reps: int, bw: float, backend: str) -> list[dict]:
+def bench_size(n: int, reps: int, bw: float, backend: str, batch: int) -> list[dict]:
     rows = []
     n_sets = max(1, min(8, (400 * 2**20) // (H * n * G + HQ * n * 4)))
     key = mx.random.key(n)
     q = mx.random.normal((HQ, D), key=key) * D**-0.5
+
+    def row(kernel, fn, nbytes=None, check=None, **extra):
+        t = timed(fn, reps=reps, warmup=3, batch=batch)
+        t1 = timed(fn, reps=reps, warmup=3, batch=1)
+        r = {"kernel": kernel, "n": n, "ms": 1e3 * t, "ms_synced": 1e3 * t1, "check": check,
+             **extra}
+        if nbytes is not None:
+            r.update(gbs=nbytes / t / 1e9, of_copy=nbytes / t / 1e9 / bw)
+        rows.append(r)
+        return r
 
     # ---- codebook scores -----------------------------------------------------------------
     codebook = mx.random.normal((H, 1, C, D // G))
@@ -91,11 +136,9 @@ def bench_size(n: int, reps: int, bw: float, backend: str) -> list[dict]:
     codes = codes_sets()
     check = rel_err(metal.codebook_scores(q, codebook, codes, n, rep=REP),
                     metal.codebook_scores_ops(q, codebook, codes, n, rep=REP))
-    t = timed(lambda: metal.codebook_scores(q, codebook, codes_sets(), n, rep=REP), reps=reps,
-              warmup=3)
-    nbytes = H * n * G + HQ * n * 4
-    rows.append({"kernel": "codebook scores (g=32, c=256)", "n": n, "ms": 1e3 * t,
-                 "gbs": nbytes / t / 1e9, "of_copy": nbytes / t / 1e9 / bw, "check": check})
+    row("codebook scores (g=32, c=256)",
+        lambda: metal.codebook_scores(q, codebook, codes_sets(), n, rep=REP),
+        H * n * G + HQ * n * 4, check)
 
     # ---- affine scores (4-bit, group 64) ------------------------------------------------
     kf = mx.random.normal((H, n, D)).astype(mx.float16)
@@ -106,13 +149,10 @@ def bench_size(n: int, reps: int, bw: float, backend: str) -> list[dict]:
     for use_kernel in ([True, False] if backend != "cpu" else [False]):
         got = metal.affine_scores(q, wq, sc, bi, n, rep=REP, group_size=64, bits=4,
                                   use_kernel=use_kernel)
-        t = timed(lambda: metal.affine_scores(q, wq, sc, bi, n, rep=REP, group_size=64, bits=4,
-                                              use_kernel=use_kernel), reps=reps, warmup=3)
-        nbytes = wq.nbytes + sc.nbytes + bi.nbytes + HQ * n * 4
-        rows.append({"kernel": "affine scores 4-bit" + (" (kernel)" if use_kernel else
-                                                        " (mx.quantized_matmul)"),
-                     "n": n, "ms": 1e3 * t, "gbs": nbytes / t / 1e9, "of_copy": nbytes / t / 1e9 / bw,
-                     "check": rel_err(got, ref)})
+        row("affine scores 4-bit" + (" (kernel)" if use_kernel else " (mx.quantized_matmul)"),
+            lambda: metal.affine_scores(q, wq, sc, bi, n, rep=REP, group_size=64, bits=4,
+                                        use_kernel=use_kernel),
+            wq.nbytes + sc.nbytes + bi.nbytes + HQ * n * 4, rel_err(got, ref))
     del wq, sc, bi
 
     # ---- tau threshold and selection ----------------------------------------------------
@@ -120,71 +160,124 @@ def bench_size(n: int, reps: int, bw: float, backend: str) -> list[dict]:
     mx.eval(z)
     m1, s1, th1 = metal.tau_threshold(z, n, 0.9)
     m2, s2, th2 = metal.tau_threshold_ops(z, n, 0.9)
-    t = timed(lambda: metal.tau_threshold(z, n, 0.9), reps=reps, warmup=3)
-    rows.append({"kernel": "tau threshold (32 heads)", "n": n, "ms": 1e3 * t,
-                 "gbs": HQ * n * 4 / t / 1e9, "of_copy": HQ * n * 4 / t / 1e9 / bw,
-                 "check": rel_err(th1, th2)})
+    row("tau threshold (32 heads, 5-pass kernel)", lambda: metal.tau_threshold(z, n, 0.9),
+        HQ * n * 4, rel_err(th1, th2))
     exclude = mx.zeros((H, n), mx.bool_)
-    t_sel = timed(lambda: metal.tau_select(z, n, exclude, 0.9, 2048, 32), reps=reps, warmup=3)
-    rows.append({"kernel": "tau select (threshold + cap 2048)", "n": n, "ms": 1e3 * t_sel,
-                 "gbs": HQ * n * 4 / t_sel / 1e9, "of_copy": HQ * n * 4 / t_sel / 1e9 / bw,
-                 "check": None})
-    t_both = timed(lambda: metal.tau_select(
-        metal.codebook_scores(q, codebook, codes_sets(), n, rep=REP), n, exclude, 0.9, 2048, 32),
-        reps=reps, warmup=3)
+    mx.eval(exclude)
+    row("tau select (threshold + cap 2048)",
+        lambda: metal.tau_select(z, n, exclude, 0.9, 2048, 32), HQ * n * 4)
+
+    def chain():
+        if backend == "cpu":
+            zz = metal.codebook_scores(q, codebook, codes_sets(), n, rep=REP)
+            return metal.tau_select(zz, n, exclude, 0.9, 2048, 32)
+        zz, zmax, _ = metal.codebook.codebook_scores_and_max(q, codebook, codes_sets(), n,
+                                                            rep=REP, backend=backend)
+        return metal.tau_select(zz, n, exclude, 0.9, 2048, 32, zmax=zmax)
 
     # ---- the reference: full-cache SDPA decode --------------------------------------------
     kv = mx.random.normal((1, H, n, D)).astype(mx.float16)
     vv = mx.random.normal((1, H, n, D)).astype(mx.float16)
     q16 = mx.random.normal((1, HQ, 1, D)).astype(mx.float16)
     mx.eval(kv, vv, q16)
-    t_sdpa = timed(lambda: mx.fast.scaled_dot_product_attention(q16, kv, vv, scale=D**-0.5),
-                   reps=reps, warmup=3)
-    nbytes = kv.nbytes + vv.nbytes
-    rows.append({"kernel": "mx.fast.scaled_dot_product_attention (full fp16 cache)", "n": n,
-                 "ms": 1e3 * t_sdpa, "gbs": nbytes / t_sdpa / 1e9,
-                 "of_copy": nbytes / t_sdpa / 1e9 / bw, "check": None})
-    rows.append({"kernel": "scores + selection (one launch chain)", "n": n, "ms": 1e3 * t_both,
-                 "speedup_vs_sdpa": t_sdpa / t_both, "check": None})
+    sdpa = row("mx.fast.scaled_dot_product_attention (full fp16 cache)",
+               lambda: mx.fast.scaled_dot_product_attention(q16, kv, vv, scale=D**-0.5),
+               kv.nbytes + vv.nbytes)
+    if backend != "cpu":
+        breakdown(row, q, codebook, codes, n, exclude, backend)
+    both = row("scores + selection (codebook kernel + fused selection, cap 2048)", chain)
+    both["speedup_vs_sdpa"] = sdpa["ms"] / both["ms"]
+    both["speedup_vs_sdpa_synced"] = sdpa["ms_synced"] / both["ms_synced"]
     del kv, vv
     mx.clear_cache()
     return rows
+
+
+NOP_SOURCE = "if (OUT_INDEX == 0) { o[0] = a[0]; }"
+
+
+def breakdown(row, q, codebook, codes, n, exclude, backend):
+    """Each launch of the scores + selection chain alone, and an empty custom kernel (the
+    per-launch floor), so the chain's time can be attributed."""
+    from tiered.metal import tau as tm
+    from tiered.metal._build import launch
+
+    z, zmax, _ = metal.codebook.codebook_scores_and_max(q, codebook, codes, n, rep=REP,
+                                                        backend=backend)
+    hist_p, keys_p, compact_p = tm.select_launches(z, n, exclude, zmax, 0.9, 2048, 32, 2048,
+                                                   backend=backend)
+    hist, m = launch(tm.HIST_SPEC, backend, hist_p)
+    keys_plan = keys_p(hist, m)
+    code, lhist, counts, s, _ = launch(tm.KEYS_SPEC, backend, keys_plan)
+    compact_plan = compact_p(code, lhist, counts, m, s)
+    idx = launch(tm.COMPACT_SPEC, backend, compact_plan)[0]
+    mx.eval(z, zmax, hist, m, code, lhist, counts, s, idx)
+    row("  selection pass 1: mass histogram", lambda: launch(tm.HIST_SPEC, backend, hist_p)[0],
+        HQ * n * 4)
+    row("  selection pass 2: thresholds, keys, rank histogram",
+        lambda: launch(tm.KEYS_SPEC, backend, keys_plan)[0], HQ * n * 4 + H * n * 4)
+    row("  selection pass 3: capped compaction",
+        lambda: launch(tm.COMPACT_SPEC, backend, compact_plan)[0], H * n * 4)
+    row("  selection: sort of the capped indices",
+        lambda: mx.sort(idx, axis=1).view(mx.int32))
+    if backend == "cuda":
+        nop = mx.fast.cuda_kernel(name="bench_nop", input_names=["a"], output_names=["o"],
+                                  source=NOP_SOURCE.replace("OUT_INDEX", "threadIdx.x"))
+        row("  empty custom kernel (launch floor)",
+            lambda: nop(inputs=[q], grid=(32, 1, 1), threadgroup=(32, 1, 1),
+                        output_shapes=[(1,)], output_dtypes=[mx.float32])[0])
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--sizes", type=int, nargs="+", default=[16384, 131072, 1048576])
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--batch", type=int, default=8,
+                   help="calls queued per evaluation in the throughput timing")
     p.add_argument("--name", default=None)
     args = p.parse_args(argv)
     backend = metal.accelerator()
     args.name = args.name or f"kernels_{backend}"
     info = machine()
     bws = measured_bandwidth()
-    bw = bws["best"]
-    print(f"backend {backend}; memory bandwidth {bw:.0f} GB/s (copy {bws['copy']:.0f}, "
-          f"read-only {bws['read']:.0f})", flush=True)
+    bw = bws["copy"]
+    print(f"backend {backend}; copy bandwidth {bw:.0f} GB/s ({bws['copy_how']}; all: "
+          + ", ".join(f"{k} {v:.0f}" for k, v in bws["copies"].items())
+          + f"); read-only sum {bws['read']:.0f} GB/s", flush=True)
     rows = []
     for n in args.sizes:
-        for r in bench_size(n, args.reps, bw, backend):
+        for r in bench_size(n, args.reps, bw, backend, args.batch):
             rows.append(r)
-            extra = (f"{r['gbs']:8.0f} GB/s ({100 * r['of_copy']:3.0f}% of bw)" if "gbs" in r
-                     else f"{r['speedup_vs_sdpa']:.2f}x faster than SDPA")
-            print(f"{n:>8} {r['kernel']:<55} {r['ms']:9.3f} ms {extra}"
+            extra = (f"{r['gbs']:8.0f} GB/s ({100 * r['of_copy']:3.0f}% of copy)" if "gbs" in r
+                     else f"{r['speedup_vs_sdpa']:.2f}x faster than SDPA"
+                     if "speedup_vs_sdpa" in r else "")
+            print(f"{n:>8} {r['kernel']:<62} {r['ms']:9.3f} ms ({r['ms_synced']:.3f} synced) "
+                  f"{extra}"
                   + (f"  check {r['check']:.1e}" if r.get("check") is not None else ""), flush=True)
-    table = [[r["n"], r["kernel"], f"{r['ms']:.3f}",
-              f"{r['gbs']:.0f}" if "gbs" in r else "",
-              f"{100 * r['of_copy']:.0f}%" if "of_copy" in r else f"{r['speedup_vs_sdpa']:.2f}x vs SDPA",
+    def versus(r):
+        if "of_copy" in r:
+            return f"{100 * r['of_copy']:.0f}%"
+        if "speedup_vs_sdpa" in r:
+            return (f"{r['speedup_vs_sdpa']:.2f}x vs SDPA ({r['speedup_vs_sdpa_synced']:.2f}x "
+                    "synced)")
+        return ""
+
+    table = [[r["n"], r["kernel"], f"{r['ms']:.3f}", f"{r['ms_synced']:.3f}",
+              f"{r['gbs']:.0f}" if "gbs" in r else "", versus(r),
               "" if r.get("check") is None else f"{r['check']:.1e}"] for r in rows]
     md = (f"# Accelerator kernels\n\n`{info['command']}` on {info['platform']} (backend {backend}, "
-          f"{info['device']}), {info['date']}. Memory bandwidth {bw:.0f} GB/s, the best of a "
-          f"copy ({bws['copy']:.0f} GB/s, read + write) and a read-only sum ({bws['read']:.0f} "
-          f"GB/s) over 1 GiB; the 'of bandwidth' column is against it. "
+          f"{info['device']}), {info['date']}. Copy bandwidth {bw:.0f} GB/s (read + write, "
+          f"1 GiB, best of: " + ", ".join(f"{k} {v:.0f}" for k, v in bws["copies"].items())
+          + f"); a read-only sum reached {bws['read']:.0f} GB/s. 'ms' is the median time per "
+          f"call with {args.batch} calls queued per evaluation (device throughput, as the layers "
+          f"of a decode step run); 'ms synced' evaluates each call alone (adds a host round "
+          f"trip). GB/s and 'of copy' use 'ms'. "
           f"Llama-3-8B attention shape: {H} kv / {HQ} query heads, head_dim {D}.\n\n"
-          + md_table(["tokens", "kernel", "ms (median)", "GB/s", "of bandwidth / speed-up",
+          + md_table(["tokens", "kernel", "ms", "ms synced", "GB/s", "of copy bw / speed-up",
                       "rel. error vs reference"], table))
     md += f"\n![kernels]({args.name}.png)\n"
     paths = write_results(args.name, {"machine": info, "backend": backend, "copy_gbs": bw,
+                                      "batch": args.batch,
                                       "bandwidth": bws, "rows": rows}, md)
     plot(rows, os.path.join(RESULTS, f"{args.name}.png"), backend)
     print(md)
