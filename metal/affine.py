@@ -26,7 +26,7 @@ THREADS = 256
 TARGET_GROUPS = 1024  # threadgroups per launch when n is large (a few per SM)
 KERNEL_BITS = (2, 3, 4, 5, 6, 8)
 SCALE_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
-KERNEL_MIN_TOKENS = 131072  # auto picks the kernel from here on, on CUDA (see prefer_kernel)
+KERNEL_MIN_TOKENS = 262144  # auto picks the kernel from here on, on CUDA (see prefer_kernel)
 
 
 def _make_affine_kernel(backend: str):
@@ -111,11 +111,12 @@ def affine_launch(q, wq, scales, biases, n: int, *, rep: int, group_size: int, b
 def prefer_kernel(backend: str | None, n: int) -> bool:
     """The default choice between kernel and ``quantized_matmul`` (``use_kernel=None``).
 
-    Measured on an H200 (mlx-cuda 0.32.4, H=8, rep=4, d=128): ``quantized_matmul`` is faster
-    below ~100K tokens (a few tens of microseconds less per call), the kernel from ~128K tokens
-    on (1.3x at 1M tokens with 2/4-bit keys, tie at 8-bit; more when n < n_cap, where
-    ``quantized_matmul`` first copies the slice). Not measured on Metal, where MLX's
-    ``quantized_matmul`` is Apple's tuned kernel: it stays the default there.
+    Measured on an H200 (mlx-cuda 0.32.4, H=8, rep=4, d=128, 4-bit, bench/kernels.py):
+    ``quantized_matmul`` is faster at 16K tokens and still at 128K (in four runs: by 1-46%),
+    the kernel at 1M tokens (1.26x; earlier 1.3x with 2/4-bit keys, a tie at 8-bit; more when
+    n < n_cap, where ``quantized_matmul`` first copies the slice). Between 128K and 1M the
+    crossover was not measured: the kernel is picked from 256K. Not measured on Metal, where
+    MLX's ``quantized_matmul`` is Apple's tuned kernel: it stays the default there.
     """
     return backend == "cuda" and n >= KERNEL_MIN_TOKENS
 
