@@ -38,6 +38,8 @@ THREADS = {"metal": 256, "cuda": 1024}  # CUDA: one 1024-thread block per SM whe
 # about one wave on an H100/H200 (132 SMs); smaller tables allow a few blocks per SM.
 TARGET_GROUPS = {True: 128, False: 256}
 CODE_DTYPES = (mx.uint8, mx.uint16)
+
+
 def static_shared(rep_tile: int, d: int) -> int:
     """Bytes of static shared memory the body adds beside the table (reductions, queries)."""
     return 4 * (32 * rep_tile + rep_tile * d)
@@ -173,7 +175,7 @@ def codebook_launch(
     )
     return Launch(
         inputs=[q.astype(mx.float32), codebook.astype(mx.float32),
-                lut if not lut_shared else _placeholder(), words,
+                lut if not lut_shared else device_floats(0.0), words,  # 0.0: unread
                 device_ints(n, n_cap, block)],
         template=[
             ("G", g),
@@ -195,10 +197,6 @@ def codebook_launch(
         notes={"rep_tile": rep_tile, "lut_shared": lut_shared, "block": block,
                "n_blocks": n_blocks},
     )
-
-
-def _placeholder() -> mx.array:
-    return device_floats(0.0)
 
 
 def kernel_supports(codes: mx.array) -> bool:

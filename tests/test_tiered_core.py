@@ -321,3 +321,20 @@ def test_without_host_keys_heavy_hitters_come_from_the_accelerator(small):
         live = tok[h][tok[h] >= 0]
         assert len(set(live.tolist())) == len(live)
         assert set(range(layer.n - layer.W_eff, layer.n)) <= set(live.tolist())
+
+
+def test_observed_weights_blocked_matches_numpy():
+    """The H2O seed's observation weights: one-block and multi-block paths against numpy."""
+    from tiered import ops as tops
+
+    rng = np.random.default_rng(0)
+    H, rep, w, n, d = 2, 3, 5, 70, 16
+    obs = rng.standard_normal((H * rep, w, d)).astype(np.float32)
+    keys = rng.standard_normal((H, n, d)).astype(np.float32)
+    scale = d**-0.5
+    s = np.einsum("hrwd,hnd->hrwn", obs.reshape(H, rep, w, d).astype(np.float64), keys) * scale
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = (p / p.sum(-1, keepdims=True)).reshape(H, rep * w, n).mean(1)
+    for block in (n, 16, 64):
+        got = tops.observed_weights(mx.array(obs), mx.array(keys), scale, block=block)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)

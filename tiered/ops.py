@@ -120,6 +120,8 @@ def observed_weights(obs_q: mx.array, keys: mx.array, scale: float,
     def scores(i):
         return q @ keys[:, i : i + block].astype(mx.float32).swapaxes(-1, -2)
 
+    if n <= block:  # one block: one score pass
+        return np.array(mx.softmax(scores(0), axis=-1).mean(axis=1).astype(mx.float32))
     m = mx.full((H, rep * w, 1), -mx.inf)
     total = mx.zeros((H, rep * w, 1))
     for i in range(0, n, block):  # online max and sum
@@ -128,8 +130,7 @@ def observed_weights(obs_q: mx.array, keys: mx.array, scale: float,
         total = total * mx.exp(m - m_new) + mx.exp(s - m_new).sum(axis=-1, keepdims=True)
         m = m_new
     out = [(mx.exp(scores(i) - m) / total).mean(axis=1) for i in range(0, n, block)]
-    res = mx.concatenate(out, axis=1) if len(out) > 1 else out[0]
-    return np.array(res.astype(mx.float32))
+    return np.array(mx.concatenate(out, axis=1).astype(mx.float32))
 
 
 # ---- selection and the host partial --------------------------------------------------------------

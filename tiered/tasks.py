@@ -7,6 +7,7 @@ and ``pydoc_data.topics`` (~465k characters of Python documentation) as natural 
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 
 FILLER = (
@@ -129,7 +130,5 @@ def needle_in_text(tokenizer, n_tokens: int, depth: float, *, seed: int = 0) -> 
 def is_correct(answer: str, generated: str, within: int = 12) -> bool:
     """The answer, as a whole word (exact match: '6072' is not '60725'), among the first
     ``within`` words of the generation (the model may restate the question first)."""
-    import re
-
     words = re.findall(r"[a-z0-9]+", generated.lower())[:within]
     return answer.lower() in words
