@@ -1,9 +1,15 @@
 """Worker pool for CPU jobs (Numba ``nogil`` kernels) that run beside accelerator work.
 
 A job is split by KV head across the workers; the caller keeps working (the accelerator's
-partial) and then waits. Every wait is timed, so the overlap ratio is measured, not assumed:
+partial) and then waits. Every job and every wait is timed as an interval, so the overlap ratio
+is measured, not assumed:
 
-    overlap = (CPU busy time - time the caller waited) / CPU busy time
+    overlap = CPU time hidden / CPU time
+
+where "CPU time" is the wall time during which at least one job of the batch was running (the
+union of the job intervals) and "hidden" is the part of it outside the caller's wait. Summing
+job durations instead would credit eight workers busy for 1 ms during a 1 ms wait with 7 ms
+hidden; with intervals that batch hides nothing. The summed durations are kept as ``cpu_busy``.
 
 A worker's exception is re-raised in the caller by :meth:`Batch.wait`; nothing hangs: jobs
 have no inter-dependencies, and :meth:`Scheduler.close` joins every thread.
@@ -18,26 +24,46 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 
+def union_length(intervals) -> float:
+    """Total length covered by (start, end) intervals (overlaps counted once)."""
+    total, reach = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > reach:
+            total += b - max(a, reach)
+            reach = b
+    return total
+
+
+def clip_intervals(intervals, lo: float, hi: float) -> list:
+    """The parts of the intervals that fall inside [lo, hi]."""
+    return [(max(a, lo), min(b, hi)) for a, b in intervals if min(b, hi) > max(a, lo)]
+
+
 @dataclass
 class Timings:
     """Per-scheduler totals, and per (layer) lists of per-step figures, in seconds."""
 
     cpu_busy: float = 0.0  # sum of job run times (all workers)
+    cpu_wall: float = 0.0  # wall time with at least one job running (union of job intervals)
+    hidden: float = 0.0  # the part of cpu_wall outside the caller's waits
     waited: float = 0.0  # time callers spent blocked on jobs
     accelerator: float = 0.0  # time callers spent on the accelerator partial meanwhile
     jobs: int = 0
-    per_layer: dict = field(default_factory=dict)  # layer -> {"cpu": [...], "wait": [...], "accel": [...]}
+    per_layer: dict = field(default_factory=dict)  # layer -> {"cpu": [...], "cpu_wall": [...], "wait": [...], "accel": [...]}
 
     @property
     def overlap_ratio(self) -> float | None:
-        if self.cpu_busy <= 0:
+        """CPU time hidden behind the caller's own work / CPU time (both as wall time)."""
+        if self.cpu_wall <= 0:
             return None
-        return max(0.0, min(1.0, (self.cpu_busy - self.waited) / self.cpu_busy))
+        return max(0.0, min(1.0, self.hidden / self.cpu_wall))
 
     def summary(self) -> dict:
         return {
             "jobs": self.jobs,
             "cpu_busy_s": self.cpu_busy,
+            "cpu_wall_s": self.cpu_wall,
+            "hidden_s": self.hidden,
             "waited_s": self.waited,
             "accelerator_s": self.accelerator,
             "overlap_ratio": self.overlap_ratio,
@@ -50,20 +76,25 @@ class Batch:
     def __init__(self, scheduler: "Scheduler", layer: int):
         self.scheduler, self.layer = scheduler, layer
         self.futures: list[Future] = []
-        self.busy = [0.0]
+        self.intervals: list[tuple[float, float]] = []  # (start, end) of each job run
+        self.inline: list[tuple[float, float]] = []  # runs in the caller's thread (never hidden)
         self._lock = threading.Lock()
 
     def submit(self, fn, *args):
+        inline = self.scheduler.workers == 0
+
         def run():
             t = time.perf_counter()
             try:
                 return fn(*args)
             finally:
-                dt = time.perf_counter() - t
+                span = (t, time.perf_counter())
                 with self._lock:
-                    self.busy[0] += dt
+                    self.intervals.append(span)
+                    if inline:
+                        self.inline.append(span)
 
-        if self.scheduler.workers == 0:
+        if inline:
             # Inline mode (workers=0 is never user-facing; used by tests as a reference).
             f = Future()
             try:
@@ -81,9 +112,17 @@ class Batch:
         try:
             results = [f.result() for f in self.futures]
         finally:
-            waited = time.perf_counter() - t
-            self.scheduler._record(self.layer, self.busy[0], waited, accelerator_seconds,
-                                   len(self.futures))
+            end = time.perf_counter()
+            with self._lock:
+                spans = list(self.intervals)
+                inline = list(self.inline)
+            wall = union_length(spans)
+            # Exposed: job time inside the wait, plus inline jobs (the caller ran them itself).
+            exposed = union_length(inline + clip_intervals(spans, t, end))
+            busy = sum(b - a for a, b in spans)
+            waited = (end - t) + sum(b - a for a, b in inline)
+            self.scheduler._record(self.layer, busy, wall, max(0.0, wall - exposed), waited,
+                                   accelerator_seconds, len(self.futures))
         return results
 
 
@@ -114,16 +153,20 @@ class Scheduler:
     def batch(self, layer: int = -1) -> Batch:
         return Batch(self, layer)
 
-    def _record(self, layer, busy, waited, accel, jobs):
+    def _record(self, layer, busy, wall, hidden, waited, accel, jobs):
         with self._lock:
             t = self.timings
             t.cpu_busy += busy
+            t.cpu_wall += wall
+            t.hidden += hidden
             t.waited += waited
             t.accelerator += accel
             t.jobs += jobs
             if self.record_steps:
-                d = t.per_layer.setdefault(layer, {"cpu": [], "wait": [], "accel": []})
+                d = t.per_layer.setdefault(layer, {"cpu": [], "cpu_wall": [], "wait": [],
+                                                   "accel": []})
                 d["cpu"].append(busy)
+                d["cpu_wall"].append(wall)
                 d["wait"].append(waited)
                 d["accel"].append(accel)
 

@@ -13,6 +13,7 @@ from conftest import make_small_model
 import tiered
 from tiered import TieredCache
 from tiered.scheduler import Scheduler, split_heads
+from tiered.scheduler.pool import clip_intervals, union_length
 
 
 def _prompt(n, seed=0):
@@ -140,10 +141,66 @@ def test_split_heads_covers_every_head_once():
 
 def test_overlap_is_measured(small):
     cache = TieredCache.for_model(small, gpu_budget=0.25, page_size=64, recent=16)
+    t0 = time.perf_counter()
     _run(small, cache, _prompt(400, seed=3), steps=4)
+    elapsed = time.perf_counter() - t0
     t = cache.scheduler.timings
     assert t.jobs > 0 and t.cpu_busy > 0
     assert 0.0 <= t.overlap_ratio <= 1.0
+    assert 0 < t.cpu_wall <= t.cpu_busy + 1e-9 and 0 <= t.hidden <= t.cpu_wall
     summary = tiered.report_dict(cache)
     assert "scheduler" in summary and summary["scheduler"]["overlap_ratio"] == t.overlap_ratio
+    # Decode-step phases: every phase of the CPU-backend step, none negative, within the run.
+    phases = summary["step_phases_s"]
+    assert set(phases) == {"sync", "select", "submit", "resident", "wait", "finish"}
+    assert min(phases.values()) >= 0 and 0 < sum(phases.values()) <= elapsed
     cache.close()
+
+
+def test_interval_union_and_clip():
+    assert union_length([]) == 0.0
+    assert union_length([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)]) == pytest.approx(3.0)
+    assert union_length([(2.0, 3.0), (0.0, 10.0), (4.0, 5.0)]) == pytest.approx(10.0)
+    assert union_length([(1.0, 2.0), (1.0, 2.0)]) == pytest.approx(1.0)
+    assert clip_intervals([(0.0, 1.0), (2.0, 5.0), (6.0, 7.0)], 0.5, 3.0) == [(0.5, 1.0), (2.0, 3.0)]
+
+
+def test_overlap_counts_parallel_jobs_once():
+    """Four workers busy only while the caller waits hide nothing: summing the job durations
+    would have called three quarters of that time hidden."""
+    go = threading.Event()
+    with Scheduler(4) as s:
+        b = s.batch(0)
+        for _ in range(4):
+            b.submit(go.wait)
+        timer = threading.Timer(0.1, go.set)
+        timer.start()
+        b.wait()
+        timer.join()
+        t = s.timings
+        assert t.jobs == 4
+        assert t.cpu_busy >= 4 * 0.09 and t.cpu_wall >= 0.09
+        assert t.cpu_busy > 3 * t.cpu_wall  # parallel time counted once in cpu_wall
+        assert t.overlap_ratio < 0.25
+
+
+def test_overlap_is_one_when_jobs_finish_before_the_wait():
+    with Scheduler(2) as s:
+        b = s.batch(3)
+        for _ in range(2):
+            b.submit(time.sleep, 0.02)
+        while not all(f.done() for f in b.futures):  # the caller's own work, then the wait
+            time.sleep(0.005)
+        b.wait(accelerator_seconds=0.05)
+        t = s.timings
+        assert t.overlap_ratio == pytest.approx(1.0)
+        assert t.hidden == pytest.approx(t.cpu_wall) and t.cpu_wall >= 0.02
+        assert t.per_layer[3]["cpu_wall"] == [pytest.approx(t.cpu_wall)]
+
+
+def test_inline_jobs_are_never_hidden():
+    with Scheduler(0) as s:
+        b = s.batch(0)
+        b.submit(time.sleep, 0.01)
+        b.wait()
+        assert s.timings.overlap_ratio == 0.0 and s.timings.waited >= 0.01

@@ -47,6 +47,13 @@ def report_dict(caches) -> dict:
     sched = sched._scheduler if sched is not None else None
     if sched is not None and sched.timings.jobs:
         out["scheduler"] = sched.timings.summary()
+    phases: dict = {}
+    for c in layers:
+        for k, v in c.stats.phase_s.items():
+            phases[k] = phases.get(k, 0.0) + v
+    if phases:
+        # Host-side wall time of the decode steps of all layers, by phase (see compressed.py).
+        out["step_phases_s"] = phases
     sel = [c.stats.summary() for c in layers]
     steps = [s for s in sel if s.get("decode_steps")]
     if steps:
@@ -97,7 +104,8 @@ def report(caches) -> str:
     if "scheduler" in d:
         t = d["scheduler"]
         lines.append(
-            f"  CPU workers: {t['jobs']} jobs, busy {t['cpu_busy_s']:.3f}s, caller waited "
-            f"{t['waited_s']:.3f}s, overlap ratio {t['overlap_ratio']:.2f}"
+            f"  CPU workers: {t['jobs']} jobs, busy {t['cpu_busy_s']:.3f}s (wall "
+            f"{t['cpu_wall_s']:.3f}s), caller waited {t['waited_s']:.3f}s, overlap ratio "
+            f"{t['overlap_ratio']:.2f}"
         )
     return "\n".join(lines)
