@@ -109,11 +109,22 @@ def tiered_caches(model, seed, n, budget, options):
     return cache
 
 
+def reset_counters(cache):
+    """Drop the scheduler timings and step phases of the warm-up steps (the first compresses)."""
+    if isinstance(cache, tiered.TieredCacheList):
+        cache.scheduler.reset_timings()
+        for c in cache:
+            if hasattr(c, "stats"):
+                c.stats.phase_s.clear()
+
+
 def time_decode(model, cache, steps: int, warmup: int):
-    """(median ms/token, first-step seconds, all step times)."""
+    """(median ms/token, first-step seconds, all step times). Counters cover the timed steps."""
     y = mx.array([[1]])
     times = []
     for i in range(warmup + steps):
+        if i == warmup:
+            reset_counters(cache)
         t = time.perf_counter()
         logits = model(y, cache=cache)
         y = mx.argmax(logits[:, -1], axis=-1)[:, None]
@@ -211,6 +222,8 @@ def main(argv=None):
                 rec["bytes_resident"] = rep["bytes"]
                 rec["selection"] = rep.get("selection", {})
                 rec["scheduler"] = rep.get("scheduler")
+                rec["step_phases_ms"] = {k: 1e3 * v / args.steps
+                                         for k, v in rep.get("step_phases_s", {}).items()}
                 rec["within_budget"] = rep["bytes"]["accelerator"] <= rep.get("budget_bytes", 1 << 62)
             nb = attention_bytes(name.split("@")[0] if not name.startswith("tiered") else "tiered",
                                  cache, n, geo)
@@ -255,6 +268,7 @@ def main(argv=None):
           f"bandwidth {bw:.0f} GB/s. Long caches: real prefill K/V of {args.seed_tokens} tokens "
           f"tiled to each context. Median of {args.steps} steps after {args.warmup} warm-up "
           f"steps (the first compresses the tiered cache).\n\n" + md_table(header, rows))
+    md += phase_table(records, args)
     md += f"\n![decode speed]({args.name}.png)\n"
     data = {"machine": info, "args": vars(args), "bandwidth_gbs": bw, "weights_bytes": weights,
             "geometry": geo.__dict__, "records": records}
@@ -264,8 +278,45 @@ def main(argv=None):
     print("wrote", *paths)
 
 
+PHASES = {  # decode-step phases (tiered/compressed.py), as the tables and plots name them
+    "build": "queue scores + selection (host)",
+    "sync": "wait for the device (scores, selection, and the layers before)",
+    "select": "scores + selection (Numba)",
+    "submit": "selection to host + submit gathers",
+    "resident": "resident partial (launch / compute)",
+    "wait": "wait for the CPU gathers",
+    "finish": "merge + H2O refresh",
+}
+
+
+def phase_table(records, args) -> str:
+    rows = []
+    for r in records:
+        ph = r.get("step_phases_ms")
+        if not ph:
+            continue
+        sched = r.get("scheduler") or {}
+        attn = sum(ph.values())
+        rows.append([r["context"], r["method"], f"{r['ms_per_token']:.1f}", f"{attn:.1f}",
+                     *(f"{ph.get(k, 0.0):.1f}" if k in ph else "" for k in PHASES),
+                     f"{1e3 * sched.get('cpu_wall_s', 0) / args.steps:.1f}"
+                     if sched.get("cpu_wall_s") is not None else ""])
+    if not rows:
+        return ""
+    header = ["context", "method", "ms/token", "in tiered attention", *PHASES, "CPU gather wall"]
+    legend = "; ".join(f"**{k}**: {v}" for k, v in PHASES.items())
+    return ("\n## Where a token's time goes (ms per token, summed over layers)\n\n"
+            "Host wall time inside the tiered attention of every layer, by phase, mean over the "
+            "timed steps; the rest of ms/token is the model outside attention (queued work the "
+            "next sync waits for shows up under sync). CPU gather wall: time with at least one "
+            f"gather job running (the scheduler's union of job intervals). {legend}.\n\n"
+            + md_table(header, rows) + "\n")
+
+
 def plot(records, args, path):
-    fig, ax = figure()
+    phased = [r for r in records if r.get("step_phases_ms")]
+    fig, axes = figure(2 if phased else 1, size=(12, 4) if phased else (6, 4))
+    ax = axes[0] if phased else axes
     for name in dict.fromkeys(r["method"] for r in records):
         pts = [(r["context"], r["ms_per_token"]) for r in records
                if r["method"] == name and "error" not in r]
@@ -275,6 +326,20 @@ def plot(records, args, path):
         ax.plot(xs, ys, "o-", label=name, lw=2 if name.startswith("tiered") else 1)
     finish_axes(ax, xlabel="context (tokens)", ylabel="ms / token (median)",
                 title=f"decode speed, {args.model}", logy=True)
+    if phased:
+        ax = axes[1]
+        labels = [f"{r['context'] // 1024}k {r['method'].replace('tiered', 't')}" for r in phased]
+        bottom = np.zeros(len(phased))
+        for k in PHASES:
+            vals = np.array([r["step_phases_ms"].get(k, 0.0) for r in phased])
+            if vals.any():
+                ax.bar(labels, vals, bottom=bottom, label=k)
+                bottom += vals
+        rest = np.array([max(0.0, r["ms_per_token"] - b) for r, b in zip(phased, bottom)])
+        ax.bar(labels, rest, bottom=bottom, label="outside tiered attention", color="lightgray")
+        ax.tick_params(axis="x", labelrotation=30)
+        finish_axes(ax, xlabel="context, method", ylabel="ms / token",
+                    title="where a tiered token's time goes", logx=False)
     save_figure(fig, path)
 
 

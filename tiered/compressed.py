@@ -386,10 +386,12 @@ class CompressedLayer:
 
     def _decode_numpy_step(self, queries, scale, sinks):
         t0 = time.perf_counter()
+        marks = [("", t0)]
         cfg = self.config
         n = self.n
         Hq, rep, q, s_r = self._decode_start(queries, scale)
         mx.eval(q, s_r)
+        marks.append(("sync", time.perf_counter()))
         q_np = np.array(q)
         z = self.keys.scores(q, n, rep, q_np)
         # Resident tokens enter the policy's softmax with their exact scores.
@@ -400,19 +402,26 @@ class CompressedLayer:
             z[h, tok[h // rep][valid]] = s_np[h][valid]
         cap, floor = self._cap(n)
         idx, count, m, ssum, _ = ops.select(z, self._flags_np[:, :n], cfg.tau, cap, floor, rep)
+        marks.append(("select", time.perf_counter()))
         self._check_pages(idx, count)
         handle = ops.submit_gather(self.parent.scheduler, self.parent.layer, q_np, z, idx, count,
                                    rep, self.parent.host, cfg.rescore == "exact")
         t_acc = time.perf_counter()
+        marks.append(("submit", t_acc))
         o_r, lse_r = self._resident_partial(s_r)
         mx.eval(o_r, lse_r)
         if self._acc_np is not None:
             ops.acc_update(self._acc_np, z, m, ssum, rep, n, cfg.ema_alpha)
-        o_c, lse_c = ops.wait_gather(handle, time.perf_counter() - t_acc)
+        marks.append(("resident", time.perf_counter()))
+        o_c, lse_c = ops.wait_gather(handle, marks[-1][1] - t_acc)
+        marks.append(("wait", time.perf_counter()))
         if self.steps % self.config.refresh_every == 0:
             self._prefetch_likely()
-        return self._finish(queries, np.array(o_r).reshape(Hq, -1), np.array(lse_r).reshape(Hq),
-                            o_c, lse_c, count, sinks, t0)
+        out = self._finish(queries, np.array(o_r).reshape(Hq, -1), np.array(lse_r).reshape(Hq),
+                           o_c, lse_c, count, sinks, t0)
+        marks.append(("finish", time.perf_counter()))
+        self.parent.stats.record_phases(marks)
+        return out
 
     def _decode_mlx(self, queries, scale, sinks):
         """One query on an accelerator. Scores, selection and H2O stay on the device; one sync
@@ -420,6 +429,7 @@ class CompressedLayer:
         the CPU workers, whose gather overlaps the resident partial and the accumulator update;
         the merge happens on the device and the layer's output stays lazy."""
         t0 = time.perf_counter()
+        marks = [("", t0)]
         cfg = self.config
         H, n = self.H, self.n
         Hq, rep, q, s_r = self._decode_start(queries, scale)
@@ -439,7 +449,9 @@ class CompressedLayer:
             rows = mx.repeat(mx.maximum(sel.idx, 0), rep, axis=0)
             zsel = mx.take_along_axis(z, rows, axis=1)
             wanted.append(zsel)
+        marks.append(("build", time.perf_counter()))  # host time queuing scores and selection
         mx.eval(*wanted)  # the one sync of the step
+        marks.append(("sync", time.perf_counter()))  # device work since the previous sync
         idx, count = np.array(sel.idx), np.array(sel.count)
         self._check_pages(idx, count)
         handle = ops.submit_gather(self.parent.scheduler, self.parent.layer,
@@ -447,6 +459,7 @@ class CompressedLayer:
                                    None if exact else np.array(zsel), idx, count, rep,
                                    self.parent.host, exact, z_by_slot=not exact)
         t_acc = time.perf_counter()
+        marks.append(("submit", t_acc))
         o_r, lse_r = self._resident_partial(s_r)
         lazy = [o_r, lse_r]
         if self.acc is not None:
@@ -455,7 +468,9 @@ class CompressedLayer:
             self.acc[:, :n] = a * self.acc[:, :n] + (1 - a) * p.reshape(H, rep, n).mean(axis=1)
             lazy.append(self.acc)
         mx.async_eval(*lazy)  # the device works while the CPU gathers
-        o_c, lse_c = ops.wait_gather(handle, time.perf_counter() - t_acc)
+        marks.append(("resident", time.perf_counter()))  # launching it (runs on asynchronously)
+        o_c, lse_c = ops.wait_gather(handle, marks[-1][1] - t_acc)
+        marks.append(("wait", time.perf_counter()))
         both = mx.array(np.concatenate([o_c, lse_c[:, None]], axis=1))  # one transfer, not two
         o_c, lse_c = both[:, :-1], both[:, -1]
         lse_r = lse_r.reshape(Hq)
@@ -470,7 +485,9 @@ class CompressedLayer:
         self.parent.stats.record_step(float(np.mean(count)), n, mx.exp(lse_r - lse).mean())
         if self.acc is not None and self.steps % cfg.refresh_every == 0:
             self._rebuild_resident()
-        self.parent.stats.last_step_s = time.perf_counter() - t0
+        marks.append(("finish", time.perf_counter()))
+        self.parent.stats.last_step_s = marks[-1][1] - t0
+        self.parent.stats.record_phases(marks)
         return o.reshape(1, Hq, 1, -1).astype(queries.dtype)
 
     def _chunk(self, queries, keys, values, scale, sinks):

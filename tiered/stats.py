@@ -14,6 +14,12 @@ class LayerStats:
     live: list = field(default_factory=list)  # live tokens per step
     resident_mass: list = field(default_factory=list)  # softmax mass on the resident set
     peak_transient_bytes: int = 0  # accelerator bytes held during prefill (exact window)
+    phase_s: dict = field(default_factory=dict)  # decode-step phase -> seconds, summed over steps
+
+    def record_phases(self, marks) -> None:
+        """marks: [(phase, perf_counter() at its end), ...] after a start mark ("", t0)."""
+        for (_, a), (name, b) in zip(marks, marks[1:]):
+            self.phase_s[name] = self.phase_s.get(name, 0.0) + (b - a)
 
     def record_step(self, selected: float, live: int, resident_mass) -> None:
         """resident_mass may be a lazy MLX scalar (read when summarized: no sync per step)."""
