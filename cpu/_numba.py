@@ -18,6 +18,7 @@ if numba.config.THREADING_LAYER == "default":
 
 from llvmlite import ir  # noqa: E402
 from numba import types  # noqa: E402
+from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 # One place for the jit options: cached to disk, GIL released, fast math.
@@ -84,6 +85,26 @@ def _native_half() -> bool:
 
 
 NATIVE_HALF = _native_half()
+
+
+@intrinsic
+def prefetch_address(typingctx, address):
+    """Hint the cache to load the line at byte address ``address`` (int64) for reading
+    (``llvm.prefetch``: prefetcht0 on x86, prfm on AArch64). A hint only: an address outside
+    mapped memory does not fault. Gathers of scattered host rows are latency-bound; issuing
+    the next rows' loads early lets several misses overlap."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+        # read (0), keep in all cache levels (3), data cache (1)
+        builder.call(fn, [builder.inttoptr(args[0], i8p), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return types.void(address), codegen
 
 
 @intrinsic
