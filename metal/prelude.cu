@@ -34,6 +34,28 @@
 #define TQ_ATOMIC_STORE(ptr, i, v) ((ptr)[(i)] = (v))
 #define TQ_INF __int_as_float(0x7f800000)
 
+// 64-bit sums for deterministic histograms (see select_common.h, tq_mass_fixed): integer adds
+// commute exactly, so atomics give the same sums whatever order the threads arrive in. Global
+// arrays of such sums are uint32 (lo, hi) pairs, the little-endian layout of one u64.
+typedef unsigned long long tq_u64;
+#define TQ_SHARED_ATOMIC_U64(name, count) __shared__ tq_u64 name[count]
+
+__device__ inline void tq_shared_zero_u64(tq_u64* p, int i) {
+  p[i] = 0ull;
+}
+
+__device__ inline void tq_shared_add_u64(tq_u64* p, int i, tq_u64 v) {
+  atomicAdd(&p[i], v);
+}
+
+__device__ inline tq_u64 tq_shared_load_u64(const tq_u64* p, int i) {
+  return p[i];
+}
+
+__device__ inline void tq_global_add_u64(uint32_t* p, int64_t i, tq_u64 v) {
+  atomicAdd(reinterpret_cast<tq_u64*>(p) + i, v);
+}
+
 __device__ inline float tq_exp(float x) {
   return expf(x);
 }

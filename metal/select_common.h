@@ -1,4 +1,43 @@
-// Shared by the selection passes (tau_keys.h, tau_compact.h); goes into the kernel header.
+// Shared by the selection passes (tau_hist.h, tau_keys.h, tau_bcount.h, tau_compact.h); goes
+// into the kernel header.
+//
+// Determinism: every sum that decides which tokens are selected is order-independent, so a
+// selection is the same in every run (the overlap scheduler's results must not depend on how
+// many workers ran or how the GPU scheduled its threads). Softmax masses are histogrammed in
+// fixed point (tq_mass_fixed: 2^36 per unit, exact integer atomics), token counts are integers,
+// and the tokens of the cap's boundary bin are taken in index order (tau_bcount.h).
+
+// exp(v - m) in (0, 1] as a fixed-point integer (2^36 per unit; below 1.5e-11 rounds to 0).
+// Sums of up to 2^28 tokens fit 64 bits.
+TQ_DEVICE_FN tq_u64 tq_mass_fixed(const float e) {
+  return tq_u64(e * 68719476736.0f);
+}
+
+// A fixed-point sum stored as a uint32 (lo, hi) pair at p[2 i], as a float.
+TQ_DEVICE_FN float tq_mass_float(const uint32_t lo, const uint32_t hi) {
+  return float(hi) * 0.0625f + float(lo) * 1.4551915228366852e-11f;  // 2^-4, 2^-36
+}
+
+// Where the cap falls in the ranked tokens of one kv head, from pass 2's class counts:
+// k = min(clamp(kept, floor, cap), allowed) tokens are selected, the last of them in class
+// bcls (2 kept, 1 allowed but not kept), which must give target tokens. The caller finds the
+// boundary bin of that class's lmax histogram (row (h, bcls == 2 ? 0 : 1)) with tq_boundary.
+struct tq_cap {
+  int k;
+  int bcls;
+  int target;
+};
+
+TQ_DEVICE_FN tq_cap tq_cap_plan(const int n_keep, const int n_allowed, const int floor_,
+                                const int cap) {
+  tq_cap c;
+  int k = n_keep < floor_ ? floor_ : n_keep;
+  k = k > cap ? cap : k;
+  c.k = k > n_allowed ? n_allowed : k;
+  c.bcls = c.k <= n_keep ? 2 : 1;
+  c.target = c.bcls == 2 ? c.k : c.k - n_keep;
+  return c;
+}
 //
 // tq_boundary: the first bin b of v[0 .. nv) (bin 0 is the top) at which the running sum
 // v[0] + ... + v[b] reaches target = scale * (sum of v) + offset. Every thread of the
@@ -74,3 +113,4 @@ TQ_DEVICE_FN tq_bound tq_boundary(
   TQ_BARRIER();
   return out;
 }
+

@@ -3,7 +3,8 @@
 //
 //   m = max z (reduced from per-block maxima, e.g. the codebook kernel's zmax),
 //   hist[qh, b] += exp(z_j - m) for the tokens j with (m - z_j) / w in [b, b + 1),
-//   w = span / NB; bin NB - 1 also takes everything below m - span.
+//   w = span / NB; bin NB - 1 also takes everything below m - span. Sums in fixed point
+//   (tq_mass_fixed, select_common.h): the same in every run.
 //
 // Inputs (names as in tau.py):
 //   z       float   (Hq, N)     scores; only the first n columns are read
@@ -11,7 +12,7 @@
 //   params  int32_t [n, N, M, chunk]
 //   fparams float   [span]
 // Outputs (zero-filled by the launch; atomic on Metal):
-//   hist    float   (Hq, NB)
+//   hist    uint32_t (Hq, NB, 2) fixed-point sums as (lo, hi) pairs (tq_mass_float reads them)
 //   m_out   float   (Hq,)
 // Template constants: NB (bins).
 // Grid: x = chunks of `chunk` tokens (tq_bx), y = query head (tq_by).
@@ -23,10 +24,10 @@ const float span = fparams[0];
 const int qh = tq_by;
 const int nwarps = tq_ntid / TQ_SIMD;
 
-TQ_SHARED_ATOMIC_F32(hist_s, NB);
+TQ_SHARED_ATOMIC_U64(hist_s, NB);
 TQ_SHARED(float, red, 32);
 for (int b = tq_tid; b < NB; b += tq_ntid) {
-  TQ_ATOMIC_STORE(hist_s, b, 0.0f);
+  tq_shared_zero_u64(hist_s, b);
 }
 float mm = -TQ_INF;
 for (int t = tq_tid; t < M; t += tq_ntid) {
@@ -51,13 +52,13 @@ for (int j = j_begin + tq_tid; j < j_end; j += tq_ntid) {
   const float v = z[row + j];
   const float pos = (m - v) * inv_w;
   const int b = pos >= float(NB - 1) ? NB - 1 : (pos > 0.0f ? int(pos) : 0);
-  TQ_SHARED_ATOMIC_ADD_F32(hist_s, b, tq_exp(v - m));
+  tq_shared_add_u64(hist_s, b, tq_mass_fixed(tq_exp(v - m)));
 }
 TQ_BARRIER();
 for (int b = tq_tid; b < NB; b += tq_ntid) {
-  const float e = TQ_ATOMIC_LOAD(hist_s, b);
-  if (e != 0.0f) {
-    TQ_ATOMIC_ADD_F32(hist, int64_t(qh) * NB + b, e);
+  const tq_u64 e = tq_shared_load_u64(hist_s, b);
+  if (e != 0) {
+    tq_global_add_u64(hist, int64_t(qh) * NB + b, e);
   }
 }
 if (tq_bx == 0 && tq_tid == 0) {

@@ -11,7 +11,7 @@
 //
 // Inputs (names as in tau.py):
 //   z       float   (Hq, N)     scores (first n columns)
-//   hist    float   (Hq, NB)    pass 1's mass histogram (bin width span_t / NB)
+//   hist    uint32_t (Hq, NB, 2) pass 1's fixed-point mass histogram (bin width span_t / NB)
 //   m       float   (Hq,)       pass 1's maxima
 //   exclude ET      (H, E)      nonzero: never select (first n columns read)
 //   params  int32_t [n, N, E, chunk]
@@ -53,7 +53,8 @@ if (tq_tid < 2) {
 for (int r = 0; r < REP; ++r) {
   const int qh = h * REP + r;
   for (int b = tq_tid; b < NB; b += tq_ntid) {
-    hist_f[b] = hist[int64_t(qh) * NB + b];
+    const int64_t e = (int64_t(qh) * NB + b) * 2;
+    hist_f[b] = tq_mass_float(hist[e], hist[e + 1]);
   }
   TQ_BARRIER();
   const tq_bound bd = tq_boundary(hist_f, NB, tau, 0.0f, scratch, tq_tid, tq_ntid);
