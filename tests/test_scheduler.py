@@ -150,9 +150,10 @@ def test_overlap_is_measured(small):
     assert 0 < t.cpu_wall <= t.cpu_busy + 1e-9 and 0 <= t.hidden <= t.cpu_wall
     summary = tiered.report_dict(cache)
     assert "scheduler" in summary and summary["scheduler"]["overlap_ratio"] == t.overlap_ratio
-    # Decode-step phases: every phase of the CPU-backend step, none negative, within the run.
+    # Decode-step phases: every phase of the step's path, none negative, within the run.
     phases = summary["step_phases_s"]
-    assert set(phases) == {"sync", "select", "submit", "resident", "wait", "finish"}
+    assert set(phases) in ({"sync", "select", "submit", "resident", "wait", "finish"},  # Numba
+                           {"build", "sync", "submit", "resident", "wait", "finish"})  # MLX
     assert min(phases.values()) >= 0 and 0 < sum(phases.values()) <= elapsed
     cache.close()
 

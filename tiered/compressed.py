@@ -222,29 +222,41 @@ class CompressedLayer:
         return k, v
 
     def _gather_known(self, tok: np.ndarray):
-        """K/V (H, R, d) for token ids: from the current resident set where they are there
-        already (no host traffic), the rest gathered from the host pages."""
+        """K/V (H, R, d) for token ids, in the model dtype: rows already resident are copied
+        on the device, only the others are read from the host pages and uploaded (a refresh
+        promotes few tokens; moving the whole resident set through the host cost seconds per
+        refresh at 128k tokens)."""
         host = self.parent.host
-        k = np.zeros((self.H, tok.shape[1], self.dk), np.float32)
-        v = np.zeros((self.H, tok.shape[1], self.dv), np.float32)
+        H, R = tok.shape
         old_tok = self._res_tok_np
-        res_k = np.array(self.res_k.astype(mx.float32)) if old_tok is not None else None
-        res_v = np.array(self.res_v.astype(mx.float32)) if old_tok is not None else None
-        for h in range(self.H):
-            need = np.ones(tok.shape[1], bool)
+        R_old = 0 if old_tok is None else old_tok.shape[1]
+        src = np.zeros((H, R), np.int32)  # row of concat(resident, new rows) per slot
+        need = []
+        for h in range(H):
+            miss = tok[h] >= 0
             if old_tok is not None:
                 order = np.argsort(old_tok[h], kind="stable")
                 sorted_old = old_tok[h][order]
                 pos = np.clip(np.searchsorted(sorted_old, tok[h]), 0, len(sorted_old) - 1)
                 hit = (sorted_old[pos] == tok[h]) & (tok[h] >= 0)
-                slot = order[pos[hit]]
-                k[h, hit], v[h, hit] = res_k[h, slot], res_v[h, slot]
-                need = ~hit
-            if need.any():
-                ids = tok[h, need]
-                k[h, need] = host.gather("keys", 0, h, ids)
-                v[h, need] = host.gather("values", 0, h, ids)
-        return mx.array(k), mx.array(v)
+                src[h, hit] = order[pos[hit]]
+                miss &= ~hit
+            need.append(np.flatnonzero(miss))
+        n_new = max((len(x) for x in need), default=0)
+        new_k = np.zeros((H, n_new, self.dk), np.float32)
+        new_v = np.zeros((H, n_new, self.dv), np.float32)
+        for h, pos in enumerate(need):
+            if len(pos):
+                ids = tok[h, pos]
+                new_k[h, : len(pos)] = host.gather("keys", 0, h, ids)
+                new_v[h, : len(pos)] = host.gather("values", 0, h, ids)
+                src[h, pos] = R_old + np.arange(len(pos), dtype=np.int32)
+        idx = mx.array(src)[..., None]
+        parts_k = ([self.res_k] if R_old else []) + [mx.array(new_k).astype(self.dtype)]
+        parts_v = ([self.res_v] if R_old else []) + [mx.array(new_v).astype(self.dtype)]
+        k = mx.take_along_axis(mx.concatenate(parts_k, axis=1), idx, axis=1)
+        v = mx.take_along_axis(mx.concatenate(parts_v, axis=1), idx, axis=1)
+        return k, v
 
     # ---- appends ---------------------------------------------------------------------------
     def append(self, keys: mx.array, values: mx.array):
