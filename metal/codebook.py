@@ -32,17 +32,31 @@ CODEBOOK_SPEC = KernelSpec(
     body="codebook_scores.h",
     input_names=("q", "codebook", "lut", "codes", "params"),
     output_names=("z", "zmax"),
+    headers=("scale_common.h",),
 )
 THREADS = {"metal": 256, "cuda": 1024}  # CUDA: one 1024-thread block per SM when the table is big
-# Threadgroups per launch when n is large: with a table over 64 KB one block fills an SM, so
-# about one wave on an H100/H200 (132 SMs); smaller tables allow a few blocks per SM.
+# A 1024-thread CUDA block gets at most 64 registers per thread; a tile of more than 4 heads
+# needs more (acc and max per head: 61-72 with nvcc 13 for sm_90), and a launch that asks for
+# too many registers does not run at all (MLX reports nothing; the output stays unwritten).
+# Such tiles run with this many threads.
+WIDE_TILE_THREADS = 512
+# Threadgroups per launch when n is large: with a table of 64 KB or more, one block of 1024
+# threads per SM, so about one wave on an H100/H200 (132 SMs); smaller tables allow a few
+# blocks per SM. (H100, 128k tokens, float16 64 KB table: 128 blocks 0.090 ms per call,
+# 264 blocks 0.121 ms: every block builds the whole table.)
 TARGET_GROUPS = {True: 128, False: 256}
 CODE_DTYPES = (mx.uint8, mx.uint16)
+# Whether the shared table holds float16 entries by default (codebook_scores(lut_half=None)).
+# CUDA: the lookups, not the code reads, bound the kernel, and 8-byte entries of 4 heads
+# halve their shared-memory traffic (H100, Llama-3-8B shape: 1M tokens 0.465 -> 0.318 ms,
+# 128k 0.111 -> 0.090 ms). Metal: not measured (no Mac here), so off.
+LUT_HALF = {"metal": False, "cuda": True}
 
 
 def static_shared(rep_tile: int, d: int) -> int:
-    """Bytes of static shared memory the body adds beside the table (reductions, queries)."""
-    return 4 * (32 * rep_tile + rep_tile * d)
+    """Bytes of static shared memory the body adds beside the table (reductions, queries,
+    scales)."""
+    return 4 * (32 * rep_tile + rep_tile * d + 2 * rep_tile)
 
 
 def _make_codebook_kernel(backend: str, shared_memory: int = 0):
@@ -120,9 +134,11 @@ def codebook_scores_ops(
     return z.reshape(hq, n)
 
 
-def lut_tiling(backend: str, rep: int, g: int, c: int, d: int) -> tuple[int, bool]:
+def lut_tiling(backend: str, rep: int, g: int, c: int, d: int, entry_bytes: int = 4
+               ) -> tuple[int, bool]:
     """(rep_tile, lut_shared): how many query heads one threadgroup scores, and whether
-    their lookup table (rep_tile * g * c floats) is built in shared memory by the kernel.
+    their lookup table (rep_tile * g * c entries of entry_bytes) is built in shared memory by
+    the kernel.
 
     All rep heads of a kv head when their table fits, so codes are read once; else the
     largest divisor of rep whose table fits (codes then read rep / rep_tile times, mostly
@@ -131,7 +147,7 @@ def lut_tiling(backend: str, rep: int, g: int, c: int, d: int) -> tuple[int, boo
     """
     for tile in range(rep, 0, -1):
         room = shared_memory_limit(backend) - static_shared(tile, d)
-        if rep % tile == 0 and tile * g * c * 4 <= room:
+        if rep % tile == 0 and tile * g * c * entry_bytes <= room:
             return tile, True
     return rep, False
 
@@ -147,31 +163,38 @@ def codebook_launch(
     backend: str,
     rep_tile: int | None = None,
     lut: mx.array | None = None,
+    lut_half: bool | None = None,
 ) -> Launch:
     """Launch plan of the kernel: q (Hq, d), codebook (H, Gc, c, ds) float32, words
     (H, n_cap, W) uint32. ``lut`` (Hq, g, c), the MLX-built table, is needed (and built here
-    if not given) only when the table does not fit in shared memory."""
+    if not given) only when the table does not fit in shared memory. lut_half: a float16
+    shared table (None: ``LUT_HALF[backend]``)."""
     hq, d = q.shape
     h, gc, c, ds = codebook.shape
     g = d // ds
     _, n_cap, w = words.shape
+    lut_half = LUT_HALF[backend] if lut_half is None else bool(lut_half)
+    entry = 2 if lut_half else 4
     if rep_tile is None:
-        rep_tile, lut_shared = lut_tiling(backend, rep, g, c, d)
+        rep_tile, lut_shared = lut_tiling(backend, rep, g, c, d, entry)
     else:
         if rep % rep_tile:
             raise ValueError(f"Invalid rep_tile: {rep_tile!r} (must divide rep={rep})")
         room = shared_memory_limit(backend) - static_shared(rep_tile, d)
-        lut_shared = rep_tile * g * c * 4 <= room
+        lut_shared = rep_tile * g * c * entry <= room
+    lut_half = lut_half and lut_shared
     if not lut_shared and lut is None:
         lut = codebook_lut(q, codebook, rep=rep)
     tiles = rep // rep_tile
-    lut_bytes = rep_tile * g * c * 4 if lut_shared else 0
+    lut_bytes = rep_tile * g * c * entry if lut_shared else 0
     threads = THREADS[backend]
+    if backend == "cuda" and rep_tile > 4:
+        threads = min(threads, WIDE_TILE_THREADS)
     # A block should carry at least as many code bytes as the table it builds.
     min_block = 2 * threads + (lut_bytes // max(1, w * 4))
     block, n_blocks = token_blocks(
         n, threads, rows=h * tiles, min_block=min_block,
-        target_groups=TARGET_GROUPS[lut_bytes > 64 * 1024],
+        target_groups=TARGET_GROUPS[lut_bytes >= 64 * 1024],
     )
     return Launch(
         inputs=[q.astype(mx.float32), codebook.astype(mx.float32),
@@ -187,6 +210,7 @@ def codebook_launch(
             ("REP", rep),
             ("REP_TILE", rep_tile),
             ("LUT_SHARED", int(lut_shared)),
+            ("LUT_HALF", int(lut_half)),
             ("VEC4", int(w % 4 == 0)),
         ],
         grid=(n_blocks * threads, h * tiles, 1),
@@ -194,8 +218,8 @@ def codebook_launch(
         output_shapes=[(hq, n), (hq, n_blocks)],
         output_dtypes=[mx.float32, mx.float32],
         shared_memory=lut_bytes,
-        notes={"rep_tile": rep_tile, "lut_shared": lut_shared, "block": block,
-               "n_blocks": n_blocks},
+        notes={"rep_tile": rep_tile, "lut_shared": lut_shared, "lut_half": lut_half,
+               "block": block, "n_blocks": n_blocks},
     )
 
 
@@ -213,6 +237,7 @@ def codebook_scores(
     rep: int,
     use_kernel: bool | None = None,
     rep_tile: int | None = None,
+    lut_half: bool | None = None,
 ) -> mx.array:
     """Product-quantized key scores z float32 (Hq, n); shapes as in :func:`codebook_scores_ops`.
 
@@ -222,6 +247,9 @@ def codebook_scores(
     Each threadgroup builds its heads' lookup table in shared memory (where it fits; else
     MLX ops build it in global memory) and reads each token's codes once for all the query
     heads of its tile. rep_tile (tuning/benchmarks) forces tiles of rep_tile heads.
+    lut_half: a float16 shared table (half the shared-memory traffic of the lookups, which
+    bound the kernel; entries rounded to 11 significant bits after a per-head power-of-two
+    scale, so no overflow; sums in float32); None takes ``LUT_HALF[backend]``.
     Codes must be < c: the kernel does not bounds-check them.
     """
     _check(q, codebook, codes, n, rep)
@@ -236,7 +264,7 @@ def codebook_scores(
     if backend is None:
         return codebook_scores_ops(q, codebook, codes, n, rep=rep)
     return codebook_scores_and_max(q, codebook, codes, n, rep=rep, backend=backend,
-                                   rep_tile=rep_tile)[0]
+                                   rep_tile=rep_tile, lut_half=lut_half)[0]
 
 
 def codebook_scores_and_max(
@@ -248,13 +276,14 @@ def codebook_scores_and_max(
     rep: int,
     backend: str,
     rep_tile: int | None = None,
+    lut_half: bool | None = None,
 ) -> tuple[mx.array, mx.array, dict]:
     """The kernel on ``backend``: (z (Hq, n), zmax (Hq, n_blocks), plan notes). zmax holds the
     maximum of each block's scores, so a later pass needs no separate max over z."""
     words = mx.contiguous(codes).view(mx.uint32)
     plan = codebook_launch(
         q, codebook, words, n, rep=rep, code_bits=8 * codes.dtype.size, backend=backend,
-        rep_tile=rep_tile,
+        rep_tile=rep_tile, lut_half=lut_half,
     )
     z, zmax = launch(CODEBOOK_SPEC, backend, plan)
     return z, zmax, plan.notes

@@ -18,8 +18,12 @@
 // heads per kv head), REP_TILE (query heads per threadgroup; divides REP), LUT_SHARED (1: the
 // threadgroup builds its REP_TILE heads' table in shared memory from q and the codebook, laid
 // out [group][centroid][head] so one vector load fetches every head's entry; 0: the table is
-// read from `lut` in global memory), VEC4 (1: W % 4 == 0, a token's codes are read as 16-byte
-// vectors).
+// read from `lut` in global memory), LUT_HALF (1, with LUT_SHARED: the shared table holds
+// float16 entries, half the shared-memory traffic per lookup, which bounds this kernel; each
+// head's entries are scaled by a power of two that puts the largest at 2^14, so none
+// overflows, and the sums are scaled back exactly: every entry is rounded to 11 significant
+// bits, sums accumulate in float32), VEC4 (1: W % 4 == 0, a token's codes are read as
+// 16-byte vectors).
 //
 // Grid: x = blocks of block_len tokens (tq_bx), y = kv head x rep tile (tq_by). Each thread
 // scores whole tokens: it reads a token's codes once and accumulates all REP_TILE query heads,
@@ -37,32 +41,71 @@ constexpr int QUADS = (REP_TILE % 4 == 0) ? REP_TILE / 4 : 0;  // float4 loads p
 const int h = tq_by / TILES;
 const int qh0 = h * REP + (tq_by % TILES) * REP_TILE;
 
-TQ_SHARED_LUT(float, lut_s, LUT_FLOATS);
+typedef typename tq_lut_type<LUT_HALF == 1>::type lut_t;
+TQ_SHARED_LUT(lut_t, lut_s, LUT_FLOATS);
 TQ_SHARED(float, red, 32 * REP_TILE);
 TQ_SHARED(float, q_s, LUT_SHARED ? REP_TILE * D : 1);
+TQ_SHARED(float, scale_s, 2 * REP_TILE);  // per head: the table's scale, and its inverse
+const int nwarps = tq_ntid / TQ_SIMD;
 if (LUT_SHARED) {
   // Stage the tile's queries, then build the table: entry (i, k, r) = q[qh0 + r, group i] .
-  // centroid k of group i (the codebook rows come through the L1 cache).
+  // centroid k of group i (the codebook rows come through the L1 cache). A float16 table is
+  // built twice over: once for each head's largest magnitude, which sets its scale, then for
+  // the entries (the arithmetic is a few percent of the kernel's).
   for (int t = tq_tid; t < REP_TILE * D; t += tq_ntid) {
     q_s[t] = q[int64_t(qh0) * D + t];
   }
   TQ_BARRIER();
-  for (int t = tq_tid; t < G * C; t += tq_ntid) {
-    const int i = t / C;
-    const int k = t - i * C;
-    const int64_t cb_row = ((int64_t(h) * GC + (GC == 1 ? 0 : i)) * C + k) * DS;
-    float cv[DS];
-    TQ_UNROLL for (int s = 0; s < DS; ++s) {
-      cv[s] = codebook[cb_row + s];
-    }
+  for (int pass = LUT_HALF ? 0 : 1; pass < 2; ++pass) {
+    float big[REP_TILE];
     TQ_UNROLL for (int r = 0; r < REP_TILE; ++r) {
-      float acc = 0.0f;
+      big[r] = 0.0f;
+    }
+    for (int t = tq_tid; t < G * C; t += tq_ntid) {
+      const int i = t / C;
+      const int k = t - i * C;
+      const int64_t cb_row = ((int64_t(h) * GC + (GC == 1 ? 0 : i)) * C + k) * DS;
+      float cv[DS];
       TQ_UNROLL for (int s = 0; s < DS; ++s) {
-        acc += q_s[r * D + i * DS + s] * cv[s];
+        cv[s] = codebook[cb_row + s];
       }
-      lut_s[t * REP_TILE + r] = acc;
+      TQ_UNROLL for (int r = 0; r < REP_TILE; ++r) {
+        float acc = 0.0f;
+        TQ_UNROLL for (int s = 0; s < DS; ++s) {
+          acc += q_s[r * D + i * DS + s] * cv[s];
+        }
+        if (pass == 0) {
+          const float a = acc < 0.0f ? -acc : acc;
+          big[r] = a > big[r] ? a : big[r];
+        } else {
+          lut_s[t * REP_TILE + r] = lut_t(LUT_HALF ? acc * scale_s[r] : acc);
+        }
+      }
+    }
+    if (pass == 0) {
+      TQ_UNROLL for (int r = 0; r < REP_TILE; ++r) {
+        const float b = tq_warp_max(big[r]);
+        if (tq_lane == 0) {
+          red[tq_warp * REP_TILE + r] = b;
+        }
+      }
+      TQ_BARRIER();
+      if (tq_tid < REP_TILE) {
+        float b = 0.0f;
+        for (int wp = 0; wp < nwarps; ++wp) {
+          b = red[wp * REP_TILE + tq_tid] > b ? red[wp * REP_TILE + tq_tid] : b;
+        }
+        const int e = tq_pow2_exponent_above(b);  // b < 2^e
+        const int sh = (14 - e) < -100 ? -100 : ((14 - e) > 100 ? 100 : 14 - e);
+        scale_s[tq_tid] = tq_pow2(sh);
+        scale_s[REP_TILE + tq_tid] = tq_pow2(-sh);
+      }
+      TQ_BARRIER();
     }
   }
+}
+if (!(LUT_SHARED && LUT_HALF) && tq_tid < REP_TILE) {
+  scale_s[REP_TILE + tq_tid] = 1.0f;
 }
 TQ_BARRIER();
 
@@ -98,7 +141,7 @@ for (int j = j_begin + tq_tid; j < j_end; j += tq_ntid) {
       const int code = int((words[w] >> (k * CODE_BITS)) & CODE_MASK);
       if (LUT_SHARED && QUADS > 0) {
         TQ_UNROLL for (int u = 0; u < QUADS; ++u) {
-          const float4 v = TQ_SHARED_FLOAT4(lut_s, (i * C + code) * QUADS + u);
+          const float4 v = tq_shared_load4(lut_s, (i * C + code) * QUADS + u);
           acc[4 * u + 0] += v.x;
           acc[4 * u + 1] += v.y;
           acc[4 * u + 2] += v.z;
@@ -107,7 +150,7 @@ for (int j = j_begin + tq_tid; j < j_end; j += tq_ntid) {
       } else {
         TQ_UNROLL for (int r = 0; r < REP_TILE; ++r) {
           if (LUT_SHARED) {
-            acc[r] += lut_s[(i * C + code) * REP_TILE + r];
+            acc[r] += float(lut_s[(i * C + code) * REP_TILE + r]);
           } else {
             acc[r] += lut[(int64_t(qh0 + r) * G + i) * C + code];
           }
@@ -116,13 +159,13 @@ for (int j = j_begin + tq_tid; j < j_end; j += tq_ntid) {
     }
   }
   TQ_UNROLL for (int r = 0; r < REP_TILE; ++r) {
-    z[int64_t(qh0 + r) * n + j] = acc[r];
-    best[r] = acc[r] > best[r] ? acc[r] : best[r];
+    const float v = acc[r] * scale_s[REP_TILE + r];  // exact: a power of two
+    z[int64_t(qh0 + r) * n + j] = v;
+    best[r] = v > best[r] ? v : best[r];
   }
 }
 
 // Block maxima per query head: warp reduction, then one warp over the warps' results.
-const int nwarps = tq_ntid / TQ_SIMD;
 TQ_UNROLL for (int r = 0; r < REP_TILE; ++r) {
   const float b = tq_warp_max(best[r]);
   if (tq_lane == 0) {

@@ -68,6 +68,25 @@ __device__ inline float tq_as_float(uint32_t bits) {
   return __uint_as_float(bits);
 }
 
+__device__ inline uint32_t tq_as_uint(float x) {
+  return __float_as_uint(x);
+}
+
+// 16-bit floats in shared tables (scale_common.h), and 4 consecutive table entries as a float4
+// with one 16-byte (float) or 8-byte (half) shared-memory load.
+typedef __half tq_half;
+
+__device__ inline float4 tq_shared_load4(const float* p, int i) {
+  return reinterpret_cast<const float4*>(p)[i];
+}
+
+__device__ inline float4 tq_shared_load4(const tq_half* p, int i) {
+  const uint2 u = reinterpret_cast<const uint2*>(p)[i];
+  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+
 __device__ inline float4 tq_float4(float x, float y, float z, float w) {
   return make_float4(x, y, z, w);
 }

@@ -8,11 +8,12 @@
 // Every body may use: TQ_SIMD, TQ_BARRIER(), TQ_SHARED(type, name, count) (static
 // threadgroup array), TQ_SHARED_LUT(type, name, count) (the one large array of a kernel:
 // static here, dynamic shared memory on CUDA), TQ_UNROLL, TQ_INF, the helpers tq_exp, tq_log,
-// tq_as_float (bit cast), tq_float4, tq_warp_sum, tq_warp_max, tq_warp_min,
-// tq_warp_prefix_sum (inclusive), vector loads TQ_LOAD_UINT4 / TQ_SHARED_FLOAT4, atomics
-// (TQ_ATOMIC_ADD_*, TQ_SHARED_ATOMIC_*, TQ_ATOMIC_LOAD/STORE), 64-bit sums (tq_u64,
-// TQ_SHARED_ATOMIC_U64, tq_shared_zero/add/load_u64, tq_global_add_u64), the type float4 (.x .y .z .w),
-// and the ints tq_tid, tq_ntid, tq_bx, tq_by, tq_lane, tq_warp.
+// tq_as_float / tq_as_uint (bit casts), tq_float4, tq_warp_sum, tq_warp_max, tq_warp_min,
+// tq_warp_prefix_sum (inclusive), vector loads TQ_LOAD_UINT4 / TQ_SHARED_FLOAT4, the 16-bit
+// float tq_half and tq_shared_load4 (4 float or tq_half entries of a shared table as a
+// float4), atomics (TQ_ATOMIC_ADD_*, TQ_SHARED_ATOMIC_*, TQ_ATOMIC_LOAD/STORE), 64-bit sums
+// (tq_u64, TQ_SHARED_ATOMIC_U64, tq_shared_zero/add/load_u64, tq_global_add_u64), the type
+// float4 (.x .y .z .w), and the ints tq_tid, tq_ntid, tq_bx, tq_by, tq_lane, tq_warp.
 #ifndef TIERED_PRELUDE_METAL
 #define TIERED_PRELUDE_METAL
 
@@ -22,8 +23,8 @@
 #define TQ_TG threadgroup  // address space of shared-memory pointers
 #define TQ_DEVICE_FN inline  // a helper function of the kernel header
 // Declared as float4 so that the table can be read with 16-byte vector loads.
-#define TQ_SHARED_LUT(type, name, count)                     \
-  threadgroup float4 name##_vec[((count) + 3) / 4];          \
+#define TQ_SHARED_LUT(type, name, count)                                 \
+  threadgroup float4 name##_vec[((count) * sizeof(type) + 15) / 16];     \
   threadgroup type* name = (threadgroup type*)(name##_vec)
 #define TQ_UNROLL _Pragma("clang loop unroll(full)")
 #define TQ_INF INFINITY
@@ -93,6 +94,22 @@ inline float tq_log(float x) {
 
 inline float tq_as_float(uint32_t bits) {
   return as_type<float>(bits);
+}
+
+inline uint32_t tq_as_uint(float x) {
+  return as_type<uint32_t>(x);
+}
+
+// 16-bit floats in shared tables (scale_common.h), and 4 consecutive table entries as a float4
+// with one 16-byte (float) or 8-byte (half) threadgroup-memory load.
+typedef half tq_half;
+
+inline float4 tq_shared_load4(const threadgroup float* p, int i) {
+  return ((const threadgroup float4*)p)[i];
+}
+
+inline float4 tq_shared_load4(const threadgroup half* p, int i) {
+  return float4(((const threadgroup half4*)p)[i]);
 }
 
 inline float4 tq_float4(float x, float y, float z, float w) {

@@ -379,11 +379,42 @@ def test_codebook_kernel_matches_ops(n, rep, per_group, code_dtype, c, ds, rep_t
     q, cb, codes = make_codebook_case(
         h=2, rep=rep, d=d, ds=ds, c=c, n=n, n_cap=n + 40, per_group=per_group, code_dtype=code_dtype
     )
-    z = codebook_scores(q, cb, codes, n, rep=rep, use_kernel=True, rep_tile=rep_tile)
+    z = codebook_scores(q, cb, codes, n, rep=rep, use_kernel=True, rep_tile=rep_tile,
+                        lut_half=False)
     ref = codebook_scores_ops(q, cb, codes, n, rep=rep)
     expected, mag = np_codebook_scores(q, cb, codes, n, rep)
     assert_scores_close(z, expected, mag, KERNEL_TOL)
     np.testing.assert_allclose(np.asarray(z), np.asarray(ref), rtol=KERNEL_TOL, atol=KERNEL_TOL)
+
+
+# A float16 table rounds each entry to 11 significant bits (relative error <= 2^-11), after
+# a per-head power-of-two scale; sums stay float32.
+HALF_TOL = 2.0**-11 + KERNEL_TOL
+
+
+@pytest.mark.accelerator
+@needs_accel
+@pytest.mark.parametrize("n,rep", CODEBOOK_SIZES + [(131072, 4)])
+@pytest.mark.parametrize("qscale", [1e-6, 1.0, 1e5])  # float16 alone: underflow / overflow
+@pytest.mark.parametrize("d,ds,c,per_group", [(128, 4, 256, False), (64, 4, 256, True),
+                                              (256, 8, 16, False)])
+def test_codebook_kernel_half_table_matches_numpy(n, rep, qscale, d, ds, c, per_group):
+    q, cb, codes = make_codebook_case(
+        h=2, rep=rep, d=d, ds=ds, c=c, n=n, n_cap=n + 40, per_group=per_group,
+        code_dtype=np.uint8,
+    )
+    q = q * qscale
+    z, zmax, notes = codebook_scores_and_max(q, cb, codes, n, rep=rep, backend=accelerator(),
+                                             lut_half=True)
+    assert notes["lut_half"] == notes["lut_shared"]
+    expected, mag = np_codebook_scores(q, cb, codes, n, rep)
+    assert_scores_close(z, expected, mag, HALF_TOL if notes["lut_half"] else KERNEL_TOL)
+    # The block maxima are those of the exported (scaled back) scores, exactly.
+    zn = np.asarray(z)
+    block = notes["block"]
+    for b in range(notes["n_blocks"]):
+        np.testing.assert_array_equal(np.asarray(zmax)[:, b],
+                                      zn[:, b * block:(b + 1) * block].max(axis=1))
 
 
 @pytest.mark.accelerator

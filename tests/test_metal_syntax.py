@@ -68,15 +68,17 @@ struct int2 { int x, y; };
 struct int3 { int x, y, z; };
 struct uint4 { uint x, y, z, w; };
 struct float2 { float x, y; };
-struct float4 {
-  float x, y, z, w;
-  float4() = default;
-  float4(float x, float y, float z, float w);
-};
 struct half {
   half() = default;
   half(float);
   operator float() const;
+};
+struct half4 { half x, y, z, w; };
+struct float4 {
+  float x, y, z, w;
+  float4() = default;
+  float4(float x, float y, float z, float w);
+  explicit float4(half4 v);
 };
 struct bfloat16_t {
   bfloat16_t() = default;
@@ -225,12 +227,14 @@ def _codes(h, n_cap, g, dtype):
 def _plans(backend: str):
     """(label, spec, plan) for a spread of configurations of every kernel."""
     out = []
-    for g, c, dtype, rep, rep_tile, gc in [
-        (32, 256, mx.uint8, 4, None, 1),  # CUDA: whole table in shared memory; Metal: tiled
-        (32, 256, mx.uint8, 4, 1, 32),  # one head per threadgroup, a codebook per group
-        (16, 4096, mx.uint16, 1, None, 1),  # table too big: built by MLX in global memory
-        (8, 16, mx.uint8, 8, None, 8),  # 2 words per token: no vector loads
-        (64, 256, mx.uint8, 3, None, 1),  # rep 3: scalar table reads
+    for g, c, dtype, rep, rep_tile, gc, half in [
+        (32, 256, mx.uint8, 4, None, 1, False),  # CUDA: whole table in shared memory
+        (32, 256, mx.uint8, 4, None, 1, True),  # the same as a float16 table
+        (32, 256, mx.uint8, 4, 1, 32, False),  # one head per threadgroup, a codebook per group
+        (16, 4096, mx.uint16, 1, None, 1, False),  # table too big: built by MLX in global memory
+        (8, 16, mx.uint8, 8, None, 8, False),  # 2 words per token: no vector loads
+        (64, 256, mx.uint8, 3, None, 1, False),  # rep 3: scalar table reads
+        (64, 256, mx.uint8, 3, None, 1, True),  # ... of float16 entries
     ]:
         words = _codes(2, 40, g, dtype).view(mx.uint32)
         q = mx.zeros((2 * rep, g * 4))
@@ -238,9 +242,10 @@ def _plans(backend: str):
         lut = mx.zeros((2 * rep, g, c))
         plan = codebook_launch(
             q, cb, words, 33, rep=rep, code_bits=8 * dtype.size, backend=backend,
-            rep_tile=rep_tile, lut=lut,
+            rep_tile=rep_tile, lut=lut, lut_half=half,
         )
-        out.append((f"codebook-g{g}-c{c}-rep{rep}-tile{rep_tile}", CODEBOOK_SPEC, plan))
+        label = f"codebook-g{g}-c{c}-rep{rep}-tile{rep_tile}" + ("-half" if half else "")
+        out.append((label, CODEBOOK_SPEC, plan))
     for d, bits, gs, sdt, rep in [
         (128, 4, 32, mx.float16, 4), (64, 3, 32, mx.bfloat16, 1),
         (256, 8, 128, mx.float32, 8), (128, 2, 64, mx.float16, 3),
@@ -308,7 +313,7 @@ def _broken(spec: KernelSpec, backend: str, old: str, new: str):
 
 # Planted bugs: an undeclared identifier, a type error, and a CUDA-only name in Metal.
 BROKEN = [
-    ("best[r] = acc[r] > best[r] ? acc[r] : best[r];", "best[r] = acc_typo[r];"),
+    ("best[r] = v > best[r] ? v : best[r];", "best[r] = v_typo;"),
     ("words[w] = codes[row + w];", "words[w] = codes;"),
     ("TQ_BARRIER();", "__syncthreads();"),
 ]
