@@ -35,10 +35,11 @@ CODEBOOK_SPEC = KernelSpec(
     headers=("scale_common.h",),
 )
 THREADS = {"metal": 256, "cuda": 1024}  # CUDA: one 1024-thread block per SM when the table is big
-# A 1024-thread CUDA block gets at most 64 registers per thread; a tile of more than 4 heads
-# needs more (acc and max per head: 61-72 with nvcc 13 for sm_90), and a launch that asks for
-# too many registers does not run at all (MLX reports nothing; the output stays unwritten).
-# Such tiles run with this many threads.
+# A 1024-thread CUDA block gets at most 64 registers per thread, and a tile of more than 4
+# heads is near or over that (acc and max per head: 61-72 with nvcc 13 for sm_90). On the
+# H100 the rep-8 tile launched with 1024 threads returned wrong scores without an error
+# (most likely a launch that could not run: its output stayed unwritten); with this many
+# threads all kernel tests pass.
 WIDE_TILE_THREADS = 512
 # Threadgroups per launch when n is large: with a table of 64 KB or more, one block of 1024
 # threads per SM, so about one wave on an H100/H200 (132 SMs); smaller tables allow a few
