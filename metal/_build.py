@@ -77,8 +77,10 @@ def resolve_backend(use_kernel: bool | None, name: str) -> str | None:
     return None
 
 
+@functools.cache
 def shared_memory_limit(backend: str) -> int:
-    """Bytes of threadgroup/shared memory one kernel may ask for on ``backend``."""
+    """Bytes of threadgroup/shared memory one kernel may ask for on ``backend`` (asked once per
+    process: kernels are planned on every call)."""
     if backend == "metal":
         return METAL_SHARED_BYTES
     if backend == "cuda":

@@ -11,6 +11,8 @@ Three layers: :func:`_make_codebook_kernel` (the MLX kernel, built once per back
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
 from ._build import (
@@ -135,6 +137,7 @@ def codebook_scores_ops(
     return z.reshape(hq, n)
 
 
+@functools.cache
 def lut_tiling(backend: str, rep: int, g: int, c: int, d: int, entry_bytes: int = 4
                ) -> tuple[int, bool]:
     """(rep_tile, lut_shared): how many query heads one threadgroup scores, and whether
