@@ -114,3 +114,40 @@ TQ_DEVICE_FN tq_bound tq_boundary(
   return out;
 }
 
+
+// The cap's boundary in one kv head's lmax ranking (passes 3a and 3 both need it): the cap
+// plan from pass 2's class counts, and the bin of the boundary class's lmax histogram (row
+// (h, 0) kept, (h, 1) allowed but not kept) where the ranked count reaches the cap plan's
+// target. bstar = -1 when no bin is cut (target 0, or not reached). Every thread of the
+// threadgroup must call it (barriers); lh_f (NL floats) and scratch (32) are shared memory.
+// The class counts come by value: Metal passes an input of under 8 elements (counts, for a
+// few kv heads) in the constant address space, which a device pointer cannot take.
+struct tq_cut {
+  tq_cap cp;
+  tq_bound bd;
+  int bstar;
+};
+
+TQ_DEVICE_FN tq_cut tq_cap_boundary(
+    const TQ_GLOBAL uint32_t* lhist,
+    const int n_keep,
+    const int n_allowed,
+    const int h,
+    const int nl,
+    const int floor_,
+    const int cap,
+    TQ_TG float* lh_f,
+    TQ_TG float* scratch,
+    const int tid,
+    const int ntid) {
+  tq_cut out;
+  out.cp = tq_cap_plan(n_keep, n_allowed, floor_, cap);
+  const int64_t hrow = (int64_t(h) * 2 + (out.cp.bcls == 2 ? 0 : 1)) * nl;
+  for (int b = tid; b < nl; b += ntid) {
+    lh_f[b] = float(lhist[hrow + b]);
+  }
+  TQ_BARRIER();
+  out.bd = tq_boundary(lh_f, nl, 0.0f, float(out.cp.target), scratch, tid, ntid);
+  out.bstar = (out.cp.target > 0 && out.bd.found) ? out.bd.bin : -1;
+  return out;
+}

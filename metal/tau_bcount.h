@@ -22,15 +22,10 @@ const int nwarps = tq_ntid / TQ_SIMD;
 TQ_SHARED(float, lh_f, NL);
 TQ_SHARED(float, scratch, 32);
 TQ_SHARED(float, red, 32);
-const tq_cap cp = tq_cap_plan(int(counts[h * 2]), int(counts[h * 2 + 1]), floor_, cap);
-const int64_t hrow = (int64_t(h) * 2 + (cp.bcls == 2 ? 0 : 1)) * NL;
-for (int b = tq_tid; b < NL; b += tq_ntid) {
-  lh_f[b] = float(lhist[hrow + b]);
-}
-TQ_BARRIER();
-const tq_bound bd = tq_boundary(lh_f, NL, 0.0f, float(cp.target), scratch, tq_tid, tq_ntid);
-const int bstar = (cp.target > 0 && bd.found) ? bd.bin : -1;
-const uint32_t want = (uint32_t(cp.bcls) << 16) | uint32_t(bstar < 0 ? 0 : bstar);
+const tq_cut cut = tq_cap_boundary(lhist, int(counts[h * 2]), int(counts[h * 2 + 1]), h, NL,
+                                   floor_, cap, lh_f, scratch, tq_tid, tq_ntid);
+const int bstar = cut.bstar;
+const uint32_t want = (uint32_t(cut.cp.bcls) << 16) | uint32_t(bstar < 0 ? 0 : bstar);
 
 float c = 0.0f;  // counts below 2^24 are exact in float
 if (bstar >= 0) {

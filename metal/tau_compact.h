@@ -38,17 +38,12 @@ TQ_SHARED(float, lh_f, NL);
 TQ_SHARED(float, scratch, 32);
 TQ_SHARED(float, red, 32 * REP);
 TQ_SHARED(float, wsum, 32);
-const tq_cap cp = tq_cap_plan(int(counts[h * 2]), int(counts[h * 2 + 1]), floor_, cap);
-const int k = cp.k;
-const int bcls = cp.bcls;
-const int64_t hrow = (int64_t(h) * 2 + (bcls == 2 ? 0 : 1)) * NL;
-for (int b = tq_tid; b < NL; b += tq_ntid) {
-  lh_f[b] = float(lhist[hrow + b]);
-}
-TQ_BARRIER();
-const tq_bound bd = tq_boundary(lh_f, NL, 0.0f, float(cp.target), scratch, tq_tid, tq_ntid);
-const int bstar = (cp.target > 0 && bd.found) ? bd.bin : -1;
-const float take = float(bstar >= 0 ? cp.target - int(bd.before) : 0);
+const tq_cut cut = tq_cap_boundary(lhist, int(counts[h * 2]), int(counts[h * 2 + 1]), h, NL,
+                                   floor_, cap, lh_f, scratch, tq_tid, tq_ntid);
+const int k = cut.cp.k;
+const int bcls = cut.cp.bcls;
+const int bstar = cut.bstar;
+const float take = float(bstar >= 0 ? cut.cp.target - int(cut.bd.before) : 0);
 // Boundary-bin tokens of the chunks before this one (pass 3a), in a fixed order.
 float rank0 = 0.0f;
 for (int c = 0; c < tq_bx; ++c) {
