@@ -17,9 +17,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import time
 
 import common  # noqa: F401  (tiered before mlx)
+from kernels import timed
 
 import mlx.core as mx
 import numpy as np
@@ -54,17 +54,6 @@ class EditedSpec(KernelSpec):
 def edited(name: str, edits: tuple) -> EditedSpec:
     fields = dataclasses.asdict(cbm.CODEBOOK_SPEC)
     return EditedSpec(**{**fields, "name": f"{fields['name']}_{name}", "edits": edits})
-
-
-def timed(fn, reps: int, batch: int = 8) -> float:
-    for _ in range(3):
-        mx.eval([fn() for _ in range(batch)])
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        mx.eval([fn() for _ in range(batch)])
-        out.append((time.perf_counter() - t) / batch)
-    return float(np.median(out))
 
 
 def main(argv=None):
@@ -112,7 +101,7 @@ def main(argv=None):
                                                code_bits=8, backend=backend, lut_half=half)
                     return launch(spec, backend, plan)[0]
 
-                t = timed(call, args.reps)
+                t = timed(call, reps=args.reps, warmup=3, batch=8)
                 err = ""
                 if spec is full:
                     state["i"] = count - 1  # the next call reads sets[0]

@@ -210,7 +210,7 @@ def bench_size(n: int, reps: int, bw: float, backend: str, batch: int) -> list[d
     return rows
 
 
-NOP_SOURCE = "if (OUT_INDEX == 0) { o[0] = a[0]; }"
+NOP_SOURCE = "if (threadIdx.x == 0) { o[0] = a[0]; }"
 
 
 def breakdown(row, q, codebook, codes, n, exclude, backend):
@@ -243,7 +243,7 @@ def breakdown(row, q, codebook, codes, n, exclude, backend):
         lambda: mx.sort(idx, axis=1).view(mx.int32))
     if backend == "cuda":
         nop = mx.fast.cuda_kernel(name="bench_nop", input_names=["a"], output_names=["o"],
-                                  source=NOP_SOURCE.replace("OUT_INDEX", "threadIdx.x"))
+                                  source=NOP_SOURCE)
         row("  empty custom kernel (launch floor)",
             lambda: nop(inputs=[q], grid=(32, 1, 1), threadgroup=(32, 1, 1),
                         output_shapes=[(1,)], output_dtypes=[mx.float32])[0])

@@ -133,7 +133,7 @@ class Selection(NamedTuple):
     theta: mx.array | None = None
 
 
-# The fused selection (three passes, see tau_hist.h, tau_keys.h, tau_compact.h).
+# The fused selection (four passes: tau_hist.h, tau_keys.h, tau_bcount.h, tau_compact.h).
 SELECT_BINS = {"metal": 2048, "cuda": 4096}  # mass bins (Metal: 32 KB of threadgroup memory)
 LMAX_BINS = 2048  # bins of the cap ranking
 SELECT_THREADS = {"metal": 256, "cuda": 1024}
@@ -264,17 +264,18 @@ def tau_select(
 
     The set is {j : z[qh, j] >= theta[qh] for some qh of the group} minus exclude. Over cap,
     the tokens with the largest max-over-heads probability stay; under floor, the most
-    probable other non-excluded tokens are added (count <= non-excluded tokens). Exact ties in
-    probability at the cap are broken arbitrarily.
+    probable other non-excluded tokens are added (count <= non-excluded tokens).
     Where it runs: on a Metal or CUDA device (use_kernel None/True), four kernel passes
     (tau_hist.h, tau_keys.h, tau_bcount.h, tau_compact.h) and one sort of cap_alloc entries
     per kv head, without a sort over n. Their thresholds sit up to 1.5 bins of SPAN_T /
     SELECT_BINS logits below the exact ones (a hair more kept), and over cap the ranking by
-    max-over-heads probability is exact to one bin of SPAN_L / SELECT_BINS logits (ties within
+    max-over-heads probability is exact to one bin of SPAN_L / LMAX_BINS logits (ties within
     that bin go to the lower token index); :func:`select_bin_widths` gives both widths. The
-    result is the same in every run: masses are summed in fixed point, ties by index. zmax (Hq, M): maxima of blocks
-    of z (the codebook kernel's second output) save a reduction. Elsewhere, lazy MLX ops
-    (sort-based reference threshold, argpartition over n). No host synchronisation either way.
+    result is the same in every run: masses are summed in fixed point, ties by index.
+    zmax (Hq, M): maxima of blocks of z (the codebook kernel's second output) save a
+    reduction. Elsewhere, lazy MLX ops (sort-based reference threshold, argpartition over n;
+    exact ties in probability at the cap broken arbitrarily).
+    No host synchronisation either way.
     """
     hq = z.shape[0]
     if exclude is None:
