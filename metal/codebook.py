@@ -34,14 +34,15 @@ CODEBOOK_SPEC = KernelSpec(
     body="codebook_scores.h",
     input_names=("q", "codebook", "lut", "codes", "params"),
     output_names=("z", "zmax"),
-    headers=("scale_common.h",),
+    headers=("scale_common.h", "reduce_common.h"),
 )
 THREADS = {"metal": 256, "cuda": 1024}  # CUDA: one 1024-thread block per SM when the table is big
 # A 1024-thread CUDA block gets at most 64 registers per thread, and a tile of more than 4
-# heads is near or over that (acc and max per head: 61-72 with nvcc 13 for sm_90). On the
-# H100 the rep-8 tile launched with 1024 threads returned wrong scores without an error
-# (most likely a launch that could not run: its output stayed unwritten); with this many
-# threads all kernel tests pass.
+# heads is near or over that (acc and max per head: 61-72 with nvcc 13 for sm_90), as is the
+# table read from global memory (80 for rep 3, head_dim 256). On the H100 the rep-8 tile
+# launched with 1024 threads returned wrong scores without an error (most likely a launch
+# that could not run: its output stayed unwritten); with this many threads all kernel tests
+# pass. tests/test_metal_syntax.py checks every plan's registers against the limit.
 WIDE_TILE_THREADS = 512
 # Threadgroups per launch when n is large: with a table of 64 KB or more, one block of 1024
 # threads per SM, so about one wave on an H100/H200 (132 SMs); smaller tables allow a few
@@ -192,7 +193,7 @@ def codebook_launch(
     tiles = rep // rep_tile
     lut_bytes = rep_tile * g * c * entry if lut_shared else 0
     threads = THREADS[backend]
-    if backend == "cuda" and rep_tile > 4:
+    if backend == "cuda" and (rep_tile > 4 or not lut_shared):
         threads = min(threads, WIDE_TILE_THREADS)
     # A block should carry at least as many code bytes as the table it builds.
     min_block = 2 * threads + (lut_bytes // max(1, w * 4))

@@ -46,7 +46,6 @@ TQ_SHARED_LUT(lut_t, lut_s, LUT_FLOATS);
 TQ_SHARED(float, red, 32 * REP_TILE);
 TQ_SHARED(float, q_s, LUT_SHARED ? REP_TILE * D : 1);
 TQ_SHARED(float, scale_s, 2 * REP_TILE);  // per head: the table's scale, and its inverse
-const int nwarps = tq_ntid / TQ_SIMD;
 if (LUT_SHARED) {
   // Stage the tile's queries, then build the table: entry (i, k, r) = q[qh0 + r, group i] .
   // centroid k of group i (the codebook rows come through the L1 cache). A float16 table is
@@ -83,18 +82,8 @@ if (LUT_SHARED) {
       }
     }
     if (pass == 0) {
-      TQ_UNROLL for (int r = 0; r < REP_TILE; ++r) {
-        const float b = tq_warp_max(big[r]);
-        if (tq_lane == 0) {
-          red[tq_warp * REP_TILE + r] = b;
-        }
-      }
-      TQ_BARRIER();
+      const float b = tq_block_rows<REP_TILE, true>(big, red, tq_tid, tq_ntid);
       if (tq_tid < REP_TILE) {
-        float b = 0.0f;
-        for (int wp = 0; wp < nwarps; ++wp) {
-          b = red[wp * REP_TILE + tq_tid] > b ? red[wp * REP_TILE + tq_tid] : b;
-        }
         const int e = tq_pow2_exponent_above(b);  // b < 2^e
         const int sh = (14 - e) < -100 ? -100 : ((14 - e) > 100 ? 100 : 14 - e);
         scale_s[tq_tid] = tq_pow2(sh);
@@ -104,10 +93,12 @@ if (LUT_SHARED) {
     }
   }
 }
-if (!(LUT_SHARED && LUT_HALF) && tq_tid < REP_TILE) {
-  scale_s[REP_TILE + tq_tid] = 1.0f;
-}
 TQ_BARRIER();
+// The factor that undoes each head's table scale (exact: a power of two), held in registers.
+float inv_scale[REP_TILE];
+TQ_UNROLL for (int r = 0; r < REP_TILE; ++r) {
+  inv_scale[r] = (LUT_SHARED && LUT_HALF) ? scale_s[REP_TILE + r] : 1.0f;
+}
 
 float best[REP_TILE];
 TQ_UNROLL for (int r = 0; r < REP_TILE; ++r) {
@@ -159,24 +150,14 @@ for (int j = j_begin + tq_tid; j < j_end; j += tq_ntid) {
     }
   }
   TQ_UNROLL for (int r = 0; r < REP_TILE; ++r) {
-    const float v = acc[r] * scale_s[REP_TILE + r];  // exact: a power of two
+    const float v = acc[r] * inv_scale[r];
     z[int64_t(qh0 + r) * n + j] = v;
     best[r] = v > best[r] ? v : best[r];
   }
 }
 
-// Block maxima per query head: warp reduction, then one warp over the warps' results.
-TQ_UNROLL for (int r = 0; r < REP_TILE; ++r) {
-  const float b = tq_warp_max(best[r]);
-  if (tq_lane == 0) {
-    red[tq_warp * REP_TILE + r] = b;
-  }
-}
-TQ_BARRIER();
+// Block maxima per query head.
+const float block_max = tq_block_rows<REP_TILE, true>(best, red, tq_tid, tq_ntid);
 if (tq_tid < REP_TILE) {
-  float b = -TQ_INF;
-  for (int wp = 0; wp < nwarps; ++wp) {
-    b = red[wp * REP_TILE + tq_tid] > b ? red[wp * REP_TILE + tq_tid] : b;
-  }
-  zmax[int64_t(qh0 + tq_tid) * n_blocks + tq_bx] = b;
+  zmax[int64_t(qh0 + tq_tid) * n_blocks + tq_bx] = block_max;
 }

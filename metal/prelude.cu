@@ -12,6 +12,7 @@
 #define TQ_SHARED(type, name, count) __shared__ type name[count]
 #define TQ_TG  // address space of shared-memory pointers (Metal: threadgroup)
 #define TQ_GLOBAL  // address space of global-memory pointers (Metal: device)
+#define TQ_THREAD  // address space of a thread's own arrays (Metal: thread)
 #define TQ_DEVICE_FN __device__ inline  // a helper function of the kernel header
 // Dynamic shared memory: the launch asks for the bytes (cuda_kernel's shared_memory), which
 // lets a lookup table grow past the 48 KB static limit.

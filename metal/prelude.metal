@@ -22,6 +22,7 @@
 #define TQ_SHARED(type, name, count) threadgroup type name[count]
 #define TQ_TG threadgroup  // address space of shared-memory pointers
 #define TQ_GLOBAL device  // address space of global-memory pointers
+#define TQ_THREAD thread  // address space of a thread's own arrays
 #define TQ_DEVICE_FN inline  // a helper function of the kernel header
 // Declared as float4 so that the table can be read with 16-byte vector loads.
 #define TQ_SHARED_LUT(type, name, count)                                 \

@@ -151,3 +151,18 @@ TQ_DEVICE_FN tq_cut tq_cap_boundary(
   out.bstar = (out.cp.target > 0 && out.bd.found) ? out.bd.bin : -1;
   return out;
 }
+
+// Where a token of pass 2's code (class << 16 | lmax bin) falls against the cap's boundary:
+// 1 ranked above the boundary bin (selected), 0 in the boundary bin (selected up to the cap in
+// index order), -1 below it (not selected).
+TQ_DEVICE_FN int tq_rank_class(const uint32_t c, const tq_cut cut) {
+  const int cls = int(c >> 16);
+  const int b = int(c & 0xffffu);
+  if (cls > cut.cp.bcls) {
+    return 1;
+  }
+  if (cls < cut.cp.bcls || cut.bstar < 0) {
+    return -1;
+  }
+  return b < cut.bstar ? 1 : (b == cut.bstar ? 0 : -1);
+}

@@ -29,6 +29,7 @@ TAU_SPEC = KernelSpec(
     body="tau_threshold.h",
     input_names=("z", "params", "fparams"),
     output_names=("m_out", "s_out", "theta_out"),
+    headers=("reduce_common.h",),
 )
 THREADS = {"metal": 256, "cuda": 1024}  # one threadgroup per head; Metal kept modest (registers)
 BINS = 32  # log-domain bins per histogram pass
@@ -142,7 +143,8 @@ SPAN_T = 32.0  # logits below the max that the mass histogram resolves (exp(-32)
 SPAN_L = 32.0  # logits of max-over-heads log-probability that the cap ranking resolves
 HIST_SPEC = KernelSpec(
     name="tiered_tau_hist", body="tau_hist.h", input_names=("z", "zmax", "params", "fparams"),
-    output_names=("hist", "m_out"), atomic_outputs=True, headers=("select_common.h",),
+    output_names=("hist", "m_out"), atomic_outputs=True,
+    headers=("reduce_common.h", "select_common.h"),
 )
 KEYS_SPEC = KernelSpec(
     name="tiered_tau_keys", body="tau_keys.h",
@@ -153,13 +155,13 @@ KEYS_SPEC = KernelSpec(
 BCOUNT_SPEC = KernelSpec(
     name="tiered_tau_bcount", body="tau_bcount.h",
     input_names=("code", "lhist", "counts", "params"), output_names=("bcount",),
-    headers=("select_common.h",),
+    headers=("reduce_common.h", "select_common.h"),
 )
 COMPACT_SPEC = KernelSpec(
     name="tiered_tau_compact", body="tau_compact.h",
     input_names=("code", "lhist", "counts", "bcount", "z", "m", "s", "params"),
-    output_names=("idx", "count", "fill", "mass"), atomic_outputs=True,
-    headers=("select_common.h",),
+    output_names=("idx", "count", "mass"), atomic_outputs=True,
+    headers=("reduce_common.h", "select_common.h"),
 )
 
 
@@ -202,7 +204,7 @@ def select_launches(z, n, exclude, zmax, tau, cap, floor, cap_alloc, *, backend)
             inputs=[code, lhist, counts, device_ints(n, cap, floor, chunk_h, blocks_h)],
             template=[("NL", LMAX_BINS)],
             grid=(blocks_h * threads, h, 1), threadgroup=(threads, 1, 1),
-            output_shapes=[(h, blocks_h)], output_dtypes=[mx.uint32],
+            output_shapes=[(h, blocks_h, 2)], output_dtypes=[mx.uint32],
         )
 
     def compact(code, lhist, counts, bcount_out, m, s):
@@ -211,17 +213,18 @@ def select_launches(z, n, exclude, zmax, tau, cap, floor, cap_alloc, *, backend)
                     device_ints(n, n_total, cap, floor, cap_alloc, chunk_h, blocks_h)],
             template=[("NL", LMAX_BINS), ("REP", rep)],
             grid=(blocks_h * threads, h, 1), threadgroup=(threads, 1, 1),
-            output_shapes=[(h, cap_alloc), (h,), (h,), (hq, blocks_h)],
-            output_dtypes=[mx.uint32, mx.int32, mx.uint32, mx.float32], init_value=0,
+            output_shapes=[(h, cap_alloc), (h,), (hq, blocks_h)],
+            output_dtypes=[mx.uint32, mx.int32, mx.float32], init_value=0,
         )
 
     return hist, keys, bcount, compact
 
 
 def tau_select_fused(z, n, exclude, tau, cap, floor, cap_alloc, *, backend, zmax=None):
-    """The kernel path of :func:`tau_select`: four passes and one sort of cap_alloc entries
-    per kv head, all on the device, with the same result in every run (order-independent
-    sums and tie-breaks, select_common.h). Returns a :class:`Selection` (theta included)."""
+    """The kernel path of :func:`tau_select`: four passes, all on the device, with the same
+    result in every run (order-independent sums and tie-breaks, select_common.h; the last
+    pass writes the indices in ascending order). Returns a :class:`Selection` (theta
+    included)."""
     if zmax is None:
         zmax = z[:, :n].max(axis=1, keepdims=True)
     if exclude.dtype not in (mx.bool_, mx.uint8):
@@ -231,10 +234,10 @@ def tau_select_fused(z, n, exclude, tau, cap, floor, cap_alloc, *, backend, zmax
     hist, m = launch(HIST_SPEC, backend, hist_plan)
     code, lhist, counts, s, theta = launch(KEYS_SPEC, backend, keys_plan(hist, m))
     (bcount,) = launch(BCOUNT_SPEC, backend, bcount_plan(code, lhist, counts))
-    idx, count, _, mass = launch(COMPACT_SPEC, backend,
-                                 compact_plan(code, lhist, counts, bcount, m, s))
+    idx, count, mass = launch(COMPACT_SPEC, backend,
+                              compact_plan(code, lhist, counts, bcount, m, s))
     mass = mass.sum(axis=1)
-    idx = mx.sort(idx, axis=1).view(mx.int32)  # ascending; 0xffffffff padding reads as -1
+    idx = idx.view(mx.int32)  # ascending; the 0xffffffff padding reads as -1
     return Selection(idx, count, m, s, mass, theta)
 
 
@@ -266,11 +269,11 @@ def tau_select(
     the tokens with the largest max-over-heads probability stay; under floor, the most
     probable other non-excluded tokens are added (count <= non-excluded tokens).
     Where it runs: on a Metal or CUDA device (use_kernel None/True), four kernel passes
-    (tau_hist.h, tau_keys.h, tau_bcount.h, tau_compact.h) and one sort of cap_alloc entries
-    per kv head, without a sort over n. Their thresholds sit up to 1.5 bins of SPAN_T /
-    SELECT_BINS logits below the exact ones (a hair more kept), and over cap the ranking by
-    max-over-heads probability is exact to one bin of SPAN_L / LMAX_BINS logits (ties within
-    that bin go to the lower token index); :func:`select_bin_widths` gives both widths. The
+    (tau_hist.h, tau_keys.h, tau_bcount.h, tau_compact.h) and no sort. Their thresholds sit
+    up to 1.5 bins of SPAN_T / SELECT_BINS logits below the exact ones (a hair more kept),
+    and over cap the ranking by max-over-heads probability is exact to one bin of SPAN_L /
+    LMAX_BINS logits (ties within that bin go to the lower token index);
+    :func:`select_bin_widths` gives both widths. The
     result is the same in every run: masses are summed in fixed point, ties by index.
     zmax (Hq, M): maxima of blocks of z (the codebook kernel's second output) save a
     reduction. Elsewhere, lazy MLX ops (sort-based reference threshold, argpartition over n;

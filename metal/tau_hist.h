@@ -22,7 +22,6 @@ const int M = params[2];
 const int chunk = params[3];
 const float span = fparams[0];
 const int qh = tq_by;
-const int nwarps = tq_ntid / TQ_SIMD;
 
 TQ_SHARED_ATOMIC_U64(hist_s, NB);
 TQ_SHARED(float, red, 32);
@@ -34,15 +33,7 @@ for (int t = tq_tid; t < M; t += tq_ntid) {
   const float v = zmax[int64_t(qh) * M + t];
   mm = v > mm ? v : mm;
 }
-mm = tq_warp_max(mm);
-if (tq_lane == 0) {
-  red[tq_warp] = mm;
-}
-TQ_BARRIER();
-float m = red[0];
-for (int wp = 1; wp < nwarps; ++wp) {
-  m = red[wp] > m ? red[wp] : m;
-}
+const float m = tq_block_all<true>(mm, red, tq_tid, tq_ntid);
 
 const float inv_w = float(NB) / span;
 const int j_begin = tq_bx * chunk;

@@ -27,7 +27,6 @@ const float tau = fparams[0];
 const float span = fparams[1];
 const int qh = tq_by;
 const int64_t base = int64_t(qh) * N;
-const int nwarps = tq_ntid / TQ_SIMD;
 
 TQ_SHARED(float, red, 32 * NS);
 TQ_SHARED(float, hist, NS);
@@ -44,16 +43,7 @@ for (int j0 = tq_tid; j0 < n; j0 += UNROLL * tq_ntid) {
     zmax = v > zmax ? v : zmax;
   }
 }
-zmax = tq_warp_max(zmax);
-if (tq_lane == 0) {
-  red[tq_warp] = zmax;
-}
-TQ_BARRIER();
-float m = red[0];
-for (int wp = 1; wp < nwarps; ++wp) {
-  m = red[wp] > m ? red[wp] : m;
-}
-TQ_BARRIER();
+const float m = tq_block_all<true>(zmax, red, tq_tid, tq_ntid);
 
 float lo = m - span;
 float w = span / float(NB);
@@ -87,18 +77,8 @@ for (int pass = 0; pass < PASSES; ++pass) {
       }
     }
   }
-  TQ_UNROLL for (int k = 0; k < NS; ++k) {
-    const float t = tq_warp_sum(acc[k]);
-    if (tq_lane == 0) {
-      red[tq_warp * NS + k] = t;
-    }
-  }
-  TQ_BARRIER();
+  const float t = tq_block_rows<NS, false>(acc, red, tq_tid, tq_ntid);
   if (tq_tid < NS) {
-    float t = 0.0f;
-    for (int wp = 0; wp < nwarps; ++wp) {
-      t += red[wp * NS + tq_tid];
-    }
     hist[tq_tid] = t;
   }
   TQ_BARRIER();

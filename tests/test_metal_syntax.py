@@ -270,7 +270,7 @@ def _plans(backend: str):
                     keys(mx.zeros((hq, nb, 2), dtype=mx.uint32), f)))
         out.append((f"tau-bcount-rep{rep}", BCOUNT_SPEC, bcount(code, lh, u)))
         out.append((f"tau-compact-rep{rep}", COMPACT_SPEC,
-                    compact(code, lh, u, mx.zeros((2, 1), dtype=mx.uint32), f, f)))
+                    compact(code, lh, u, mx.zeros((2, 1, 2), dtype=mx.uint32), f, f)))
     return out  # fmt: skip
 
 
@@ -361,6 +361,56 @@ def test_cuda_checker_rejects_broken_body():
     with tempfile.TemporaryDirectory() as tmp:
         bad = _nvcc(cuda_source(spec, header, source, plan), Path(tmp), "bad")
     assert bad.returncode != 0, "nvcc accepted an undeclared identifier"
+
+
+def _ptxas_registers(text: str, workdir: Path, label: str) -> int:
+    """Registers per thread that ptxas gives the kernel for sm_90 (what an H100 runs)."""
+    inc = workdir / "include" / "mlx" / "backend" / "cuda" / "device"
+    inc.mkdir(parents=True, exist_ok=True)
+    (inc / "utils.cuh").write_text(CUDA_UTILS_STUB)
+    path = workdir / f"{label}.cu"
+    path.write_text(text)
+    cmd = ["nvcc", "-std=c++17", "-cubin", "-arch=sm_90", "-Xptxas", "-v",
+           "-I", str(workdir / "include"), "-o", str(workdir / f"{label}.cubin"), str(path)]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    import re
+
+    found = re.findall(r"Used (\d+) registers", out.stderr)
+    assert len(found) == 1, out.stderr
+    return int(found[0])
+
+
+@needs_nvcc
+@pytest.mark.parametrize("limit", [48 * 1024, 227 * 1024], ids=["48KB", "227KB"])
+def test_cuda_launches_fit_the_register_file(monkeypatch, limit):
+    """Threads per block times registers per thread must fit an SM's 64K registers, or the
+    launch cannot run, and MLX reports nothing: the scores stay unwritten (an H100 gave
+    wrong scores this way for the rep-8 tile at 1024 threads). Checked for the plans of
+    every codebook and selection kernel at the shared-memory limits of a portable CUDA
+    device and of an H100, which choose different tables (nvcc and ptxas stand in for the
+    NVRTC that MLX compiles with)."""
+    from tiered.metal import codebook
+
+    monkeypatch.setattr(codebook, "shared_memory_limit", lambda backend: limit)
+    codebook.lut_tiling.cache_clear()
+    try:
+        plans = [p for p in _plans("cuda") if not p[0].startswith("affine")]
+        for rep in (1, 3, 4, 8):  # the benchmark's shape at every GQA ratio
+            words = _codes(2, 40, 32, mx.uint8).view(mx.uint32)
+            plans.append((f"codebook-d128-rep{rep}", CODEBOOK_SPEC, codebook_launch(
+                mx.zeros((2 * rep, 128)), mx.zeros((2, 1, 256, 4)), words, 33, rep=rep,
+                code_bits=8, backend="cuda")))
+        with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(4) as pool:
+            jobs = {label: (plan.threadgroup[0], pool.submit(
+                _ptxas_registers, cuda_source(spec, *spec.sources("cuda"), plan), Path(tmp),
+                label)) for label, spec, plan in plans}
+            used = {label: (threads, job.result()) for label, (threads, job) in jobs.items()}
+    finally:
+        codebook.lut_tiling.cache_clear()
+    # Registers are allocated to a warp in units of 256, i.e. 8 per thread.
+    over = {k: v for k, v in used.items() if v[0] * (-(-v[1] // 8) * 8) > 65536}
+    assert not over, f"(threads, registers) over 64K registers per block: {over}"
 
 
 def test_preludes_define_the_same_dialect():
