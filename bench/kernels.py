@@ -15,10 +15,13 @@ Bytes counted: inputs read once plus outputs written once.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
+import tempfile
 import time
+from collections import Counter
 
 import common  # noqa: F401  (tiered before mlx)
 from common import (RESULTS, figure, finish_axes, machine, md_table, save_figure,
@@ -96,6 +99,63 @@ def timed(fn, *, reps: int, warmup: int, batch: int = 1) -> float:
     return float(np.median(out))
 
 
+def timed_pipelined(fn, *, reps: int, warmup: int, batch: int = 8) -> float:
+    """Seconds per call with the host building batch i + 1 while the device runs batch i
+    (mx.async_eval), as a decode loop does: about max(host time, device time) per call."""
+    for _ in range(warmup):
+        mx.eval([fn() for _ in range(batch)])
+    t = time.perf_counter()
+    prev = None
+    for _ in range(reps):
+        outs = [fn() for _ in range(batch)]
+        mx.async_eval(outs)
+        if prev is not None:
+            mx.eval(prev)
+        prev = outs
+    mx.eval(prev)
+    return (time.perf_counter() - t) / (reps * batch)
+
+
+_PROFILER = {}
+
+
+def device_profile(fn, *, reps: int) -> dict | None:
+    """Device time per call from CUPTI's kernel records, through torch.profiler (CUDA only):
+    ``device_ms`` the summed durations of the kernels, fills and copies one call runs (GPU
+    busy time, no host time), ``launches`` how many there are per call and ``names`` the
+    most frequent ones. None where torch or its profiler is missing or records nothing (the
+    reason is printed once)."""
+    if "error" in _PROFILER:
+        return None
+    try:
+        from torch.profiler import ProfilerActivity, profile
+    except Exception as e:  # noqa: BLE001  (torch is optional)
+        _PROFILER["error"] = f"no torch.profiler ({type(e).__name__}: {e})"
+        print("device time: " + _PROFILER["error"], flush=True)
+        return None
+    mx.eval(fn())
+    mx.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                mx.eval(fn())
+            mx.synchronize()
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f).get("traceEvents", [])
+    dev = [e for e in events
+           if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy") and "dur" in e]
+    if not dev:
+        _PROFILER["error"] = "the profiler recorded no device activity"
+        print("device time: " + _PROFILER["error"], flush=True)
+        return None
+    names = Counter(e["name"][:60] for e in dev)
+    return {"device_ms": sum(float(e["dur"]) for e in dev) / reps / 1e3,
+            "launches": len(dev) / reps,
+            "names": {k: v / reps for k, v in names.most_common(8)}}
+
+
 def rotating(make, count: int):
     """count independent input sets, used round-robin (defeats the L2 cache at small n)."""
     sets = [make(i) for i in range(count)]
@@ -123,10 +183,18 @@ def bench_size(n: int, reps: int, bw: float, backend: str, batch: int) -> list[d
     def row(kernel, fn, nbytes=None, check=None, **extra):
         t = timed(fn, reps=reps, warmup=3, batch=batch)
         t1 = timed(fn, reps=reps, warmup=3, batch=1)
-        r = {"kernel": kernel, "n": n, "ms": 1e3 * t, "ms_synced": 1e3 * t1, "check": check,
-             **extra}
+        tp = timed_pipelined(fn, reps=reps, warmup=3, batch=batch)
+        r = {"kernel": kernel, "n": n, "ms": 1e3 * t, "ms_synced": 1e3 * t1,
+             "ms_pipelined": 1e3 * tp, "check": check, **extra}
+        prof = device_profile(fn, reps=reps) if backend == "cuda" else None
+        if prof is not None:
+            r.update(prof)
         if nbytes is not None:
-            r.update(gbs=nbytes / t / 1e9, of_copy=nbytes / t / 1e9 / bw)
+            r.update(gbs=nbytes / t / 1e9, of_copy=nbytes / t / 1e9 / bw,
+                     of_copy_pipelined=nbytes / tp / 1e9 / bw)
+            if prof is not None:
+                r.update(gbs_device=nbytes / prof["device_ms"] / 1e6,
+                         of_copy_device=nbytes / prof["device_ms"] / 1e6 / bw)
         rows.append(r)
         return r
 
@@ -205,6 +273,9 @@ def bench_size(n: int, reps: int, bw: float, backend: str, batch: int) -> list[d
     both = row("scores + selection (codebook kernel + fused selection, cap 2048)", chain)
     both["speedup_vs_sdpa"] = sdpa["ms"] / both["ms"]
     both["speedup_vs_sdpa_synced"] = sdpa["ms_synced"] / both["ms_synced"]
+    both["speedup_vs_sdpa_pipelined"] = sdpa["ms_pipelined"] / both["ms_pipelined"]
+    if "device_ms" in both and "device_ms" in sdpa:
+        both["speedup_vs_sdpa_device"] = sdpa["device_ms"] / both["device_ms"]
     del kv, vv
     mx.clear_cache()
     return rows
@@ -239,14 +310,29 @@ def breakdown(row, q, codebook, codes, n, exclude, backend):
         lambda: launch(tm.BCOUNT_SPEC, backend, bcount_plan)[0], H * n * 4)
     row("  selection pass 3: capped compaction",
         lambda: launch(tm.COMPACT_SPEC, backend, compact_plan)[0], H * n * 4)
-    row("  selection: sort of the capped indices",
-        lambda: mx.sort(idx, axis=1).view(mx.int32))
     if backend == "cuda":
         nop = mx.fast.cuda_kernel(name="bench_nop", input_names=["a"], output_names=["o"],
                                   source=NOP_SOURCE)
         row("  empty custom kernel (launch floor)",
             lambda: nop(inputs=[q], grid=(32, 1, 1), threadgroup=(32, 1, 1),
                         output_shapes=[(1,)], output_dtypes=[mx.float32])[0])
+
+
+def _fmt(x, digits: int = 3) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
+def versus(r) -> str:
+    """Share of the copy bandwidth, or speed-up over SDPA, by queued / pipelined / device time."""
+    if "of_copy" in r:
+        dev = r.get("of_copy_device")
+        return (f"{100 * r['of_copy']:.0f}% / {100 * r['of_copy_pipelined']:.0f}% / "
+                + ("n/a" if dev is None else f"{100 * dev:.0f}%"))
+    if "speedup_vs_sdpa" in r:
+        dev = r.get("speedup_vs_sdpa_device")
+        return (f"{r['speedup_vs_sdpa']:.2f}x / {r['speedup_vs_sdpa_pipelined']:.2f}x / "
+                + ("n/a" if dev is None else f"{dev:.2f}x") + " vs SDPA")
+    return ""
 
 
 def main(argv=None):
@@ -269,33 +355,31 @@ def main(argv=None):
     for n in args.sizes:
         for r in bench_size(n, args.reps, bw, backend, args.batch):
             rows.append(r)
-            extra = (f"{r['gbs']:8.0f} GB/s ({100 * r['of_copy']:3.0f}% of copy)" if "gbs" in r
-                     else f"{r['speedup_vs_sdpa']:.2f}x faster than SDPA"
-                     if "speedup_vs_sdpa" in r else "")
-            print(f"{n:>8} {r['kernel']:<62} {r['ms']:9.3f} ms ({r['ms_synced']:.3f} synced) "
-                  f"{extra}"
-                  + (f"  check {r['check']:.1e}" if r.get("check") is not None else ""), flush=True)
-    def versus(r):
-        if "of_copy" in r:
-            return f"{100 * r['of_copy']:.0f}%"
-        if "speedup_vs_sdpa" in r:
-            return (f"{r['speedup_vs_sdpa']:.2f}x vs SDPA ({r['speedup_vs_sdpa_synced']:.2f}x "
-                    "synced)")
-        return ""
-
+            print(f"{n:>8} {r['kernel']:<62} {r['ms']:9.3f} ms ({r['ms_synced']:.3f} synced, "
+                  f"{_fmt(r.get('ms_pipelined'))} pipelined, device {_fmt(r.get('device_ms'))}, "
+                  f"{_fmt(r.get('launches'), 1)} launches) {versus(r)}"
+                  + (f"  check {r['check']:.1e}" if r.get("check") is not None else ""),
+                  flush=True)
     table = [[r["n"], r["kernel"], f"{r['ms']:.3f}",
               "" if math.isnan(r["ms_synced"]) else f"{r['ms_synced']:.3f}",
+              _fmt(r.get("ms_pipelined")), _fmt(r.get("device_ms")), _fmt(r.get("launches"), 1),
               f"{r['gbs']:.0f}" if "gbs" in r else "", versus(r),
               "" if r.get("check") is None else f"{r['check']:.1e}"] for r in rows]
     md = (f"# Accelerator kernels\n\n`{info['command']}` on {info['platform']} (backend {backend}, "
           f"{info['device']}), {info['date']}. Copy bandwidth {bw:.0f} GB/s (read + write, "
           f"1 GiB, best of: " + ", ".join(f"{k} {v:.0f}" for k, v in bws["copies"].items())
           + f"); a read-only sum reached {bws['read']:.0f} GB/s. 'ms' is the median time per "
-          f"call with {args.batch} calls queued per evaluation (device throughput, as the layers "
-          f"of a decode step run); 'ms synced' evaluates each call alone (adds a host round "
-          f"trip). GB/s and 'of copy' use 'ms'. "
+          f"call with {args.batch} calls queued per evaluation, the host building them before "
+          f"the device runs them; 'synced' evaluates each call alone (adds a host round trip); "
+          f"'pipelined' builds the next {args.batch} calls while the device runs the last ones "
+          f"(mx.async_eval, as a decode loop does: about the larger of host and device time); "
+          f"'device' is the GPU busy time per call, the summed durations of the kernels, fills "
+          f"and copies that CUPTI recorded (torch.profiler), with their count in 'launches'. "
+          f"GB/s uses 'ms'; 'of copy bw' gives the share of the copy bandwidth by 'ms', "
+          f"'pipelined' and 'device'; speed-ups over SDPA are by the same three. "
           f"Llama-3-8B attention shape: {H} kv / {HQ} query heads, head_dim {D}.\n\n"
-          + md_table(["tokens", "kernel", "ms", "ms synced", "GB/s", "of copy bw / speed-up",
+          + md_table(["tokens", "kernel", "ms", "ms synced", "ms pipelined", "ms device",
+                      "launches", "GB/s", "of copy bw / speed-up (ms, pipelined, device)",
                       "rel. error vs reference"], table))
     md += f"\n![kernels]({args.name}.png)\n"
     paths = write_results(args.name, {"machine": info, "backend": backend, "copy_gbs": bw,
