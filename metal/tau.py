@@ -214,7 +214,7 @@ def select_launches(z, n, exclude, zmax, tau, cap, floor, cap_alloc, *, backend)
             template=[("NL", LMAX_BINS), ("REP", rep)],
             grid=(blocks_h * threads, h, 1), threadgroup=(threads, 1, 1),
             output_shapes=[(h, cap_alloc), (h,), (hq, blocks_h)],
-            output_dtypes=[mx.uint32, mx.int32, mx.float32], init_value=0,
+            output_dtypes=[mx.uint32, mx.int32, mx.float32],  # every element written
         )
 
     return hist, keys, bcount, compact

@@ -15,7 +15,7 @@
 //   z       float    (Hq, N)        scores
 //   m, s    float    (Hq,)          softmax max and sum
 //   params  int32_t  [n, N, cap, floor, cap_alloc, chunk, blocks] (cap >= floor)
-// Outputs (zero-filled; atomic on Metal):
+// Outputs (every element written, so no fill before the launch; atomic on Metal):
 //   idx     uint32_t (H, cap_alloc)  the k selected token indices in ascending order, then
 //                                    0xffffffff (-1 as int32)
 //   count   int32_t  (H,)            k
