@@ -7,7 +7,8 @@ rest: "no lookups" (codes still read, scores still written, the table reads repl
 code itself) and "no table build" (the table is left unbuilt; the lookups read whatever is
 in shared memory). Stripped bodies give wrong scores; only their time means anything.
 Time per call: median over --reps evaluations of 8 queued calls, code sets rotated (as in
-bench/kernels.py). Prints a table; writes nothing.
+bench/kernels.py), and on CUDA the GPU busy time per call that CUPTI records (bench/kernels.py's
+device_profile). Prints a table; writes nothing.
 
     python bench/codebook_variants.py --sizes 131072 1048576
 """
@@ -19,7 +20,7 @@ import dataclasses
 import sys
 
 import common  # noqa: F401  (tiered before mlx)
-from kernels import timed
+from kernels import device_profile, timed
 
 import mlx.core as mx
 import numpy as np
@@ -78,7 +79,7 @@ def main(argv=None):
     ]
     saved = dict(cbm.THREADS), dict(cbm.TARGET_GROUPS)
     print(f"{'tokens':>8} {'variant':<26} {'threads':>7} {'blocks':>6} {'ms':>8} {'GB/s':>7} "
-          "rel. error")
+          f"{'device ms':>9} {'GB/s':>7} rel. error")
     try:
         for n in args.sizes:
             q = mx.random.normal((HQ, D), key=mx.random.key(n)) * D**-0.5
@@ -102,13 +103,16 @@ def main(argv=None):
                     return launch(spec, backend, plan)[0]
 
                 t = timed(call, reps=args.reps, warmup=3, batch=8)
+                prof = device_profile(call, reps=args.reps) if backend == "cuda" else None
+                dev = (f"{prof['device_ms']:9.4f} {nbytes / prof['device_ms'] / 1e6:7.0f}"
+                       if prof else f"{'n/a':>9} {'':>7}")
                 err = ""
                 if spec is full:
                     state["i"] = count - 1  # the next call reads sets[0]
                     z = np.asarray(call(), np.float64)
                     err = f"{np.linalg.norm(z - ref) / np.linalg.norm(ref):.1e}"
                 print(f"{n:>8} {label:<26} {threads:>7} {groups:>6} {1e3 * t:8.4f} "
-                      f"{nbytes / t / 1e9:7.0f} {err}", flush=True)
+                      f"{nbytes / t / 1e9:7.0f} {dev} {err}", flush=True)
             del sets, words
             mx.clear_cache()
     finally:

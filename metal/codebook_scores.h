@@ -20,9 +20,9 @@
 // out [group][centroid][head] so one vector load fetches every head's entry; 0: the table is
 // read from `lut` in global memory), LUT_HALF (1, with LUT_SHARED: the shared table holds
 // float16 entries, half the shared-memory traffic per lookup, which bounds this kernel; each
-// head's entries are scaled by a power of two that puts the largest at 2^14, so none
-// overflows, and the sums are scaled back exactly: every entry is rounded to 11 significant
-// bits, sums accumulate in float32), VEC4 (1: W % 4 == 0, a token's codes are read as
+// head's entries are scaled by a power of two that puts a bound on them (largest query group
+// norm times largest centroid norm) below 2^14, so none overflows, and the sums are scaled
+// back exactly: every entry is rounded to 11 significant bits, sums accumulate in float32), VEC4 (1: W % 4 == 0, a token's codes are read as
 // 16-byte vectors).
 //
 // Grid: x = blocks of block_len tokens (tq_bx), y = kv head x rep tile (tq_by). Each thread
@@ -48,48 +48,65 @@ TQ_SHARED(float, q_s, LUT_SHARED ? REP_TILE * D : 1);
 TQ_SHARED(float, scale_s, 2 * REP_TILE);  // per head: the table's scale, and its inverse
 if (LUT_SHARED) {
   // Stage the tile's queries, then build the table: entry (i, k, r) = q[qh0 + r, group i] .
-  // centroid k of group i (the codebook rows come through the L1 cache). A float16 table is
-  // built twice over: once for each head's largest magnitude, which sets its scale, then for
-  // the entries (the arithmetic is a few percent of the kernel's).
+  // centroid k of group i (the codebook rows come through the L1 cache). A float16 table's
+  // scale comes first, from a bound on each head's entries (below).
   for (int t = tq_tid; t < REP_TILE * D; t += tq_ntid) {
     q_s[t] = q[int64_t(qh0) * D + t];
   }
   TQ_BARRIER();
-  for (int pass = LUT_HALF ? 0 : 1; pass < 2; ++pass) {
-    float big[REP_TILE];
-    TQ_UNROLL for (int r = 0; r < REP_TILE; ++r) {
-      big[r] = 0.0f;
-    }
-    for (int t = tq_tid; t < G * C; t += tq_ntid) {
-      const int i = t / C;
-      const int k = t - i * C;
-      const int64_t cb_row = ((int64_t(h) * GC + (GC == 1 ? 0 : i)) * C + k) * DS;
-      float cv[DS];
+  if (LUT_HALF) {
+    // |entry| <= |q group| |centroid| (Cauchy-Schwarz): each head's largest squared group norm
+    // times the largest squared centroid norm of the kv head bounds its entries' squares. The
+    // scale puts that bound below 2^14 (float16 overflows at 65504), a pass over the small
+    // codebook instead of a pass that computes every entry twice.
+    float cn = 0.0f;
+    for (int t = tq_tid; t < GC * C; t += tq_ntid) {
+      const int64_t row = (int64_t(h) * GC * C + t) * DS;
+      float s2 = 0.0f;
       TQ_UNROLL for (int s = 0; s < DS; ++s) {
-        cv[s] = codebook[cb_row + s];
+        const float v = codebook[row + s];
+        s2 += v * v;
       }
+      cn = s2 > cn ? s2 : cn;
+    }
+    float qn[REP_TILE];
+    TQ_UNROLL for (int r = 0; r < REP_TILE; ++r) {
+      qn[r] = 0.0f;
+    }
+    for (int i = tq_tid; i < G; i += tq_ntid) {
       TQ_UNROLL for (int r = 0; r < REP_TILE; ++r) {
-        float acc = 0.0f;
+        float s2 = 0.0f;
         TQ_UNROLL for (int s = 0; s < DS; ++s) {
-          acc += q_s[r * D + i * DS + s] * cv[s];
+          const float v = q_s[r * D + i * DS + s];
+          s2 += v * v;
         }
-        if (pass == 0) {
-          const float a = acc < 0.0f ? -acc : acc;
-          big[r] = a > big[r] ? a : big[r];
-        } else {
-          lut_s[t * REP_TILE + r] = lut_t(LUT_HALF ? acc * scale_s[r] : acc);
-        }
+        qn[r] = s2 > qn[r] ? s2 : qn[r];
       }
     }
-    if (pass == 0) {
-      const float b = tq_block_rows<REP_TILE, true>(big, red, tq_tid, tq_ntid);
-      if (tq_tid < REP_TILE) {
-        const int e = tq_pow2_exponent_above(b);  // b < 2^e
-        const int sh = (14 - e) < -100 ? -100 : ((14 - e) > 100 ? 100 : 14 - e);
-        scale_s[tq_tid] = tq_pow2(sh);
-        scale_s[REP_TILE + tq_tid] = tq_pow2(-sh);
+    const float cmax = tq_block_all<true>(cn, red, tq_tid, tq_ntid);
+    const float qmax = tq_block_rows<REP_TILE, true>(qn, red, tq_tid, tq_ntid);
+    if (tq_tid < REP_TILE) {
+      const int e = tq_pow2_exponent_above_sqrt(qmax * cmax);  // bound < 2^e
+      const int sh = (14 - e) < -100 ? -100 : ((14 - e) > 100 ? 100 : 14 - e);
+      scale_s[tq_tid] = tq_pow2(sh);
+      scale_s[REP_TILE + tq_tid] = tq_pow2(-sh);
+    }
+    TQ_BARRIER();
+  }
+  for (int t = tq_tid; t < G * C; t += tq_ntid) {
+    const int i = t / C;
+    const int k = t - i * C;
+    const int64_t cb_row = ((int64_t(h) * GC + (GC == 1 ? 0 : i)) * C + k) * DS;
+    float cv[DS];
+    TQ_UNROLL for (int s = 0; s < DS; ++s) {
+      cv[s] = codebook[cb_row + s];
+    }
+    TQ_UNROLL for (int r = 0; r < REP_TILE; ++r) {
+      float acc = 0.0f;
+      TQ_UNROLL for (int s = 0; s < DS; ++s) {
+        acc += q_s[r * D + i * DS + s] * cv[s];
       }
-      TQ_BARRIER();
+      lut_s[t * REP_TILE + r] = lut_t(LUT_HALF ? acc * scale_s[r] : acc);
     }
   }
 }

@@ -20,3 +20,10 @@ TQ_DEVICE_FN int tq_pow2_exponent_above(const float b) {
 TQ_DEVICE_FN float tq_pow2(const int k) {
   return tq_as_float(uint32_t(k + 127) << 23);
 }
+
+// The smallest e with sqrt(x) < 2^e, for finite x >= 2^-126 (from x's exponent alone: no
+// square root); -63 for zero and subnormals.
+TQ_DEVICE_FN int tq_pow2_exponent_above_sqrt(const float x) {
+  const int e2 = tq_pow2_exponent_above(x);  // x < 2^e2, so sqrt(x) < 2^(e2 / 2)
+  return e2 / 2 + ((e2 / 2) * 2 < e2 ? 1 : 0);  // ceil(e2 / 2)
+}

@@ -13,6 +13,7 @@ against a stub of MLX's device header.
 
 from __future__ import annotations
 
+import math
 import shutil
 import subprocess
 import tempfile
@@ -451,6 +452,10 @@ int main(int argc, char** argv) {
   for (int k = -126; k <= 127; ++k) {
     std::printf("%08x\n", tq_as_uint(tq_pow2(k)));
   }
+  for (int i = 1; i < argc; ++i) {
+    uint32_t bits = uint32_t(std::strtoul(argv[i], nullptr, 16));
+    std::printf("%d\n", tq_pow2_exponent_above_sqrt(tq_as_float(bits)));
+  }
   return 0;
 }
 """
@@ -476,11 +481,22 @@ def test_table_scale_helpers_match_python():
             assert e == -126, (v, e)
         else:
             assert 2.0 ** (e - 1) <= v < 2.0**e, (v, e)  # the smallest e with v < 2^e
-    pows = np.array([int(x, 16) for x in lines[len(values):]], np.uint32).view(np.float32)
+    pows = np.array([int(x, 16) for x in lines[len(values):len(values) + 254]],
+                    np.uint32).view(np.float32)
     np.testing.assert_array_equal(pows.astype(np.float64), 2.0 ** np.arange(-126, 128))
-    # The kernel's rule, sh = clamp(14 - e, -100, 100): the largest entry scaled lands in
-    # [2^13, 2^14), inside float16's range, for magnitudes 2^-86 .. 2^114.
-    for v, e in zip(values.astype(np.float64), exps):
+    roots = [int(x) for x in lines[len(values) + 254:]]
+    assert len(roots) == len(values)
+    for v, e in zip(values.astype(np.float64), roots):
+        if v < 2.0**-126:
+            assert e == -63, (v, e)
+        else:
+            assert 2.0 ** (e - 1) <= math.sqrt(v) < 2.0**e, (v, e)  # the smallest such e
+    # The kernel's rule, sh = clamp(14 - e, -100, 100), e from a bound b on a head's entries
+    # (tq_pow2_exponent_above_sqrt of b^2): b scaled lands in [2^13, 2^14), inside float16's
+    # range, and so does every entry below it, wherever b^2 is a normal float (b from 2^-63
+    # to 2^64); below that the scale is 2^77 and b * 2^77 < 2^14.
+    for v, e in zip(values.astype(np.float64), roots):
         sh = min(100, max(-100, 14 - e))
-        if 2.0**-86 <= v < 2.0**114:
-            assert 2.0**13 <= v * 2.0**sh < 2.0**14 <= 65504.0
+        assert math.sqrt(v) * 2.0**sh < 2.0**14
+        if v >= 2.0**-126:
+            assert 2.0**13 <= math.sqrt(v) * 2.0**sh < 2.0**14 <= 65504.0
