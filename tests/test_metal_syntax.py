@@ -14,6 +14,7 @@ against a stub of MLX's device header.
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import subprocess
 import tempfile
@@ -283,14 +284,19 @@ def _gxx(text: str, workdir: Path, label: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
-def _nvcc(text: str, workdir: Path, label: str) -> subprocess.CompletedProcess:
+def _cuda_file(text: str, workdir: Path, label: str) -> list[str]:
+    """Write the kernel and the MLX header stub; the nvcc arguments that compile it."""
     inc = workdir / "include" / "mlx" / "backend" / "cuda" / "device"
     inc.mkdir(parents=True, exist_ok=True)
     (inc / "utils.cuh").write_text(CUDA_UTILS_STUB)
     path = workdir / f"{label}.cu"
     path.write_text(text)
-    cmd = ["nvcc", "-std=c++17", "--ptx", "-arch=sm_80", "-I", str(workdir / "include")]
-    cmd += ["-o", str(workdir / f"{label}.ptx"), str(path)]
+    return ["nvcc", "-std=c++17", "-I", str(workdir / "include"), str(path)]
+
+
+def _nvcc(text: str, workdir: Path, label: str) -> subprocess.CompletedProcess:
+    cmd = _cuda_file(text, workdir, label)
+    cmd += ["--ptx", "-arch=sm_80", "-o", str(workdir / f"{label}.ptx")]
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
@@ -366,17 +372,10 @@ def test_cuda_checker_rejects_broken_body():
 
 def _ptxas_registers(text: str, workdir: Path, label: str) -> int:
     """Registers per thread that ptxas gives the kernel for sm_90 (what an H100 runs)."""
-    inc = workdir / "include" / "mlx" / "backend" / "cuda" / "device"
-    inc.mkdir(parents=True, exist_ok=True)
-    (inc / "utils.cuh").write_text(CUDA_UTILS_STUB)
-    path = workdir / f"{label}.cu"
-    path.write_text(text)
-    cmd = ["nvcc", "-std=c++17", "-cubin", "-arch=sm_90", "-Xptxas", "-v",
-           "-I", str(workdir / "include"), "-o", str(workdir / f"{label}.cubin"), str(path)]
+    cmd = _cuda_file(text, workdir, label)
+    cmd += ["-cubin", "-arch=sm_90", "-Xptxas", "-v", "-o", str(workdir / f"{label}.cubin")]
     out = subprocess.run(cmd, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    import re
-
     found = re.findall(r"Used (\d+) registers", out.stderr)
     assert len(found) == 1, out.stderr
     return int(found[0])
@@ -416,8 +415,6 @@ def test_cuda_launches_fit_the_register_file(monkeypatch, limit):
 
 def test_preludes_define_the_same_dialect():
     """Both preludes give the bodies the same macros, helpers and thread-index names."""
-    import re
-
     from tiered.metal._build import prelude
 
     names = {}
