@@ -446,12 +446,14 @@ class CompressedLayer:
         H, n = self.H, self.n
         Hq, rep, q, s_r = self._decode_start(queries, scale)
         z = self.keys.scores(q, n, rep)
-        # Resident tokens take their exact scores (scatter into a spare column for empty slots).
+        # Resident tokens take their exact scores (scatter into a spare column n for empty
+        # slots). z keeps that column: the selection reads only the first n, and slicing it off
+        # would copy all of z for the row-contiguous kernels.
         R = self.R
         tok = mx.repeat(self.res_tok, rep, axis=0)  # (Hq, R)
         cols = mx.where(tok >= 0, tok, n)
         zp = mx.concatenate([z, mx.zeros((Hq, 1), mx.float32)], axis=1)
-        z = mx.put_along_axis(zp, cols, s_r.reshape(Hq, R), axis=1)[:, :n]
+        z = mx.put_along_axis(zp, cols, s_r.reshape(Hq, R), axis=1)  # (Hq, n + 1)
         cap, floor = self._cap(n)
         sel = metal.tau_select(z, n, self.flags, cfg.tau, cap, floor,
                                with_stats=True)
@@ -475,7 +477,7 @@ class CompressedLayer:
         o_r, lse_r = self._resident_partial(s_r)
         lazy = [o_r, lse_r]
         if self.acc is not None:
-            p = mx.exp(z - sel.m[:, None]) / sel.s[:, None]
+            p = mx.exp(z[:, :n] - sel.m[:, None]) / sel.s[:, None]
             a = cfg.ema_alpha
             self.acc[:, :n] = a * self.acc[:, :n] + (1 - a) * p.reshape(H, rep, n).mean(axis=1)
             lazy.append(self.acc)
