@@ -122,9 +122,9 @@ _PROFILER = {}
 def device_profile(fn, *, reps: int) -> dict | None:
     """Device time per call from CUPTI's kernel records, through torch.profiler (CUDA only):
     ``device_ms`` the summed durations of the kernels, fills and copies one call runs (GPU
-    busy time, no host time), ``launches`` how many there are per call and ``names`` the
-    most frequent ones. None where torch or its profiler is missing or records nothing (the
-    reason is printed once)."""
+    busy time, no host time), ``launches`` how many there are per call, ``names`` the
+    most frequent ones and ``name_ms`` the device ms per call of the busiest ones. None
+    where torch or its profiler is missing or records nothing (the reason is printed once)."""
     if "error" in _PROFILER:
         return None
     try:
@@ -151,9 +151,13 @@ def device_profile(fn, *, reps: int) -> dict | None:
         print("device time: " + _PROFILER["error"], flush=True)
         return None
     names = Counter(e["name"][:60] for e in dev)
-    return {"device_ms": sum(float(e["dur"]) for e in dev) / reps / 1e3,
+    busy = Counter()
+    for e in dev:
+        busy[e["name"][:60]] += float(e["dur"])
+    return {"device_ms": sum(busy.values()) / reps / 1e3,
             "launches": len(dev) / reps,
-            "names": {k: v / reps for k, v in names.most_common(8)}}
+            "names": {k: v / reps for k, v in names.most_common(8)},
+            "name_ms": {k: v / reps / 1e3 for k, v in busy.most_common(8)}}
 
 
 def rotating(make, count: int):
@@ -381,6 +385,13 @@ def main(argv=None):
           + md_table(["tokens", "kernel", "ms", "ms synced", "ms pipelined", "ms device",
                       "launches", "GB/s", "of copy bw / speed-up (ms, pipelined, device)",
                       "rel. error vs reference"], table))
+    split = [[r["n"], r["kernel"].strip(), name, f"{ms:.4f}", _fmt(r["names"].get(name), 1)]
+             for r in rows if r.get("launches", 0) > 1 for name, ms in r["name_ms"].items()]
+    if split:
+        md += ("\n## Device time by launch\n\nFor the rows of more than one launch: device ms "
+               "per call of each kernel, fill or copy (CUPTI names, cut at 60 characters), "
+               "and how many of it one call runs.\n\n"
+               + md_table(["tokens", "row", "launch", "device ms", "per call"], split))
     md += f"\n![kernels]({args.name}.png)\n"
     paths = write_results(args.name, {"machine": info, "backend": backend, "copy_gbs": bw,
                                       "batch": args.batch,
