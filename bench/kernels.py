@@ -296,22 +296,22 @@ def breakdown(row, q, codebook, codes, n, exclude, backend):
 
     z, zmax, _ = metal.codebook.codebook_scores_and_max(q, codebook, codes, n, rep=REP,
                                                         backend=backend)
-    hist_p, keys_p, bcount_p, compact_p = tm.select_launches(z, n, exclude, zmax, 0.9, 2048, 32,
-                                                             2048, backend=backend)
-    hist, m = launch(tm.HIST_SPEC, backend, hist_p)
-    keys_plan = keys_p(hist, m)
-    code, lhist, counts, s, _ = launch(tm.KEYS_SPEC, backend, keys_plan)
-    bcount_plan = bcount_p(code, lhist, counts)
-    (bcount,) = launch(tm.BCOUNT_SPEC, backend, bcount_plan)
-    compact_plan = compact_p(code, lhist, counts, bcount, m, s)
+    hist_p, theta_p, keys_p, compact_p = tm.select_launches(z, n, exclude, zmax, 0.9, 2048,
+                                                            32, 2048, backend=backend)
+    (hist,) = launch(tm.HIST_SPEC, backend, hist_p)
+    theta_plan = theta_p(hist)
+    m, s, theta = launch(tm.THETA_SPEC, backend, theta_plan)
+    keys_plan = keys_p(m, s, theta)
+    code, lhist, counts = launch(tm.KEYS_SPEC, backend, keys_plan)
+    compact_plan = compact_p(code, lhist, counts, m, s)
     idx = launch(tm.COMPACT_SPEC, backend, compact_plan)[0]
-    mx.eval(z, zmax, hist, m, code, lhist, counts, s, bcount, idx)
+    mx.eval(z, zmax, hist, m, s, theta, code, lhist, counts, idx)
     row("  selection pass 1: mass histogram", lambda: launch(tm.HIST_SPEC, backend, hist_p)[0],
         HQ * n * 4)
-    row("  selection pass 2: thresholds, keys, rank histogram",
+    row("  selection pass 1b: thresholds per query head",
+        lambda: launch(tm.THETA_SPEC, backend, theta_plan)[0], HQ * tm.SELECT_BINS[backend] * 8)
+    row("  selection pass 2: keys, rank histograms per chunk",
         lambda: launch(tm.KEYS_SPEC, backend, keys_plan)[0], HQ * n * 4 + H * n * 4)
-    row("  selection pass 3a: boundary-bin counts per chunk",
-        lambda: launch(tm.BCOUNT_SPEC, backend, bcount_plan)[0], H * n * 4)
     row("  selection pass 3: capped compaction",
         lambda: launch(tm.COMPACT_SPEC, backend, compact_plan)[0], H * n * 4)
     if backend == "cuda":

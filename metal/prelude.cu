@@ -88,6 +88,10 @@ __device__ inline uint32_t tq_as_uint(float x) {
   return __float_as_uint(x);
 }
 
+__device__ inline int tq_popcount(uint32_t x) {
+  return __popc(x);
+}
+
 // 16-bit floats in shared tables (scale_common.h), and 4 consecutive table entries as a float4
 // with one 16-byte (float) or 8-byte (half) shared-memory load.
 typedef __half tq_half;

@@ -8,8 +8,8 @@
 // Every body may use: TQ_SIMD, TQ_BARRIER(), TQ_SHARED(type, name, count) (static
 // threadgroup array), TQ_SHARED_LUT(type, name, count) (the one large array of a kernel:
 // static here, dynamic shared memory on CUDA), TQ_UNROLL, TQ_INF, the helpers tq_exp, tq_log,
-// tq_as_float / tq_as_uint (bit casts), tq_float4, tq_warp_sum, tq_warp_max, tq_warp_min,
-// tq_warp_prefix_sum (inclusive), vector loads TQ_LOAD_UINT4 / TQ_SHARED_FLOAT4, the 16-bit
+// tq_as_float / tq_as_uint (bit casts), tq_popcount, tq_float4, tq_warp_sum, tq_warp_max,
+// tq_warp_min, tq_warp_prefix_sum (inclusive), vector loads TQ_LOAD_UINT4 / TQ_SHARED_FLOAT4, the 16-bit
 // float tq_half and tq_shared_load4 (4 float or tq_half entries of a shared table as a
 // float4), atomics (TQ_ATOMIC_ADD_*, TQ_SHARED_ATOMIC_*, TQ_ATOMIC_LOAD/STORE), 64-bit sums
 // (tq_u64, TQ_SHARED_ATOMIC_U64, tq_shared_zero/add/load_u64, tq_global_add_u64), the type
@@ -100,6 +100,10 @@ inline float tq_as_float(uint32_t bits) {
 
 inline uint32_t tq_as_uint(float x) {
   return as_type<uint32_t>(x);
+}
+
+inline int tq_popcount(uint32_t x) {
+  return int(metal::popcount(x));
 }
 
 // 16-bit floats in shared tables (scale_common.h), and 4 consecutive table entries as a float4

@@ -1,11 +1,11 @@
-// Shared by the selection passes (tau_hist.h, tau_keys.h, tau_bcount.h, tau_compact.h); goes
-// into the kernel header.
+// Shared by the selection passes (tau_hist.h, tau_keys.h, tau_compact.h); goes into the kernel
+// header.
 //
 // Determinism: every sum that decides which tokens are selected is order-independent, so a
 // selection is the same in every run (the overlap scheduler's results must not depend on how
 // many workers ran or how the GPU scheduled its threads). Softmax masses are histogrammed in
 // fixed point (tq_mass_fixed: 2^36 per unit, exact integer atomics), token counts are integers,
-// and the tokens of the cap's boundary bin are taken in index order (tau_bcount.h).
+// and the tokens of the cap's boundary bin are taken in index order (tau_compact.h).
 
 // exp(v - m) in (0, 1] as a fixed-point integer (2^36 per unit; below 1.5e-11 rounds to 0).
 // Sums of up to 2^28 tokens fit 64 bits.
@@ -115,42 +115,14 @@ TQ_DEVICE_FN tq_bound tq_boundary(
 }
 
 
-// The cap's boundary in one kv head's lmax ranking (passes 3a and 3 both need it): the cap
-// plan from pass 2's class counts, and the bin of the boundary class's lmax histogram (row
-// (h, 0) kept, (h, 1) allowed but not kept) where the ranked count reaches the cap plan's
-// target. bstar = -1 when no bin is cut (target 0, or not reached). Every thread of the
-// threadgroup must call it (barriers); lh_f (NL floats) and scratch (32) are shared memory.
-// The class counts come by value: Metal passes an input of under 8 elements (counts, for a
-// few kv heads) in the constant address space, which a device pointer cannot take.
+// The cap's boundary in one kv head's lmax ranking (pass 3): the cap plan from pass 2's class
+// counts, the boundary class's histogram scan (tq_boundary with target cp.target), and the
+// boundary bin, -1 when no bin is cut (target 0, or not reached).
 struct tq_cut {
   tq_cap cp;
   tq_bound bd;
   int bstar;
 };
-
-TQ_DEVICE_FN tq_cut tq_cap_boundary(
-    const TQ_GLOBAL uint32_t* lhist,
-    const int n_keep,
-    const int n_allowed,
-    const int h,
-    const int nl,
-    const int floor_,
-    const int cap,
-    TQ_TG float* lh_f,
-    TQ_TG float* scratch,
-    const int tid,
-    const int ntid) {
-  tq_cut out;
-  out.cp = tq_cap_plan(n_keep, n_allowed, floor_, cap);
-  const int64_t hrow = (int64_t(h) * 2 + (out.cp.bcls == 2 ? 0 : 1)) * nl;
-  for (int b = tid; b < nl; b += ntid) {
-    lh_f[b] = float(lhist[hrow + b]);
-  }
-  TQ_BARRIER();
-  out.bd = tq_boundary(lh_f, nl, 0.0f, float(out.cp.target), scratch, tid, ntid);
-  out.bstar = (out.cp.target > 0 && out.bd.found) ? out.bd.bin : -1;
-  return out;
-}
 
 // Where a token of pass 2's code (class << 16 | lmax bin) falls against the cap's boundary:
 // 1 ranked above the boundary bin (selected), 0 in the boundary bin (selected up to the cap in

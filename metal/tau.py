@@ -134,32 +134,32 @@ class Selection(NamedTuple):
     theta: mx.array | None = None
 
 
-# The fused selection (four passes: tau_hist.h, tau_keys.h, tau_bcount.h, tau_compact.h).
+# The fused selection (passes: tau_hist.h, tau_theta.h, tau_keys.h, tau_compact.h).
 SELECT_BINS = {"metal": 2048, "cuda": 4096}  # mass bins (Metal: 32 KB of threadgroup memory)
 LMAX_BINS = 2048  # bins of the cap ranking
 SELECT_THREADS = {"metal": 256, "cuda": 1024}
 SELECT_GROUPS = 256  # threadgroups per pass when n is large
+SELECT_CHUNKS = 32  # most chunks per kv head in passes 2 and 3
 SPAN_T = 32.0  # logits below the max that the mass histogram resolves (exp(-32) ~ 1e-14)
 SPAN_L = 32.0  # logits of max-over-heads log-probability that the cap ranking resolves
+SELECT_MAX_TOKENS = 2**24  # the passes count tokens in float32 (exact below this); above: MLX ops
 HIST_SPEC = KernelSpec(
     name="tiered_tau_hist", body="tau_hist.h", input_names=("z", "zmax", "params", "fparams"),
-    output_names=("hist", "m_out"), atomic_outputs=True,
+    output_names=("hist",), atomic_outputs=True,
     headers=("reduce_common.h", "select_common.h"),
+)
+THETA_SPEC = KernelSpec(
+    name="tiered_tau_theta", body="tau_theta.h", input_names=("hist", "zmax", "params", "fparams"),
+    output_names=("m_out", "s_out", "theta_out"), headers=("reduce_common.h", "select_common.h"),
 )
 KEYS_SPEC = KernelSpec(
     name="tiered_tau_keys", body="tau_keys.h",
-    input_names=("z", "hist", "m", "exclude", "params", "fparams"),
-    output_names=("code", "lhist", "counts", "s_out", "theta_out"), atomic_outputs=True,
-    headers=("select_common.h",),
-)
-BCOUNT_SPEC = KernelSpec(
-    name="tiered_tau_bcount", body="tau_bcount.h",
-    input_names=("code", "lhist", "counts", "params"), output_names=("bcount",),
-    headers=("reduce_common.h", "select_common.h"),
+    input_names=("z", "m", "s", "theta", "exclude", "params", "fparams"),
+    output_names=("code", "lhist", "counts"), headers=("select_common.h",),
 )
 COMPACT_SPEC = KernelSpec(
     name="tiered_tau_compact", body="tau_compact.h",
-    input_names=("code", "lhist", "counts", "bcount", "z", "m", "s", "params"),
+    input_names=("code", "lhist", "counts", "z", "m", "s", "params"),
     output_names=("idx", "count", "mass"), atomic_outputs=True,
     headers=("reduce_common.h", "select_common.h"),
 )
@@ -171,45 +171,48 @@ def select_bin_widths(backend: str) -> tuple[float, float]:
 
 
 def select_launches(z, n, exclude, zmax, tau, cap, floor, cap_alloc, *, backend):
-    """Launch plans of the passes 1, 2, 3a and 3 (the later ones take earlier outputs as
-    inputs, so they are returned as functions of those)."""
+    """Launch plans of the passes 1, 1b, 2 and 3 (the later ones take earlier outputs as
+    inputs, so they are returned as functions of those). Only pass 1's output is zero-filled
+    (it sums with atomics); the other passes write every element of theirs."""
     hq, n_total = z.shape
     h, e = exclude.shape
     rep = hq // h
     nb = SELECT_BINS[backend]
     threads = SELECT_THREADS[backend]
+    m_blocks = zmax.shape[1]
     chunk_q, blocks_q = token_blocks(n, threads, rows=hq, min_block=threads,
                                      target_groups=SELECT_GROUPS)
-    chunk_h, blocks_h = token_blocks(n, threads, rows=h, min_block=threads,
-                                     target_groups=SELECT_GROUPS)
+    # At most SELECT_CHUNKS chunks per kv head: every threadgroup of pass 3 sums the lmax
+    # histograms of all the chunks of its head.
+    chunk_h, blocks_h = token_blocks(n, threads, rows=max(h, SELECT_GROUPS // SELECT_CHUNKS),
+                                     min_block=threads, target_groups=SELECT_GROUPS)
     hist = Launch(
-        inputs=[z, zmax, device_ints(n, n_total, zmax.shape[1], chunk_q), device_floats(SPAN_T)],
+        inputs=[z, zmax, device_ints(n, n_total, m_blocks, chunk_q), device_floats(SPAN_T)],
         template=[("NB", nb)], grid=(blocks_q * threads, hq, 1), threadgroup=(threads, 1, 1),
-        output_shapes=[(hq, nb, 2), (hq,)], output_dtypes=[mx.uint32, mx.float32], init_value=0,
+        output_shapes=[(hq, nb, 2)], output_dtypes=[mx.uint32], init_value=0,
     )
 
-    def keys(hist_out, m):
+    def theta(hist_out):
         return Launch(
-            inputs=[z, hist_out, m, exclude, device_ints(n, n_total, e, chunk_h),
-                    device_floats(tau, SPAN_T, SPAN_L)],
-            template=[("NB", nb), ("NL", LMAX_BINS), ("REP", rep), ("ET", exclude.dtype)],
-            grid=(blocks_h * threads, h, 1), threadgroup=(threads, 1, 1),
-            output_shapes=[(h, n), (h, 2, LMAX_BINS), (h, 2), (hq,), (hq,)],
-            output_dtypes=[mx.uint32, mx.uint32, mx.uint32, mx.float32, mx.float32],
-            init_value=0,
+            inputs=[hist_out, zmax, device_ints(m_blocks), device_floats(tau, SPAN_T)],
+            template=[("NB", nb)], grid=(threads, hq, 1), threadgroup=(threads, 1, 1),
+            output_shapes=[(hq,), (hq,), (hq,)],
+            output_dtypes=[mx.float32, mx.float32, mx.float32],
         )
 
-    def bcount(code, lhist, counts):
+    def keys(m, s, theta_out):
         return Launch(
-            inputs=[code, lhist, counts, device_ints(n, cap, floor, chunk_h, blocks_h)],
-            template=[("NL", LMAX_BINS)],
+            inputs=[z, m, s, theta_out, exclude, device_ints(n, n_total, e, chunk_h, blocks_h),
+                    device_floats(SPAN_L)],
+            template=[("NL", LMAX_BINS), ("REP", rep), ("ET", exclude.dtype)],
             grid=(blocks_h * threads, h, 1), threadgroup=(threads, 1, 1),
-            output_shapes=[(h, blocks_h, 2)], output_dtypes=[mx.uint32],
+            output_shapes=[(h, n), (h, blocks_h, 2, LMAX_BINS), (h, blocks_h, 2)],
+            output_dtypes=[mx.uint32, mx.uint32, mx.uint32],
         )
 
-    def compact(code, lhist, counts, bcount_out, m, s):
+    def compact(code, lhist, counts, m, s):
         return Launch(
-            inputs=[code, lhist, counts, bcount_out, z, m, s,
+            inputs=[code, lhist, counts, z, m, s,
                     device_ints(n, n_total, cap, floor, cap_alloc, chunk_h, blocks_h)],
             template=[("NL", LMAX_BINS), ("REP", rep)],
             grid=(blocks_h * threads, h, 1), threadgroup=(threads, 1, 1),
@@ -217,7 +220,7 @@ def select_launches(z, n, exclude, zmax, tau, cap, floor, cap_alloc, *, backend)
             output_dtypes=[mx.uint32, mx.int32, mx.float32],  # every element written
         )
 
-    return hist, keys, bcount, compact
+    return hist, theta, keys, compact
 
 
 def tau_select_fused(z, n, exclude, tau, cap, floor, cap_alloc, *, backend, zmax=None):
@@ -229,13 +232,12 @@ def tau_select_fused(z, n, exclude, tau, cap, floor, cap_alloc, *, backend, zmax
         zmax = z[:, :n].max(axis=1, keepdims=True)
     if exclude.dtype not in (mx.bool_, mx.uint8):
         exclude = exclude.astype(mx.uint8)
-    hist_plan, keys_plan, bcount_plan, compact_plan = select_launches(
+    hist_plan, theta_plan, keys_plan, compact_plan = select_launches(
         z, n, exclude, zmax, tau, cap, floor, cap_alloc, backend=backend)
-    hist, m = launch(HIST_SPEC, backend, hist_plan)
-    code, lhist, counts, s, theta = launch(KEYS_SPEC, backend, keys_plan(hist, m))
-    (bcount,) = launch(BCOUNT_SPEC, backend, bcount_plan(code, lhist, counts))
-    idx, count, mass = launch(COMPACT_SPEC, backend,
-                              compact_plan(code, lhist, counts, bcount, m, s))
+    (hist,) = launch(HIST_SPEC, backend, hist_plan)
+    m, s, theta = launch(THETA_SPEC, backend, theta_plan(hist))
+    code, lhist, counts = launch(KEYS_SPEC, backend, keys_plan(m, s, theta))
+    idx, count, mass = launch(COMPACT_SPEC, backend, compact_plan(code, lhist, counts, m, s))
     mass = mass.sum(axis=1)
     idx = idx.view(mx.int32)  # ascending; the 0xffffffff padding reads as -1
     return Selection(idx, count, m, s, mass, theta)
@@ -269,7 +271,7 @@ def tau_select(
     the tokens with the largest max-over-heads probability stay; under floor, the most
     probable other non-excluded tokens are added (count <= non-excluded tokens).
     Where it runs: on a Metal or CUDA device (use_kernel None/True), four kernel passes
-    (tau_hist.h, tau_keys.h, tau_bcount.h, tau_compact.h) and no sort. Their thresholds sit
+    (tau_hist.h, tau_theta.h, tau_keys.h, tau_compact.h) and no sort. Their thresholds sit
     up to 1.5 bins of SPAN_T / SELECT_BINS logits below the exact ones (a hair more kept),
     and over cap the ranking by max-over-heads probability is exact to one bin of SPAN_L /
     LMAX_BINS logits (ties within that bin go to the lower token index);
@@ -277,7 +279,8 @@ def tau_select(
     result is the same in every run: masses are summed in fixed point, ties by index.
     zmax (Hq, M): maxima of blocks of z (the codebook kernel's second output) save a
     reduction. Elsewhere, lazy MLX ops (sort-based reference threshold, argpartition over n;
-    exact ties in probability at the cap broken arbitrarily).
+    exact ties in probability at the cap broken arbitrarily); also from SELECT_MAX_TOKENS tokens
+    up, where the kernels' float32 token counts would stop being exact.
     No host synchronisation either way.
     """
     hq = z.shape[0]
@@ -305,7 +308,7 @@ def tau_select(
         return Selection(idx, count, mx.full((hq,), -math.inf, dtype=mx.float32), empty, empty)
     _check(z, n, tau)
     backend = resolve_backend(use_kernel, "tau_select")
-    if backend is not None:
+    if backend is not None and n < SELECT_MAX_TOKENS:
         sel = tau_select_fused(z.astype(mx.float32), n, exclude, tau, cap, floor, cap_alloc,
                                backend=backend, zmax=zmax)
         return sel if with_stats else (sel.idx, sel.count)

@@ -11,9 +11,9 @@
 //   zmax    float   (Hq, M)     maxima of blocks of z (any partition of the n columns)
 //   params  int32_t [n, N, M, chunk]
 //   fparams float   [span]
-// Outputs (zero-filled by the launch; atomic on Metal):
+// Output (zero-filled by the launch; atomic on Metal):
 //   hist    uint32_t (Hq, NB, 2) fixed-point sums as (lo, hi) pairs (tq_mass_float reads them)
-//   m_out   float   (Hq,)
+// (pass 2 reduces the same zmax row to the same m: a maximum does not depend on the order.)
 // Template constants: NB (bins).
 // Grid: x = chunks of `chunk` tokens (tq_bx), y = query head (tq_by).
 const int n = params[0];
@@ -39,11 +39,21 @@ const float inv_w = float(NB) / span;
 const int j_begin = tq_bx * chunk;
 const int j_end = (j_begin + chunk < n) ? j_begin + chunk : n;
 const int64_t row = int64_t(qh) * N;
-for (int j = j_begin + tq_tid; j < j_end; j += tq_ntid) {
-  const float v = z[row + j];
-  const float pos = (m - v) * inv_w;
-  const int b = pos >= float(NB - 1) ? NB - 1 : (pos > 0.0f ? int(pos) : 0);
-  tq_shared_add_u64(hist_s, b, tq_mass_fixed(tq_exp(v - m)));
+constexpr int U = 8;  // tokens per thread whose loads are issued before any is used
+for (int j0 = j_begin + tq_tid; j0 < j_end; j0 += U * tq_ntid) {
+  float vs[U];
+  TQ_UNROLL for (int u = 0; u < U; ++u) {
+    const int j = j0 + u * tq_ntid;
+    vs[u] = j < j_end ? z[row + j] : -TQ_INF;
+  }
+  TQ_UNROLL for (int u = 0; u < U; ++u) {
+    if (j0 + u * tq_ntid < j_end) {
+      const float v = vs[u];
+      const float pos = (m - v) * inv_w;
+      const int b = pos >= float(NB - 1) ? NB - 1 : (pos > 0.0f ? int(pos) : 0);
+      tq_shared_add_u64(hist_s, b, tq_mass_fixed(tq_exp(v - m)));
+    }
+  }
 }
 TQ_BARRIER();
 for (int b = tq_tid; b < NB; b += tq_ntid) {
@@ -51,7 +61,4 @@ for (int b = tq_tid; b < NB; b += tq_ntid) {
   if (e != 0) {
     tq_global_add_u64(hist, int64_t(qh) * NB + b, e);
   }
-}
-if (tq_bx == 0 && tq_tid == 0) {
-  TQ_ATOMIC_STORE(m_out, qh, m);
 }

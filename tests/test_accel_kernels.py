@@ -513,6 +513,25 @@ def test_tau_select_kernel_follows_rule(n, rep, cap, floor, tau, exclude_dtype):
 
 @pytest.mark.accelerator
 @needs_accel
+def test_tau_select_kernel_hands_over_to_mlx_ops_beyond_float_counts(monkeypatch):
+    """From SELECT_MAX_TOKENS tokens (2^24: the passes count in float32) the selection runs
+    as MLX ops: the same result as use_kernel=False, and no kernel threshold."""
+    import tiered.metal.tau as tm
+
+    monkeypatch.setattr(tm, "SELECT_MAX_TOKENS", 4000)
+    z = make_scores(8, 4099, 4100, seed=3)
+    exclude = mx.zeros((2, 4099), dtype=mx.bool_)
+    a = tau_select(z, 4099, exclude, 0.9, 64, 8, with_stats=True, use_kernel=True)
+    b = tau_select(z, 4099, exclude, 0.9, 64, 8, with_stats=True, use_kernel=False)
+    assert a.theta is None
+    for x, y in [(a.idx, b.idx), (a.count, b.count), (a.m, b.m), (a.s, b.s)]:
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    c = tau_select(z, 3999, exclude, 0.9, 64, 8, with_stats=True, use_kernel=True)
+    assert c.theta is not None  # below the limit: the kernels
+
+
+@pytest.mark.accelerator
+@needs_accel
 def test_tau_select_kernel_takes_codebook_block_maxima():
     """Passing the codebook kernel's block maxima gives the same selection as without."""
     q, cb, codes = make_codebook_case(h=2, rep=4, d=128, ds=4, c=256, n=20000, n_cap=20010,

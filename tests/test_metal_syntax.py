@@ -28,7 +28,7 @@ import pytest
 from tiered.metal._build import KernelSpec
 from tiered.metal.affine import AFFINE_SPEC, affine_launch
 from tiered.metal.codebook import CODEBOOK_SPEC, codebook_launch
-from tiered.metal.tau import (BCOUNT_SPEC, COMPACT_SPEC, HIST_SPEC, KEYS_SPEC, LMAX_BINS, TAU_SPEC,
+from tiered.metal.tau import (COMPACT_SPEC, HIST_SPEC, KEYS_SPEC, LMAX_BINS, TAU_SPEC, THETA_SPEC,
                               select_launches, tau_launch)
 
 METAL_TYPES = {
@@ -109,6 +109,7 @@ bool isinf(float x);
 bool isfinite(float x);
 template <typename T> T abs(T x);
 template <typename T, typename U> T as_type(U x);
+template <typename T> T popcount(T x);
 template <typename T> T min(T a, T b);
 template <typename T> T max(T a, T b);
 template <typename T> T clamp(T x, T lo, T hi);
@@ -262,17 +263,17 @@ def _plans(backend: str):
     for rep, ex_dtype in [(4, mx.bool_), (1, mx.uint8), (8, mx.bool_)]:
         z = mx.zeros((2 * rep, 40))
         ex = mx.zeros((2, 40), dtype=ex_dtype)
-        hist, keys, bcount, compact = select_launches(z, 33, ex, mx.zeros((2 * rep, 3)), 0.9,
-                                                      16, 4, 16, backend=backend)
+        hist, theta, keys, compact = select_launches(z, 33, ex, mx.zeros((2 * rep, 3)), 0.9,
+                                                     16, 4, 16, backend=backend)
         hq, nb = 2 * rep, hist.output_shapes[0][1]
-        f, u = mx.zeros((hq,)), mx.zeros((2, 2), dtype=mx.uint32)
-        code, lh = mx.zeros((2, 33), dtype=mx.uint32), mx.zeros((2, 2, LMAX_BINS), dtype=mx.uint32)
+        f, u = mx.zeros((hq,)), mx.zeros((2, 1, 2), dtype=mx.uint32)
+        code = mx.zeros((2, 33), dtype=mx.uint32)
+        lh = mx.zeros((2, 1, 2, LMAX_BINS), dtype=mx.uint32)
         out.append((f"tau-hist-rep{rep}", HIST_SPEC, hist))
-        out.append((f"tau-keys-rep{rep}-{ex_dtype}", KEYS_SPEC,
-                    keys(mx.zeros((hq, nb, 2), dtype=mx.uint32), f)))
-        out.append((f"tau-bcount-rep{rep}", BCOUNT_SPEC, bcount(code, lh, u)))
-        out.append((f"tau-compact-rep{rep}", COMPACT_SPEC,
-                    compact(code, lh, u, mx.zeros((2, 1, 2), dtype=mx.uint32), f, f)))
+        out.append((f"tau-theta-rep{rep}", THETA_SPEC,
+                    theta(mx.zeros((hq, nb, 2), dtype=mx.uint32))))
+        out.append((f"tau-keys-rep{rep}-{ex_dtype}", KEYS_SPEC, keys(f, f, f)))
+        out.append((f"tau-compact-rep{rep}", COMPACT_SPEC, compact(code, lh, u, f, f)))
     return out  # fmt: skip
 
 

@@ -1,0 +1,44 @@
+// Selection pass 1b: per query head, its softmax maximum, sum and tau-cumulative threshold
+// from pass 1's mass histogram (one threadgroup per head, so that pass 2's many threadgroups
+// per kv head only read three numbers per query head).
+//
+//   m = max z (from the block maxima zmax, as pass 1 reduces them); s = sum of the head's
+//   histogram; theta = the lower edge of the boundary bin (the bin at which the mass
+//   accumulated from the top reaches tau * s) minus half a bin, -inf for tau >= 1 or a
+//   boundary in the last bin.
+//
+// Inputs (names as in tau.py):
+//   hist    uint32_t (Hq, NB, 2) pass 1's fixed-point mass histogram (bin width span_t / NB)
+//   zmax    float   (Hq, M)     maxima of blocks of z (as given to pass 1)
+//   params  int32_t [M]
+//   fparams float   [tau, span_t]
+// Outputs (every element written):
+//   m_out, s_out, theta_out float (Hq,)
+// Template constants: NB.
+// Grid: y = query head, one threadgroup each.
+const int M = params[0];
+const float tau = fparams[0];
+const float span_t = fparams[1];
+const int qh = tq_by;
+
+TQ_SHARED(float, hist_f, NB);
+TQ_SHARED(float, scratch, 32);
+// The histogram's loads are issued before the maximum's reduction waits on its own.
+for (int b = tq_tid; b < NB; b += tq_ntid) {
+  const int64_t e = (int64_t(qh) * NB + b) * 2;
+  hist_f[b] = tq_mass_float(hist[e], hist[e + 1]);
+}
+float mm = -TQ_INF;
+for (int t = tq_tid; t < M; t += tq_ntid) {
+  const float v = zmax[int64_t(qh) * M + t];
+  mm = v > mm ? v : mm;
+}
+const float m = tq_block_all<true>(mm, scratch, tq_tid, tq_ntid);
+const tq_bound bd = tq_boundary(hist_f, NB, tau, 0.0f, scratch, tq_tid, tq_ntid);
+if (tq_tid == 0) {
+  const float w = span_t / float(NB);
+  const bool all = tau >= 1.0f || !bd.found || bd.bin >= NB - 1;
+  m_out[qh] = m;
+  s_out[qh] = bd.total;
+  theta_out[qh] = all ? -TQ_INF : m - (float(bd.bin) + 1.5f) * w;
+}
