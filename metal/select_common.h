@@ -1,5 +1,5 @@
-// Shared by the selection passes (tau_hist.h, tau_keys.h, tau_compact.h); goes into the kernel
-// header.
+// Shared by the selection passes (tau_hist.h, tau_theta.h, tau_keys.h, tau_compact.h); goes
+// into the kernel header.
 //
 // Determinism: every sum that decides which tokens are selected is order-independent, so a
 // selection is the same in every run (the overlap scheduler's results must not depend on how
