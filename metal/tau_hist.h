@@ -13,7 +13,7 @@
 //   fparams float   [span]
 // Output (zero-filled by the launch; atomic on Metal):
 //   hist    uint32_t (Hq, NB, 2) fixed-point sums as (lo, hi) pairs (tq_mass_float reads them)
-// (pass 2 reduces the same zmax row to the same m: a maximum does not depend on the order.)
+// (pass 1b reduces the same zmax row to the same m: a maximum does not depend on the order.)
 // Template constants: NB (bins).
 // Grid: x = chunks of `chunk` tokens (tq_bx), y = query head (tq_by).
 const int n = params[0];
