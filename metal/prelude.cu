@@ -31,42 +31,19 @@
 // Shared arrays updated atomically, and plain loads/stores of atomically updated arrays
 // (shared ones, and outputs, which Metal declares atomic in kernels that use atomics).
 #define TQ_SHARED_ATOMIC_F32(name, count) __shared__ float name[count]
-#define TQ_SHARED_ATOMIC_U32(name, count) __shared__ uint32_t name[count]
+#define TQ_SHARED_ATOMIC_U32(name, count) __shared__ TQ_ATOMIC_U32 name[count]
+#define TQ_ATOMIC_U32 uint32_t  // element type of those arrays (Metal: atomic_uint)
 #define TQ_ATOMIC_LOAD(ptr, i) ((ptr)[(i)])
 #define TQ_ATOMIC_STORE(ptr, i, v) ((ptr)[(i)] = (v))
 #define TQ_INF __int_as_float(0x7f800000)
 
 // 64-bit sums for deterministic histograms (see select_common.h, tq_mass_fixed): integer adds
 // commute exactly, so atomics give the same sums whatever order the threads arrive in. Global
-// arrays of such sums are uint32 (lo, hi) pairs, the little-endian layout of one u64. In shared
-// memory a sum is such a pair too, as on Metal: a 64-bit shared atomicAdd compiles to a
-// compare-and-swap loop (ATOMS.CAST.SPIN.64 on sm_90), two 32-bit adds to native ones. An add
-// that wraps lo carries one into hi (the carries count the wraps: exact in any order).
+// arrays of such sums are uint32 (lo, hi) pairs, the little-endian layout of one u64, added to
+// with one native 64-bit atomic. Shared ones are pairs too (select_common.h's tq_shared_*_u64,
+// common to both backends): on sm_90 a 64-bit shared atomicAdd compiles to a compare-and-swap
+// loop (ATOMS.CAST.SPIN.64), two 32-bit adds to native ones.
 typedef unsigned long long tq_u64;
-#define TQ_SHARED_ATOMIC_U64(name, count) __shared__ uint32_t name[2 * (count)]
-
-__device__ inline void tq_shared_zero_u64(uint32_t* p, int i) {
-  p[2 * i] = 0u;
-  p[2 * i + 1] = 0u;
-}
-
-__device__ inline void tq_shared_add_u64(uint32_t* p, int i, tq_u64 v) {
-  const uint32_t lo = uint32_t(v & 0xffffffffull);
-  uint32_t hi = uint32_t(v >> 32);
-  if (lo != 0u) {
-    const uint32_t old = atomicAdd(&p[2 * i], lo);
-    hi += (old + lo < old) ? 1u : 0u;
-  }
-  if (hi != 0u) {
-    atomicAdd(&p[2 * i + 1], hi);
-  }
-}
-
-__device__ inline tq_u64 tq_shared_load_u64(const uint32_t* p, int i) {
-  const tq_u64 lo = p[2 * i];
-  const tq_u64 hi = p[2 * i + 1];
-  return lo | (hi << 32);
-}
 
 __device__ inline void tq_global_add_u64(uint32_t* p, int64_t i, tq_u64 v) {
   atomicAdd(reinterpret_cast<tq_u64*>(p) + i, v);

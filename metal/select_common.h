@@ -13,6 +13,34 @@ TQ_DEVICE_FN tq_u64 tq_mass_fixed(const float e) {
   return tq_u64(e * 68719476736.0f);
 }
 
+// Fixed-point sums in shared memory: name[2 i] and name[2 i + 1] hold sum i's low and high
+// 32 bits, added with 32-bit atomics (native on both backends); an add that wraps the low word
+// carries one into the high word, so the pair is exact whatever order the adds come in.
+#define TQ_SHARED_ATOMIC_U64(name, count) TQ_SHARED_ATOMIC_U32(name, 2 * (count))
+
+TQ_DEVICE_FN void tq_shared_zero_u64(TQ_TG TQ_ATOMIC_U32* p, const int i) {
+  TQ_ATOMIC_STORE(p, 2 * i, 0u);
+  TQ_ATOMIC_STORE(p, 2 * i + 1, 0u);
+}
+
+TQ_DEVICE_FN void tq_shared_add_u64(TQ_TG TQ_ATOMIC_U32* p, const int i, const tq_u64 v) {
+  const uint32_t lo = uint32_t(v & 0xffffffffu);
+  uint32_t hi = uint32_t(v >> 32);
+  if (lo != 0u) {
+    const uint32_t old = TQ_SHARED_ATOMIC_ADD_U32(p, 2 * i, lo);
+    hi += (old + lo < old) ? 1u : 0u;
+  }
+  if (hi != 0u) {
+    TQ_SHARED_ATOMIC_ADD_U32(p, 2 * i + 1, hi);
+  }
+}
+
+TQ_DEVICE_FN tq_u64 tq_shared_load_u64(TQ_TG TQ_ATOMIC_U32* p, const int i) {
+  const tq_u64 lo = TQ_ATOMIC_LOAD(p, 2 * i);
+  const tq_u64 hi = TQ_ATOMIC_LOAD(p, 2 * i + 1);
+  return lo | (hi << 32);
+}
+
 // A fixed-point sum stored as a uint32 (lo, hi) pair at p[2 i], as a float.
 TQ_DEVICE_FN float tq_mass_float(const uint32_t lo, const uint32_t hi) {
   return float(hi) * 0.0625f + float(lo) * 1.4551915228366852e-11f;  // 2^-4, 2^-36
