@@ -15,17 +15,14 @@ device_profile). Prints a table; writes nothing.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import sys
 
 import common  # noqa: F401  (tiered before mlx)
-from kernels import device_profile, timed
+from kernels import device_profile, timed, variant_args
 
 import mlx.core as mx
 import numpy as np
 
-from tiered import metal
 from tiered.metal import codebook as cbm
 from tiered.metal._build import KernelSpec, launch
 
@@ -58,13 +55,7 @@ def edited(name: str, edits: tuple) -> EditedSpec:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--sizes", type=int, nargs="+", default=[131072, 1048576])
-    p.add_argument("--reps", type=int, default=20)
-    args = p.parse_args(argv)
-    backend = metal.accelerator()
-    if backend == "cpu":
-        sys.exit("codebook_variants.py needs a Metal or CUDA device (this one runs MLX on the CPU)")
+    args, backend = variant_args(__doc__, "codebook_variants.py", argv)
     full = cbm.CODEBOOK_SPEC
     variants = [  # (label, spec, threads, target blocks, float16 table)
         ("float32 table", full, 1024, 128, False),

@@ -116,6 +116,19 @@ def timed_pipelined(fn, *, reps: int, warmup: int, batch: int = 8) -> float:
     return (time.perf_counter() - t) / (reps * batch)
 
 
+def variant_args(doc: str, script: str, argv=None):
+    """Arguments (--sizes, --reps) and backend of a variants script (codebook_variants.py,
+    select_variants.py); exits where MLX runs on the CPU (the variants are kernels)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--sizes", type=int, nargs="+", default=[131072, 1048576])
+    p.add_argument("--reps", type=int, default=20)
+    args = p.parse_args(argv)
+    backend = metal.accelerator()
+    if backend == "cpu":
+        sys.exit(f"{script} needs a Metal or CUDA device (this one runs MLX on the CPU)")
+    return args, backend
+
+
 _PROFILER = {}
 
 

@@ -15,16 +15,13 @@ bench/kernels.py's device_profile). Prints a table; writes nothing.
 
 from __future__ import annotations
 
-import argparse
-import sys
 
 import common  # noqa: F401  (tiered before mlx)
-from kernels import device_profile, timed
+from kernels import device_profile, timed, variant_args
 
 import mlx.core as mx
 import numpy as np
 
-from tiered import metal
 from tiered.metal import tau as tm
 from tiered.metal.codebook import codebook_scores_and_max
 
@@ -43,13 +40,7 @@ VARIANTS = [  # (threads, most chunks per kv head, threadgroups per pass); first
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--sizes", type=int, nargs="+", default=[131072, 1048576])
-    p.add_argument("--reps", type=int, default=20)
-    args = p.parse_args(argv)
-    backend = metal.accelerator()
-    if backend == "cpu":
-        sys.exit("select_variants.py needs a Metal or CUDA device (this one runs MLX on the CPU)")
+    args, backend = variant_args(__doc__, "select_variants.py", argv)
     saved = dict(tm.SELECT_THREADS), tm.SELECT_CHUNKS, tm.SELECT_GROUPS
     print(f"{'tokens':>8} {'threads':>7} {'chunks':>6} {'groups':>6} {'ms':>8} {'device':>8} "
           + " ".join(f"{name.replace('tau_', ''):>8}" for name in PASSES) + "  same as first")
