@@ -22,8 +22,8 @@
 // float16 entries, half the shared-memory traffic per lookup, which bounds this kernel; each
 // head's entries are scaled by a power of two that puts a bound on them (largest query group
 // norm times largest centroid norm) below 2^14, so none overflows, and the sums are scaled
-// back exactly: every entry is rounded to 11 significant bits, sums accumulate in float32), VEC4 (1: W % 4 == 0, a token's codes are read as
-// 16-byte vectors).
+// back exactly: every entry is rounded to 11 significant bits, sums accumulate in float32),
+// VEC4 (1: W % 4 == 0, a token's codes are read as 16-byte vectors).
 //
 // Grid: x = blocks of block_len tokens (tq_bx), y = kv head x rep tile (tq_by). Each thread
 // scores whole tokens: it reads a token's codes once and accumulates all REP_TILE query heads,

@@ -9,10 +9,10 @@
 // threadgroup array), TQ_SHARED_LUT(type, name, count) (the one large array of a kernel:
 // static here, dynamic shared memory on CUDA), TQ_UNROLL, TQ_INF, the helpers tq_exp, tq_log,
 // tq_as_float / tq_as_uint (bit casts), tq_popcount, tq_float4, tq_warp_sum, tq_warp_max,
-// tq_warp_min, tq_warp_prefix_sum (inclusive), vector loads TQ_LOAD_UINT4 / TQ_SHARED_FLOAT4, the 16-bit
-// float tq_half and tq_shared_load4 (4 float or tq_half entries of a shared table as a
-// float4), atomics (TQ_ATOMIC_ADD_*, TQ_SHARED_ATOMIC_*, TQ_ATOMIC_U32, TQ_ATOMIC_LOAD/STORE),
-// 64-bit sums (tq_u64, tq_global_add_u64), the type
+// tq_warp_min, tq_warp_prefix_sum (inclusive), vector loads TQ_LOAD_UINT4 /
+// TQ_SHARED_FLOAT4, the 16-bit float tq_half and tq_shared_load4 (4 float or tq_half entries
+// of a shared table as a float4), atomics (TQ_ATOMIC_ADD_*, TQ_SHARED_ATOMIC_*,
+// TQ_ATOMIC_U32, TQ_ATOMIC_LOAD/STORE), 64-bit sums (tq_u64, tq_global_add_u64), the type
 // float4 (.x .y .z .w), and the ints tq_tid, tq_ntid, tq_bx, tq_by, tq_lane, tq_warp.
 #ifndef TIERED_PRELUDE_METAL
 #define TIERED_PRELUDE_METAL
