@@ -27,15 +27,15 @@ from tiered.metal.codebook import codebook_scores_and_max
 
 H, HQ, D, G, C = 8, 32, 128, 32, 256
 REP = HQ // H
-PASSES = ("tau_hist", "tau_theta", "tau_keys", "tau_compact", "copy_s")
+PASSES = ("tau_hist", "tau_theta", "tau_keys", "tau_compact")
 VARIANTS = [  # (threads, most chunks per kv head, threadgroups per pass); first = reference
+    (1024, 32, 128),
     (1024, 32, 256),
     (1024, 16, 256),
-    (1024, 8, 256),
+    (1024, 8, 128),
     (512, 32, 256),
-    (512, 16, 256),
-    (512, 32, 512),
-    (1024, 32, 128),
+    (512, 32, 128),
+    (1024, 32, 64),
 ]
 
 

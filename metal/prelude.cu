@@ -23,14 +23,11 @@
 // Vector loads: 16 bytes of a global uint32 array, 16 bytes of the shared (float) table.
 #define TQ_LOAD_UINT4(ptr, i) (reinterpret_cast<const uint4*>(ptr)[(i)])
 #define TQ_SHARED_FLOAT4(ptr, i) (reinterpret_cast<const float4*>(ptr)[(i)])
-// Relaxed atomic adds on global (output) arrays, which the launch zero-fills (init_value).
-#define TQ_ATOMIC_ADD_F32(ptr, i, v) atomicAdd(&(ptr)[(i)], (v))
-#define TQ_ATOMIC_ADD_U32(ptr, i, v) atomicAdd(&(ptr)[(i)], (v))
-#define TQ_SHARED_ATOMIC_ADD_F32(ptr, i, v) atomicAdd(&(ptr)[(i)], (v))
+// Relaxed atomic adds on shared arrays (no kernel adds atomically to global memory).
 #define TQ_SHARED_ATOMIC_ADD_U32(ptr, i, v) atomicAdd(&(ptr)[(i)], (v))
 // Shared arrays updated atomically, and plain loads/stores of atomically updated arrays
-// (shared ones, and outputs, which Metal declares atomic in kernels that use atomics).
-#define TQ_SHARED_ATOMIC_F32(name, count) __shared__ float name[count]
+// (shared ones, and outputs, which Metal declares atomic in kernels built with
+// atomic_outputs=True).
 #define TQ_SHARED_ATOMIC_U32(name, count) __shared__ TQ_ATOMIC_U32 name[count]
 #define TQ_ATOMIC_U32 uint32_t  // element type of those arrays (Metal: atomic_uint)
 #define TQ_ATOMIC_LOAD(ptr, i) ((ptr)[(i)])
@@ -38,16 +35,11 @@
 #define TQ_INF __int_as_float(0x7f800000)
 
 // 64-bit sums for deterministic histograms (see select_common.h, tq_mass_fixed): integer adds
-// commute exactly, so atomics give the same sums whatever order the threads arrive in. Global
-// arrays of such sums are uint32 (lo, hi) pairs, the little-endian layout of one u64, added to
-// with one native 64-bit atomic. Shared ones are pairs too (select_common.h's tq_shared_*_u64,
-// common to both backends): on sm_90 a 64-bit shared atomicAdd compiles to a compare-and-swap
-// loop (ATOMS.CAST.SPIN.64), two 32-bit adds to native ones.
+// commute exactly, so atomics give the same sums whatever order the threads arrive in. Shared
+// sums are uint32 (lo, hi) pairs (select_common.h's tq_shared_*_u64, common to both backends):
+// on sm_90 a 64-bit shared atomicAdd compiles to a compare-and-swap loop
+// (ATOMS.CAST.SPIN.64), two 32-bit adds to native ones.
 typedef unsigned long long tq_u64;
-
-__device__ inline void tq_global_add_u64(uint32_t* p, int64_t i, tq_u64 v) {
-  atomicAdd(reinterpret_cast<tq_u64*>(p) + i, v);
-}
 
 __device__ inline float tq_exp(float x) {
   return expf(x);

@@ -11,8 +11,8 @@
 // tq_as_float / tq_as_uint (bit casts), tq_popcount, tq_float4, tq_warp_sum, tq_warp_max,
 // tq_warp_min, tq_warp_prefix_sum (inclusive), vector loads TQ_LOAD_UINT4 /
 // TQ_SHARED_FLOAT4, the 16-bit float tq_half and tq_shared_load4 (4 float or tq_half entries
-// of a shared table as a float4), atomics (TQ_ATOMIC_ADD_*, TQ_SHARED_ATOMIC_*,
-// TQ_ATOMIC_U32, TQ_ATOMIC_LOAD/STORE), 64-bit sums (tq_u64, tq_global_add_u64), the type
+// of a shared table as a float4), atomics (TQ_SHARED_ATOMIC_*, TQ_ATOMIC_U32,
+// TQ_ATOMIC_LOAD/STORE), the 64-bit integer tq_u64, the type
 // float4 (.x .y .z .w), and the ints tq_tid, tq_ntid, tq_bx, tq_by, tq_lane, tq_warp.
 #ifndef TIERED_PRELUDE_METAL
 #define TIERED_PRELUDE_METAL
@@ -32,14 +32,11 @@
 #define TQ_INF INFINITY
 #define TQ_LOAD_UINT4(ptr, i) (((const device uint4*)(ptr))[(i)])
 #define TQ_SHARED_FLOAT4(ptr, i) (((const threadgroup float4*)(ptr))[(i)])
-// Relaxed atomic adds: global arrays are outputs of a kernel built with atomic_outputs=True
-// (device atomic<T>*), zero-filled by the launch (init_value); shared ones are declared
-// threadgroup atomic<T> arrays by the body through TQ_SHARED_ATOMIC.
-#define TQ_ATOMIC_ADD_F32(ptr, i, v) atomic_fetch_add_explicit(&(ptr)[(i)], (v), memory_order_relaxed)
-#define TQ_ATOMIC_ADD_U32(ptr, i, v) atomic_fetch_add_explicit(&(ptr)[(i)], (v), memory_order_relaxed)
-#define TQ_SHARED_ATOMIC_ADD_F32(ptr, i, v) atomic_fetch_add_explicit(&(ptr)[(i)], (v), memory_order_relaxed)
+// Relaxed atomics: shared arrays are declared threadgroup atomic<T> by the body through
+// TQ_SHARED_ATOMIC_U32 and added to atomically; outputs of a kernel built with
+// atomic_outputs=True are device atomic<T>* and only loaded and stored (no kernel adds
+// atomically to global memory).
 #define TQ_SHARED_ATOMIC_ADD_U32(ptr, i, v) atomic_fetch_add_explicit(&(ptr)[(i)], (v), memory_order_relaxed)
-#define TQ_SHARED_ATOMIC_F32(name, count) threadgroup atomic<float> name[count]
 #define TQ_SHARED_ATOMIC_U32(name, count) threadgroup TQ_ATOMIC_U32 name[count]
 #define TQ_ATOMIC_U32 atomic_uint  // element type of those arrays (CUDA: uint32_t)
 #define TQ_ATOMIC_LOAD(ptr, i) atomic_load_explicit(&(ptr)[(i)], memory_order_relaxed)
@@ -47,22 +44,9 @@
 
 // 64-bit sums for deterministic histograms (see select_common.h, tq_mass_fixed): integer adds
 // commute exactly, so atomics give the same sums whatever order the threads arrive in. Metal
-// has no 64-bit atomic add: a sum is a (lo, hi) pair of atomic_uint, and an add that wraps lo
-// carries one into hi (the carries count the wraps, so the pair is exact in any order). Shared
-// pairs: select_common.h's tq_shared_*_u64, common to both backends.
+// has no 64-bit atomic add: a shared sum is a (lo, hi) pair of atomic_uint, added to by
+// select_common.h's tq_shared_add_u64, common to both backends.
 typedef ulong tq_u64;
-
-inline void tq_global_add_u64(device atomic_uint* p, int64_t i, tq_u64 v) {
-  const uint lo = uint(v & 0xffffffffUL);
-  uint hi = uint(v >> 32);
-  if (lo != 0u) {
-    const uint old = atomic_fetch_add_explicit(&p[2 * i], lo, memory_order_relaxed);
-    hi += (old + lo < old) ? 1u : 0u;
-  }
-  if (hi != 0u) {
-    atomic_fetch_add_explicit(&p[2 * i + 1], hi, memory_order_relaxed);
-  }
-}
 
 inline float tq_exp(float x) {
   return metal::exp(x);

@@ -138,15 +138,18 @@ class Selection(NamedTuple):
 SELECT_BINS = {"metal": 2048, "cuda": 4096}  # mass bins (Metal: 32 KB of threadgroup memory)
 LMAX_BINS = 2048  # bins of the cap ranking
 SELECT_THREADS = {"metal": 256, "cuda": 1024}
-SELECT_GROUPS = 256  # threadgroups per pass when n is large
+# Threadgroups per pass when n is large: one wave on the H100. The CUDA passes need more than
+# 32 registers per thread at 1024 threads, so one threadgroup fits an SM; at 128k tokens, 256
+# threadgroups (two waves on 132 SMs) took 0.111 ms of device time for the selection, 128 took
+# 0.069 (bench/select_variants.py).
+SELECT_GROUPS = 128
 SELECT_CHUNKS = 32  # most chunks per kv head in passes 2 and 3
 SPAN_T = 32.0  # logits below the max that the mass histogram resolves (exp(-32) ~ 1e-14)
 SPAN_L = 32.0  # logits of max-over-heads log-probability that the cap ranking resolves
 SELECT_MAX_TOKENS = 2**24  # the passes count tokens in float32 (exact below this); above: MLX ops
 HIST_SPEC = KernelSpec(
     name="tiered_tau_hist", body="tau_hist.h", input_names=("z", "zmax", "params", "fparams"),
-    output_names=("hist",), atomic_outputs=True,
-    headers=("reduce_common.h", "select_common.h"),
+    output_names=("hist",), headers=("reduce_common.h", "select_common.h"),
 )
 THETA_SPEC = KernelSpec(
     name="tiered_tau_theta", body="tau_theta.h", input_names=("hist", "zmax", "params", "fparams"),
@@ -172,8 +175,8 @@ def select_bin_widths(backend: str) -> tuple[float, float]:
 
 def select_launches(z, n, exclude, zmax, tau, cap, floor, cap_alloc, *, backend):
     """Launch plans of the passes 1, 1b, 2 and 3 (the later ones take earlier outputs as
-    inputs, so they are returned as functions of those). Only pass 1's output is zero-filled
-    (it sums with atomics); the other passes write every element of theirs."""
+    inputs, so they are returned as functions of those). Every pass writes every element of
+    its outputs (per-chunk histograms, summed by the next pass), so none is zero-filled."""
     hq, n_total = z.shape
     h, e = exclude.shape
     rep = hq // h
@@ -187,14 +190,15 @@ def select_launches(z, n, exclude, zmax, tau, cap, floor, cap_alloc, *, backend)
     chunk_h, blocks_h = token_blocks(n, threads, rows=max(h, SELECT_GROUPS // SELECT_CHUNKS),
                                      min_block=threads, target_groups=SELECT_GROUPS)
     hist = Launch(
-        inputs=[z, zmax, device_ints(n, n_total, m_blocks, chunk_q), device_floats(SPAN_T)],
+        inputs=[z, zmax, device_ints(n, n_total, m_blocks, chunk_q, blocks_q),
+                device_floats(SPAN_T)],
         template=[("NB", nb)], grid=(blocks_q * threads, hq, 1), threadgroup=(threads, 1, 1),
-        output_shapes=[(hq, nb, 2)], output_dtypes=[mx.uint32], init_value=0,
+        output_shapes=[(hq, blocks_q, nb, 2)], output_dtypes=[mx.uint32],
     )
 
     def theta(hist_out):
         return Launch(
-            inputs=[hist_out, zmax, device_ints(m_blocks), device_floats(tau, SPAN_T)],
+            inputs=[hist_out, zmax, device_ints(m_blocks, blocks_q), device_floats(tau, SPAN_T)],
             template=[("NB", nb)], grid=(threads, hq, 1), threadgroup=(threads, 1, 1),
             output_shapes=[(hq,), (hq,), (hq,)],
             output_dtypes=[mx.float32, mx.float32, mx.float32],

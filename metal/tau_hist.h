@@ -1,18 +1,21 @@
-// Selection pass 1 of 3: softmax mass histogram of one query head's scores, over many
-// threadgroups per head (the chunks of its tokens).
+// Selection pass 1 of 3: softmax mass histograms of one query head's scores, one per chunk of
+// its tokens (a threadgroup each).
 //
 //   m = max z (reduced from per-block maxima, e.g. the codebook kernel's zmax),
-//   hist[qh, b] += exp(z_j - m) for the tokens j with (m - z_j) / w in [b, b + 1),
-//   w = span / NB; bin NB - 1 also takes everything below m - span. Sums in fixed point
-//   (tq_mass_fixed, select_common.h): the same in every run.
+//   hist[qh, c, b] = sum of exp(z_j - m) over the tokens j of chunk c with (m - z_j) / w in
+//   [b, b + 1), w = span / NB; bin NB - 1 also takes everything below m - span. Sums in fixed
+//   point (tq_mass_fixed, select_common.h): the same in every run.
+//
+// Each threadgroup writes every bin of its own row, so the launch needs no zero fill and no
+// atomics on global memory (pass 1b sums the rows).
 //
 // Inputs (names as in tau.py):
 //   z       float   (Hq, N)     scores; only the first n columns are read
 //   zmax    float   (Hq, M)     maxima of blocks of z (any partition of the n columns)
-//   params  int32_t [n, N, M, chunk]
+//   params  int32_t [n, N, M, chunk, chunks]
 //   fparams float   [span]
-// Output (zero-filled by the launch; atomic on Metal):
-//   hist    uint32_t (Hq, NB, 2) fixed-point sums as (lo, hi) pairs (tq_mass_float reads them)
+// Output (every element written):
+//   hist    uint32_t (Hq, chunks, NB, 2) fixed-point sums as (lo, hi) pairs
 // (pass 1b reduces the same zmax row to the same m: a maximum does not depend on the order.)
 // Template constants: NB (bins).
 // Grid: x = chunks of `chunk` tokens (tq_bx), y = query head (tq_by).
@@ -20,6 +23,7 @@ const int n = params[0];
 const int N = params[1];
 const int M = params[2];
 const int chunk = params[3];
+const int chunks = params[4];
 const float span = fparams[0];
 const int qh = tq_by;
 
@@ -56,9 +60,7 @@ for (int j0 = j_begin + tq_tid; j0 < j_end; j0 += U * tq_ntid) {
   }
 }
 TQ_BARRIER();
-for (int b = tq_tid; b < NB; b += tq_ntid) {
-  const tq_u64 e = tq_shared_load_u64(hist_s, b);
-  if (e != 0) {
-    tq_global_add_u64(hist, int64_t(qh) * NB + b, e);
-  }
+const int64_t out = (int64_t(qh) * chunks + tq_bx) * NB * 2;
+for (int i = tq_tid; i < 2 * NB; i += tq_ntid) {
+  hist[out + i] = TQ_ATOMIC_LOAD(hist_s, i);  // the (lo, hi) words, as tq_shared_add_u64 left them
 }

@@ -1,5 +1,5 @@
 // Selection pass 1b: per query head, its softmax maximum, sum and tau-cumulative threshold
-// from pass 1's mass histogram (one threadgroup per head, so that pass 2's many threadgroups
+// from pass 1's mass histograms (summed over the chunks, exactly, in 64-bit integers) (one threadgroup per head, so that pass 2's many threadgroups
 // per kv head only read three numbers per query head).
 //
 //   m = max z (from the block maxima zmax, as pass 1 reduces them); s = sum of the head's
@@ -8,25 +8,33 @@
 //   boundary in the last bin.
 //
 // Inputs (names as in tau.py):
-//   hist    uint32_t (Hq, NB, 2) pass 1's fixed-point mass histogram (bin width span_t / NB)
+//   hist    uint32_t (Hq, chunks, NB, 2) pass 1's fixed-point mass histograms, one per chunk
+//                                        (bin width span_t / NB)
 //   zmax    float   (Hq, M)     maxima of blocks of z (as given to pass 1)
-//   params  int32_t [M]
+//   params  int32_t [M, chunks]
 //   fparams float   [tau, span_t]
 // Outputs (every element written):
 //   m_out, s_out, theta_out float (Hq,)
 // Template constants: NB.
 // Grid: y = query head, one threadgroup each.
 const int M = params[0];
+const int chunks = params[1];
 const float tau = fparams[0];
 const float span_t = fparams[1];
 const int qh = tq_by;
 
 TQ_SHARED(float, hist_f, NB);
 TQ_SHARED(float, scratch, 32);
-// The histogram's loads are issued before the maximum's reduction waits on its own.
+// The histograms' loads are issued before the maximum's reduction waits on its own. Each
+// chunk's (lo, hi) pair is one little-endian u64; integer sums are exact in any order.
+const int64_t row = int64_t(qh) * chunks * NB;
 for (int b = tq_tid; b < NB; b += tq_ntid) {
-  const int64_t e = (int64_t(qh) * NB + b) * 2;
-  hist_f[b] = tq_mass_float(hist[e], hist[e + 1]);
+  tq_u64 sum = 0;
+  for (int c = 0; c < chunks; ++c) {
+    const int64_t e = (row + int64_t(c) * NB + b) * 2;
+    sum += tq_u64(hist[e]) | (tq_u64(hist[e + 1]) << 32);
+  }
+  hist_f[b] = tq_mass_float(uint32_t(sum & 0xffffffffu), uint32_t(sum >> 32));
 }
 float mm = -TQ_INF;
 for (int t = tq_tid; t < M; t += tq_ntid) {
