@@ -141,7 +141,7 @@ SELECT_THREADS = {"metal": 256, "cuda": 1024}
 # Threadgroups per pass when n is large: one wave on the H100. The CUDA passes need more than
 # 32 registers per thread at 1024 threads, so one threadgroup fits an SM; at 128k tokens, 256
 # threadgroups (two waves on 132 SMs) took 0.111 ms of device time for the selection, 128 took
-# 0.069 (bench/select_variants.py).
+# 0.069 (bench/results/select_variants_h100_fill.txt).
 SELECT_GROUPS = 128
 SELECT_CHUNKS = 32  # most chunks per kv head in passes 2 and 3
 SPAN_T = 32.0  # logits below the max that the mass histogram resolves (exp(-32) ~ 1e-14)
