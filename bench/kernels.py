@@ -319,10 +319,16 @@ def breakdown(row, q, codebook, codes, n, exclude, backend):
     compact_plan = compact_p(code, lhist, counts, m, s)
     idx = launch(tm.COMPACT_SPEC, backend, compact_plan)[0]
     mx.eval(z, zmax, hist, m, s, theta, code, lhist, counts, idx)
-    row("  selection pass 1: mass histogram", lambda: launch(tm.HIST_SPEC, backend, hist_p)[0],
-        HQ * n * 4)
-    row("  selection pass 1b: thresholds per query head",
-        lambda: launch(tm.THETA_SPEC, backend, theta_plan)[0], HQ * tm.SELECT_BINS[backend] * 8)
+    one = "used" if n <= tm.SELECT_FUSED_TOKENS else "not used at this n"
+    two = "not used at this n" if n <= tm.SELECT_FUSED_TOKENS else "used"
+    fused_p = tm.hist_theta_launch(z, n, zmax, 0.9, backend=backend)
+    row(f"  selection passes 1 + 1b in one launch ({one})",
+        lambda: launch(tm.HIST_THETA_SPEC, backend, fused_p)[0], HQ * n * 4)
+    row(f"  selection pass 1: mass histograms per chunk ({two})",
+        lambda: launch(tm.HIST_SPEC, backend, hist_p)[0], HQ * n * 4)
+    row(f"  selection pass 1b: thresholds per query head ({two})",
+        lambda: launch(tm.THETA_SPEC, backend, theta_plan)[0],
+        hist.size * 4)
     row("  selection pass 2: keys, rank histograms per chunk",
         lambda: launch(tm.KEYS_SPEC, backend, keys_plan)[0], HQ * n * 4 + H * n * 4)
     row("  selection pass 3: capped compaction",

@@ -41,6 +41,44 @@ TQ_DEVICE_FN tq_u64 tq_shared_load_u64(TQ_TG TQ_ATOMIC_U32* p, const int i) {
   return lo | (hi << 32);
 }
 
+// The maximum of one row of block maxima zmax (M, the same in every threadgroup: a maximum
+// does not depend on the order), returned to every thread. red holds at least 32 floats.
+TQ_DEVICE_FN float tq_row_max(TQ_GLOBAL const float* zmax, const int64_t at, const int M,
+                              TQ_TG float* red, const int tid, const int ntid) {
+  float mm = -TQ_INF;
+  for (int t = tid; t < M; t += ntid) {
+    const float v = zmax[at + t];
+    mm = v > mm ? v : mm;
+  }
+  return tq_block_all<true>(mm, red, tid, ntid);
+}
+
+// Pass 1's accumulation: softmax masses exp(z_j - m) of the tokens j in [j_begin, j_end) of
+// the row of z starting at `row`, added to the shared fixed-point histogram hist (nb bins of
+// width 1 / inv_w below m; the last bin also takes everything lower). U loads per thread are
+// issued before any is used.
+template <int U>
+TQ_DEVICE_FN void tq_mass_accumulate(
+    TQ_GLOBAL const float* z, const int64_t row, const int j_begin, const int j_end,
+    const float m, const float inv_w, const int nb, TQ_TG TQ_ATOMIC_U32* hist, const int tid,
+    const int ntid) {
+  for (int j0 = j_begin + tid; j0 < j_end; j0 += U * ntid) {
+    float vs[U];
+    TQ_UNROLL for (int u = 0; u < U; ++u) {
+      const int j = j0 + u * ntid;
+      vs[u] = j < j_end ? z[row + j] : -TQ_INF;
+    }
+    TQ_UNROLL for (int u = 0; u < U; ++u) {
+      if (j0 + u * ntid < j_end) {
+        const float v = vs[u];
+        const float pos = (m - v) * inv_w;
+        const int b = pos >= float(nb - 1) ? nb - 1 : (pos > 0.0f ? int(pos) : 0);
+        tq_shared_add_u64(hist, b, tq_mass_fixed(tq_exp(v - m)));
+      }
+    }
+  }
+}
+
 // A fixed-point sum stored as a uint32 (lo, hi) pair at p[2 i], as a float.
 TQ_DEVICE_FN float tq_mass_float(const uint32_t lo, const uint32_t hi) {
   return float(hi) * 0.0625f + float(lo) * 1.4551915228366852e-11f;  // 2^-4, 2^-36
@@ -142,6 +180,24 @@ TQ_DEVICE_FN tq_bound tq_boundary(
   return out;
 }
 
+
+// Pass 1b's result for query head qh from its float mass histogram hist_f (nb bins of width
+// span_t / nb below m, shared memory): m, the sum s, and theta = the lower edge of the bin at
+// which the mass accumulated from the top reaches tau * s, minus half a bin (-inf for
+// tau >= 1 or a boundary in the last bin). Every thread must call it (tq_boundary).
+TQ_DEVICE_FN void tq_write_theta(
+    TQ_TG const float* hist_f, const int nb, const float m, const float tau, const float span_t,
+    TQ_TG float* scratch, const int tid, const int ntid, const int qh, TQ_GLOBAL float* m_out,
+    TQ_GLOBAL float* s_out, TQ_GLOBAL float* theta_out) {
+  const tq_bound bd = tq_boundary(hist_f, nb, tau, 0.0f, scratch, tid, ntid);
+  if (tid == 0) {
+    const float w = span_t / float(nb);
+    const bool all = tau >= 1.0f || !bd.found || bd.bin >= nb - 1;
+    m_out[qh] = m;
+    s_out[qh] = bd.total;
+    theta_out[qh] = all ? -TQ_INF : m - (float(bd.bin) + 1.5f) * w;
+  }
+}
 
 // The cap's boundary in one kv head's lmax ranking (pass 3): the cap plan from pass 2's class
 // counts, the boundary class's histogram scan (tq_boundary with target cp.target), and the

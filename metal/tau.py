@@ -134,7 +134,8 @@ class Selection(NamedTuple):
     theta: mx.array | None = None
 
 
-# The fused selection (passes: tau_hist.h, tau_theta.h, tau_keys.h, tau_compact.h).
+# The fused selection (passes: tau_hist.h, tau_theta.h or both in tau_hist_theta.h,
+# tau_keys.h, tau_compact.h).
 SELECT_BINS = {"metal": 2048, "cuda": 4096}  # mass bins (Metal: 32 KB of threadgroup memory)
 LMAX_BINS = 2048  # bins of the cap ranking
 SELECT_THREADS = {"metal": 256, "cuda": 1024}
@@ -144,6 +145,12 @@ SELECT_THREADS = {"metal": 256, "cuda": 1024}
 # 0.069 (bench/results/select_variants_h100_fill.txt).
 SELECT_GROUPS = 128
 SELECT_CHUNKS = 32  # most chunks per kv head in passes 2 and 3
+# Rows of at most this many tokens take passes 1 and 1b in one launch, one threadgroup per
+# query head (tau_hist_theta.h); longer rows split pass 1 across threadgroups. H100, 32 query
+# heads, selection device ms in one launch / two (bench/results/select_variants_h100_fused.txt):
+# 64k 0.068 / 0.082, 128k 0.100-0.104 / 0.104, 256k 0.151 / 0.131.
+SELECT_FUSED_TOKENS = 131072
+SELECT_FUSED_LOADS = 16  # scores per thread whose loads are issued together in that launch
 SPAN_T = 32.0  # logits below the max that the mass histogram resolves (exp(-32) ~ 1e-14)
 SPAN_L = 32.0  # logits of max-over-heads log-probability that the cap ranking resolves
 SELECT_MAX_TOKENS = 2**24  # the passes count tokens in float32 (exact below this); above: MLX ops
@@ -155,10 +162,15 @@ THETA_SPEC = KernelSpec(
     name="tiered_tau_theta", body="tau_theta.h", input_names=("hist", "zmax", "params", "fparams"),
     output_names=("m_out", "s_out", "theta_out"), headers=("reduce_common.h", "select_common.h"),
 )
+HIST_THETA_SPEC = KernelSpec(  # passes 1 and 1b in one threadgroup per query head
+    name="tiered_tau_hist_theta", body="tau_hist_theta.h",
+    input_names=("z", "zmax", "params", "fparams"), output_names=("m_out", "s_out", "theta_out"),
+    headers=("reduce_common.h", "select_common.h"),
+)
 KEYS_SPEC = KernelSpec(
     name="tiered_tau_keys", body="tau_keys.h",
     input_names=("z", "m", "s", "theta", "exclude", "params", "fparams"),
-    output_names=("code", "lhist", "counts"), headers=("select_common.h",),
+    output_names=("code", "lhist", "counts"), headers=("reduce_common.h", "select_common.h"),
 )
 COMPACT_SPEC = KernelSpec(
     name="tiered_tau_compact", body="tau_compact.h",
@@ -227,8 +239,24 @@ def select_launches(z, n, exclude, zmax, tau, cap, floor, cap_alloc, *, backend)
     return hist, theta, keys, compact
 
 
+def hist_theta_launch(z, n, zmax, tau, *, backend):
+    """Launch plan of passes 1 and 1b in one (tau_hist_theta.h): m, s, theta per query head."""
+    hq, n_total = z.shape
+    nb = SELECT_BINS[backend]
+    threads = SELECT_THREADS[backend]
+    if nb % threads:
+        raise ValueError(f"{nb} bins do not split evenly over {threads} threads")
+    return Launch(
+        inputs=[z, zmax, device_ints(n, n_total, zmax.shape[1]), device_floats(tau, SPAN_T)],
+        template=[("NB", nb), ("BPT", nb // threads), ("U", SELECT_FUSED_LOADS)],
+        grid=(threads, hq, 1), threadgroup=(threads, 1, 1), output_shapes=[(hq,), (hq,), (hq,)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32],
+    )
+
+
 def tau_select_fused(z, n, exclude, tau, cap, floor, cap_alloc, *, backend, zmax=None):
-    """The kernel path of :func:`tau_select`: four passes, all on the device, with the same
+    """The kernel path of :func:`tau_select`: passes 1, 1b, 2 and 3, all on the device (1 and
+    1b in one launch for rows of at most SELECT_FUSED_TOKENS tokens), with the same
     result in every run (order-independent sums and tie-breaks, select_common.h; the last
     pass writes the indices in ascending order). Returns a :class:`Selection` (theta
     included)."""
@@ -238,8 +266,12 @@ def tau_select_fused(z, n, exclude, tau, cap, floor, cap_alloc, *, backend, zmax
         exclude = exclude.astype(mx.uint8)
     hist_plan, theta_plan, keys_plan, compact_plan = select_launches(
         z, n, exclude, zmax, tau, cap, floor, cap_alloc, backend=backend)
-    (hist,) = launch(HIST_SPEC, backend, hist_plan)
-    m, s, theta = launch(THETA_SPEC, backend, theta_plan(hist))
+    if n <= SELECT_FUSED_TOKENS:
+        m, s, theta = launch(HIST_THETA_SPEC, backend,
+                             hist_theta_launch(z, n, zmax, tau, backend=backend))
+    else:
+        (hist,) = launch(HIST_SPEC, backend, hist_plan)
+        m, s, theta = launch(THETA_SPEC, backend, theta_plan(hist))
     code, lhist, counts = launch(KEYS_SPEC, backend, keys_plan(m, s, theta))
     idx, count, mass = launch(COMPACT_SPEC, backend, compact_plan(code, lhist, counts, m, s))
     mass = mass.sum(axis=1)

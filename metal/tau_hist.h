@@ -32,35 +32,13 @@ TQ_SHARED(float, red, 32);
 for (int b = tq_tid; b < NB; b += tq_ntid) {
   tq_shared_zero_u64(hist_s, b);
 }
-float mm = -TQ_INF;
-for (int t = tq_tid; t < M; t += tq_ntid) {
-  const float v = zmax[int64_t(qh) * M + t];
-  mm = v > mm ? v : mm;
-}
-const float m = tq_block_all<true>(mm, red, tq_tid, tq_ntid);
-
-const float inv_w = float(NB) / span;
+const float m = tq_row_max(zmax, int64_t(qh) * M, M, red, tq_tid, tq_ntid);
 const int j_begin = tq_bx * chunk;
 const int j_end = (j_begin + chunk < n) ? j_begin + chunk : n;
-const int64_t row = int64_t(qh) * N;
-constexpr int U = 8;  // tokens per thread whose loads are issued before any is used
-for (int j0 = j_begin + tq_tid; j0 < j_end; j0 += U * tq_ntid) {
-  float vs[U];
-  TQ_UNROLL for (int u = 0; u < U; ++u) {
-    const int j = j0 + u * tq_ntid;
-    vs[u] = j < j_end ? z[row + j] : -TQ_INF;
-  }
-  TQ_UNROLL for (int u = 0; u < U; ++u) {
-    if (j0 + u * tq_ntid < j_end) {
-      const float v = vs[u];
-      const float pos = (m - v) * inv_w;
-      const int b = pos >= float(NB - 1) ? NB - 1 : (pos > 0.0f ? int(pos) : 0);
-      tq_shared_add_u64(hist_s, b, tq_mass_fixed(tq_exp(v - m)));
-    }
-  }
-}
+tq_mass_accumulate<8>(z, int64_t(qh) * N, j_begin, j_end, m, float(NB) / span, NB, hist_s,
+                      tq_tid, tq_ntid);
 TQ_BARRIER();
 const int64_t out = (int64_t(qh) * chunks + tq_bx) * NB * 2;
-for (int i = tq_tid; i < 2 * NB; i += tq_ntid) {
-  hist[out + i] = TQ_ATOMIC_LOAD(hist_s, i);  // the (lo, hi) words, as tq_shared_add_u64 left them
+for (int i = tq_tid; i < 2 * NB; i += tq_ntid) {  // the (lo, hi) words as they are
+  hist[out + i] = TQ_ATOMIC_LOAD(hist_s, i);
 }

@@ -36,17 +36,5 @@ for (int b = tq_tid; b < NB; b += tq_ntid) {
   }
   hist_f[b] = tq_mass_float(uint32_t(sum & 0xffffffffu), uint32_t(sum >> 32));
 }
-float mm = -TQ_INF;
-for (int t = tq_tid; t < M; t += tq_ntid) {
-  const float v = zmax[int64_t(qh) * M + t];
-  mm = v > mm ? v : mm;
-}
-const float m = tq_block_all<true>(mm, scratch, tq_tid, tq_ntid);
-const tq_bound bd = tq_boundary(hist_f, NB, tau, 0.0f, scratch, tq_tid, tq_ntid);
-if (tq_tid == 0) {
-  const float w = span_t / float(NB);
-  const bool all = tau >= 1.0f || !bd.found || bd.bin >= NB - 1;
-  m_out[qh] = m;
-  s_out[qh] = bd.total;
-  theta_out[qh] = all ? -TQ_INF : m - (float(bd.bin) + 1.5f) * w;
-}
+const float m = tq_row_max(zmax, int64_t(qh) * M, M, scratch, tq_tid, tq_ntid);
+tq_write_theta(hist_f, NB, m, tau, span_t, scratch, tq_tid, tq_ntid, qh, m_out, s_out, theta_out);

@@ -513,6 +513,38 @@ def test_tau_select_kernel_follows_rule(n, rep, cap, floor, tau, exclude_dtype):
 
 @pytest.mark.accelerator
 @needs_accel
+@pytest.mark.parametrize("n,rep", [(33, 3), (4099, 4), (131072, 8)])
+def test_tau_select_kernel_one_launch_thresholds_equal_two(monkeypatch, n, rep):
+    """Passes 1 and 1b in one launch (rows of up to SELECT_FUSED_TOKENS tokens) and in two
+    (pass 1 split across threadgroups) sum the same fixed-point masses: the selections and
+    their statistics are identical, bit for bit."""
+    import tiered.metal.tau as tm
+
+    h = 2
+    z = make_scores(h * rep, n, n + 5, seed=n + 1)
+    exclude = mx.array(np.random.default_rng(4).random((h, n + 3)) < 0.1)
+    real_launch, names = tm.launch, []
+
+    def recording_launch(spec, backend, plan):
+        names.append(spec.name)
+        return real_launch(spec, backend, plan)
+
+    monkeypatch.setattr(tm, "launch", recording_launch)
+    sels = []
+    for fused_tokens in (2**24, 0):
+        monkeypatch.setattr(tm, "SELECT_FUSED_TOKENS", fused_tokens)
+        names.clear()
+        sels.append(tau_select(z, n, exclude, 0.9, 256, 8, with_stats=True, use_kernel=True))
+        mx.eval(*sels[-1])
+        fused = tm.HIST_THETA_SPEC.name in names
+        assert fused == (fused_tokens > 0) and (tm.HIST_SPEC.name in names) != fused
+    for field in ("idx", "count", "m", "s", "theta", "mass"):
+        np.testing.assert_array_equal(np.asarray(getattr(sels[0], field)),
+                                      np.asarray(getattr(sels[1], field)), err_msg=field)
+
+
+@pytest.mark.accelerator
+@needs_accel
 def test_tau_select_kernel_hands_over_to_mlx_ops_beyond_float_counts(monkeypatch):
     """From SELECT_MAX_TOKENS tokens (2^24: the passes count in float32) the selection runs
     as MLX ops: the same result as use_kernel=False, and no kernel threshold."""

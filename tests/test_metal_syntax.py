@@ -28,8 +28,9 @@ import pytest
 from tiered.metal._build import KernelSpec
 from tiered.metal.affine import AFFINE_SPEC, affine_launch
 from tiered.metal.codebook import CODEBOOK_SPEC, codebook_launch
-from tiered.metal.tau import (COMPACT_SPEC, HIST_SPEC, KEYS_SPEC, LMAX_BINS, TAU_SPEC, THETA_SPEC,
-                              select_launches, tau_launch)
+from tiered.metal.tau import (COMPACT_SPEC, HIST_SPEC, HIST_THETA_SPEC, KEYS_SPEC, LMAX_BINS,
+                              TAU_SPEC, THETA_SPEC, hist_theta_launch, select_launches,
+                              tau_launch)
 
 METAL_TYPES = {
     mx.float32: "float", mx.float16: "float16_t", mx.bfloat16: "bfloat16_t", mx.bool_: "bool",
@@ -265,13 +266,15 @@ def _plans(backend: str):
         ex = mx.zeros((2, 40), dtype=ex_dtype)
         hist, theta, keys, compact = select_launches(z, 33, ex, mx.zeros((2 * rep, 3)), 0.9,
                                                      16, 4, 16, backend=backend)
-        hq, nb = 2 * rep, hist.output_shapes[0][1]
+        hq, chunks, nb = 2 * rep, hist.output_shapes[0][1], hist.output_shapes[0][2]
         f, u = mx.zeros((hq,)), mx.zeros((2, 1, 2), dtype=mx.uint32)
         code = mx.zeros((2, 33), dtype=mx.uint32)
         lh = mx.zeros((2, 1, 2, LMAX_BINS), dtype=mx.uint32)
         out.append((f"tau-hist-rep{rep}", HIST_SPEC, hist))
         out.append((f"tau-theta-rep{rep}", THETA_SPEC,
-                    theta(mx.zeros((hq, nb, 2), dtype=mx.uint32))))
+                    theta(mx.zeros((hq, chunks, nb, 2), dtype=mx.uint32))))
+        out.append((f"tau-hist-theta-rep{rep}", HIST_THETA_SPEC,
+                    hist_theta_launch(z, 33, mx.zeros((2 * rep, 3)), 0.9, backend=backend)))
         out.append((f"tau-keys-rep{rep}-{ex_dtype}", KEYS_SPEC, keys(f, f, f)))
         out.append((f"tau-compact-rep{rep}", COMPACT_SPEC, compact(code, lh, u, f, f)))
     return out  # fmt: skip
