@@ -53,15 +53,20 @@ TQ_DEVICE_FN float tq_row_max(TQ_GLOBAL const float* zmax, const int64_t at, con
   return tq_block_all<true>(mm, red, tid, ntid);
 }
 
-// Pass 1's accumulation: softmax masses exp(z_j - m) of the tokens j in [j_begin, j_end) of
-// the row of z starting at `row`, added to the shared fixed-point histogram hist (nb bins of
-// width 1 / inv_w below m; the last bin also takes everything lower). U loads per thread are
-// issued before any is used.
+// Pass 1's histogram, in shared memory: hist (nb fixed-point sums) is zeroed, m = the maximum
+// of the zmax row at `zat` (M block maxima), and the softmax masses exp(z_j - m) of the tokens
+// j in [j_begin, j_end) of the z row at `row` are added, bin b holding (m - z_j) * inv_w in
+// [b, b + 1) (the last bin also takes everything lower). U loads per thread are issued before
+// any is used. Returns m to every thread; the caller puts a barrier before reading hist.
 template <int U>
-TQ_DEVICE_FN void tq_mass_accumulate(
+TQ_DEVICE_FN float tq_mass_hist(
     TQ_GLOBAL const float* z, const int64_t row, const int j_begin, const int j_end,
-    const float m, const float inv_w, const int nb, TQ_TG TQ_ATOMIC_U32* hist, const int tid,
-    const int ntid) {
+    TQ_GLOBAL const float* zmax, const int64_t zat, const int M, const float inv_w,
+    const int nb, TQ_TG TQ_ATOMIC_U32* hist, TQ_TG float* red, const int tid, const int ntid) {
+  for (int b = tid; b < nb; b += ntid) {
+    tq_shared_zero_u64(hist, b);
+  }
+  const float m = tq_row_max(zmax, zat, M, red, tid, ntid);  // its barriers order the zeroing
   for (int j0 = j_begin + tid; j0 < j_end; j0 += U * ntid) {
     float vs[U];
     TQ_UNROLL for (int u = 0; u < U; ++u) {
@@ -77,6 +82,7 @@ TQ_DEVICE_FN void tq_mass_accumulate(
       }
     }
   }
+  return m;
 }
 
 // A fixed-point sum stored as a uint32 (lo, hi) pair at p[2 i], as a float.

@@ -1,6 +1,6 @@
 // Selection passes 1 and 1b in one launch, for rows short enough that one threadgroup per
 // query head reads its row fast (tau.py: SELECT_FUSED_TOKENS): the mass histogram of the
-// whole row in shared memory (tau_hist.h's accumulation), then m, s and theta from it
+// whole row in shared memory (tq_mass_hist, as tau_hist.h), then m, s and theta from it
 // (tau_theta.h's result, tq_write_theta). Same sums, same result as the two launches.
 //
 // Inputs (names as in tau.py):
@@ -22,12 +22,8 @@ const int qh = tq_by;
 
 TQ_SHARED_ATOMIC_U64(hist_s, NB);
 TQ_SHARED(float, red, 32);
-for (int b = tq_tid; b < NB; b += tq_ntid) {
-  tq_shared_zero_u64(hist_s, b);
-}
-const float m = tq_row_max(zmax, int64_t(qh) * M, M, red, tq_tid, tq_ntid);
-tq_mass_accumulate<U>(z, int64_t(qh) * N, 0, n, m, float(NB) / span_t, NB, hist_s, tq_tid,
-                      tq_ntid);
+const float m = tq_mass_hist<U>(z, int64_t(qh) * N, 0, n, zmax, int64_t(qh) * M, M,
+                                float(NB) / span_t, NB, hist_s, red, tq_tid, tq_ntid);
 TQ_BARRIER();
 // The sums as floats, in place (CUDA's static shared memory holds 48 KB: the fixed-point pairs
 // take 32 KB of it at NB = 4096): every thread reads its bins' pairs, and writes float b into
