@@ -35,12 +35,6 @@ TQ_DEVICE_FN void tq_shared_add_u64(TQ_TG TQ_ATOMIC_U32* p, const int i, const t
   }
 }
 
-TQ_DEVICE_FN tq_u64 tq_shared_load_u64(TQ_TG TQ_ATOMIC_U32* p, const int i) {
-  const tq_u64 lo = TQ_ATOMIC_LOAD(p, 2 * i);
-  const tq_u64 hi = TQ_ATOMIC_LOAD(p, 2 * i + 1);
-  return lo | (hi << 32);
-}
-
 // The maximum of one row of block maxima zmax (M, the same in every threadgroup: a maximum
 // does not depend on the order), returned to every thread. red holds at least 32 floats.
 TQ_DEVICE_FN float tq_row_max(TQ_GLOBAL const float* zmax, const int64_t at, const int M,

@@ -1,6 +1,7 @@
 // Selection pass 1b: per query head, its softmax maximum, sum and tau-cumulative threshold
-// from pass 1's mass histograms (summed over the chunks, exactly, in 64-bit integers) (one threadgroup per head, so that pass 2's many threadgroups
-// per kv head only read three numbers per query head).
+// from pass 1's mass histograms, summed over the chunks exactly in 64-bit integers (one
+// threadgroup per head, so that pass 2's many threadgroups per kv head only read three numbers
+// per query head).
 //
 //   m = max z (from the block maxima zmax, as pass 1 reduces them); s = sum of the head's
 //   histogram; theta = the lower edge of the boundary bin (the bin at which the mass
