@@ -309,8 +309,8 @@ def breakdown(row, q, codebook, codes, n, exclude, backend):
 
     z, zmax, _ = metal.codebook.codebook_scores_and_max(q, codebook, codes, n, rep=REP,
                                                         backend=backend)
-    hist_p, theta_p, keys_p, compact_p = tm.select_launches(z, n, exclude, zmax, 0.9, 2048,
-                                                            32, 2048, backend=backend)
+    hist_p, theta_p = tm.threshold_launches(z, n, zmax, 0.9, backend=backend)
+    keys_p, compact_p = tm.rank_launches(z, n, exclude, 2048, 32, 2048, backend=backend)
     (hist,) = launch(tm.HIST_SPEC, backend, hist_p)
     theta_plan = theta_p(hist)
     m, s, theta = launch(tm.THETA_SPEC, backend, theta_plan)
@@ -327,8 +327,7 @@ def breakdown(row, q, codebook, codes, n, exclude, backend):
     row(f"  selection pass 1: mass histograms per chunk ({two})",
         lambda: launch(tm.HIST_SPEC, backend, hist_p)[0], HQ * n * 4)
     row(f"  selection pass 1b: thresholds per query head ({two})",
-        lambda: launch(tm.THETA_SPEC, backend, theta_plan)[0],
-        hist.size * 4)
+        lambda: launch(tm.THETA_SPEC, backend, theta_plan)[0], hist.size * 4)
     row("  selection pass 2: keys, rank histograms per chunk",
         lambda: launch(tm.KEYS_SPEC, backend, keys_plan)[0], HQ * n * 4 + H * n * 4)
     row("  selection pass 3: capped compaction",

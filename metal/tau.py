@@ -185,22 +185,17 @@ def select_bin_widths(backend: str) -> tuple[float, float]:
     return SPAN_T / SELECT_BINS[backend], SPAN_L / LMAX_BINS
 
 
-def select_launches(z, n, exclude, zmax, tau, cap, floor, cap_alloc, *, backend):
-    """Launch plans of the passes 1, 1b, 2 and 3 (the later ones take earlier outputs as
-    inputs, so they are returned as functions of those). Every pass writes every element of
-    its outputs (per-chunk histograms, summed by the next pass), so none is zero-filled."""
+def threshold_launches(z, n, zmax, tau, *, backend):
+    """Launch plans of passes 1 and 1b in two launches, for rows longer than
+    SELECT_FUSED_TOKENS: pass 1's plan, and pass 1b's as a function of pass 1's output. Pass 1
+    writes one histogram per chunk (every element), which pass 1b sums, so neither is
+    zero-filled."""
     hq, n_total = z.shape
-    h, e = exclude.shape
-    rep = hq // h
     nb = SELECT_BINS[backend]
     threads = SELECT_THREADS[backend]
     m_blocks = zmax.shape[1]
     chunk_q, blocks_q = token_blocks(n, threads, rows=hq, min_block=threads,
                                      target_groups=SELECT_GROUPS)
-    # At most SELECT_CHUNKS chunks per kv head: every threadgroup of pass 3 sums the lmax
-    # histograms of all the chunks of its head.
-    chunk_h, blocks_h = token_blocks(n, threads, rows=max(h, SELECT_GROUPS // SELECT_CHUNKS),
-                                     min_block=threads, target_groups=SELECT_GROUPS)
     hist = Launch(
         inputs=[z, zmax, device_ints(n, n_total, m_blocks, chunk_q, blocks_q),
                 device_floats(SPAN_T)],
@@ -215,6 +210,21 @@ def select_launches(z, n, exclude, zmax, tau, cap, floor, cap_alloc, *, backend)
             output_shapes=[(hq,), (hq,), (hq,)],
             output_dtypes=[mx.float32, mx.float32, mx.float32],
         )
+
+    return hist, theta
+
+
+def rank_launches(z, n, exclude, cap, floor, cap_alloc, *, backend):
+    """Launch plans of passes 2 and 3, as functions of the earlier passes' outputs. Both
+    write every element of their outputs (pass 2 a histogram per chunk, summed by pass 3)."""
+    hq, n_total = z.shape
+    h, e = exclude.shape
+    rep = hq // h
+    threads = SELECT_THREADS[backend]
+    # At most SELECT_CHUNKS chunks per kv head: every threadgroup of pass 3 sums the lmax
+    # histograms of all the chunks of its head.
+    chunk_h, blocks_h = token_blocks(n, threads, rows=max(h, SELECT_GROUPS // SELECT_CHUNKS),
+                                     min_block=threads, target_groups=SELECT_GROUPS)
 
     def keys(m, s, theta_out):
         return Launch(
@@ -236,7 +246,7 @@ def select_launches(z, n, exclude, zmax, tau, cap, floor, cap_alloc, *, backend)
             output_dtypes=[mx.uint32, mx.int32, mx.float32],  # every element written
         )
 
-    return hist, theta, keys, compact
+    return keys, compact
 
 
 def hist_theta_launch(z, n, zmax, tau, *, backend):
@@ -264,14 +274,15 @@ def tau_select_fused(z, n, exclude, tau, cap, floor, cap_alloc, *, backend, zmax
         zmax = z[:, :n].max(axis=1, keepdims=True)
     if exclude.dtype not in (mx.bool_, mx.uint8):
         exclude = exclude.astype(mx.uint8)
-    hist_plan, theta_plan, keys_plan, compact_plan = select_launches(
-        z, n, exclude, zmax, tau, cap, floor, cap_alloc, backend=backend)
     if n <= SELECT_FUSED_TOKENS:
         m, s, theta = launch(HIST_THETA_SPEC, backend,
                              hist_theta_launch(z, n, zmax, tau, backend=backend))
     else:
+        hist_plan, theta_plan = threshold_launches(z, n, zmax, tau, backend=backend)
         (hist,) = launch(HIST_SPEC, backend, hist_plan)
         m, s, theta = launch(THETA_SPEC, backend, theta_plan(hist))
+    keys_plan, compact_plan = rank_launches(z, n, exclude, cap, floor, cap_alloc,
+                                            backend=backend)
     code, lhist, counts = launch(KEYS_SPEC, backend, keys_plan(m, s, theta))
     idx, count, mass = launch(COMPACT_SPEC, backend, compact_plan(code, lhist, counts, m, s))
     mass = mass.sum(axis=1)
@@ -306,8 +317,9 @@ def tau_select(
     The set is {j : z[qh, j] >= theta[qh] for some qh of the group} minus exclude. Over cap,
     the tokens with the largest max-over-heads probability stay; under floor, the most
     probable other non-excluded tokens are added (count <= non-excluded tokens).
-    Where it runs: on a Metal or CUDA device (use_kernel None/True), four kernel passes
-    (tau_hist.h, tau_theta.h, tau_keys.h, tau_compact.h) and no sort. Their thresholds sit
+    Where it runs: on a Metal or CUDA device (use_kernel None/True), kernel passes and no
+    sort: tau_hist_theta.h (rows of up to SELECT_FUSED_TOKENS tokens; longer ones tau_hist.h
+    and tau_theta.h), tau_keys.h, tau_compact.h. Their thresholds sit
     up to 1.5 bins of SPAN_T / SELECT_BINS logits below the exact ones (a hair more kept),
     and over cap the ranking by max-over-heads probability is exact to one bin of SPAN_L /
     LMAX_BINS logits (ties within that bin go to the lower token index);

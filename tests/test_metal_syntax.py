@@ -29,8 +29,8 @@ from tiered.metal._build import KernelSpec
 from tiered.metal.affine import AFFINE_SPEC, affine_launch
 from tiered.metal.codebook import CODEBOOK_SPEC, codebook_launch
 from tiered.metal.tau import (COMPACT_SPEC, HIST_SPEC, HIST_THETA_SPEC, KEYS_SPEC, LMAX_BINS,
-                              TAU_SPEC, THETA_SPEC, hist_theta_launch, select_launches,
-                              tau_launch)
+                              TAU_SPEC, THETA_SPEC, hist_theta_launch, rank_launches,
+                              tau_launch, threshold_launches)
 
 METAL_TYPES = {
     mx.float32: "float", mx.float16: "float16_t", mx.bfloat16: "bfloat16_t", mx.bool_: "bool",
@@ -264,8 +264,8 @@ def _plans(backend: str):
     for rep, ex_dtype in [(4, mx.bool_), (1, mx.uint8), (8, mx.bool_)]:
         z = mx.zeros((2 * rep, 40))
         ex = mx.zeros((2, 40), dtype=ex_dtype)
-        hist, theta, keys, compact = select_launches(z, 33, ex, mx.zeros((2 * rep, 3)), 0.9,
-                                                     16, 4, 16, backend=backend)
+        hist, theta = threshold_launches(z, 33, mx.zeros((2 * rep, 3)), 0.9, backend=backend)
+        keys, compact = rank_launches(z, 33, ex, 16, 4, 16, backend=backend)
         hq, chunks, nb = 2 * rep, hist.output_shapes[0][1], hist.output_shapes[0][2]
         f, u = mx.zeros((hq,)), mx.zeros((2, 1, 2), dtype=mx.uint32)
         code = mx.zeros((2, 33), dtype=mx.uint32)
