@@ -640,6 +640,44 @@ def _prefetch_row(addrs, code, dim, page_ids, page_size, ppb, H, k, j):
         prefetch_address(start + off)
 
 
+@kernel("void(int64[::1], int64[::1], int64, int64, int32[:, ::1], uint8[:, :, ::1])",
+        inf_safe=True)
+def _copy_rows(addrs, page_ids, page_size, ppb, tokens, out):
+    """out[h, i] = the stored bytes of token tokens[h, i]'s row of kv head h (zeros for a
+    negative token). The caller checks tokens and page ids (as _check_pages does)."""
+    H = tokens.shape[0]
+    width = out.shape[2]
+    for h in range(H):
+        for i in range(tokens.shape[1]):
+            j = tokens[h, i]
+            if j < 0:
+                for e in range(width):
+                    out[h, i, e] = 0
+                continue
+            blk, row = _row_location(page_ids, page_size, ppb, H, h, j)
+            src = address_as_pointer(addrs[blk] + width * row, np.uint8)
+            for e in range(width):
+                out[h, i, e] = src[e]
+
+
+def copy_rows(addrs, page_ids, page_size, pages_per_block, tokens, row_bytes):
+    """(H, m, row_bytes) uint8: the stored rows of tokens (H, m) int32 (-1: zeros), each kv
+    head h from its own rows; view the result as the storage dtype. Raises IndexError for a
+    token past the pages or a page outside the blocks."""
+    tokens = np.ascontiguousarray(tokens, np.int32)
+    page_ids = np.asarray(page_ids, np.int64)
+    if tokens.size and tokens.max() >= page_ids.shape[0] * page_size:
+        raise IndexError("token outside the pages of the sequence")
+    used = np.unique(tokens[tokens >= 0] // page_size)
+    if used.size and (page_ids[used].min() < 0
+                      or page_ids[used].max() // pages_per_block >= len(addrs)):
+        raise IndexError("page id outside the allocated blocks")
+    out = np.empty(tokens.shape + (int(row_bytes),), np.uint8)
+    _copy_rows(np.asarray(addrs, np.int64), page_ids, int(page_size), int(pages_per_block),
+               tokens, out)
+    return out
+
+
 @kernel(inf_safe=True)
 def _check_pages(idx, count, kv_start, kv_stop, n_tokens, page_ids, ppb, n_blocks):
     """Raise IndexError unless every selected token is one of n_tokens and every page id lies

@@ -417,6 +417,30 @@ class HostStore:
             out[sel] = rows
         return out
 
+    def gather_rows(self, kind: str, b: int, tokens: np.ndarray) -> np.ndarray:
+        """(H, m, d) rows of tokens (H, m) (kv head h's row of token tokens[h, i]; -1 gives
+        zeros) in the storage dtype: float16 and float32 rows are copied as stored, with no
+        conversion; int8 rows come dequantized, as float32."""
+        from .kernels import copy_rows
+
+        tensor = self._tensor(kind)
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 2 or tokens.shape[0] != self.n_kv_heads:
+            raise ValueError(f"Invalid shape of tokens: expected ({self.n_kv_heads}, m), got "
+                             f"{tokens.shape}")
+        if tokens.size and (tokens.min() < -1 or tokens.max() >= self.length):
+            raise IndexError(f"token index out of range [0, {self.length})")
+        if tensor.dtype == "int8":
+            out = np.zeros(tokens.shape + (tensor.head_dim,), np.float32)
+            for h in range(self.n_kv_heads):
+                keep = tokens[h] >= 0
+                out[h, keep] = self.gather(kind, b, h, tokens[h, keep])
+            return out
+        dt = np.dtype(_NP[tensor.dtype])
+        raw = copy_rows(tensor.addrs, self.logical_pages(b), self.page_size,
+                        tensor.pages_per_block, tokens, tensor.head_dim * dt.itemsize)
+        return raw.view(dt).reshape(tokens.shape + (tensor.head_dim,))
+
     def _tensor(self, kind) -> HostTensor:
         if kind == "values":
             return self.values

@@ -40,6 +40,34 @@ def test_append_read_round_trip(dtype, chunks):
     assert len(set(pt.indices.tolist())) == n_pages
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
+def test_gather_rows_all_heads_as_stored(dtype):
+    """gather_rows (the refresh's upload path) returns each head's rows exactly as stored
+    (int8: dequantized, as gather does), -1 as zeros, for a sequence whose pages are not
+    contiguous (a truncated and regrown second sequence)."""
+    rng = np.random.default_rng(3)
+    store = HostStore(3, 16, value_dim=8, page_size=8, dtype=dtype, pages_per_block=2, batch=2)
+    store.append(_data(rng, 2, 3, 45, 8), _data(rng, 2, 3, 45, 16))
+    store.truncate(20)
+    store.append(_data(rng, 2, 3, 37, 8), _data(rng, 2, 3, 37, 16))
+    tokens = rng.integers(0, store.length, (3, 30)).astype(np.int32)
+    tokens[1, 5:] = -1
+    for b in (0, 1):
+        for kind, d in (("keys", 16), ("values", 8)):
+            rows = store.gather_rows(kind, b, tokens)
+            assert rows.shape == (3, 30, d)
+            assert rows.dtype == (np.float32 if dtype == "int8" else np.dtype(dtype))
+            for h in range(3):
+                keep = tokens[h] >= 0
+                np.testing.assert_array_equal(rows[h, keep].astype(np.float32),
+                                              store.gather(kind, b, h, tokens[h, keep]))
+                assert not rows[h, ~keep].any()
+    with pytest.raises(IndexError):
+        store.gather_rows("keys", 0, np.full((3, 1), store.length, np.int32))
+    with pytest.raises(ValueError, match="Invalid shape of tokens"):
+        store.gather_rows("keys", 0, tokens[:2])
+
+
 def test_unwritten_slots_are_nan():
     store = HostStore(2, 4, page_size=8, dtype="float16", keys=False, pages_per_block=4)
     store.append(np.ones((1, 2, 3, 4), np.float32))
