@@ -28,6 +28,7 @@ import pytest
 from tiered.metal._build import KernelSpec
 from tiered.metal.affine import AFFINE_SPEC, affine_launch
 from tiered.metal.codebook import CODEBOOK_SPEC, codebook_launch
+from tiered.metal.h2o import ACC_SPEC, acc_launch
 from tiered.metal.tau import (COMPACT_SPEC, HIST_SPEC, HIST_THETA_SPEC, KEYS_SPEC, LMAX_BINS,
                               TAU_SPEC, THETA_SPEC, hist_theta_launch, rank_launches,
                               tau_launch, threshold_launches)
@@ -277,6 +278,8 @@ def _plans(backend: str):
                     hist_theta_launch(z, 33, mx.zeros((2 * rep, 3)), 0.9, backend=backend)))
         out.append((f"tau-keys-rep{rep}-{ex_dtype}", KEYS_SPEC, keys(f, f, f)))
         out.append((f"tau-compact-rep{rep}", COMPACT_SPEC, compact(code, lh, u, f, f)))
+        out.append((f"h2o-acc-rep{rep}", ACC_SPEC, acc_launch(
+            mx.zeros((2, 48)), mx.zeros((2 * rep, 40)), f, f, 33, rep, 0.95)))
     return out  # fmt: skip
 
 
