@@ -1,9 +1,9 @@
 """H2O accumulator update of a decode step: the EMA of each token's attention mass.
 
 :func:`acc_update` runs one kernel pass (``h2o_acc.h``) on a Metal or CUDA device and the MLX
-ops of :func:`acc_update_ops` elsewhere. On MLX CUDA the ops took 0.3+ ms of device time per
-layer at 128k tokens (a column reduction over the query heads of each group among them); the
-kernel reads the scores once.
+ops of :func:`acc_update_ops` elsewhere. At 128k tokens on MLX CUDA, the ops' mean over the
+query heads of each group alone (a column reduction) took 0.185 ms of device time per layer
+(H200); the kernel, which reads the scores once, took 0.095 ms (H100).
 """
 
 from __future__ import annotations

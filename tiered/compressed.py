@@ -292,11 +292,9 @@ class CompressedLayer:
         old = tok[:, slots].copy()
         new = np.arange(first, n0 + L, dtype=np.int32)
         # On an accelerator each array made from host values costs a host-to-device transfer
-        # (~0.26 ms on MLX CUDA, more than the step's kernels): one decode token (L == 1)
-        # goes through cached index arrays and scalar updates instead.
-        # One decode token (L == 1) goes into its slot by a static slice: no index arrays,
-        # and the one new value (the token id, the same in every layer) comes from the
-        # per-value cache of device arrays.
+        # (~0.26 ms on MLX CUDA, more than the step's kernels): one decode token (L == 1) goes
+        # into its slot by a static slice (no index arrays), and its token id, the same in
+        # every layer, comes from the per-value cache of device arrays.
         idx = slice(int(slots[0]), int(slots[0]) + 1) if L == 1 else mx.array(slots)
         self.res_k[:, idx] = k[:, first - n0 :].astype(self.dtype)
         self.res_v[:, idx] = v[:, first - n0 :].astype(self.dtype)
@@ -471,7 +469,7 @@ class CompressedLayer:
             rows = mx.repeat(mx.maximum(sel.idx, 0), rep, axis=0)
             extra = mx.take_along_axis(z, rows, axis=1)  # the selected tokens' scores
         # What the CPU needs, in one array: each device array read on the host costs a copy
-        # and a wait of its own on MLX CUDA (~0.2 ms).
+        # and a wait of its own on MLX CUDA (0.15-0.18 ms per copy on an H100 / H200).
         cap_alloc = sel.idx.shape[1]
         packed = mx.concatenate([sel.idx.reshape(-1), sel.count,
                                  extra.astype(mx.float32).reshape(-1).view(mx.int32)])
