@@ -269,6 +269,18 @@ def bench_size(n: int, reps: int, bw: float, backend: str, batch: int) -> list[d
     row("tau select (threshold + cap 2048)",
         lambda: metal.tau_select(z, n, exclude, 0.9, 2048, 32), HQ * n * 4)
 
+    # ---- H2O accumulator update: the decode step's fused pass, against its MLX ops -------
+    stats = metal.tau_select(z, n, exclude, 0.9, 2048, 32, with_stats=True)
+    acc = mx.random.uniform(shape=(H, n))
+    mx.eval(stats.m, stats.s, acc)
+    ref = metal.acc_update_ops(acc, z, stats.m, stats.s, n, REP, 0.95)
+    for use_kernel in ([True, False] if backend != "cpu" else [False]):
+        got = metal.acc_update(acc, z, stats.m, stats.s, n, REP, 0.95, use_kernel=use_kernel)
+        row("H2O accumulator update" + (" (kernel, one pass)" if use_kernel else " (MLX ops)"),
+            lambda: metal.acc_update(acc, z, stats.m, stats.s, n, REP, 0.95,
+                                     use_kernel=use_kernel),
+            HQ * n * 4 + 2 * H * n * 4, rel_err(got, ref))
+
     def chain():
         if backend == "cpu":
             zz = metal.codebook_scores(q, codebook, codes_sets(), n, rep=REP)
