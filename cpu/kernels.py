@@ -666,15 +666,12 @@ def copy_rows(addrs, page_ids, page_size, pages_per_block, tokens, row_bytes):
     token past the pages or a page outside the blocks."""
     tokens = np.ascontiguousarray(tokens, np.int32)
     page_ids = np.asarray(page_ids, np.int64)
-    if tokens.size and tokens.max() >= page_ids.shape[0] * page_size:
-        raise IndexError("token outside the pages of the sequence")
-    used = np.unique(tokens[tokens >= 0] // page_size)
-    if used.size and (page_ids[used].min() < 0
-                      or page_ids[used].max() // pages_per_block >= len(addrs)):
-        raise IndexError("page id outside the allocated blocks")
+    addrs = np.asarray(addrs, np.int64)
+    valid = np.ascontiguousarray(tokens[tokens >= 0].reshape(1, -1))
+    _check_pages(valid, np.array([valid.shape[1]], np.int32), 0, 1,
+                 page_ids.shape[0] * int(page_size), page_ids, int(pages_per_block), len(addrs))
     out = np.empty(tokens.shape + (int(row_bytes),), np.uint8)
-    _copy_rows(np.asarray(addrs, np.int64), page_ids, int(page_size), int(pages_per_block),
-               tokens, out)
+    _copy_rows(addrs, page_ids, int(page_size), int(pages_per_block), tokens, out)
     return out
 
 
