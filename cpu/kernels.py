@@ -675,6 +675,95 @@ def copy_rows(addrs, page_ids, page_size, pages_per_block, tokens, row_bytes):
     return out
 
 
+@kernel("void(int32[:, ::1], int32[::1], int32[:, ::1], int64, boolean, int32[:, ::1], "
+        "uint8[::1], int32[:, ::1], int32[:, ::1], int32[::1])")
+def _spill_changes(idx, count, res_tok, n, shift, spill_tok, mark, slots, toks, n_changes):
+    H, C = spill_tok.shape
+    for h in range(H):
+        # mark: 1 resident, 2 wanted, 3 wanted and already held; 0 elsewhere (reset below).
+        for r in range(res_tok.shape[1]):
+            j = res_tok[h, r]
+            if 0 <= j < n:
+                mark[j] = 1
+        wanted = 0
+        for pass_ in range(2 if shift else 1):  # the selection first, then its successors
+            for t in range(count[h]):
+                j = idx[h, t] + pass_
+                if wanted < C and 0 <= j < n and mark[j] == 0:
+                    mark[j] = 2
+                    wanted += 1
+        m = 0
+        free = 0  # slots [0, free) of toks[h] list the slots to fill, in order
+        for s in range(C):
+            j = spill_tok[h, s]
+            if 0 <= j < n and mark[j] == 2:
+                mark[j] = 3
+            else:
+                slots[h, free] = s
+                free += 1
+        used = 0
+        for pass_ in range(2 if shift else 1):
+            for t in range(count[h]):
+                j = idx[h, t] + pass_
+                if 0 <= j < n and mark[j] == 2:
+                    mark[j] = 3
+                    s = slots[h, used]
+                    toks[h, used] = j
+                    spill_tok[h, s] = j
+                    used += 1
+        m = used
+        for f in range(used, free):  # freed slots nothing moved into: emptied
+            s = slots[h, f]
+            if spill_tok[h, s] != -1:
+                slots[h, m] = s
+                toks[h, m] = -1
+                spill_tok[h, s] = -1
+                m += 1
+        n_changes[h] = m
+        for r in range(res_tok.shape[1]):
+            j = res_tok[h, r]
+            if 0 <= j < n:
+                mark[j] = 0
+        for pass_ in range(2 if shift else 1):
+            for t in range(count[h]):
+                j = idx[h, t] + pass_
+                if 0 <= j < n:
+                    mark[j] = 0
+
+
+def spill_changes(idx, count, res_tok, n, spill_tok, *, shift=True, mark=None):
+    """Bring an accelerator-side buffer of offloaded tokens up to date with a selection.
+
+    The buffer holds, per kv head, the tokens ``spill_tok`` (H, C) int32 (-1: empty slot). The
+    wanted set of head h is its selection ``idx[h, :count[h]]`` and, with ``shift``, each selected
+    token's successor (a head that copies moves one token forward per generated token), minus
+    the tokens of ``res_tok`` (H, R) (already resident) and anything outside [0, n); at most C,
+    the selection first. Held tokens keep their slots, new ones take freed slots, unwanted
+    ones are emptied. Updates ``spill_tok`` in place and returns ``(slots, toks)`` (H, M) int32:
+    the changed slots and their new tokens (-1: emptied), padded with slot C (a slot past the
+    buffer) and token -1. ``mark``: optional scratch of >= n zeroed uint8 (left zeroed)."""
+    _check("idx", idx, (None, None), (np.dtype(np.int32),))
+    H = idx.shape[0]
+    _check("count", count, (H,), (np.dtype(np.int32),))
+    _check("res_tok", res_tok, (H, None), (np.dtype(np.int32),))
+    _check_out("spill_tok", spill_tok, (H, None), np.int32)
+    if count.min(initial=0) < 0 or count.max(initial=0) > idx.shape[1]:
+        raise ValueError(f"Invalid count: {count} (idx has {idx.shape[1]} columns)")
+    C = spill_tok.shape[1]
+    if mark is None or mark.shape[0] < n + 1:
+        mark = np.zeros(n + 1, np.uint8)
+    slots = np.empty((H, C), np.int32)
+    toks = np.empty((H, C), np.int32)
+    n_changes = np.zeros(H, np.int32)
+    _spill_changes(np.ascontiguousarray(idx), np.ascontiguousarray(count),
+                   np.ascontiguousarray(res_tok), int(n), bool(shift), spill_tok, mark, slots,
+                   toks, n_changes)
+    M = int(n_changes.max(initial=0))
+    cols = np.arange(M)[None, :] < n_changes[:, None]
+    return (np.where(cols, slots[:, :M], C).astype(np.int32),
+            np.where(cols, toks[:, :M], -1).astype(np.int32))
+
+
 @kernel(inf_safe=True)
 def _check_pages(idx, count, kv_start, kv_stop, n_tokens, page_ids, ppb, n_blocks):
     """Raise IndexError unless every selected token is one of n_tokens and every page id lies

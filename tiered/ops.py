@@ -139,6 +139,11 @@ def select(z, flags, tau, cap, floor, rep):
     return sel.idx, sel.count, sel.m, sel.s, sel.mass
 
 
+def spill_changes(idx, count, res_tok, n, spill_tok):
+    """See :func:`tiered.cpu.kernels.spill_changes` (the lookahead buffer's update)."""
+    return K.spill_changes(idx, count, res_tok, n, spill_tok)
+
+
 def submit_gather(scheduler, layer, q, z, idx, count, rep, host, rescore_exact, *,
                   z_by_slot=False):
     """Start the weighted sums of the selected host values, split by KV head across the
