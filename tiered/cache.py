@@ -320,6 +320,8 @@ class TieredCache(_BaseCache):
     def _flush(self):
         if not self._pending:
             return
+        if self.compressed is not None:  # a lookahead move reading these pages finishes first
+            self.compressed.spill_join()
         B, H, dk, dv, _ = self._geometry
         if self.host is None:
             cfg = self.config

@@ -34,7 +34,7 @@ from tiered import metal
 
 from . import ops
 from .keys import AffineKeys, CodebookKeys, _capacity
-from .planner import Plan
+from .planner import BudgetError, Plan
 
 
 def _np(a: mx.array) -> np.ndarray:
@@ -61,6 +61,17 @@ class CompressedLayer:
         self._alloc(capacity)
         self.res_k = self.res_v = self.res_tok = None
         self._res_tok_np = None
+        # Lookahead (accelerator path): the offloaded tokens a step attends sit in a device
+        # buffer ("spill", (H, C + 1, d); slot C stays empty), filled from the previous step's
+        # selection; _pending is that selection (device array, or host (idx, count)).
+        self.lookahead = bool(self.config.lookahead) and not self.numpy_path
+        self.spill_k = self.spill_v = self.spill_tok = None
+        self._spill_tok_np = None
+        self._pending = None  # the selection the buffer moves to next (device array or host)
+        self._spill_job = None  # (batch, count): that move, running on a CPU worker
+        self._spill_count = None  # per-head selection counts of the move applied last
+        self._spill_live = False  # a selection was made since the last prompt chunk / trim
+        self.spill_moves = self.spill_rows_moved = 0  # moves applied; rows they uploaded
         # Block-wise prefill (prompt chunks after compression): exact K/V of the anchor block
         # (the first tokens) and of the previous chunk (the local block), until decoding starts.
         self.anchor_k = self.anchor_v = None
@@ -98,6 +109,8 @@ class CompressedLayer:
             arrays.append(self.acc)
         if self.res_k is not None:
             arrays += [self.res_k, self.res_v, self.res_tok]
+        if self.spill_k is not None:
+            arrays += [self.spill_k, self.spill_v, self.spill_tok]
         arrays += [a for a in (self.anchor_k, self.anchor_v, self.local_k, self.local_v)
                    if a is not None]
         return sum(a.nbytes for a in arrays) + self.keys.nbytes
@@ -147,7 +160,22 @@ class CompressedLayer:
         """Resident slots per head at n tokens (sinks + ring + heavy)."""
         if not self.plan.keep_values_resident:
             return min(self.W, n)
-        return min(max(self.plan.check(n, horizon=self.config.refresh_every + 1), 0), n)
+        r = self.plan.check(n, horizon=self.config.refresh_every + 1)
+        if self.lookahead:  # the spill buffer's slots cost what resident slots cost
+            spill = self._spill_size(n + self.config.refresh_every + 1)
+            need = min(self.plan.minimum_resident(), n)
+            if r - spill < need:
+                raise BudgetError(
+                    f"gpu_budget too small for lookahead at {n} tokens: its buffer of {spill} "
+                    f"tokens per kv head leaves {r - spill} resident slots, {need} needed "
+                    "(raise gpu_budget, lower max_selected, or set lookahead=False)")
+            r -= spill
+        return min(max(r, 0), n)
+
+    def _spill_size(self, n: int) -> int:
+        """Slots per kv head of the lookahead buffer: a selection and its successors, plus the
+        always-empty slot that padded updates write to (at most half the resident slots)."""
+        return 2 * self._cap(n)[0] + 1
 
     def _choose_heavy(self, count: int, n: int, S: int, W: int) -> np.ndarray:
         """(H, count) token ids of the top accumulators outside sinks and the recent ring."""
@@ -327,6 +355,7 @@ class CompressedLayer:
             if self.numpy_path:
                 return self._decode_numpy(queries, scale, sinks)
             return self._decode_mlx(queries, scale, sinks)
+        self._spill_reset()  # the next decode step selects afresh (synchronously)
         return self._chunk(queries, keys, values, scale, sinks)
 
     def _resident_scores(self, q: mx.array) -> mx.array:
@@ -335,15 +364,17 @@ class CompressedLayer:
         s = q @ self.res_k.astype(mx.float32).swapaxes(-1, -2)
         return mx.where((self.res_tok >= 0)[:, None, :], s, -mx.inf)
 
-    def _resident_partial(self, s: mx.array):
-        """Exact attention over the resident set from its scores s (H, rep, R).
+    def _resident_partial(self, s: mx.array, values: mx.array | None = None):
+        """Exact attention over the resident set from its scores s (H, rep, R) (or over
+        ``values`` (H, R, dv) given with their scores s).
 
         Returns (o (H, rep, dv) normalized, lse (H, rep); -inf where the set is empty)."""
+        values = self.res_v if values is None else values
         m = mx.max(s, axis=-1, keepdims=True)
         m = mx.where(mx.isfinite(m), m, 0)
         p = mx.exp(s - m)
         den = mx.sum(p, axis=-1, keepdims=True)
-        o = (p @ self.res_v.astype(mx.float32)) / mx.maximum(den, 1e-30)
+        o = (p @ values.astype(mx.float32)) / mx.maximum(den, 1e-30)
         lse = mx.where(den[..., 0] > 0, (m + mx.log(den))[..., 0], -mx.inf)
         return o, lse
 
@@ -370,6 +401,11 @@ class CompressedLayer:
         cfg = self.config
         cap = cfg.max_selected if isinstance(cfg.max_selected, int) else max(
             1, int(cfg.max_selected * n))
+        if self.lookahead and self.plan.keep_values_resident:
+            # The buffer (a selection and its successors) takes at most half of the resident
+            # slots the budget allows: the selection is capped to fit it.
+            r = self.plan.check(n, horizon=cfg.refresh_every + 1)
+            cap = max(1, min(cap, (r // 2 - 1) // 2))
         return cap, min(cfg.min_selected, cap)
 
     def _finish(self, queries, o_r, lse_r, o_c, lse_c, count, sinks, t0):
@@ -440,16 +476,11 @@ class CompressedLayer:
         self.parent.stats.record_phases(marks)
         return out
 
-    def _decode_mlx(self, queries, scale, sinks):
-        """One query on an accelerator. Scores, selection and H2O stay on the device; one sync
-        per layer brings the selected indices (and, for approximate weights, their scores) to
-        the CPU workers, whose gather overlaps the resident partial and the accumulator update;
-        the merge happens on the device and the layer's output stays lazy."""
-        t0 = time.perf_counter()
-        marks = [("", t0)]
-        cfg = self.config
-        H, n = self.H, self.n
-        Hq, rep, q, s_r = self._decode_start(queries, scale)
+    def _select_device(self, q, s_r, Hq: int, rep: int):
+        """Scores of every token from the compressed keys (the resident tokens' replaced by
+        their exact scores s_r) and the tau-cumulative selection, on the device (lazy).
+        Returns (z (Hq, n + 1), sel)."""
+        n = self.n
         z = self.keys.scores(q, n, rep)
         # Resident tokens take their exact scores (scatter into a spare column n for empty
         # slots). z keeps that column: the selection reads only the first n, and slicing it off
@@ -460,8 +491,45 @@ class CompressedLayer:
         zp = mx.concatenate([z, mx.zeros((Hq, 1), mx.float32)], axis=1)
         z = mx.put_along_axis(zp, cols, s_r.reshape(Hq, R), axis=1)  # (Hq, n + 1)
         cap, floor = self._cap(n)
-        sel = metal.tau_select(z, n, self.flags, cfg.tau, cap, floor,
-                               with_stats=True)
+        sel = metal.tau_select(z, n, self.flags, self.config.tau, cap, floor, with_stats=True)
+        return z, sel
+
+    def _combine(self, o_r, lse_r, o_c, lse_c, sinks, Hq: int):
+        """Exact merge of two partials (Hq, dv) / (Hq,) on the device, and the sink logit."""
+        lse = mx.logaddexp(lse_r, lse_c)
+        lse = mx.where(mx.isfinite(lse), lse, 0)
+        o = o_r * mx.exp(lse_r - lse)[:, None] + o_c * mx.exp(lse_c - lse)[:, None]
+        if sinks is not None:  # a learned sink logit per head joins the softmax with no value
+            s_sink = mx.array(sinks).astype(mx.float32).reshape(Hq)
+            o = o * mx.sigmoid(lse - s_sink)[:, None]
+        return o, lse
+
+    def _end_step(self, queries, o, lse_r, lse, mean_count: float, marks):
+        """Stats, the periodic H2O refresh, and the output (1, Hq, 1, dv) in the query dtype."""
+        Hq = queries.shape[1]
+        self.steps += 1
+        self.parent.stats.record_step(mean_count, self.n, mx.exp(lse_r - lse).mean())
+        if self.acc is not None and self.steps % self.config.refresh_every == 0:
+            self._rebuild_resident()
+        marks.append(("finish", time.perf_counter()))
+        self.parent.stats.last_step_s = marks[-1][1] - marks[0][1]
+        self.parent.stats.record_phases(marks)
+        return o.reshape(1, Hq, 1, -1).astype(queries.dtype)
+
+    def _decode_mlx(self, queries, scale, sinks):
+        """One query on an accelerator. Scores, selection and H2O stay on the device; one sync
+        per layer brings the selected indices (and, for approximate weights, their scores) to
+        the CPU workers, whose gather overlaps the resident partial and the accumulator update;
+        the merge happens on the device and the layer's output stays lazy. With lookahead,
+        every step after the first runs :meth:`_decode_lookahead` instead."""
+        if self.lookahead and self._spill_live:
+            return self._decode_lookahead(queries, scale, sinks)
+        t0 = time.perf_counter()
+        marks = [("", t0)]
+        cfg = self.config
+        H = self.H
+        Hq, rep, q, s_r = self._decode_start(queries, scale)
+        z, sel = self._select_device(q, s_r, Hq, rep)
         exact = cfg.rescore == "exact"
         if exact:
             extra = q  # the CPU rescores with the query
@@ -490,30 +558,132 @@ class CompressedLayer:
         o_r, lse_r = self._resident_partial(s_r)
         lazy = [o_r, lse_r]
         if self.acc is not None:  # one kernel pass on a GPU (metal/h2o_acc.h)
-            self.acc = metal.acc_update(self.acc, z, sel.m, sel.s, n, rep, cfg.ema_alpha)
+            self.acc = metal.acc_update(self.acc, z, sel.m, sel.s, self.n, rep, cfg.ema_alpha)
             lazy.append(self.acc)
         mx.async_eval(*lazy)  # the device works while the CPU gathers
         marks.append(("resident", time.perf_counter()))  # launching it (runs on asynchronously)
         o_c, lse_c = ops.wait_gather(handle, marks[-1][1] - t_acc)
         marks.append(("wait", time.perf_counter()))
+        if self.lookahead:  # the next step attends this selection (and its successors)
+            self._set_pending((idx.copy(), count.copy()))
         both = mx.array(np.concatenate([o_c, lse_c[:, None]], axis=1))  # one transfer, not two
-        o_c, lse_c = both[:, :-1], both[:, -1]
         lse_r = lse_r.reshape(Hq)
-        lse = mx.logaddexp(lse_r, lse_c)
-        lse = mx.where(mx.isfinite(lse), lse, 0)
-        o = (o_r.reshape(Hq, -1) * mx.exp(lse_r - lse)[:, None]
-             + o_c * mx.exp(lse_c - lse)[:, None])
-        if sinks is not None:  # a learned sink logit per head joins the softmax with no value
-            s_sink = mx.array(sinks).astype(mx.float32).reshape(Hq)
-            o = o * mx.sigmoid(lse - s_sink)[:, None]
-        self.steps += 1
-        self.parent.stats.record_step(float(np.mean(count)), n, mx.exp(lse_r - lse).mean())
-        if self.acc is not None and self.steps % cfg.refresh_every == 0:
-            self._rebuild_resident()
-        marks.append(("finish", time.perf_counter()))
-        self.parent.stats.last_step_s = marks[-1][1] - t0
-        self.parent.stats.record_phases(marks)
-        return o.reshape(1, Hq, 1, -1).astype(queries.dtype)
+        o, lse = self._combine(o_r.reshape(Hq, -1), lse_r, both[:, :-1], both[:, -1], sinks, Hq)
+        return self._end_step(queries, o, lse_r, lse, float(np.mean(count)), marks)
+
+    def _decode_lookahead(self, queries, scale, sinks):
+        """One query, no sync: the offloaded tokens attended are the previous step's selection
+        and each selected token's successor (a copying head moves one token forward per step),
+        held with their exact keys and values in the spill buffer. Host work per step: bring
+        the buffer up to date (the previous selection's indices, the rows that changed, read by
+        the CPU workers from the pages and uploaded); this step's selection stays on the device
+        until the next step reads it."""
+        t0 = time.perf_counter()
+        marks = [("", t0)]
+        cfg = self.config
+        H, d = self.H, queries.shape[3]
+        count = self._spill_finish()
+        nxt = self.parent.context.next_lookahead_layer(self.parent.layer)
+        if nxt is not None:  # its move runs on a worker while this layer and the next build
+            nxt._spill_start()
+        marks.append(("spill", time.perf_counter()))
+        Hq, rep, q, s_r = self._decode_start(queries, scale)
+        z, sel = self._select_device(q, s_r, Hq, rep)
+        self._set_pending(mx.concatenate([sel.idx.reshape(-1), sel.count]))
+        s_s = q.reshape(H, rep, d) @ self.spill_k.astype(mx.float32).swapaxes(-1, -2)
+        s_s = mx.where((self.spill_tok >= 0)[:, None, :], s_s, -mx.inf)
+        o_s, lse_s = self._resident_partial(s_s, self.spill_v)
+        o_r, lse_r = self._resident_partial(s_r)
+        lse_r = lse_r.reshape(Hq)
+        o, lse = self._combine(o_r.reshape(Hq, -1), lse_r, o_s.reshape(Hq, -1),
+                               lse_s.reshape(Hq), sinks, Hq)
+        lazy = [o, self._pending]
+        if self.acc is not None:
+            self.acc = metal.acc_update(self.acc, z, sel.m, sel.s, self.n, rep, cfg.ema_alpha)
+            lazy.append(self.acc)
+        mx.async_eval(*lazy)
+        marks.append(("build", time.perf_counter()))
+        return self._end_step(queries, o, lse_r, lse, float(np.mean(count)), marks)
+
+    def _set_pending(self, selection):
+        self._pending = selection
+        self._spill_live = True
+        self.parent.context.register_lookahead(self.parent.layer, self)
+
+    def _spill_start(self):
+        """Submit the move of the spill buffer to the pending selection (main thread: reads
+        the selection, flushes the rows it needs to the host; a worker does the rest)."""
+        if self._spill_job is not None or self._pending is None:
+            return
+        H = self.H
+        pend, self._pending = self._pending, None
+        if isinstance(pend, mx.array):
+            flat = np.array(pend)  # this layer's part of the previous step: done by now
+            idx, count = flat[:-H].reshape(H, -1), flat[-H:]
+        else:
+            idx, count = pend
+        self.parent._flush_until(self.n - self.W_eff)  # the rows the worker reads
+        size = self._spill_size(self.n)
+        if self.spill_k is None or self.spill_k.shape[1] < size:
+            self._grow_spill(size)
+        batch = self.parent.scheduler.batch(self.parent.layer)
+        # One job per layer: split by kv heads across workers it measured slower (H200,
+        # 128k: 393 vs 250 ms per token). The worker owns _spill_tok_np until the join; it
+        # gets its own copy of the resident ids (the ring insert changes them in place).
+        batch.submit(_spill_move, idx, count, self._res_tok_np.copy(), self.n,
+                     self._spill_tok_np, self.parent.host)
+        self._spill_job = (batch, count)
+
+    def _spill_finish(self) -> np.ndarray:
+        """Wait for the move (starting it first if nobody did) and apply it on the device.
+        Returns the per-head counts of the selection it moved to."""
+        self._spill_start()
+        if self._spill_job is None:  # applied already (a flush joined it early)
+            return self._spill_count
+        batch, count = self._spill_job
+        self._spill_job = None
+        ((slots, toks, rows),) = batch.wait()
+        self.spill_moves += 1
+        if rows is not None:
+            self.spill_rows_moved += int(np.count_nonzero(toks >= 0))
+            dk = self.dk
+            rows = mx.array(rows)  # one upload: keys and values of the changed slots
+            ints = mx.array(np.stack([slots, toks]))
+            at = ints[0][..., None]
+            self.spill_k = mx.put_along_axis(self.spill_k, at, rows[..., :dk].astype(self.dtype),
+                                             axis=1)
+            self.spill_v = mx.put_along_axis(self.spill_v, at, rows[..., dk:].astype(self.dtype),
+                                             axis=1)
+            self.spill_tok = mx.put_along_axis(self.spill_tok, ints[0], ints[1], axis=1)
+        self._spill_count = count
+        return count
+
+    def spill_join(self):
+        """Finish a move in flight (before anything changes the host pages it reads)."""
+        if self._spill_job is not None:
+            self._spill_finish()
+
+    def _spill_reset(self):
+        """Forget the pending selection: the next decode step selects synchronously."""
+        self.spill_join()
+        self._pending = None
+        self._spill_live = False
+
+    def _grow_spill(self, size: int):
+        """(Re)allocate the spill buffer with ``size`` slots per kv head, keeping its rows."""
+        H = self.H
+        k = mx.zeros((H, size, self.dk), self.dtype)
+        v = mx.zeros((H, size, self.dv), self.dtype)
+        tok = np.full((H, size), -1, np.int32)
+        if self.spill_k is not None:  # the old last slot was the empty one: keep the rest
+            old = self.spill_k.shape[1] - 1
+            k[:, :old] = self.spill_k[:, :old]
+            v[:, :old] = self.spill_v[:, :old]
+            tok[:, :old] = self._spill_tok_np
+        self.spill_k, self.spill_v = k, v
+        self._spill_tok_np = np.ascontiguousarray(tok[:, : size - 1])
+        self.spill_tok = mx.array(tok)
+        mx.eval(self.spill_k, self.spill_v, self.spill_tok)
 
     def _chunk(self, queries, keys, values, scale, sinks):
         """A prompt chunk after compression: block-wise attention (HCAttention's appendix).
@@ -573,6 +743,7 @@ class CompressedLayer:
     def trim(self, n_trim: int) -> int:
         n_trim = min(n_trim, self.n)
         self.parent._flush()
+        self._spill_reset()  # the spill may hold trimmed tokens: the next update drops them
         self.n -= n_trim
         self.parent.host.truncate(self.n)
         tok = self._res_tok_np
@@ -640,6 +811,17 @@ class CompressedLayer:
             self.local_k, self.local_v = st["local"]
             self.local_start = int(st["local_start"])
         return self
+
+
+def _spill_move(idx, count, res_tok, n, spill_tok, host):
+    """Worker job of the lookahead buffer: which slots change (updates spill_tok) and the
+    stored keys and values of their new tokens, (H, M, dk + dv) (None when nothing changes)."""
+    slots, toks = ops.spill_changes(idx, count, res_tok, n, spill_tok)
+    if not slots.shape[1]:
+        return slots, toks, None
+    rows = np.concatenate([host.gather_rows("keys", 0, toks),
+                           host.gather_rows("values", 0, toks)], axis=-1)
+    return slots, toks, rows
 
 
 def _numpy_path(config) -> bool:

@@ -85,6 +85,12 @@ class TieredConfig:
     recent: int = 64
     ema_alpha: float = 0.95
     refresh_every: int = 16  # decode steps between promotions / demotions
+    # Accelerator path: attend the previous step's offloaded selection (and each selected
+    # token's successor) from a device buffer the CPU workers keep up to date, instead of
+    # waiting per layer for this step's gather. No sync inside a step; the buffer (2 x
+    # max_selected tokens per kv head) comes out of the resident set's share of gpu_budget,
+    # half of it at most (max_selected shrinks to fit).
+    lookahead: bool = False
     # host tier
     host_dtype: str = "float16"
     host_keys: bool = True
@@ -118,6 +124,11 @@ class TieredConfig:
         if self.rescore == "exact" and not self.host_keys:
             raise ValueError("Invalid rescore: 'exact' needs host_keys=True (full keys on the host)")
         self._choice("host_dtype", HOST_DTYPES)
+        if not isinstance(self.lookahead, bool):
+            raise ValueError(f"Invalid lookahead: {self.lookahead!r} (expected True or False)")
+        if self.lookahead and (self.method != "tiered" or self.rescore != "exact"):
+            raise ValueError("Invalid lookahead: needs method='tiered' with host keys (rescore="
+                             "'exact'): the buffer holds exact keys and values of host tokens")
         self._choice("kernels", ("auto", "numba", "mlx"))
         if self.codebook_groups is not None:
             self._int("codebook_groups", 1)

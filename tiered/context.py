@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import weakref
 
 import mlx.core as mx
 import numpy as np
@@ -76,10 +77,25 @@ class SharedContext:
         self.codebook_memo: dict = {}
         self._scheduler = None
         self._lock = threading.Lock()
+        # layer index -> its compressed layer (lookahead decoding); weak: no cycle through the
+        # context keeps a dropped cache (and its scheduler threads) alive
+        self._lookahead = weakref.WeakValueDictionary()
         from tiered.cpu.disk import HostBudget
 
         self.host_budget = HostBudget(config.host_budget)
         self.disk_budget = HostBudget(config.disk_budget) if config.disk_budget else None
+
+    # ---- lookahead -------------------------------------------------------------------------
+    def register_lookahead(self, layer: int, compressed):
+        self._lookahead[layer] = compressed
+
+    def next_lookahead_layer(self, layer: int):
+        """The compressed layer whose spill move starts while ``layer`` decodes: the next one
+        in model order, or the first (the next step's) after the last."""
+        if len(self._lookahead) < 2:
+            return None
+        later = [i for i in self._lookahead if i > layer]
+        return self._lookahead[min(later) if later else min(self._lookahead)]
 
     # ---- plan ------------------------------------------------------------------------------
     def check_model_budget(self, reference_tokens: int = 4096):
