@@ -150,10 +150,14 @@ def attention_bytes(method: str, cache, n: int, geo) -> dict:
         scores = Hq * n * 4 * 3  # exported scores: written, read by selection, read by H2O
         h2o = 0 if layer.acc is None else H * n * 4 * 2 + H * n  # accumulator r/w + flags
         resident = layer.res_k.nbytes + layer.res_v.nbytes
-        acc += codes + scores + h2o + resident
-        sel = np.mean(c.stats.selected[-5:]) if c.stats.selected else 0
         per_row = (d * (2 if c.config.rescore == "exact" else 1)) * 2  # fp16 host rows
-        host += int(sel * H * per_row)
+        if layer.spill_k is not None and layer.spill_moves:  # lookahead: only moved rows
+            acc += layer.spill_k.nbytes + layer.spill_v.nbytes
+            host += int(layer.spill_rows_moved / layer.spill_moves * per_row)
+        else:
+            sel = np.mean(c.stats.selected[-5:]) if c.stats.selected else 0
+            host += int(sel * H * per_row)
+        acc += codes + scores + h2o + resident
     return {"accelerator": int(acc), "host": int(host)}
 
 
@@ -169,7 +173,8 @@ def main(argv=None):
     p.add_argument("--workers", type=int, default=None)
     p.add_argument("--kernels", default=None, choices=["numba", "mlx"],
                    help="force the per-step path (default: numba on the CPU, mlx on GPUs)")
-    p.add_argument("--methods", nargs="+", default=["KVCache", "QuantizedKVCache-8", "tiered"])
+    p.add_argument("--methods", nargs="+", default=["KVCache", "QuantizedKVCache-8", "tiered"],
+                   choices=["KVCache", "QuantizedKVCache-8", "tiered", "tiered+lookahead"])
     p.add_argument("--name", default=None)
     args = p.parse_args(argv)
     on_cpu = mx.default_device() == mx.cpu
@@ -201,6 +206,10 @@ def main(argv=None):
         if "tiered" in args.methods:
             for b in args.budgets:
                 runs.append((f"tiered@{b}", lambda b=b: tiered_caches(model, seed, n, b, options)))
+        if "tiered+lookahead" in args.methods:
+            for b in args.budgets:
+                runs.append((f"tiered+lookahead@{b}", lambda b=b: tiered_caches(
+                    model, seed, n, b, dict(options, lookahead=True, kernels="mlx"))))
         for name, make in runs:
             t = time.perf_counter()
             cache = make()
@@ -281,6 +290,7 @@ def main(argv=None):
 
 
 PHASES = {  # decode-step phases (tiered/compressed.py), as the tables and plots name them
+    "spill": "lookahead: finish this layer's buffer move (wait for its worker, upload) and start the next layer's",
     "build": "queue scores + selection (host)",
     "sync": "wait for the device (scores, selection, and the layers before)",
     "select": "scores + selection (Numba)",
