@@ -692,7 +692,6 @@ def _spill_changes(idx, count, res_tok, n, shift, spill_tok, mark, slots, toks, 
                 if wanted < C and 0 <= j < n and mark[j] == 0:
                     mark[j] = 2
                     wanted += 1
-        m = 0
         free = 0  # slots [0, free) of toks[h] list the slots to fill, in order
         for s in range(C):
             j = spill_tok[h, s]
@@ -731,7 +730,7 @@ def _spill_changes(idx, count, res_tok, n, shift, spill_tok, mark, slots, toks, 
                     mark[j] = 0
 
 
-def spill_changes(idx, count, res_tok, n, spill_tok, *, shift=True, mark=None):
+def spill_changes(idx, count, res_tok, n, spill_tok, *, shift=True):
     """Bring an accelerator-side buffer of offloaded tokens up to date with a selection.
 
     The buffer holds, per kv head, the tokens ``spill_tok`` (H, C) int32 (-1: empty slot). The
@@ -741,7 +740,7 @@ def spill_changes(idx, count, res_tok, n, spill_tok, *, shift=True, mark=None):
     the selection first. Held tokens keep their slots, new ones take freed slots, unwanted
     ones are emptied. Updates ``spill_tok`` in place and returns ``(slots, toks)`` (H, M) int32:
     the changed slots and their new tokens (-1: emptied), padded with slot C (a slot past the
-    buffer) and token -1. ``mark``: optional scratch of >= n zeroed uint8 (left zeroed)."""
+    buffer) and token -1."""
     _check("idx", idx, (None, None), (np.dtype(np.int32),))
     H = idx.shape[0]
     _check("count", count, (H,), (np.dtype(np.int32),))
@@ -750,8 +749,7 @@ def spill_changes(idx, count, res_tok, n, spill_tok, *, shift=True, mark=None):
     if count.min(initial=0) < 0 or count.max(initial=0) > idx.shape[1]:
         raise ValueError(f"Invalid count: {count} (idx has {idx.shape[1]} columns)")
     C = spill_tok.shape[1]
-    if mark is None or mark.shape[0] < n + 1:
-        mark = np.zeros(n + 1, np.uint8)
+    mark = np.zeros(n + 1, np.uint8)  # the kernel's per-token scratch (left zeroed)
     slots = np.empty((H, C), np.int32)
     toks = np.empty((H, C), np.int32)
     n_changes = np.zeros(H, np.int32)

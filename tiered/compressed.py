@@ -408,16 +408,21 @@ class CompressedLayer:
             cap = max(1, min(cap, (r // 2 - 1) // 2))
         return cap, min(cfg.min_selected, cap)
 
+    def _step_done(self, mean_count: float, resident_mass):
+        """What every decode step ends with: its stats, and every ``refresh_every`` steps the
+        H2O refresh (promote / demote heavy hitters)."""
+        self.steps += 1
+        self.parent.stats.record_step(mean_count, self.n, resident_mass)
+        if self.acc is not None and self.steps % self.config.refresh_every == 0:
+            self._rebuild_resident()
+
     def _finish(self, queries, o_r, lse_r, o_c, lse_c, count, sinks, t0):
         Hq = queries.shape[1]
         o, lse = ops.merge(o_r, lse_r, o_c, lse_c)
         if sinks is not None:
             o, lse = ops.merge(o, lse, np.zeros_like(o), np.array(sinks, np.float32).reshape(Hq))
         resident_mass = float(np.mean(np.exp(lse_r - ops.logaddexp(lse_r, lse_c))))
-        self.steps += 1
-        self.parent.stats.record_step(float(np.mean(count)), self.n, resident_mass)
-        if self.acc is not None and self.steps % self.config.refresh_every == 0:
-            self._rebuild_resident()  # promote / demote heavy hitters
+        self._step_done(float(np.mean(count)), resident_mass)
         self.parent.stats.last_step_s = time.perf_counter() - t0
         return mx.array(o.reshape(1, Hq, 1, -1)).astype(queries.dtype)
 
@@ -507,10 +512,7 @@ class CompressedLayer:
     def _end_step(self, queries, o, lse_r, lse, mean_count: float, marks):
         """Stats, the periodic H2O refresh, and the output (1, Hq, 1, dv) in the query dtype."""
         Hq = queries.shape[1]
-        self.steps += 1
-        self.parent.stats.record_step(mean_count, self.n, mx.exp(lse_r - lse).mean())
-        if self.acc is not None and self.steps % self.config.refresh_every == 0:
-            self._rebuild_resident()
+        self._step_done(mean_count, mx.exp(lse_r - lse).mean())
         marks.append(("finish", time.perf_counter()))
         self.parent.stats.last_step_s = marks[-1][1] - marks[0][1]
         self.parent.stats.record_phases(marks)
