@@ -599,13 +599,44 @@ def _row_location(page_ids, page_size, ppb, H, k, j):
 
 
 @kernel(inf_safe=True, inline=True)
-def _load_row(addrs, scale_addrs, code, dim, page_ids, page_size, ppb, H, k, j, f16, out):
-    """Decode token j of kv head k from the paged blocks into out (dim,) float32.
+def _locate_rows(page_ids, page_size, ppb, H, k, idx, cnt, blk, row):
+    """blk[t], row[t] = _row_location of token idx[k, t], t < cnt, computed once for the key
+    and the value pass (and their prefetches). The integer divisions are most of a row's
+    arithmetic (a 64-bit division costs tens of cycles), so powers of two use shifts."""
+    ps_shift = _log2_exact(page_size)
+    ppb_shift = _log2_exact(ppb)
+    for t in range(cnt):
+        j = idx[k, t]
+        if ps_shift >= 0 and ppb_shift >= 0:
+            lp = j >> ps_shift
+            phys = page_ids[lp]
+            b = phys >> ppb_shift
+        else:
+            lp = j // page_size
+            phys = page_ids[lp]
+            b = phys // ppb
+        blk[t] = b
+        row[t] = ((phys - b * ppb) * H + k) * page_size + (j - lp * page_size)
+
+
+@kernel(inline=True)
+def _log2_exact(x):
+    """log2(x) for a power of two x >= 1, else -1."""
+    if x < 1 or (x & (x - 1)) != 0:
+        return -1
+    s = 0
+    while (1 << s) < x:
+        s += 1
+    return s
+
+
+@kernel(inf_safe=True, inline=True)
+def _load_row(addrs, scale_addrs, code, dim, blk, row, f16, out):
+    """Decode row ``row`` of block ``blk`` (see _row_location) into out (dim,) float32.
 
     Inlined with a literal code, so only one decode loop remains and it vectorizes (a runtime
     code measured 2x slower per row). No bounds checks here (they cost 25% per row): the
     caller checks tokens and page ids once (_check_pages)."""
-    blk, row = _row_location(page_ids, page_size, ppb, H, k, j)
     if code == 0:
         p16 = address_as_pointer(addrs[blk] + 2 * row * dim, np.uint16)
         for e in range(dim):
@@ -631,9 +662,8 @@ PREFETCH_ROWS = 8
 
 
 @kernel(inf_safe=True, inline=True)
-def _prefetch_row(addrs, code, dim, page_ids, page_size, ppb, H, k, j):
-    """Request the cache lines of token j of kv head k (no load, no fault; see _load_row)."""
-    blk, row = _row_location(page_ids, page_size, ppb, H, k, j)
+def _prefetch_row(addrs, code, dim, blk, row):
+    """Request the cache lines of row ``row`` of block ``blk`` (no load, no fault)."""
     width = 4 if code == 1 else (1 if code == 2 else 2)
     start = addrs[blk] + width * row * dim
     for off in range(0, width * dim, 64):
@@ -780,15 +810,13 @@ def _check_pages(idx, count, kv_start, kv_stop, n_tokens, page_ids, ppb, n_block
 
 
 @kernel(inf_safe=True, inline=True)
-def _exact_logits(q, idx, k, cnt, rep, addrs, scale_addrs, code, d, page_ids, page_size, ppb,
-                  f16, row, w):
-    """w[r, t] = q[k*rep + r] . key of token idx[k, t]; each key row is decoded once."""
-    H = idx.shape[0]
+def _exact_logits(q, k, cnt, rep, addrs, scale_addrs, code, d, blk, rows, f16, row, w):
+    """w[r, t] = q[k*rep + r] . key of the t-th selected token of kv head k (at blk[t],
+    rows[t]: _locate_rows); each key row is decoded once."""
     for t in range(cnt):
         if t + PREFETCH_ROWS < cnt:
-            _prefetch_row(addrs, code, d, page_ids, page_size, ppb, H, k, idx[k, t + PREFETCH_ROWS])
-        _load_row(addrs, scale_addrs, code, d, page_ids, page_size, ppb, H, k, idx[k, t], f16,
-                  row)
+            _prefetch_row(addrs, code, d, blk[t + PREFETCH_ROWS], rows[t + PREFETCH_ROWS])
+        _load_row(addrs, scale_addrs, code, d, blk[t], rows[t], f16, row)
         for r in range(rep):
             acc = np.float32(0.0)
             for e in range(d):
@@ -797,18 +825,15 @@ def _exact_logits(q, idx, k, cnt, rep, addrs, scale_addrs, code, d, page_ids, pa
 
 
 @kernel(inf_safe=True, inline=True)
-def _weighted_values(idx, k, cnt, rep, addrs, scale_addrs, code, dv, page_ids, page_size, ppb,
-                     f16, row, w, acc):
-    """acc[r*dv:(r+1)*dv] = sum_t w[r, t] * value of token idx[k, t]; each value row is decoded
-    once. acc is a flat local buffer: accumulating into the 2-D output measured 1.5x slower."""
-    H = idx.shape[0]
+def _weighted_values(cnt, rep, addrs, scale_addrs, code, dv, blk, rows, f16, row, w, acc):
+    """acc[r*dv:(r+1)*dv] = sum_t w[r, t] * value of the t-th selected token (at blk[t],
+    rows[t]); each value row is decoded once. acc is a flat local buffer: accumulating into the
+    2-D output measured 1.5x slower."""
     acc[: rep * dv] = 0.0
     for t in range(cnt):
         if t + PREFETCH_ROWS < cnt:
-            _prefetch_row(addrs, code, dv, page_ids, page_size, ppb, H, k,
-                          idx[k, t + PREFETCH_ROWS])
-        _load_row(addrs, scale_addrs, code, dv, page_ids, page_size, ppb, H, k, idx[k, t], f16,
-                  row)
+            _prefetch_row(addrs, code, dv, blk[t + PREFETCH_ROWS], rows[t + PREFETCH_ROWS])
+        _load_row(addrs, scale_addrs, code, dv, blk[t], rows[t], f16, row)
         for r in range(rep):
             p = w[r, t]
             for e in range(dv):
@@ -837,9 +862,13 @@ def _gather_partial(q, z, idx, count, rep, page_ids, page_size, ppb, val_addrs,
     w = np.empty((rep, cmax), np.float32)
     row = np.empty(max(d, dv), np.float32)
     acc = np.empty(rep * dv, np.float32)
+    blk = np.empty(cmax, np.int64)
+    rows = np.empty(cmax, np.int64)
+    H = idx.shape[0]
     for k in range(kv_start, kv_stop):
         cnt = count[k]
         h0 = k * rep
+        _locate_rows(page_ids, page_size, ppb, H, k, idx, cnt, blk, rows)
         # Pass 1: logits of the rep heads. Literal dtype codes: see _load_row.
         if not rescore_exact and z_by_slot:
             for t in range(cnt):
@@ -850,17 +879,17 @@ def _gather_partial(q, z, idx, count, rep, page_ids, page_size, ppb, val_addrs,
                 for r in range(rep):
                     w[r, t] = z[h0 + r, idx[k, t]]
         elif NATIVE_HALF and key_code == _FLOAT16_NATIVE:
-            _exact_logits(q, idx, k, cnt, rep, key_addrs, key_scale_addrs, _FLOAT16_NATIVE, d,
-                          page_ids, page_size, ppb, f16, row, w)
+            _exact_logits(q, k, cnt, rep, key_addrs, key_scale_addrs, _FLOAT16_NATIVE, d, blk,
+                          rows, f16, row, w)
         elif key_code == 0:
-            _exact_logits(q, idx, k, cnt, rep, key_addrs, key_scale_addrs, 0, d, page_ids,
-                          page_size, ppb, f16, row, w)
+            _exact_logits(q, k, cnt, rep, key_addrs, key_scale_addrs, 0, d, blk, rows, f16,
+                          row, w)
         elif key_code == 1:
-            _exact_logits(q, idx, k, cnt, rep, key_addrs, key_scale_addrs, 1, d, page_ids,
-                          page_size, ppb, f16, row, w)
+            _exact_logits(q, k, cnt, rep, key_addrs, key_scale_addrs, 1, d, blk, rows, f16,
+                          row, w)
         else:
-            _exact_logits(q, idx, k, cnt, rep, key_addrs, key_scale_addrs, 2, d, page_ids,
-                          page_size, ppb, f16, row, w)
+            _exact_logits(q, k, cnt, rep, key_addrs, key_scale_addrs, 2, d, blk, rows, f16,
+                          row, w)
         # Softmax weights in place, in loops of their own so max and exp vectorize.
         for r in range(rep):
             mx = -np.inf
@@ -883,17 +912,17 @@ def _gather_partial(q, z, idx, count, rep, page_ids, page_size, ppb, val_addrs,
                     w[r, t] = 0.0
         # Pass 2: each value row is decoded once and accumulated into all rep heads.
         if NATIVE_HALF and val_code == _FLOAT16_NATIVE:
-            _weighted_values(idx, k, cnt, rep, val_addrs, val_scale_addrs, _FLOAT16_NATIVE, dv,
-                             page_ids, page_size, ppb, f16, row, w, acc)
+            _weighted_values(cnt, rep, val_addrs, val_scale_addrs, _FLOAT16_NATIVE, dv,
+                             blk, rows, f16, row, w, acc)
         elif val_code == 0:
-            _weighted_values(idx, k, cnt, rep, val_addrs, val_scale_addrs, 0, dv, page_ids,
-                             page_size, ppb, f16, row, w, acc)
+            _weighted_values(cnt, rep, val_addrs, val_scale_addrs, 0, dv, blk, rows, f16,
+                             row, w, acc)
         elif val_code == 1:
-            _weighted_values(idx, k, cnt, rep, val_addrs, val_scale_addrs, 1, dv, page_ids,
-                             page_size, ppb, f16, row, w, acc)
+            _weighted_values(cnt, rep, val_addrs, val_scale_addrs, 1, dv, blk, rows, f16,
+                             row, w, acc)
         else:
-            _weighted_values(idx, k, cnt, rep, val_addrs, val_scale_addrs, 2, dv, page_ids,
-                             page_size, ppb, f16, row, w, acc)
+            _weighted_values(cnt, rep, val_addrs, val_scale_addrs, 2, dv, blk, rows, f16,
+                             row, w, acc)
         for r in range(rep):
             for e in range(dv):
                 o_out[h0 + r, e] = acc[r * dv + e]

@@ -299,11 +299,11 @@ def test_tau_select_validation():
 
 
 # ---- (c) gather + partial attention -------------------------------------------------------------
-def _store(dtype, H, d, dv, n, rng, page_size=16):
+def _store(dtype, H, d, dv, n, rng, page_size=16, pages_per_block=4):
     """A 2-sequence store whose sequence 1 has non-contiguous pages across several blocks; part
     of it truncated and re-appended so freed pages come back in reverse order."""
     store = HostStore(H, d, value_dim=dv, page_size=page_size, dtype=dtype, keys=True, batch=2,
-                      pages_per_block=4)
+                      pages_per_block=pages_per_block)
 
     def append(L):
         store.append(rng.standard_normal((2, H, L, dv)).astype(np.float32),
@@ -353,6 +353,25 @@ def test_gather_partial(dtype, rep, d, rescore, n):
         for qh in range(H * rep):
             k = qh // rep
             o_ref, lse_ref = partial_reference(store, b, q, z, idx[k, :count[k]], qh, k, rescore)
+            np.testing.assert_allclose(o[qh], o_ref, rtol=1e-4, atol=2e-5)
+            np.testing.assert_allclose(lse[qh], lse_ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("page_size,pages_per_block", [(16, 4), (24, 4), (16, 3), (24, 5)])
+def test_gather_partial_any_page_geometry(page_size, pages_per_block):
+    """Token rows are located by shifts when page size and pages per block are powers of two,
+    by division otherwise: both agree with the reference."""
+    rng = np.random.default_rng(page_size * pages_per_block)
+    H, rep, d, n = 2, 3, 64, 700
+    store = _store("float16", H, d, d, n, rng, page_size=page_size,
+                   pages_per_block=pages_per_block)
+    q = (rng.standard_normal((H * rep, d)) / np.sqrt(d)).astype(np.float32)
+    idx, count = _selection(H, n, 200, rng, empty_head=False)
+    for b in (0, 1):
+        o, lse = _run_partial(store, b, q, None, idx, count, rep, True)
+        for qh in range(H * rep):
+            k = qh // rep
+            o_ref, lse_ref = partial_reference(store, b, q, None, idx[k, :count[k]], qh, k, True)
             np.testing.assert_allclose(o[qh], o_ref, rtol=1e-4, atol=2e-5)
             np.testing.assert_allclose(lse[qh], lse_ref, rtol=1e-5, atol=1e-5)
 
