@@ -7,7 +7,9 @@ Each repetition draws a fresh selection of --count tokens per kv head (sorted, a
 selection passes hand them over), so rows come from memory as in decode ('cold'); the same
 selection run again right after gives 'warm' (rows in cache: the arithmetic alone). Two
 modes: exact rescoring (key and value rows read: the accelerator path's default) and scores
-handed over (value rows only). Median over --reps.
+handed over (value rows only). Median over --reps. With --threads, the layer's kv heads are
+also split across that many Python threads, as the scheduler's workers split them (the
+kernel releases the GIL): wall time per layer, cold.
 
     cd bench && python gather.py --name gather_cpu
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import common  # noqa: F401  (tiered before mlx)
 import numpy as np
@@ -35,7 +38,8 @@ def _store(H, d, n, rng, page_size):
     return store
 
 
-def measure(shape: str, n: int, count: int, reps: int, page_size: int, seed: int = 0) -> list:
+def measure(shape: str, n: int, count: int, reps: int, page_size: int, threads=(),
+            seed: int = 0) -> list:
     H, rep, d = SHAPES[shape]
     rng = np.random.default_rng(seed)
     store = _store(H, d, n, rng, page_size)
@@ -72,7 +76,29 @@ def measure(shape: str, n: int, count: int, reps: int, page_size: int, seed: int
                         cold_gb_s=row_bytes / c / 1e9))
         print(f"{shape:>10} {n:>8} {mode:<30} cold {c * 1e3:7.3f} ms ({c * 1e9 / rows:6.1f} "
               f"ns/row)  warm {w * 1e3:7.3f} ms ({w * 1e9 / rows:6.1f} ns/row)", flush=True)
+        for t in threads:
+            out[-1][f"threads_{t}_ms"] = _threaded(t, H, run_heads=lambda idx, heads: (
+                K.gather_partial(q, None if exact else z_slot, idx, counts, rep, *args, exact,
+                                 o, lse, kv_heads=heads, z_by_slot=not exact)),
+                n=n, count=count, reps=reps, rng=rng) * 1e3
+            print(f"{'':>20}{t} threads: {out[-1][f'threads_{t}_ms']:.3f} ms per layer",
+                  flush=True)
     return out
+
+
+def _threaded(t, H, run_heads, n, count, reps, rng) -> float:
+    """Median wall seconds of one layer's gather with its kv heads split over t threads."""
+    bounds = np.linspace(0, H, min(t, H) + 1).astype(int)
+    parts = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    times = []
+    with ThreadPoolExecutor(len(parts)) as pool:
+        for _ in range(reps):
+            idx = np.sort(np.stack([rng.choice(n, count, replace=False) for _ in range(H)]),
+                          axis=1).astype(np.int32)
+            t0 = time.perf_counter()
+            list(pool.map(lambda hs: run_heads(idx, hs), parts))
+            times.append(time.perf_counter() - t0)
+    return float(np.median(times))
 
 
 def main(argv=None):
@@ -82,13 +108,16 @@ def main(argv=None):
     p.add_argument("--count", type=int, default=2048, help="selected tokens per kv head")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--page-size", type=int, default=256)
+    p.add_argument("--threads", type=int, nargs="*", default=[],
+                   help="also time the layer split over this many threads (kv heads each)")
     p.add_argument("--name", default="gather_cpu")
     args = p.parse_args(argv)
     if not 1 <= args.count <= args.tokens:
         p.error(f"--count must be in [1, --tokens]; got {args.count}")
     rows = []
     for shape in args.shapes:
-        rows += measure(shape, args.tokens, args.count, args.reps, args.page_size)
+        rows += measure(shape, args.tokens, args.count, args.reps, args.page_size,
+                        args.threads)
     info = common.machine()
     md = [
         "# CPU gather kernel",
@@ -105,6 +134,15 @@ def main(argv=None):
             [[r["shape"], r["mode"], r["rows"], f"{r['cold_ms']:.3f}",
               f"{r['cold_ns_per_row']:.1f}", f"{r['cold_gb_s']:.2f}", f"{r['warm_ms']:.3f}",
               f"{r['warm_ns_per_row']:.1f}"] for r in rows]),
+        "",
+    ]
+    if args.threads:
+        md += [
+            "Wall ms per layer (cold) with the kv heads split over threads:",
+            "",
+            common.md_table(["shape", "mode"] + [f"{t} threads" for t in args.threads],
+                            [[r["shape"], r["mode"]] + [f"{r[f'threads_{t}_ms']:.3f}"
+                                                        for t in args.threads] for r in rows]),
         "",
     ]
     paths = common.write_results(args.name, dict(machine=info, args=vars(args), rows=rows),
