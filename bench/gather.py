@@ -49,54 +49,56 @@ def measure(shape: str, n: int, count: int, reps: int, page_size: int, threads=(
     counts = np.full(H, count, np.int32)
     o = np.zeros((H * rep, d), np.float32)
     lse = np.zeros(H * rep, np.float32)
+
+    def gather(idx, exact, heads=None):
+        K.gather_partial(q, None if exact else z_slot, idx, counts, rep, *args, exact, o, lse,
+                         kv_heads=heads, z_by_slot=not exact)
+
+    def run(idx, exact):
+        t = time.perf_counter()
+        gather(idx, exact)
+        return time.perf_counter() - t
+
     out = []
     for mode, exact in (("exact rescoring (K + V rows)", True), ("scores given (V rows)", False)):
-        def run(idx):
-            t = time.perf_counter()
-            if exact:
-                K.gather_partial(q, None, idx, counts, rep, *args, True, o, lse)
-            else:
-                K.gather_partial(q, z_slot, idx, counts, rep, *args, False, o, lse,
-                                 z_by_slot=True)
-            return time.perf_counter() - t
-
-        run(np.zeros((H, count), np.int32))  # compile / warm the code paths
+        run(np.zeros((H, count), np.int32), exact)  # compile / warm the code paths
         cold, warm = [], []
         for _ in range(reps):
-            idx = np.sort(np.stack([rng.choice(n, count, replace=False) for _ in range(H)]),
-                          axis=1).astype(np.int32)
-            cold.append(run(idx))
-            warm.append(run(idx))
+            idx = _selection(rng, n, count, H)
+            cold.append(run(idx, exact))
+            warm.append(run(idx, exact))
         rows = H * count * (2 if exact else 1)
         row_bytes = rows * d * 2
         c, w = float(np.median(cold)), float(np.median(warm))
-        out.append(dict(shape=shape, tokens=n, count=count, mode=mode, kv_heads=H, rep=rep,
-                        head_dim=d, rows=rows, cold_ms=c * 1e3, warm_ms=w * 1e3,
-                        cold_ns_per_row=c * 1e9 / rows, warm_ns_per_row=w * 1e9 / rows,
-                        cold_gb_s=row_bytes / c / 1e9))
+        out.append({"shape": shape, "tokens": n, "count": count, "mode": mode, "kv_heads": H,
+                    "rep": rep, "head_dim": d, "rows": rows, "cold_ms": c * 1e3,
+                    "warm_ms": w * 1e3, "cold_ns_per_row": c * 1e9 / rows,
+                    "warm_ns_per_row": w * 1e9 / rows, "cold_gb_s": row_bytes / c / 1e9})
         print(f"{shape:>10} {n:>8} {mode:<30} cold {c * 1e3:7.3f} ms ({c * 1e9 / rows:6.1f} "
               f"ns/row)  warm {w * 1e3:7.3f} ms ({w * 1e9 / rows:6.1f} ns/row)", flush=True)
         for t in threads:
-            out[-1][f"threads_{t}_ms"] = _threaded(t, H, run_heads=lambda idx, heads: (
-                K.gather_partial(q, None if exact else z_slot, idx, counts, rep, *args, exact,
-                                 o, lse, kv_heads=heads, z_by_slot=not exact)),
-                n=n, count=count, reps=reps, rng=rng) * 1e3
+            out[-1][f"threads_{t}_ms"] = _threaded(t, H, gather, exact, n, count, reps, rng) * 1e3
             print(f"{'':>20}{t} threads: {out[-1][f'threads_{t}_ms']:.3f} ms per layer",
                   flush=True)
     return out
 
 
-def _threaded(t, H, run_heads, n, count, reps, rng) -> float:
+def _selection(rng, n, count, H):
+    """count distinct tokens of n per kv head, ascending (H, count) int32."""
+    return np.sort(np.stack([rng.choice(n, count, replace=False) for _ in range(H)]),
+                   axis=1).astype(np.int32)
+
+
+def _threaded(t, H, gather, exact, n, count, reps, rng) -> float:
     """Median wall seconds of one layer's gather with its kv heads split over t threads."""
     bounds = np.linspace(0, H, min(t, H) + 1).astype(int)
     parts = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
     times = []
     with ThreadPoolExecutor(len(parts)) as pool:
         for _ in range(reps):
-            idx = np.sort(np.stack([rng.choice(n, count, replace=False) for _ in range(H)]),
-                          axis=1).astype(np.int32)
+            idx = _selection(rng, n, count, H)
             t0 = time.perf_counter()
-            list(pool.map(lambda hs: run_heads(idx, hs), parts))
+            list(pool.map(gather, [idx] * len(parts), [exact] * len(parts), parts))
             times.append(time.perf_counter() - t0)
     return float(np.median(times))
 
@@ -145,7 +147,7 @@ def main(argv=None):
                                                         for t in args.threads] for r in rows]),
         "",
     ]
-    paths = common.write_results(args.name, dict(machine=info, args=vars(args), rows=rows),
+    paths = common.write_results(args.name, {"machine": info, "args": vars(args), "rows": rows},
                                  "\n".join(md))
     print("wrote", *paths)
 

@@ -7,7 +7,7 @@ table; writes nothing.
 
     cd /tmp && python3 /path/to/bench/host_rows.py
 """
-import time, numpy as np, numba, sys
+import time, numpy as np, numba
 from concurrent.futures import ThreadPoolExecutor
 import tiered  # noqa
 import mlx.core as mx
@@ -41,7 +41,7 @@ for name, buf in bufs.items():
             for rep in range(10):
                 rows = [np.sort(rng.choice(N, 4096, replace=False)).astype(np.int64) for _ in range(T)]
                 t = time.perf_counter()
-                list(pool.map(lambda i: gather(buf, base, rows[i], out[i], 8), range(T)))
+                list(pool.map(lambda i: gather(buf, base, rows[i], out[i], 8), range(T)))  # noqa: B023
                 ts.append(time.perf_counter() - t)
         w = np.median(ts)
         print(f"{name:8} threads {T:2}: wall {w*1e3:.3f} ms, {w*1e9/4096:.1f} ns/row per thread, aggregate {T*4096*256/w/1e9:.2f} GB/s", flush=True)
