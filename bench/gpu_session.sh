@@ -25,9 +25,15 @@ case "$step" in
     (cd /tmp && python3 -c "import tiered, tiered.metal, mlx.core as mx; print(mx.default_device(), tiered.metal.accelerator(), mx.__version__)")
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ;;
   tests)
-    MLX_ENABLE_TF32=0 python3 -P -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_accel_kernels.py \
-      tests/test_metal_syntax.py tests/test_tiered_core.py tests/test_scheduler.py \
-      tests/test_disk.py tests/test_codecs.py} 2>&1 | tail -25 ;;
+    # To a log under $OUT, not through a pipe: a run cut off by the call's time limit still
+    # leaves what it printed (H200, 2026-11-22: tests/test_accel_kernels.py, test_metal_syntax,
+    # test_disk and test_codecs took 251 s; test_tiered_core, test_scheduler, test_cpu_kernels
+    # 22 s; a call that also stages and installs can pass 600 s with all of them).
+    mkdir -p "${OUT:-/tmp/out}"
+    MLX_ENABLE_TF32=0 timeout -k 5 "${TEST_LIMIT:-540}" python3 -P -m pytest -q -p no:cacheprovider \
+      ${TESTS:-tests/test_accel_kernels.py tests/test_metal_syntax.py tests/test_tiered_core.py \
+      tests/test_scheduler.py tests/test_disk.py tests/test_codecs.py} > "${OUT:-/tmp/out}/tests.log" 2>&1
+    rc=$?; tail -25 "${OUT:-/tmp/out}/tests.log"; exit $rc ;;
   kernels)
     python3 bench/kernels.py --sizes 16384 131072 1048576 --reps 20
     collect bench/results/kernels_cuda.* ;;
