@@ -588,37 +588,6 @@ def tau_select(z, exclude, tau, cap, floor=0, *, n=None, n_kv_heads=None, cap_al
 
 
 # ---- (c) gather + partial attention from the paged host store ------------------------------
-@kernel(inf_safe=True, inline=True)
-def _row_location(page_ids, page_size, ppb, H, k, j):
-    """(block, row) of token j of kv head k: the row's index within its block, counted in
-    rows of one head (block shape (ppb, H, page_size, dim))."""
-    lp = j // page_size
-    phys = page_ids[lp]
-    blk = phys // ppb
-    return blk, ((phys - blk * ppb) * H + k) * page_size + (j - lp * page_size)
-
-
-@kernel(inf_safe=True, inline=True)
-def _locate_rows(page_ids, page_size, ppb, H, k, idx, cnt, blk, row):
-    """blk[t], row[t] = _row_location of token idx[k, t], t < cnt, computed once for the key
-    and the value pass (and their prefetches). The integer divisions are most of a row's
-    arithmetic (a 64-bit division costs tens of cycles), so powers of two use shifts."""
-    ps_shift = _log2_exact(page_size)
-    ppb_shift = _log2_exact(ppb)
-    for t in range(cnt):
-        j = idx[k, t]
-        if ps_shift >= 0 and ppb_shift >= 0:
-            lp = j >> ps_shift
-            phys = page_ids[lp]
-            b = phys >> ppb_shift
-        else:
-            lp = j // page_size
-            phys = page_ids[lp]
-            b = phys // ppb
-        blk[t] = b
-        row[t] = ((phys - b * ppb) * H + k) * page_size + (j - lp * page_size)
-
-
 @kernel(inline=True)
 def _log2_exact(x):
     """log2(x) for a power of two x >= 1, else -1."""
@@ -628,6 +597,31 @@ def _log2_exact(x):
     while (1 << s) < x:
         s += 1
     return s
+
+
+@kernel(inf_safe=True, inline=True)
+def _row_location(page_ids, page_size, ppb, shifts, H, k, j):
+    """(block, row) of token j of kv head k: the row's index within its block, counted in
+    rows of one head (block shape (ppb, H, page_size, dim)). shifts: (log2 page_size,
+    log2 ppb) from _log2_exact, or a -1 for sizes that are not powers of two. A 64-bit
+    division costs tens of cycles, most of a gathered row's arithmetic; shifts do not."""
+    if shifts[0] >= 0 and shifts[1] >= 0:
+        lp = j >> shifts[0]
+        phys = page_ids[lp]
+        blk = phys >> shifts[1]
+    else:
+        lp = j // page_size
+        phys = page_ids[lp]
+        blk = phys // ppb
+    return blk, ((phys - blk * ppb) * H + k) * page_size + (j - lp * page_size)
+
+
+@kernel(inf_safe=True, inline=True)
+def _locate_rows(page_ids, page_size, ppb, shifts, H, k, idx, cnt, blk, row):
+    """blk[t], row[t] = _row_location of token idx[k, t], t < cnt: computed once per token for
+    the key and the value pass and their prefetches."""
+    for t in range(cnt):
+        blk[t], row[t] = _row_location(page_ids, page_size, ppb, shifts, H, k, idx[k, t])
 
 
 @kernel(inf_safe=True, inline=True)
@@ -677,6 +671,7 @@ def _copy_rows(addrs, page_ids, page_size, ppb, tokens, out):
     negative token). The caller checks tokens and page ids (as _check_pages does)."""
     H = tokens.shape[0]
     width = out.shape[2]
+    shifts = (_log2_exact(page_size), _log2_exact(ppb))
     for h in range(H):
         for i in range(tokens.shape[1]):
             j = tokens[h, i]
@@ -684,7 +679,7 @@ def _copy_rows(addrs, page_ids, page_size, ppb, tokens, out):
                 for e in range(width):
                     out[h, i, e] = 0
                 continue
-            blk, row = _row_location(page_ids, page_size, ppb, H, h, j)
+            blk, row = _row_location(page_ids, page_size, ppb, shifts, H, h, j)
             src = address_as_pointer(addrs[blk] + width * row, np.uint8)
             for e in range(width):
                 out[h, i, e] = src[e]
@@ -865,10 +860,11 @@ def _gather_partial(q, z, idx, count, rep, page_ids, page_size, ppb, val_addrs,
     blk = np.empty(cmax, np.int64)
     rows = np.empty(cmax, np.int64)
     H = idx.shape[0]
+    shifts = (_log2_exact(page_size), _log2_exact(ppb))
     for k in range(kv_start, kv_stop):
         cnt = count[k]
         h0 = k * rep
-        _locate_rows(page_ids, page_size, ppb, H, k, idx, cnt, blk, rows)
+        _locate_rows(page_ids, page_size, ppb, shifts, H, k, idx, cnt, blk, rows)
         # Pass 1: logits of the rep heads. Literal dtype codes: see _load_row.
         if not rescore_exact and z_by_slot:
             for t in range(cnt):

@@ -358,11 +358,14 @@ class CompressedLayer:
         self._spill_reset()  # the next decode step selects afresh (synchronously)
         return self._chunk(queries, keys, values, scale, sinks)
 
-    def _resident_scores(self, q: mx.array) -> mx.array:
-        """Exact scores (H, rep, R) of the resident set; q (H, rep, d) fp32 scaled. -inf on
-        empty slots."""
-        s = q @ self.res_k.astype(mx.float32).swapaxes(-1, -2)
-        return mx.where((self.res_tok >= 0)[:, None, :], s, -mx.inf)
+    def _resident_scores(self, q: mx.array, keys: mx.array | None = None,
+                         tok: mx.array | None = None) -> mx.array:
+        """Exact scores (H, rep, R) of the resident set (or of ``keys`` (H, R, d) holding
+        tokens ``tok`` (H, R), such as the spill buffer); q (H, rep, d) fp32 scaled. -inf on
+        empty slots (token -1)."""
+        keys, tok = (self.res_k, self.res_tok) if keys is None else (keys, tok)
+        s = q @ keys.astype(mx.float32).swapaxes(-1, -2)
+        return mx.where((tok >= 0)[:, None, :], s, -mx.inf)
 
     def _resident_partial(self, s: mx.array, values: mx.array | None = None):
         """Exact attention over the resident set from its scores s (H, rep, R) (or over
@@ -592,8 +595,7 @@ class CompressedLayer:
         Hq, rep, q, s_r = self._decode_start(queries, scale)
         z, sel = self._select_device(q, s_r, Hq, rep)
         self._set_pending(mx.concatenate([sel.idx.reshape(-1), sel.count]))
-        s_s = q.reshape(H, rep, d) @ self.spill_k.astype(mx.float32).swapaxes(-1, -2)
-        s_s = mx.where((self.spill_tok >= 0)[:, None, :], s_s, -mx.inf)
+        s_s = self._resident_scores(q.reshape(H, rep, d), self.spill_k, self.spill_tok)
         o_s, lse_s = self._resident_partial(s_s, self.spill_v)
         o_r, lse_r = self._resident_partial(s_r)
         lse_r = lse_r.reshape(Hq)
