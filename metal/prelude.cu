@@ -30,6 +30,8 @@
 // atomic_outputs=True).
 #define TQ_SHARED_ATOMIC_U32(name, count) __shared__ TQ_ATOMIC_U32 name[count]
 #define TQ_ATOMIC_U32 uint32_t  // element type of those arrays (Metal: atomic_uint)
+#define TQ_ATOMIC_I32 int32_t  // int32 and float outputs of such kernels (Metal: atomic)
+#define TQ_ATOMIC_F32 float
 #define TQ_ATOMIC_LOAD(ptr, i) ((ptr)[(i)])
 #define TQ_ATOMIC_STORE(ptr, i, v) ((ptr)[(i)] = (v))
 #define TQ_INF __int_as_float(0x7f800000)

@@ -39,6 +39,8 @@
 #define TQ_SHARED_ATOMIC_ADD_U32(ptr, i, v) atomic_fetch_add_explicit(&(ptr)[(i)], (v), memory_order_relaxed)
 #define TQ_SHARED_ATOMIC_U32(name, count) threadgroup TQ_ATOMIC_U32 name[count]
 #define TQ_ATOMIC_U32 atomic_uint  // element type of those arrays (CUDA: uint32_t)
+#define TQ_ATOMIC_I32 atomic_int  // int32 and float outputs of such kernels (CUDA: plain)
+#define TQ_ATOMIC_F32 atomic<float>
 #define TQ_ATOMIC_LOAD(ptr, i) atomic_load_explicit(&(ptr)[(i)], memory_order_relaxed)
 #define TQ_ATOMIC_STORE(ptr, i, v) atomic_store_explicit(&(ptr)[(i)], (v), memory_order_relaxed)
 
