@@ -22,6 +22,7 @@ import mlx.core as mx
 
 BACKENDS = ("metal", "cuda")
 PROLOGUE_MARK = "// @body-prologue"
+INNER_MARK = "// @inner"  # where a KernelSpec's inner body goes
 
 # Bytes of threadgroup memory a Metal kernel may use (all Apple GPUs MLX runs on).
 METAL_SHARED_BYTES = 32768
@@ -121,12 +122,19 @@ class KernelSpec:
     output_names: tuple[str, ...]
     atomic_outputs: bool = False  # Metal: outputs declared device atomic<T>*
     headers: tuple[str, ...] = ()  # source files appended to the prelude's header part
+    inner: str | None = None  # a body put, in its own scope, at the body's INNER_MARK line
 
     def sources(self, backend: str) -> tuple[str, str]:
         """(header, source) exactly as handed to MLX for ``backend``."""
         header, prologue = prelude(backend)
         header += "".join(read_source(f) for f in self.headers)
-        return header, prologue + read_source(self.body)
+        body = read_source(self.body)
+        if INNER_MARK in body:
+            inner = "{\n" + read_source(self.inner) + "}\n" if self.inner else ""
+            body = body.replace(INNER_MARK + "\n", inner, 1)
+        elif self.inner:
+            raise RuntimeError(f"{self.body} has no {INNER_MARK!r} line for {self.inner}")
+        return header, prologue + body
 
 
 @dataclass

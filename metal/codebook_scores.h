@@ -175,6 +175,6 @@ for (int j = j_begin + tq_tid; j < j_end; j += tq_ntid) {
 
 // Block maxima per query head.
 const float block_max = tq_block_rows<REP_TILE, true>(best, red, tq_tid, tq_ntid);
-if (tq_tid < REP_TILE) {
+if (tq_tid < REP_TILE && tq_bx < n_blocks) {  // (a persistent grid may have spare blocks)
   zmax[int64_t(qh0 + tq_tid) * n_blocks + tq_bx] = block_max;
 }

@@ -290,6 +290,27 @@ def tau_select_fused(z, n, exclude, tau, cap, floor, cap_alloc, *, backend, zmax
     return Selection(idx, count, m, s, mass, theta)
 
 
+def tau_select_args(hq, n, exclude, tau, cap, floor, cap_alloc):
+    """:func:`tau_select`'s checks of exclude, cap, floor and cap_alloc for Hq query heads;
+    returns (cap, cap_alloc) as the selection uses them (cap raised to floor)."""
+    if exclude is None:
+        raise ValueError("Invalid exclude: None (pass an all-False (H, n) mask; it names H)")
+    if exclude.ndim != 2 or exclude.shape[1] < n or hq % exclude.shape[0]:
+        raise ValueError(
+            f"Invalid shape of exclude: expected (H, >= {n}) with H dividing {hq}, "
+            f"got {tuple(exclude.shape)}"
+        )
+    if cap < 1 or floor < 0:
+        raise ValueError(f"Invalid cap/floor: cap={cap!r} (>= 1), floor={floor!r} (>= 0)")
+    if not 0.0 < tau <= 1.0:
+        raise ValueError(f"Invalid tau: {tau!r} (expected 0 < tau <= 1)")
+    cap = max(cap, floor)
+    cap_alloc = cap if cap_alloc is None else cap_alloc
+    if cap_alloc < cap:
+        raise ValueError(f"Invalid cap_alloc: {cap_alloc!r} (expected >= {cap})")
+    return cap, cap_alloc
+
+
 def tau_select(
     z: mx.array,
     n: int,
@@ -317,8 +338,11 @@ def tau_select(
     The set is {j : z[qh, j] >= theta[qh] for some qh of the group} minus exclude. Over cap,
     the tokens with the largest max-over-heads probability stay; under floor, the most
     probable other non-excluded tokens are added (count <= non-excluded tokens).
-    Where it runs: on a Metal or CUDA device (use_kernel None/True), kernel passes and no
-    sort: tau_hist_theta.h (rows of up to SELECT_FUSED_TOKENS tokens; longer ones tau_hist.h
+    Where it runs: on CUDA, up to persist.MAX_TOKENS tokens where the grid fits
+    (:mod:`tiered.metal.persist`), the passes
+    below as phases of one persistent launch (tau_persist.h), with the same result (the
+    selected mass summed over other chunks). On a Metal or CUDA device (use_kernel
+    None/True), kernel passes and no sort: tau_hist_theta.h (rows of up to SELECT_FUSED_TOKENS tokens; longer ones tau_hist.h
     and tau_theta.h), tau_keys.h, tau_compact.h. Their thresholds sit
     up to 1.5 bins of SPAN_T / SELECT_BINS logits below the exact ones (a hair more kept),
     and over cap the ranking by max-over-heads probability is exact to one bin of SPAN_L /
@@ -332,21 +356,9 @@ def tau_select(
     No host synchronisation either way.
     """
     hq = z.shape[0]
-    if exclude is None:
-        raise ValueError("Invalid exclude: None (pass an all-False (H, n) mask; it names H)")
-    if exclude.ndim != 2 or exclude.shape[1] < n or hq % exclude.shape[0]:
-        raise ValueError(
-            f"Invalid shape of exclude: expected (H, >= {n}) with H dividing {hq}, "
-            f"got {tuple(exclude.shape)}"
-        )
-    if cap < 1 or floor < 0:
-        raise ValueError(f"Invalid cap/floor: cap={cap!r} (>= 1), floor={floor!r} (>= 0)")
+    cap, cap_alloc = tau_select_args(hq, n, exclude, tau, cap, floor, cap_alloc)
     h = exclude.shape[0]
     rep = hq // h
-    cap = max(cap, floor)
-    cap_alloc = cap if cap_alloc is None else cap_alloc
-    if cap_alloc < cap:
-        raise ValueError(f"Invalid cap_alloc: {cap_alloc!r} (expected >= {cap})")
     if n == 0:
         idx = mx.full((h, cap_alloc), -1, dtype=mx.int32)
         count = mx.zeros((h,), dtype=mx.int32)
@@ -356,6 +368,16 @@ def tau_select(
         return Selection(idx, count, mx.full((hq,), -math.inf, dtype=mx.float32), empty, empty)
     _check(z, n, tau)
     backend = resolve_backend(use_kernel, "tau_select")
+    from . import persist  # (it imports this module)
+
+    use = backend == "cuda" and n <= persist.MAX_TOKENS
+    grid = persist.plan_grid(n, h, rep) if use else None
+    if grid is not None and n < SELECT_MAX_TOKENS:
+        if zmax is None:
+            zmax = z[:, :n].max(axis=1, keepdims=True)
+        sel = persist.tau_select_persistent(z.astype(mx.float32), n, exclude, tau, cap, floor,
+                                            cap_alloc, zmax=zmax, grid=grid).sel
+        return sel if with_stats else (sel.idx, sel.count)
     if backend is not None and n < SELECT_MAX_TOKENS:
         sel = tau_select_fused(z.astype(mx.float32), n, exclude, tau, cap, floor, cap_alloc,
                                backend=backend, zmax=zmax)

@@ -532,6 +532,7 @@ def test_tau_select_kernel_one_launch_thresholds_equal_two(monkeypatch, n, rep):
         return real_launch(spec, backend, plan)
 
     monkeypatch.setattr(tm, "launch", recording_launch)
+    monkeypatch.setenv("TIERED_PERSISTENT", "0")  # the passes as separate launches
     sels = []
     for fused_tokens in (2**24, 0):
         monkeypatch.setattr(tm, "SELECT_FUSED_TOKENS", fused_tokens)

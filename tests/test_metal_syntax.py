@@ -25,6 +25,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from tiered.metal import persist
 from tiered.metal._build import KernelSpec
 from tiered.metal.affine import AFFINE_SPEC, affine_launch
 from tiered.metal.codebook import CODEBOOK_SPEC, codebook_launch
@@ -262,6 +263,20 @@ def _plans(backend: str):
         plan = affine_launch(q, wq, sc, sc, 33, rep=rep, group_size=gs, bits=bits)
         out.append((f"affine-d{d}-b{bits}-gs{gs}-{sdt}", AFFINE_SPEC, plan))
     out.append(("tau", TAU_SPEC, tau_launch(mx.zeros((8, 40)), 33, 0.9, backend=backend)))
+    if backend == "cuda":  # the persistent kernels exist for CUDA only (persist.py)
+        for rep, hr, ex_dtype in [(4, 4, mx.bool_), (3, 3, mx.uint8), (8, 4, mx.bool_)]:
+            z, ex = mx.zeros((2 * rep, 40)), mx.zeros((2, 40), dtype=ex_dtype)
+            grid = persist.Grid(chunk=17, blocks=2, hr=hr, smem=131072, groups=3)
+            out.append((f"tau-persist-rep{rep}", persist.PERSIST_SPEC, persist._select_launch(
+                [z, mx.zeros((2 * rep, 3))], [("REP", rep)], grid, 33, 2, rep, 40, 3, ex, 0.9,
+                16, 4, 16, stamps=rep == 4)))
+        for g, rep, half in [(16, 4, True), (8, 4, False), (16, 3, True)]:  # tables <= 48 KB
+            q, cb = mx.zeros((2 * rep, g * 4)), mx.zeros((2, 1, 256, 4))
+            grid = persist.Grid(chunk=17, blocks=2, hr=rep, smem=131072, groups=3)
+            out.append((f"codebook-select-g{g}-rep{rep}" + ("-half" if half else ""),
+                        persist.FUSED_SPEC, persist.fused_plan(
+                            q, cb, _codes(2, 40, g, mx.uint8), 33, mx.zeros((2, 40), mx.bool_),
+                            0.9, 16, 4, 16, rep=rep, lut_half=half, grid=grid)))
     for rep, ex_dtype in [(4, mx.bool_), (1, mx.uint8), (8, mx.bool_)]:
         z = mx.zeros((2 * rep, 40))
         ex = mx.zeros((2, 40), dtype=ex_dtype)
