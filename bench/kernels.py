@@ -15,6 +15,7 @@ Bytes counted: inputs read once plus outputs written once.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -31,6 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from tiered import metal
+from tiered.metal import persist
 
 H, REP, D = 8, 4, 128
 HQ = H * REP
@@ -266,8 +268,13 @@ def bench_size(n: int, reps: int, bw: float, backend: str, batch: int) -> list[d
         HQ * n * 4, rel_err(th1, th2))
     exclude = mx.zeros((H, n), mx.bool_)
     mx.eval(exclude)
-    row("tau select (threshold + cap 2048)",
+    persistent = backend == "cuda" and persist.plan_grid(n, H, REP) is not None
+    row("tau select (threshold + cap 2048)" + (", one persistent launch" if persistent else ""),
         lambda: metal.tau_select(z, n, exclude, 0.9, 2048, 32), HQ * n * 4)
+    if persistent:
+        with passes_only():
+            row("tau select (threshold + cap 2048), separate launches",
+                lambda: metal.tau_select(z, n, exclude, 0.9, 2048, 32), HQ * n * 4)
 
     # ---- H2O accumulator update: the decode step's fused pass, against its MLX ops -------
     stats = metal.tau_select(z, n, exclude, 0.9, 2048, 32, with_stats=True)
@@ -280,6 +287,10 @@ def bench_size(n: int, reps: int, bw: float, backend: str, batch: int) -> list[d
             lambda: metal.acc_update(acc, z, stats.m, stats.s, n, REP, 0.95,
                                      use_kernel=use_kernel),
             HQ * n * 4 + 2 * H * n * 4, rel_err(got, ref))
+
+    def fused():
+        return persist.codebook_select(q, codebook, codes_sets(), n, exclude, 0.9, 2048, 32,
+                                       rep=REP)[1].sel
 
     def chain():
         if backend == "cpu":
@@ -299,18 +310,107 @@ def bench_size(n: int, reps: int, bw: float, backend: str, batch: int) -> list[d
                kv.nbytes + vv.nbytes)
     if backend != "cpu":
         breakdown(row, q, codebook, codes, n, exclude, backend)
-    both = row("scores + selection (codebook kernel + fused selection, cap 2048)", chain)
-    both["speedup_vs_sdpa"] = sdpa["ms"] / both["ms"]
-    both["speedup_vs_sdpa_synced"] = sdpa["ms_synced"] / both["ms_synced"]
-    both["speedup_vs_sdpa_pipelined"] = sdpa["ms_pipelined"] / both["ms_pipelined"]
-    if "device_ms" in both and "device_ms" in sdpa:
-        both["speedup_vs_sdpa_device"] = sdpa["device_ms"] / both["device_ms"]
+    one = persistent and persist.codebook_select(q, codebook, codes, n, exclude, 0.9, 2048, 32,
+                                                 rep=REP) is not None
+    chains = []
+    if one:
+        chains.append(row("scores + selection (one persistent launch: codebook_select, cap "
+                          "2048)", fused))
+        phase_rows(rows, q, codebook, codes, n, exclude, reps)
+    if persistent:
+        chains.append(row("scores + selection (codebook kernel + persistent selection, cap "
+                          "2048)", chain))
+        with passes_only():
+            chains.append(row("scores + selection (codebook kernel + separate selection "
+                              "launches, cap 2048)", chain))
+    else:
+        chains.append(row("scores + selection (codebook kernel + selection, cap 2048)", chain))
+    for both in chains:
+        both["speedup_vs_sdpa"] = sdpa["ms"] / both["ms"]
+        both["speedup_vs_sdpa_synced"] = sdpa["ms_synced"] / both["ms_synced"]
+        both["speedup_vs_sdpa_pipelined"] = sdpa["ms_pipelined"] / both["ms_pipelined"]
+        if "device_ms" in both and "device_ms" in sdpa:
+            both["speedup_vs_sdpa_device"] = sdpa["device_ms"] / both["device_ms"]
     del kv, vv
     mx.clear_cache()
     return rows
 
 
 NOP_SOURCE = "if (threadIdx.x == 0) { o[0] = a[0]; }"
+
+# The codebook kernel's inner loop without its code reads: per token and group one 8-byte
+# lookup of REP float16 entries in a shared table (laid out as codebook_scores.h's), with the
+# codes drawn from a hash of (token, word) instead of loaded, and the REP scores written. Its
+# time is what the lookups (and the score writes) cost on their own, the floor of the scoring.
+# REP = 4: one 8-byte entry holds the 4 heads' values.
+LOOKUP_SOURCE = """
+extern __shared__ uint2 table[];
+const int n = params[0];
+for (int t = threadIdx.x; t < G * C; t += blockDim.x) {
+  table[t] = reinterpret_cast<const uint2*>(lut)[t];
+}
+__syncthreads();
+const int per_head = gridDim.x / 8;  // 8 kv heads, blocks split evenly among them
+const int h = blockIdx.x / per_head;
+const int chunk = (n + per_head - 1) / per_head;
+const int j0 = (blockIdx.x % per_head) * chunk;
+const int j1 = j0 + chunk < n ? j0 + chunk : n;
+for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x) {
+  float acc[REP] = {0.0f, 0.0f, 0.0f, 0.0f};
+  #pragma unroll
+  for (int w = 0; w < G / 4; ++w) {
+    uint32_t word = (uint32_t(j) * 0x9E3779B1u) ^ (uint32_t(w + h * 64) * 0x85EBCA77u);
+    word ^= word >> 15;
+    word *= 0x2C1B3C6Du;
+    #pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int i = w * 4 + k;
+      const uint2 u = table[i * C + ((word >> (8 * k)) & 0xffu)];
+      const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
+      const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+      acc[0] += a.x; acc[1] += a.y; acc[2] += b.x; acc[3] += b.y;
+    }
+  }
+  #pragma unroll
+  for (int r = 0; r < REP; ++r) {
+    z[int64_t(h * REP + r) * n + j] = acc[r];
+  }
+}
+"""
+
+
+@contextlib.contextmanager
+def passes_only():
+    """tau_select as separate launches (the persistent kernel turned off) inside the block."""
+    old = os.environ.get("TIERED_PERSISTENT")
+    os.environ["TIERED_PERSISTENT"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["TIERED_PERSISTENT"]
+        else:
+            os.environ["TIERED_PERSISTENT"] = old
+
+
+PHASES = ["zero + scores", "mass histograms", "thresholds + keys", "compaction"]
+
+
+def phase_rows(rows, q, codebook, codes, n, exclude, reps):
+    """The fused launch's phases, from its globaltimer stamps: each phase from the end of the
+    one before (the first: from the first unit's start) to the end of its last unit."""
+    spans = []
+    for _ in range(reps):
+        res = persist.codebook_select(q, codebook, codes, n, exclude, 0.9, 2048, 32, rep=REP,
+                                      stamps=True)[1]
+        mx.eval(res.stamps, res.status)
+        if res.status.item() != 0:
+            raise RuntimeError("a persistent launch's wait timed out")
+        spans.append(np.diff(np.asarray(res.stamps).astype(np.int64)) / 1e6)
+    med = np.median(np.array(spans), axis=0)
+    for name, ms in zip(PHASES, med):
+        rows.append({"kernel": f"  persistent launch, phase: {name} (globaltimer)", "n": n,
+                     "ms": float(ms), "ms_synced": float("nan"), "check": None})
 
 
 def breakdown(row, q, codebook, codes, n, exclude, backend):
@@ -345,6 +445,17 @@ def breakdown(row, q, codebook, codes, n, exclude, backend):
     row("  selection pass 3: capped compaction",
         lambda: launch(tm.COMPACT_SPEC, backend, compact_plan)[0], H * n * 4)
     if backend == "cuda":
+        lookups = mx.fast.cuda_kernel(name="bench_lookups", input_names=["lut", "params"],
+                                      output_names=["z"], source=LOOKUP_SOURCE,
+                                      shared_memory=G * C * REP * 2)
+        lut = mx.random.normal((G * C * REP,)).astype(mx.float16)
+        tokens = mx.array([n], dtype=mx.int32)
+        mx.eval(lut, tokens)
+        row("  codebook lookups alone (float16 table, codes made in registers, 128 x 1024 threads)",
+            lambda: lookups(inputs=[lut, tokens], template=[("G", G), ("C", C), ("REP", REP)],
+                            grid=(H * 16 * 1024, 1, 1), threadgroup=(1024, 1, 1),
+                            output_shapes=[(HQ, n)], output_dtypes=[mx.float32])[0],
+            HQ * n * 4)
         nop = mx.fast.cuda_kernel(name="bench_nop", input_names=["a"], output_names=["o"],
                                   source=NOP_SOURCE)
         row("  empty custom kernel (launch floor)",

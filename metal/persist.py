@@ -44,9 +44,10 @@ from .tau import LMAX_BINS, SELECT_BINS, SPAN_L, SPAN_T, Selection, tau_select_a
 THREADS = 512
 MIN_CHUNK = 1024  # fewest tokens per threadgroup (a round of its threads)
 # Rows of at most this many tokens take the persistent kernel. H100, Llama-3-8B shape (32
-# query heads), selection device ms, persistent / separate launches
-# (bench/results/kernels_cuda_h100_persist_b.md, _1m.md): 16k 0.050 / 0.070, 128k
-# 0.082 / 0.099, 1M 0.419 / 0.358 (there the passes' wider grids win).
+# query heads), selection device ms, persistent / separate launches: with the kernel's first
+# version (grid-wide barriers; bench/results/kernels_cuda_h100_persist_b.md, _1m.md) 16k
+# 0.050 / 0.070, 128k 0.082 / 0.099, 1M 0.419 / 0.358 (there the passes' wider grids win);
+# with units taken in order (kernels_cuda_h100_persist_c.md) 128k 0.089 / 0.104.
 MAX_TOKENS = 131072
 WORK_BYTES = 128 * 1024  # the mass histograms of one round: HR heads x NB bins x 8 bytes
 STAMPS = 5  # globaltimer stamps at the phase ends (bench/kernels.py reports them)
