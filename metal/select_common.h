@@ -47,36 +47,43 @@ TQ_DEVICE_FN float tq_row_max(TQ_GLOBAL const float* zmax, const int64_t at, con
   return tq_block_all<true>(mm, red, tid, ntid);
 }
 
-// Pass 1's histogram, in shared memory: hist (nb fixed-point sums) is zeroed, m = the maximum
-// of the zmax row at `zat` (M block maxima), and the softmax masses exp(z_j - m) of the tokens
-// j in [j_begin, j_end) of the z row at `row` are added, bin b holding (m - z_j) * inv_w in
-// [b, b + 1) (the last bin also takes everything lower). U loads per thread are issued before
-// any is used. Returns m to every thread; the caller puts a barrier before reading hist.
-template <int U>
-TQ_DEVICE_FN float tq_mass_hist(
-    TQ_GLOBAL const float* z, const int64_t row, const int j_begin, const int j_end,
-    TQ_GLOBAL const float* zmax, const int64_t zat, const int M, const float inv_w,
-    const int nb, TQ_TG TQ_ATOMIC_U32* hist, TQ_TG float* red, const int tid, const int ntid) {
-  for (int b = tid; b < nb; b += ntid) {
+// Pass 1's histograms of R consecutive rows (query heads), in shared memory: hist (R x nb
+// fixed-point sums, row r at r * nb) is zeroed, m[r] = the maximum of zmax row zat + r * M
+// (M block maxima each), and the softmax masses exp(z_j - m[r]) of the tokens j in
+// [j_begin, j_end) of z row row + r * N are added, bin b holding (m[r] - z_j) * inv_w in
+// [b, b + 1) (the last bin also takes everything lower). U tokens' loads per thread are issued
+// before any is used. Every thread gets m; the caller puts a barrier before reading hist.
+template <int U, int R>
+TQ_DEVICE_FN void tq_mass_hist(
+    TQ_GLOBAL const float* z, const int64_t row, const int64_t N, const int j_begin,
+    const int j_end, TQ_GLOBAL const float* zmax, const int64_t zat, const int M,
+    const float inv_w, const int nb, TQ_TG TQ_ATOMIC_U32* hist, TQ_THREAD float* m,
+    TQ_TG float* red, const int tid, const int ntid) {
+  for (int b = tid; b < R * nb; b += ntid) {
     tq_shared_zero_u64(hist, b);
   }
-  const float m = tq_row_max(zmax, zat, M, red, tid, ntid);  // its barriers order the zeroing
+  TQ_UNROLL for (int r = 0; r < R; ++r) {  // its barriers order the zeroing
+    m[r] = tq_row_max(zmax, zat + r * M, M, red, tid, ntid);
+  }
   for (int j0 = j_begin + tid; j0 < j_end; j0 += U * ntid) {
-    float vs[U];
+    float vs[U][R];
     TQ_UNROLL for (int u = 0; u < U; ++u) {
       const int j = j0 + u * ntid;
-      vs[u] = j < j_end ? z[row + j] : -TQ_INF;
+      TQ_UNROLL for (int r = 0; r < R; ++r) {
+        vs[u][r] = j < j_end ? z[row + r * N + j] : -TQ_INF;
+      }
     }
     TQ_UNROLL for (int u = 0; u < U; ++u) {
       if (j0 + u * ntid < j_end) {
-        const float v = vs[u];
-        const float pos = (m - v) * inv_w;
-        const int b = pos >= float(nb - 1) ? nb - 1 : (pos > 0.0f ? int(pos) : 0);
-        tq_shared_add_u64(hist, b, tq_mass_fixed(tq_exp(v - m)));
+        TQ_UNROLL for (int r = 0; r < R; ++r) {
+          const float v = vs[u][r];
+          const float pos = (m[r] - v) * inv_w;
+          const int b = pos >= float(nb - 1) ? nb - 1 : (pos > 0.0f ? int(pos) : 0);
+          tq_shared_add_u64(hist, r * nb + b, tq_mass_fixed(tq_exp(v - m[r])));
+        }
       }
     }
   }
-  return m;
 }
 
 // A fixed-point sum stored as a uint32 (lo, hi) pair at p[2 i], as a float.

@@ -339,11 +339,11 @@ def tau_select(
     the tokens with the largest max-over-heads probability stay; under floor, the most
     probable other non-excluded tokens are added (count <= non-excluded tokens).
     Where it runs: on CUDA, up to persist.MAX_TOKENS tokens where the grid fits
-    (:mod:`tiered.metal.persist`), the passes
-    below as phases of one persistent launch (tau_persist.h), with the same result (the
-    selected mass summed over other chunks). On a Metal or CUDA device (use_kernel
-    None/True), kernel passes and no sort: tau_hist_theta.h (rows of up to SELECT_FUSED_TOKENS tokens; longer ones tau_hist.h
-    and tau_theta.h), tau_keys.h, tau_compact.h. Their thresholds sit
+    (:mod:`tiered.metal.persist`), the passes below as phases of one persistent launch
+    (tau_persist.h), with the same result (the selected mass summed over other chunks). On a
+    Metal or CUDA device (use_kernel None/True), kernel passes and no sort: tau_hist_theta.h
+    (rows of up to SELECT_FUSED_TOKENS tokens; longer ones tau_hist.h and tau_theta.h),
+    tau_keys.h, tau_compact.h. Their thresholds sit
     up to 1.5 bins of SPAN_T / SELECT_BINS logits below the exact ones (a hair more kept),
     and over cap the ranking by max-over-heads probability is exact to one bin of SPAN_L /
     LMAX_BINS logits (ties within that bin go to the lower token index);

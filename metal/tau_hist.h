@@ -31,8 +31,9 @@ TQ_SHARED_ATOMIC_U64(hist_s, NB);
 TQ_SHARED(float, red, 32);
 const int j_begin = tq_bx * chunk;
 const int j_end = (j_begin + chunk < n) ? j_begin + chunk : n;
-tq_mass_hist<8>(z, int64_t(qh) * N, j_begin, j_end, zmax, int64_t(qh) * M, M, float(NB) / span,
-                NB, hist_s, red, tq_tid, tq_ntid);
+float m[1];
+tq_mass_hist<8, 1>(z, int64_t(qh) * N, N, j_begin, j_end, zmax, int64_t(qh) * M, M,
+                   float(NB) / span, NB, hist_s, m, red, tq_tid, tq_ntid);
 TQ_BARRIER();
 const int64_t out = (int64_t(qh) * chunks + tq_bx) * NB * 2;
 for (int i = tq_tid; i < 2 * NB; i += tq_ntid) {  // the (lo, hi) words as they are

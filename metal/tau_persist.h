@@ -9,10 +9,10 @@
 // (tq_wait_count):
 //   phase 0  zero the unit's share of the global mass histograms
 //            [the fused kernel scores the chunk here, at the @inner line below]
-//   phase 1  m = max of the zmax row; the chunk's mass histogram per query head in shared
-//            memory (HR heads at a time), added to the global one with 64-bit atomics
-//   phase 2  m, s, theta of the head's REP query heads from the global histograms (as pass
-//            1b; every unit of the head finds the same), then pass 2 on the chunk
+//   phase 1  m = max of the zmax row (m_out); the chunk's mass histogram per query head in
+//            shared memory (HR heads at a time), added to the global one with 64-bit atomics
+//   phase 2  s, theta of the head's REP query heads from the global histograms (as pass 1b;
+//            every unit of the head finds the same), then pass 2 on the chunk
 //            (tq_keys_chunk): codes, class histograms and counts
 //   phase 3  pass 3 on the chunk (tq_compact_chunk): indices in ascending order, masses
 //
@@ -102,42 +102,25 @@ for (;;) {
 // @inner
     }
   } else if (phase == 1) {
-    // The chunk's mass histograms (as tq_mass_hist, HR query heads per round), added to the
-    // global ones.
+    // The chunk's mass histograms (HR query heads per round), added to the global ones; the
+    // head's chunk-0 unit writes m.
     for (int r0 = 0; r0 < REP; r0 += HR) {
-      for (int b = tq_tid; b < HR * NB; b += tq_ntid) {
-        tq_shared_zero_u64(work, b);
-      }
-      float mr[HR];
-      TQ_UNROLL for (int r = 0; r < HR; ++r) {  // its barriers order the zeroing
-        mr[r] = tq_row_max(zmax, int64_t(h * REP + r0 + r) * M, M, red, tq_tid, tq_ntid);
-      }
       constexpr int U = HR >= 8 ? 1 : 8 / HR;  // tokens whose loads go out together
-      for (int j0 = j_begin + tq_tid; j0 < j_end; j0 += U * tq_ntid) {
-        float vs[U][HR];
-        TQ_UNROLL for (int uu = 0; uu < U; ++uu) {
-          const int j = j0 + uu * tq_ntid;
-          TQ_UNROLL for (int r = 0; r < HR; ++r) {
-            vs[uu][r] = j < j_end ? z[int64_t(h * REP + r0 + r) * N + j] : -TQ_INF;
-          }
-        }
-        TQ_UNROLL for (int uu = 0; uu < U; ++uu) {
-          if (j0 + uu * tq_ntid < j_end) {
-            TQ_UNROLL for (int r = 0; r < HR; ++r) {
-              const float v = vs[uu][r];
-              const float pos = (mr[r] - v) * inv_w;
-              const int b = pos >= float(NB - 1) ? NB - 1 : (pos > 0.0f ? int(pos) : 0);
-              tq_shared_add_u64(work, r * NB + b, tq_mass_fixed(tq_exp(v - mr[r])));
-            }
-          }
-        }
-      }
+      float mr[HR];
+      tq_mass_hist<U, HR>(z, int64_t(h * REP + r0) * N, N, j_begin, j_end, zmax,
+                          int64_t(h * REP + r0) * M, M, inv_w, NB, work, mr, red, tq_tid,
+                          tq_ntid);
       TQ_BARRIER();
       for (int b = tq_tid; b < HR * NB; b += tq_ntid) {
         const tq_u64 v = (tq_u64(TQ_ATOMIC_LOAD(work, 2 * b + 1)) << 32)
             | tq_u64(TQ_ATOMIC_LOAD(work, 2 * b));
         if (v != 0ull) {
           tq_global_add_u64(&hist[int64_t(h * REP + r0) * NB + b], v);
+        }
+      }
+      if (bx == 0 && tq_tid == 0) {
+        TQ_UNROLL for (int r = 0; r < HR; ++r) {
+          m_out[h * REP + r0 + r] = mr[r];
         }
       }
       TQ_BARRIER();
@@ -149,23 +132,20 @@ for (;;) {
       const tq_u64 v = hist[int64_t(h) * REP * NB + b];
       work_f[b] = tq_mass_float(uint32_t(v & 0xffffffffull), uint32_t(v >> 32));
     }
-    float mr[REP];
-    TQ_UNROLL for (int r = 0; r < REP; ++r) {  // (its barriers order the stores above)
-      mr[r] = tq_row_max(zmax, int64_t(h * REP + r) * M, M, red, tq_tid, tq_ntid);
+    if (tq_tid < REP) {
+      m_s[tq_tid] = m_out[h * REP + tq_tid];
     }
+    TQ_BARRIER();
     for (int r = 0; r < REP; ++r) {
       const tq_bound bd = tq_boundary(work_f + r * NB, NB, tau, 0.0f, scratch, tq_tid,
                                       tq_ntid);
       if (tq_tid == 0) {
-        const int qh = h * REP + r;
-        const float th = tq_theta_of(bd, NB, mr[r], tau, span_t);
-        m_s[r] = mr[r];
+        const float th = tq_theta_of(bd, NB, m_s[r], tau, span_t);
         logs_s[r] = tq_log(bd.total);
         theta_s[r] = th;
         if (bx == 0) {
-          m_out[qh] = mr[r];
-          s_out[qh] = bd.total;
-          theta_out[qh] = th;
+          s_out[h * REP + r] = bd.total;
+          theta_out[h * REP + r] = th;
         }
       }
     }
