@@ -39,6 +39,57 @@ def parse_bytes(value: Any, name: str) -> int:
     return n
 
 
+MIN_BYTES_INT = 1 << 20  # a plain int of at least 1 MiB can only mean bytes
+
+
+class Bytes(int):
+    """An absolute gpu_budget, parsed (an int that needs no second guess when re-checked)."""
+
+
+def parse_budget(value: Any) -> float | int:
+    """gpu_budget -> a fraction in (0, 1] (float) or a byte count (int), never a guess.
+
+    A float or a unit-less number in (0, 1] is a fraction of the full cache (``1`` is the whole
+    cache). A size with a unit ("2GB", "512MiB") is bytes, and so is a plain int of at least
+    1 MiB (``2**30``). Anything else (``5``, ``1.5``, ``"5"``) is ambiguous or out of range: a
+    ValueError that says how to write what was meant."""
+    def ambiguous(v):
+        example = f"'{v:g}GB' or '{v:g}MiB'" if v < 1000 else "'2GB', or an int of bytes >= 1 MiB"
+        return ValueError(
+            f"Invalid gpu_budget: {v!r} (a fraction of the full cache must be in (0, 1]; "
+            f"give bytes with a unit, e.g. {example})")
+
+    if isinstance(value, Bytes):
+        return value
+    if isinstance(value, bool) or value is None:
+        raise ValueError(f"Invalid gpu_budget: {value!r} (expected a fraction in (0, 1] or a "
+                         "size like '2GB')")
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            number = float(text)
+        except ValueError:
+            return Bytes(parse_bytes(text, "gpu_budget"))
+        value = int(number) if number.is_integer() and "." not in text and "e" not in text.lower() \
+            else number
+    if isinstance(value, int):
+        if value == 1:
+            return 1.0
+        if value >= MIN_BYTES_INT:
+            return Bytes(value)
+        if value <= 0:
+            raise ValueError(f"Invalid gpu_budget: {value!r} (must be > 0)")
+        raise ambiguous(value)
+    if isinstance(value, float):
+        if 0 < value <= 1:
+            return value
+        if value > 1:
+            raise ambiguous(value)
+        raise ValueError(f"Invalid gpu_budget: {value!r} (a fraction must be in (0, 1])")
+    raise ValueError(f"Invalid gpu_budget: {value!r} (expected a fraction in (0, 1] or a size "
+                     "like '2GB')")
+
+
 def default_workers() -> int:
     """CPU gather workers, and Numba threads per decode step: half the cores (the other half
     runs MLX, whose BLAS threads spin between matmuls: on 2 cores, 2 Numba threads per step
@@ -101,6 +152,10 @@ class TieredConfig:
     keep_disk: bool = False  # keep page files after close (for reopening a saved state)
     verify_pages: bool = False  # check disk pages' CRC32 on every read (debug; also TIERED_DEBUG=1)
     # prefill and calibration
+    # None: a layer compresses once a compressed layout meets gpu_budget (tiered.layout); an
+    # int: from that many tokens on wherever a compressed layout fits the budget, even where
+    # the exact cache is smaller (tests and benchmarks of the compressed path on short inputs)
+    compress_from: int | None = None
     prefill_window: int = 16384  # tokens kept exact on the accelerator during prefill
     anchor_tokens: int = 1024  # block-wise prefill beyond the window: the anchor block
     calibration: str = "self"  # "self" (first prefill chunk) or a path to a text file
@@ -166,6 +221,8 @@ class TieredConfig:
             self.verify_pages = True
         if self.disk_dir is not None and not isinstance(self.disk_dir, (str, os.PathLike)):
             raise ValueError(f"Invalid disk_dir: {self.disk_dir!r} (expected a path)")
+        if self.compress_from is not None:
+            self._int("compress_from", 1)
         self._int("prefill_window", 1)
         self._int("anchor_tokens", 0)
         if not isinstance(self.calibration, (str, os.PathLike)) or (
@@ -194,25 +251,7 @@ class TieredConfig:
         return self.budget_fraction is not None and self.budget_fraction >= 1.0
 
     def _check_budget(self):
-        b = self.gpu_budget
-        if isinstance(b, bool):
-            raise ValueError(f"Invalid gpu_budget: {b!r}")
-        if isinstance(b, str):
-            self.gpu_budget = parse_bytes(b, "gpu_budget")
-        elif isinstance(b, int) and b > 1:
-            pass  # absolute bytes
-        elif isinstance(b, (int, float)):
-            b = float(b)
-            if not 0 < b <= 1:
-                raise ValueError(
-                    f"Invalid gpu_budget: {self.gpu_budget!r} (a fraction must be in (0, 1]; "
-                    "give an absolute size as a string such as '2GB')"
-                )
-            self.gpu_budget = b
-        else:
-            raise ValueError(
-                f"Invalid gpu_budget: {b!r} (expected a fraction in (0, 1] or a size like '2GB')"
-            )
+        self.gpu_budget = parse_budget(self.gpu_budget)
 
     def _choice(self, name, options):
         value = getattr(self, name)
@@ -240,4 +279,8 @@ class TieredConfig:
         return cls(**kwargs)
 
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "_"}
+        """The options as plain JSON values (an absolute gpu_budget as "<n>B")."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "_"}
+        if isinstance(self.gpu_budget, Bytes):
+            out["gpu_budget"] = f"{int(self.gpu_budget)}B"
+        return out
