@@ -6,6 +6,8 @@ symbol namespace first makes every MLX matmul use it (measured here: ~25x faster
 On macOS MLX uses Accelerate and Metal and nothing is done.
 
 This module imports nothing from MLX: ``tiered/__init__.py`` calls :func:`preload_blas` first.
+When ``mlx.core`` was imported before tiered, its BLAS calls are rebound in place instead
+(:mod:`tiered._blas_rebind`), so the import order does not matter.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class BlasState:
 
     def __init__(self) -> None:
         self.path: str | None = None
-        self.status = "not-attempted"  # loaded | already-loaded | not-needed | missing | too-late
+        self.status = "not-attempted"  # loaded | already-loaded | rebound | not-needed | missing | too-late
         self.detail = ""
         self.warned = False
 
@@ -90,6 +92,33 @@ def _warn(message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
+def _rebind_loaded() -> BlasState:
+    """mlx.core came first: its BLAS calls are bound already; rebind them (tiered._blas_rebind)."""
+    from ._blas_rebind import rebind
+
+    errors = []
+    for path in _candidates():
+        try:
+            n = rebind(path)
+        except (OSError, ValueError) as e:
+            errors.append(f"{path}: {e}")
+            continue
+        if n:
+            BLAS.status, BLAS.path = "rebound", path
+            BLAS.detail = f"mlx.core was imported first; {n} BLAS/LAPACK calls of libmlx rebound"
+            return BLAS
+        errors.append(f"{path}: no BLAS call of libmlx to rebind")
+    BLAS.status = "too-late"
+    BLAS.detail = "mlx.core was imported before tiered; " + ("; ".join(errors) or
+                                                              "no optimized BLAS found")
+    _warn(
+        "tiered: mlx.core was imported before tiered and its BLAS calls could not be rebound, "
+        f"so MLX keeps its bundled reference BLAS (~30x slower matmuls on the CPU). To fix: "
+        f"import tiered first, or {INSTALL_HINT}."
+    )
+    return BLAS
+
+
 def preload_blas() -> BlasState:
     """Load an optimized BLAS globally before MLX, once. Warns (once) when it cannot."""
     if BLAS.status != "not-attempted":
@@ -102,13 +131,7 @@ def preload_blas() -> BlasState:
         BLAS.status, BLAS.path = "already-loaded", already
         return BLAS
     if "mlx.core" in sys.modules:
-        BLAS.status = "too-late"
-        BLAS.detail = "mlx.core was imported before tiered"
-        _warn(
-            "tiered: mlx.core was imported before tiered, so MLX keeps its bundled reference "
-            "BLAS (~30x slower matmuls on the CPU). Import tiered first."
-        )
-        return BLAS
+        return _rebind_loaded()
     errors = []
     for path in _candidates():
         try:
