@@ -8,6 +8,7 @@ import weakref
 import mlx.core as mx
 import numpy as np
 
+from . import layout
 from .planner import Geometry, Plan, make_plan
 
 
@@ -82,6 +83,7 @@ class SharedContext:
         self._lookahead = weakref.WeakValueDictionary()
         from tiered.cpu.disk import HostBudget
 
+        self._threshold = None  # (length,) once computed
         self.host_budget = HostBudget(config.host_budget)
         self.disk_budget = HostBudget(config.disk_budget) if config.disk_budget else None
 
@@ -98,10 +100,43 @@ class SharedContext:
         return self._lookahead[min(later) if later else min(self._lookahead)]
 
     # ---- plan ------------------------------------------------------------------------------
-    def check_model_budget(self, reference_tokens: int = 4096):
-        """Refuse, before any work, a budget that cannot hold even a short document."""
-        if self.model_geometry is not None and not self.config.exact:
-            make_plan(self.model_geometry, self.config, reference_tokens=max(1, reference_tokens))
+    def geometry_for(self, layer) -> Geometry:
+        """The budget's geometry from a layer's real keys (its batch counts as heads: the
+        exact layout of B sequences holds B times the bytes)."""
+        B, H, dk, dv, dtype = layer._geometry
+        if self.model_geometry is not None and self.q_heads is None:
+            q = self.model_geometry.q_heads
+        else:
+            q = self.q_heads or H
+        return Geometry(self.layers, H * B, q * B, dk, dv, dtype.size)
+
+    def check_budget(self):
+        """Refuse, before any work, a budget no length can meet (model geometry known)."""
+        geo = self.model_geometry
+        if geo is None or self.layers == 0 or self.config.exact:
+            return
+        if self.config.budget_fraction is not None:
+            layout.check_fraction(geo, self.config)
+        else:
+            layout.layout_at(geo, self.config, 1)
+
+    def layout_at(self, layer, n: int) -> Plan | None:
+        """The layout of ``layer`` at n tokens (None: exact); the shared plan once made."""
+        if self.plan is not None:
+            return self.plan
+        return layout.layout_at(self.geometry_for(layer), self.config, n)
+
+    def threshold(self, layer) -> int | None:
+        """First length at which the layer compresses (fractions: the compression threshold;
+        absolute budgets: the first length the exact cache outgrows), computed once."""
+        if self._threshold is None:
+            geo = self.geometry_for(layer)
+            if self.config.budget_fraction is not None:
+                t = layout.compression_threshold(geo, self.config)
+            else:
+                t = self.config.gpu_budget // max(geo.full_bytes(1), 1) + 1
+            self._threshold = (t,)
+        return self._threshold[0]
 
     def adopt_plan(self, text: str) -> Plan:
         """The plan saved with a cache (a loaded cache keeps the parameters it was built with)."""
@@ -114,11 +149,22 @@ class SharedContext:
         """The model's plan, made at the first compression from the layer's real geometry."""
         with self._lock:
             if self.plan is None:
-                B, H, dk, dv, dtype = layer._geometry
-                q_heads = self.q_heads or H
-                geo = Geometry(self.layers, H, q_heads, dk, dv, dtype.size)
-                self.plan = make_plan(geo, self.config, reference_tokens=max(layer.offset, 1))
+                plan = layout.layout_at(self.geometry_for(layer), self.config, layer.offset)
+                if plan is None:
+                    raise ValueError(f"layer {layer.layer} asked to compress at {layer.offset} "
+                                     "tokens, where the exact layout is the one that fits")
+                self.plan = plan
             return self.plan
+
+    def copy(self) -> "SharedContext":
+        """A context for an independent copy of the caches: same plan and codebooks (read
+        only), its own workers, budgets and lookahead registry."""
+        other = SharedContext(self.config, layers=self.layers)
+        other.model_geometry, other.q_heads, other.plan = (self.model_geometry, self.q_heads,
+                                                           self.plan)
+        other.codebooks, other.codebook_memo = self.codebooks, self.codebook_memo
+        other._threshold = self._threshold
+        return other
 
     # ---- codebooks -------------------------------------------------------------------------
     def calibrate_from_text(self, model, tokenizer, tiered_layers: list[int], progress=None):

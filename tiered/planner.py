@@ -61,6 +61,8 @@ class Plan:
     recent: int = 64
     step: int = 256
     keep_values_resident: bool = True  # hcattention: False (every value on the host)
+    min_heavy: int = MIN_HEAVY  # heavy hitters a resident set must hold (0: sinks + recent only)
+    why: str = ""  # why the layout ladder chose this layout (tiered.layout), for report()
 
     # ---- persistence ----------------------------------------------------------------------
     def to_json(self) -> str:
@@ -135,14 +137,14 @@ class Plan:
     def minimum_resident(self) -> int:
         if not self.keep_values_resident:
             return self.recent
-        return self.sinks + min(self.recent, MIN_RECENT) + MIN_HEAVY
+        return self.sinks + min(self.recent, MIN_RECENT) + self.min_heavy
 
     def recent_window(self, resident: int) -> int:
         """The recent window for a resident set of this size: the configured one, shrunk (not
         below MIN_RECENT) so that MIN_HEAVY heavy hitters still fit."""
         if not self.keep_values_resident:
             return min(self.recent, resident)
-        room = resident - self.sinks - MIN_HEAVY
+        room = resident - self.sinks - self.min_heavy
         return max(min(self.recent, room), min(self.recent, MIN_RECENT))
 
     def check(self, n: int, horizon: int = 0) -> int:
@@ -153,20 +155,27 @@ class Plan:
             raise BudgetError(self._refusal(n, horizon))
         return r
 
-    def _refusal(self, n: int, horizon: int = 0) -> str:
+    def smallest_bytes(self, n: int, horizon: int = 0) -> int:
+        """Accelerator bytes this layout needs at n tokens with its smallest resident set."""
         g = self.geometry
         need = min(self.minimum_resident(), n)
-        smallest = (
+        return int(
             g.layers * g.kv_heads
             * (self.fixed_token_bytes * _capacity(n + horizon, self.step)
                + need * self.resident_token_bytes)
             + g.layers * self.codebook_bytes() + self.workspace_bytes(n)
         )
-        frac = smallest / g.full_bytes(max(n, 1))
+
+    def _refusal(self, n: int, horizon: int = 0) -> str:
+        smallest = self.smallest_bytes(n, horizon)
+        frac = smallest / self.geometry.full_bytes(max(n, 1))
+        where = (f"{frac:.4f} of the full cache" if frac <= 1 else
+                 f"more than the full cache itself ({frac:.2f}x): at this length the exact "
+                 "cache is the smaller layout")
         return (
             f"gpu_budget {self.budget!r} cannot hold {n} tokens with method {self.method!r} "
             f"(codec {self.describe_codec()}): the smallest budget that works at this length is "
-            f"{_fmt_bytes(smallest)} ({frac:.4f} of the full cache)"
+            f"{_fmt_bytes(smallest)} ({where})"
         )
 
     def describe_codec(self) -> str:
