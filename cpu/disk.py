@@ -247,6 +247,12 @@ class HostBudget:
             self.peak = max(self.peak, self.used)
             return True
 
+    def charge(self, nbytes: int):
+        """Count bytes already held (even past the limit: the next growth spills instead)."""
+        with self._lock:
+            self.used += nbytes
+            self.peak = max(self.peak, self.used)
+
     def release(self, nbytes: int):
         with self._lock:
             self.used -= nbytes

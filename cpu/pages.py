@@ -441,6 +441,30 @@ class HostStore:
                         tensor.pages_per_block, tokens, tensor.head_dim * dt.itemsize)
         return raw.view(dt).reshape(tokens.shape + (tensor.head_dim,))
 
+    def lazy_tokens(self, kind: str, b: int = 0) -> mx.array:
+        """(H, length, d) every token of sequence b as a lazy MLX graph over the blocks: no
+        byte is read unless it is evaluated (disk-tier blocks are read here). int8 stores come
+        dequantized (float32)."""
+        tensor = self._tensor(kind)
+        H, P, d = self.n_kv_heads, self.page_size, tensor.head_dim
+        if self.length == 0:
+            return mx.zeros((H, 0, d), _MX[tensor.dtype] if tensor.dtype != "int8" else mx.float32)
+
+        def block(i, scales=False):
+            arr = (tensor.scale_blocks if scales else tensor.blocks)[i]
+            if arr is None:
+                arr = mx.array((tensor.scale_views if scales else tensor.views)[i])
+            return arr
+
+        parts = []
+        for page in self._pages[b]:
+            blk, slot = divmod(page, tensor.pages_per_block)
+            rows = block(blk)[slot]  # (H, P, d)
+            if tensor.dtype == "int8":
+                rows = rows.astype(mx.float32) * block(blk, scales=True)[slot][..., None]
+            parts.append(rows)
+        return mx.concatenate(parts, axis=1)[:, : self.length]
+
     def _tensor(self, kind) -> HostTensor:
         if kind == "values":
             return self.values
@@ -475,6 +499,16 @@ class HostStore:
         pages = np.unique(self.logical_pages(b)[tokens // self.page_size])
         for t in self.tensors:
             t.prefetch(pages)
+
+    def rebudget(self, budget, disk_budget=None):
+        """Count this store's RAM blocks (and disk blocks) against other shared budgets (the
+        layers of a loaded cache join their model's budgets again)."""
+        for t in self.tensors:
+            if t.budget is not None:
+                t.budget.release(t.nbytes)
+            t.budget, t.disk_budget = budget, disk_budget
+            if budget is not None:
+                budget.charge(t.nbytes)
 
     def close(self):
         """Release host RAM and remove page files (unless kept)."""

@@ -15,7 +15,8 @@ from ._platform import BLAS, preload_blas
 
 preload_blas()
 
-from .cache import TieredCache, TieredCacheList  # noqa: E402
+from .cache import TieredCache  # noqa: E402
+from .cache_list import TieredCacheList  # noqa: E402
 from .config import TieredConfig  # noqa: E402
 from .integration import install, installed, uninstall  # noqa: E402
 from .model import load  # noqa: E402
@@ -25,11 +26,19 @@ __version__ = "0.1.0"
 
 
 def load_prompt_cache(path: str, return_metadata: bool = False):
-    """``mlx_lm.load_prompt_cache`` for files holding TieredCache layers (installs routing)."""
+    """``mlx_lm.models.cache.load_prompt_cache`` for files holding TieredCache layers: installs
+    routing, and the tiered layers of the file share one context again (one plan, one pool of
+    CPU workers, one host budget), as the caches that were saved did. Returns a TieredCacheList
+    (a list, as mlx-lm's loader returns)."""
     from mlx_lm.models.cache import load_prompt_cache as _load
 
+    from .cache_list import relink
+
     install()
-    return _load(path, return_metadata=return_metadata)
+    loaded = _load(path, return_metadata=return_metadata)
+    caches, meta = loaded if return_metadata else (loaded, None)
+    caches = relink(caches)
+    return (caches, meta) if return_metadata else caches
 
 
 __all__ = [

@@ -5,36 +5,40 @@ routed to :meth:`TieredCache.attention` by :func:`tiered.install` (``for_model``
 
 Phases of a layer:
 
-- ``exact``: every token's full K and V are resident on the accelerator (pre-allocated and grown
-  in steps of ``config.step``), and attention is mlx-lm's exactly. Values (and keys) are also
-  written behind to the host pages, so the layer can leave this phase without copying.
-  A budget of 1.0 stays here for good; otherwise prefill stays here up to
-  ``config.prefill_window`` tokens.
+- ``exact``: every token's full K and V on the accelerator, pre-allocated and grown in steps as
+  mlx-lm's ``KVCache`` grows them, and nothing else of K/V anywhere: attention is mlx-lm's,
+  bit for bit. A budget of 1.0 stays here for good; a smaller budget stays here while no
+  compressed layout meets it (:mod:`tiered.layout`), and for a batch of several sequences.
 - ``compressed``: the accelerator keeps key codes for every token and full K/V for the resident
-  set only; see :mod:`tiered.compressed`.
+  set only; every value (and key) is on the host (:mod:`tiered.compressed`). The layer moves
+  here at a decode step, or when a prompt outgrows ``prefill_window`` (or an absolute budget),
+  once the layout pays: its K/V go to the host pages in one pass.
+
+``report()`` says per layer which phase it is in and why (``layout_note``).
 """
 
 from __future__ import annotations
 
-import json
+import copy
 import logging
-import sys
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
+from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from tiered.cpu import HostStore
 
-from . import ops
+from . import contract, layer_state, ops
 from .config import TieredConfig
 from .context import SharedContext
+from .planner import BudgetError
 from .stats import LayerStats
 
 log = logging.getLogger("tiered")
 
-STATE_VERSION = 1
+HOST_COPY_TOKENS = 4096  # tokens per pass when the exact K/V move to the host pages
+MAX_PAGES_PER_BLOCK = 16  # host pages per allocation, at most
 
 
 def _check_kv(name: str, x: Any) -> None:
@@ -49,6 +53,12 @@ def _check_kv(name: str, x: Any) -> None:
         raise ValueError(f"Invalid dtype of {name}: expected a floating dtype, got {x.dtype}")
 
 
+def _to_numpy(x: mx.array) -> np.ndarray:
+    if x.dtype == mx.bfloat16:
+        x = x.astype(mx.float32)
+    return np.array(x)
+
+
 class TieredCache(_BaseCache):
     """Tiered KV cache of one attention layer (see module docstring)."""
 
@@ -59,6 +69,9 @@ class TieredCache(_BaseCache):
         self.context = context or SharedContext(self.config, layers=1)
         self.offset = 0  # RoPE position: tokens seen, never reduced by eviction
         self.stats = LayerStats()
+        self.exact_reason: str | None = None  # why this layer never compresses (permanent)
+        self.head_perm: np.ndarray | None = None  # query order for tiled keys (contract)
+        self.closed = False
         self._reset_storage()
 
     @property
@@ -78,9 +91,12 @@ class TieredCache(_BaseCache):
         self._pending_tokens = 0
         self._geometry = None  # (B, H, dk, dv, dtype)
         self.compressed = None  # tiered.compressed.CompressedLayer once compressed
-        self._compress_pending = False
-        self._obs = None
-        self._colmass = None  # exact phase: attention mass per key over the prefill (H2O seed)
+        self._obs = None  # the last queries before compression (they seed the heavy hitters)
+        self._colmass = None  # attention mass per key over the prompt (H2O seed)
+        self._scale = None  # the attention scale the model uses
+        self._fresh = False  # update_and_fetch since the last attention call
+        self._returned = None  # shapes update_and_fetch returned last
+        self._new = None  # the keys/values update_and_fetch stored last
 
     # ---- the mlx-lm cache contract ---------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array):
@@ -88,19 +104,45 @@ class TieredCache(_BaseCache):
 
         Exact phase: the full keys and values so far, as ``KVCache`` returns them. Compressed
         phase: the new keys and values only; :meth:`attention` reads the tiers itself.
-        Invalid input raises ``ValueError`` before anything is changed.
+        Invalid input, and an absolute budget no layout meets, raise before anything changes.
         """
+        self._require_open()
         self._validate(keys, values)
+        L = keys.shape[2]
         if self.phase == "compressed":
             self._require_routing()
+            self._check_room(L)
             out = self.compressed.append(keys, values)
-            self.offset += keys.shape[2]
-            return out
-        if self._should_compress(keys.shape[2]):
-            # Compression needs the queries and the scale: it runs in attention(), right after.
-            self._require_routing()
-            self._compress_pending = True
-        return self._append_exact(keys, values)
+            self.offset += L
+        else:
+            if not self.config.exact and self.exact_reason is None:
+                self._require_routing()  # it may compress at any step: attention must reach it
+            if self._geometry is None:
+                self._geometry = (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3],
+                                  keys.dtype)
+            self._check_room(L)
+            out = self._append_exact(keys, values)
+        self._fresh, self._new = True, (keys, values)
+        self._returned = (tuple(out[0].shape), tuple(out[1].shape))
+        return out
+
+    def keys_and_values(self):
+        """Every token's keys and values (B, H, n, d), as ``KVCache.keys_and_values`` (layers
+        sharing this cache read it: gemma3n, afm7). Exact phase: a view of the buffers.
+        Compressed phase: a lazy view of the host pages (nothing is read unless evaluated;
+        attention routed to this cache ignores it)."""
+        self._require_open()
+        if self._geometry is None:
+            return None, None
+        if self.phase == "exact":
+            return self._exact_view()
+        if self.host is None:
+            raise ValueError(f"layer {self.layer} evicts tokens (method 'h2o'): its full keys "
+                             "and values no longer exist")
+        self._flush()
+        _, _, _, _, dtype = self._geometry
+        return (self.host.lazy_tokens("keys").astype(dtype)[None],
+                self.host.lazy_tokens("values").astype(dtype)[None])
 
     def _validate(self, keys, values):
         _check_kv("keys", keys)
@@ -125,23 +167,37 @@ class TieredCache(_BaseCache):
                 )
             if keys.dtype != dtype:
                 raise ValueError(f"Invalid dtype of keys: this cache holds {dtype}, got {keys.dtype}")
-        elif keys.shape[0] != 1 and not self.config.exact:
-            raise ValueError(
-                f"Invalid batch size {keys.shape[0]}: a compressing TieredCache serves one "
-                "sequence; use gpu_budget=1.0 for batched generation"
-            )
+
+    def _check_room(self, L: int):
+        """An absolute budget: some layout must hold offset + L tokens (BudgetError before the
+        step otherwise; fractions always have the exact layout to fall back on)."""
+        if self.config.budget_fraction is not None:
+            return
+        n = self.offset + L
+        if self.phase == "compressed":
+            plan = self.compressed.plan
+            if plan.codec == "none":
+                return  # eviction: the resident set never grows past the budget
+            plan.check(n, self.config.refresh_every + 1)
+        else:
+            self.context.layout_at(self, n)  # raises BudgetError when nothing fits
+
+    def _exact_capacity(self, need: int, grow: int) -> int:
+        """Capacity of the exact buffers: mlx-lm's steps, clipped to an absolute budget."""
+        if self.config.budget_fraction is not None:
+            return grow
+        geo = self.context.geometry_for(self)
+        fits = int(self.config.gpu_budget // max(geo.full_bytes(1), 1))
+        return max(need, min(grow, fits))
 
     def _append_exact(self, keys, values):
-        if self._geometry is None:
-            self._geometry = (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3],
-                              keys.dtype)
         prev, n = self.offset, keys.shape[2]
         if self.keys is None or prev + n > self.keys.shape[2]:
             B, H, _, dk = keys.shape
             steps = (self.config.step + n - 1) // self.config.step
-            grow = steps * self.config.step
-            new_k = mx.zeros((B, H, grow, dk), keys.dtype)
-            new_v = mx.zeros((B, H, grow, values.shape[3]), values.dtype)
+            size = self._exact_capacity(prev + n, prev + steps * self.config.step) - prev
+            new_k = mx.zeros((B, H, size, dk), keys.dtype)
+            new_v = mx.zeros((B, H, size, values.shape[3]), values.dtype)
             if self.keys is None:
                 self.keys, self.values = new_k, new_v
             else:
@@ -150,7 +206,6 @@ class TieredCache(_BaseCache):
         self.keys[..., prev : prev + n, :] = keys
         self.values[..., prev : prev + n, :] = values
         self.offset += n
-        self._write_behind(keys, values)
         return self._exact_view()
 
     def _exact_view(self):
@@ -160,80 +215,23 @@ class TieredCache(_BaseCache):
 
     @property
     def state(self):
-        """Arrays and scalars that :meth:`from_state` turns back into this cache.
-
-        mlx-lm evaluates ``state`` after every prefill chunk and serializes it in
-        ``save_prompt_cache``; nothing here copies host data.
-        """
-        st = {
-            "version": STATE_VERSION,
-            "config": json.dumps(self.config.to_dict()),
-            "layer": self.layer,
-            "layers": self.context.layers,
-            "offset": self.offset,
-            "phase": self.phase,
-        }
-        if self._geometry is None:
-            return st
-        B, H, dk, dv, dtype = self._geometry
-        st["geometry"] = [B, H, dk, dv, str(dtype).split(".")[-1]]
-        if self.phase == "exact":
-            st["keys"], st["values"] = self._exact_view()
-            if self._obs is not None:
-                st["obs"] = self._obs  # the last queries: they seed the heavy hitters
-            if self._colmass is not None:
-                st["colmass"] = mx.array(self._colmass[:, : self.offset])
-        else:
-            self._flush()
-            st["q_heads"] = self.context.q_heads
-            if self.host is not None:
-                st["host"] = self.host.state()
-            st["compressed"] = self.compressed.state()
-        return st
+        """(keys, values, meta, arrays), as mlx-lm's caches keep arrays and scalars in
+        ``state``: keys/values are the exact K/V (exact phase) or the resident set's
+        (compressed); ``meta`` a JSON string; ``arrays`` the rest by name. See
+        :mod:`tiered.layer_state`."""
+        return layer_state.state_of(self)
 
     @state.setter
     def state(self, st):
-        if not isinstance(st, dict) or st.get("version") != STATE_VERSION:
-            raise ValueError(
-                "Invalid TieredCache state: not written by this version of tiered "
-                f"(expected version {STATE_VERSION})"
-            )
-        config = TieredConfig.from_kwargs(**json.loads(st["config"]))
-        self.__init__(config, layer=int(st["layer"]),
-                      context=SharedContext(config, layers=int(st.get("layers", 1))))
-        if "geometry" not in st:
-            return
-        B, H, dk, dv, dtype = st["geometry"]
-        dtype = getattr(mx, dtype)
-        if st["phase"] == "exact":
-            self._append_exact(st["keys"].astype(dtype), st["values"].astype(dtype))
-            self._obs = st.get("obs")
-            if "colmass" in st:
-                self._colmass = np.array(st["colmass"], np.float32)
-        else:
-            from .compressed import CompressedLayer
-
-            self._geometry = (int(B), int(H), int(dk), int(dv), dtype)
-            self.context.q_heads = int(st["q_heads"])
-            if st["compressed"].get("kind") == "h2o":
-                from .h2o import H2OLayer
-
-                self.compressed = H2OLayer.from_state(self, st["compressed"])
-            else:
-                self.host = HostStore.from_state(st["host"])
-                self.compressed = CompressedLayer.from_state(self, st["compressed"])
-            self.phase = "compressed"
-            self.offset = int(st["offset"])
-        if self.offset != int(st["offset"]):
-            raise ValueError("Invalid TieredCache state: offset does not match the stored tokens")
+        layer_state.restore(self, st)
 
     @property
     def meta_state(self):
-        return ""
+        return layer_state.meta_of(self)
 
     @meta_state.setter
     def meta_state(self, v):
-        pass
+        pass  # everything needed is in ``state`` (mlx-lm 0.32 saves only ``state``)
 
     def is_trimmable(self) -> bool:
         return self.phase == "exact" or self.compressed.is_trimmable()
@@ -246,10 +244,12 @@ class TieredCache(_BaseCache):
             n = self.compressed.trim(n)
             self.offset -= n
             return n
-        self._flush()
         self.offset -= n
-        if self.host is not None:
-            self.host.truncate(self.offset)
+        if self._colmass is not None:  # the trimmed tokens' mass goes; fed again, it comes back
+            self._colmass[:, self.offset :] = 0
+        if self._obs is not None:  # the trimmed queries leave the observation window
+            keep = self._obs.shape[2] - n
+            self._obs = self._obs[..., :keep, :] if keep > 0 else None
         return n
 
     def size(self) -> int:
@@ -266,26 +266,116 @@ class TieredCache(_BaseCache):
         """Accelerator-tier bytes of this layer (what mlx-lm's cache accounting sees)."""
         return self.tier_bytes()["accelerator"]
 
+    def to_quantized(self, group_size: int = 64, bits: int = 4):
+        """mlx-lm's ``kv_bits`` path: refused, with the options that do the same job."""
+        raise ValueError(
+            f"kv_bits={bits}: a TieredCache quantizes through its own options, not mlx-lm's "
+            "QuantizedKVCache: keys are already compressed to codes, and host values can be "
+            "8-bit (host_dtype='int8'); drop kv_bits, or use mlx-lm's own cache for kv_bits")
+
+    @classmethod
+    def merge(cls, caches):
+        raise ValueError("TieredCache serves one sequence: batched generation (BatchGenerator) "
+                         "merges caches, which a TieredCache cannot be; use mlx-lm's own caches "
+                         "for batches")
+
+    def extract(self, idx: int):
+        """The cache of sequence ``idx`` (a TieredCache holds one: idx 0, an independent copy)."""
+        B = 1 if self._geometry is None else self._geometry[0]
+        if B != 1 or idx != 0:
+            raise ValueError(f"Invalid idx {idx}: this TieredCache holds {B} sequence(s); "
+                             "extract works on single-sequence caches (idx 0)")
+        return copy.deepcopy(self)
+
+    def __deepcopy__(self, memo):
+        ctx = memo.get(id(self.context))
+        if ctx is None:
+            ctx = memo[id(self.context)] = self.context.copy()
+        other = TieredCache(self.config, layer=self.layer, context=ctx)
+        layer_state.restore(other, layer_state.state_of(self), context=ctx)
+        other.stats = copy.deepcopy(self.stats, memo)
+        memo[id(self)] = other
+        return other
+
     # ---- attention -------------------------------------------------------------------------
     def attention(self, queries, keys, values, *, scale, mask, sinks=None):
-        """Attention for this layer; ``keys``/``values`` are what update_and_fetch returned."""
-        if self._compress_pending:
-            L = queries.shape[2]
-            self.compress(queries, scale)
-            # The new tokens are compressed too; attend to them from the compressed tiers.
-            keys, values = keys[..., -L:, :], values[..., -L:, :]
+        """Attention for this layer; ``keys``/``values`` are what update_and_fetch returned
+        (or, for a layer sharing this cache, what keys_and_values returned: that call reads
+        the tiers without changing them)."""
+        self._require_open()
+        fresh, self._fresh = self._fresh, False
+        L = queries.shape[2]
         if self.phase == "exact":
+            if fresh:
+                self._check_contract(queries, keys, values, mask)
+                self._scale = scale
+                if self._wants_compression(L):
+                    self.compress(queries, scale, chunk=L)
+            if self.phase == "exact":
+                return self._exact_attention(queries, keys, values, scale, mask, sinks, fresh)
+        new_k, new_v = self._new if fresh else (None, None)
+        q = queries if self.head_perm is None else queries[:, mx.array(self.head_perm)]
+        out = self.compressed.attention(q, new_k, new_v, scale=scale, mask=mask, sinks=sinks,
+                                        update=fresh)
+        return out if self.head_perm is None else out[:, mx.array(np.argsort(self.head_perm))]
+
+    def _check_contract(self, queries, keys, values, mask):
+        """Whether this layer may ever compress (see :mod:`tiered.contract`)."""
+        if self.exact_reason is not None or self.config.exact:
+            return
+        why = contract.violation(queries, keys, values, mask, self._returned)
+        if why is None and keys.shape[1] != self._geometry[1]:
+            perm = contract.head_order(keys, self._new[0], queries.shape[1])
+            if perm is None:
+                why = (f"attention reads {keys.shape[1]} key heads that are not copies of the "
+                       f"{self._geometry[1]} stored ones")
+            elif self.head_perm is None:
+                self.head_perm = perm
+        if why is None and self._geometry[0] != 1:
+            why = f"batch of {self._geometry[0]} sequences: compression serves one"
+        if why is not None:
+            self.exact_reason = why
+            self._obs = self._colmass = None
+            log.warning("tiered: layer %d stays exact (full cache): %s", self.layer, why)
+
+    def _wants_compression(self, L: int) -> bool:
+        if self.config.exact or self.exact_reason is not None:
+            return False
+        n = self.offset
+        absolute = self.config.budget_fraction is None
+        if not (L == 1 or n > self.config.prefill_window or
+                (absolute and self.keys.nbytes > self.config.gpu_budget / self.context.layers)):
+            return False
+        return self.context.layout_at(self, n) is not None
+
+    def _bookkeeping(self, n: int) -> bool:
+        """Whether to record what the H2O seed needs (the last queries, the prompt's attention
+        mass): only when this layer may compress within the observation window."""
+        if self.config.exact or self.exact_reason is not None or self._geometry[0] != 1:
+            return False
+        t = self.context.threshold(self)
+        return t is not None and n + self._obs_window() >= t
+
+    def _obs_window(self) -> int:
+        return max(self.config.recent, 16)
+
+    def _exact_attention(self, queries, keys, values, scale, mask, sinks, fresh):
+        perm = self.head_perm
+        if perm is not None and fresh:  # the stored heads, queries grouped to match them
+            queries = queries[:, mx.array(perm)]
+            keys, values = self._exact_view()
+        colmass = None
+        if fresh and self._bookkeeping(self.offset):
             self._observe(queries)
-            return ops.exact_attention(queries, keys, values, scale=scale, mask=mask,
-                                       sinks=sinks, fast=self.config.exact is False,
-                                       column_mass=self._column_mass(keys.shape[2]))
-        return self.compressed.attention(queries, keys, values, scale=scale, mask=mask,
-                                         sinks=sinks)
+            colmass = self._column_mass(keys.shape[2])
+        out = ops.exact_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks,
+                                  fast=not self.config.exact, column_mass=colmass)
+        if perm is not None and fresh:
+            out = out[:, mx.array(np.argsort(perm))]
+        return out
 
     def _column_mass(self, n: int):
-        """The exported per-key attention mass buffer (H, >= n), or None when not needed."""
-        if self.config.exact or self._geometry is None or self._geometry[0] != 1:
-            return None
+        """The exported per-key attention mass buffer (H, >= n)."""
         H = self._geometry[1]
         if self._colmass is None or self._colmass.shape[1] < n:
             grown = np.zeros((H, max(n, 2 * (0 if self._colmass is None else
@@ -297,9 +387,9 @@ class TieredCache(_BaseCache):
 
     def _observe(self, queries):
         """Keep the last queries of the exact phase: they seed the resident set (SnapKV-style)."""
-        w = max(self.config.recent, 16)
+        w = self._obs_window()
         q = queries[..., -w:, :]
-        if self._obs is None or q.shape[2] >= w:
+        if self._obs is None or q.shape[2] >= w or self._obs.shape[-1] != q.shape[-1]:
             self._obs = q
         else:
             self._obs = mx.concatenate([self._obs, q], axis=2)[..., -w:, :]
@@ -317,20 +407,27 @@ class TieredCache(_BaseCache):
         if self.host is None or self.host.length < n:
             self._flush()
 
+    def _new_host(self, n: int = 0) -> HostStore:
+        """Host pages for this layer; blocks sized to the tokens it holds now (a power of two
+        of pages, up to 16): a short context does not take 16 pages per layer."""
+        B, H, dk, dv, _ = self._geometry
+        cfg = self.config
+        pages = max(1, -(-n // cfg.page_size))
+        ppb = min(MAX_PAGES_PER_BLOCK, 1 << (pages - 1).bit_length())
+        return HostStore(
+            H, dk, value_dim=dv, page_size=cfg.page_size, dtype=cfg.host_dtype,
+            keys=cfg.host_keys, batch=B, pages_per_block=ppb, budget=self.context.host_budget,
+            disk_dir=cfg.disk_dir, keep_disk=cfg.keep_disk,
+            disk_budget=self.context.disk_budget, name=f"layer{self.layer}",
+        )
+
     def _flush(self):
         if not self._pending:
             return
-        if self.compressed is not None:  # a lookahead move reading these pages finishes first
-            self.compressed.spill_join()
-        B, H, dk, dv, _ = self._geometry
+        if self.compressed is not None and hasattr(self.compressed, "spill_join"):
+            self.compressed.spill_join()  # a lookahead move reading these pages finishes first
         if self.host is None:
-            cfg = self.config
-            self.host = HostStore(
-                H, dk, value_dim=dv, page_size=cfg.page_size, dtype=cfg.host_dtype,
-                keys=cfg.host_keys, batch=B, budget=self.context.host_budget,
-                disk_dir=cfg.disk_dir, keep_disk=cfg.keep_disk,
-                disk_budget=self.context.disk_budget, name=f"layer{self.layer}",
-            )
+            self.host = self._new_host()
         ks = [k for k, _ in self._pending]
         vs = [v for _, v in self._pending]
         k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
@@ -340,21 +437,35 @@ class TieredCache(_BaseCache):
         self._pending_tokens = 0
         self.host.append(v, k if self.config.host_keys else None)
 
+    def _to_host(self, keys: mx.array, values: mx.array):
+        """The exact phase's K/V into fresh host pages, a few thousand tokens per pass (the
+        host holds nothing of the exact phase: leaving it is the one copy)."""
+        n = keys.shape[2]
+        self.host = self._new_host(n)
+        for i in range(0, n, HOST_COPY_TOKENS):
+            k = _to_numpy(keys[..., i : i + HOST_COPY_TOKENS, :])
+            v = _to_numpy(values[..., i : i + HOST_COPY_TOKENS, :])
+            self.host.append(v, k if self.config.host_keys else None)
+
     def tier_bytes(self) -> dict:
         """Bytes per tier, measured from the arrays this layer holds. ``transient``: the part of
         "accelerator" that only prefill holds (the exact window of a compressing cache, or the
-        block-wise anchor + local blocks); bounded, reported apart from the steady state."""
+        block-wise anchor + local blocks); bounded, reported apart from the steady state.
+        ``bookkeeping``: host bytes of the H2O seed statistics kept near compression."""
         acc = transient = 0
         if self.phase == "exact":
             if self.keys is not None:
                 acc = self.keys.nbytes + self.values.nbytes
-                transient = 0 if self.config.exact else acc
+                transient = 0 if (self.config.exact or self.exact_reason) else acc
         else:
             acc = self.compressed.nbytes
             transient = getattr(self.compressed, "prefill_bytes", 0)
         host = self.host.nbytes if self.host is not None else 0
         disk = self.host.disk_bytes if self.host is not None else 0
-        return {"accelerator": acc, "transient": transient, "host": host, "disk": disk}
+        book = (0 if self._colmass is None else self._colmass.nbytes) + (
+            0 if self._obs is None else self._obs.nbytes)
+        return {"accelerator": acc, "transient": transient, "host": host, "disk": disk,
+                "bookkeeping": book}
 
     def full_cache_bytes(self) -> int:
         """Bytes mlx-lm's KVCache would hold for this layer's tokens (the budget reference)."""
@@ -363,44 +474,67 @@ class TieredCache(_BaseCache):
         B, H, dk, dv, dtype = self._geometry
         return B * H * (dk + dv) * dtype.size * self.offset
 
-    def _should_compress(self, n_new: int) -> bool:
-        """Leave the exact phase at the first decode step, or when prefill outgrows its window."""
+    @property
+    def layout_note(self) -> str:
+        """Which layout this layer is in, and why (for report())."""
+        if self.phase == "compressed":
+            plan = self.compressed.plan
+            return plan.why or f"compressed ({plan.method})"
         if self.config.exact:
-            return False
-        return n_new == 1 or self.offset + n_new > self.config.prefill_window
+            return "exact: gpu_budget 1.0"
+        if self.exact_reason:
+            return f"exact: {self.exact_reason}"
+        if self._geometry is None:
+            return "empty"
+        t = self.context.threshold(self)
+        if self.config.budget_fraction is None:
+            return (f"exact: the full cache fits gpu_budget {self.config.gpu_budget} up to "
+                    f"{t - 1} tokens" if t else "exact")
+        if t is None:
+            return "exact: no compressed layout meets this budget at any length"
+        return (f"exact: below {t} tokens no compressed layout meets gpu_budget "
+                f"{self.config.gpu_budget} (codes and codebooks cost more than they save)")
 
-    def compress(self, queries: mx.array, scale: float):
-        """Exact phase -> compressed phase: codes for every token, resident set, host pages."""
+    def compress(self, queries: mx.array | None, scale: float, chunk: int = 0):
+        """Exact phase -> compressed phase: codes for every token, resident set, host pages.
+
+        queries: this step's queries (or None: the observed ones seed the resident set);
+        chunk > 1: the last ``chunk`` tokens are a prompt chunk still to be attended."""
         from .compressed import CompressedLayer
 
-        self._compress_pending = False
-        self._flush()
         keys, values = self._exact_view()
         self.stats.peak_transient_bytes = max(self.stats.peak_transient_bytes,
                                               self.keys.nbytes + self.values.nbytes)
-        self.context.q_heads = queries.shape[1]
+        if queries is not None:
+            self.context.q_heads = queries.shape[1]
         plan = self.context.plan_for(self)
         obs = self._obs
         if obs is None or obs.shape[2] == 0:
-            obs = queries[..., -self.config.recent:, :]
-        rep = queries.shape[1] // self._geometry[1]
+            obs = None if queries is None else queries[..., -self.config.recent:, :]
+        Hq = obs.shape[1] if obs is not None else self._geometry[1]
+        rep = Hq // self._geometry[1]
         seed = ops.h2o_seed(obs[0] if obs is not None else None, keys[0], scale,
                             self._colmass, rep)
-        self._colmass = None
+        self._colmass = self._obs = None
         if plan.codec == "none":
             from .h2o import H2OLayer
 
             self.compressed = H2OLayer.from_exact(self, plan, keys, values, seed)
-            self.host = None  # H2O-only: no host tier; what leaves the resident set is gone
-            self._pending.clear()
-            self._pending_tokens = 0
         else:
+            self._to_host(keys, values)
             codebook = self.context.codebook_for(self, keys) if plan.codec == "codebook" else None
             self.compressed = CompressedLayer.from_exact(self, plan, codebook, keys, values,
-                                                         seed, scale, chunk=queries.shape[2])
+                                                         seed, scale, chunk=chunk)
         self.phase = "compressed"
         self.keys = self.values = None
-        self._obs = None
+
+    def settle(self):
+        """Compress now if this layer would at its next step (before a save: the saved tiers
+        are then codes and host pages, not the exact K/V)."""
+        if (self.phase == "exact" and self._geometry is not None and self._scale is not None
+                and not self.closed and self._wants_compression(1)):
+            self._require_routing()
+            self.compress(None, self._scale)
 
     def _require_routing(self):
         from .integration import is_installed
@@ -411,6 +545,17 @@ class TieredCache(_BaseCache):
                 "tiered.install() (TieredCache.for_model does) before running the model"
             )
 
+    def _require_open(self):
+        if self.closed:
+            raise ValueError(f"TieredCache layer {self.layer} was closed; make a new cache "
+                             "(TieredCache.for_model) or load a saved one")
+
+    def close(self):
+        """Release this layer's host pages and page files; using it afterwards is an error."""
+        if self.host is not None:
+            self.host.close()
+        self.closed = True
+
     def fork(self, config: TieredConfig, context: SharedContext) -> "TieredCache":
         """A copy of this exact-phase layer under another config (one prefill, many methods)."""
         if self.phase != "exact":
@@ -418,173 +563,33 @@ class TieredCache(_BaseCache):
         other = TieredCache(config, layer=self.layer, context=context)
         if self._geometry is None:
             return other
-        self._flush()
         other._geometry = self._geometry
         k, v = self._exact_view()
         other.keys, other.values = k[..., :, :], v[..., :, :]  # new array objects
         other.offset = self.offset
-        other.host = HostStore.from_state(self.host.state()) if self.host is not None else None
-        other._obs = self._obs
+        other._obs, other._scale, other._returned = self._obs, self._scale, self._returned
+        other.head_perm, other.exact_reason = self.head_perm, self.exact_reason
         other._colmass = None if self._colmass is None else self._colmass.copy()
         return other
 
     def __repr__(self) -> str:
+        if not hasattr(self, "config"):
+            return "TieredCache(uninitialized)"
         return (f"TieredCache(layer={self.layer}, phase={self.phase}, offset={self.offset}, "
                 f"budget={self.config.gpu_budget})")
 
-    # ---- construction ----------------------------------------------------------------------
     @classmethod
     def for_model(cls, model, gpu_budget: float | int | str = 0.125, *, install: bool = True,
-                  tokenizer=None, **config) -> "TieredCacheList":
-        """One cache per layer of ``model``: TieredCache for full-attention KV layers.
+                  tokenizer=None, **config):
+        """One cache per layer of ``model``: see :func:`tiered.cache_list.for_model`."""
+        from .cache_list import for_model
 
-        Layers whose own cache is something else (sliding-window ``RotatingKVCache``, SSM
-        ``ArraysCache``...) keep the cache the model makes for them. ``install=True`` routes
-        mlx-lm attention to TieredCache (see :func:`tiered.install`).
-        ``calibration="path/to/text"`` trains the key codebooks once on that text (``tokenizer``
-        is then needed unless the result is already in ``cache_dir``); the default ``"self"``
-        trains each layer's codebook on the document's own first keys.
-        Unknown options raise ``ValueError`` naming them.
-        """
-        cfg = TieredConfig.from_kwargs(gpu_budget=gpu_budget, **config)
-        from .integration import install as do_install
-        from .integration import is_routed
-
-        if install:
-            do_install()
-        base = model.make_cache() if hasattr(model, "make_cache") else [
-            KVCache() for _ in model.layers
-        ]
-        layers = list(model.layers)
-        caches, tiered, kept = [], [], []
-        for i, c in enumerate(base):
-            routable = i >= len(layers) or _layer_is_routable(layers[i], is_routed, install)
-            if type(c) is KVCache and routable:
-                tiered.append(i)
-        context = SharedContext(cfg, layers=len(tiered), model=model)
-        context.check_model_budget()
-        if cfg.calibration != "self" and not cfg.exact and tiered:
-            context.calibrate_from_text(model, tokenizer or getattr(model, "tiered_tokenizer", None),
-                                        tiered)
-        for i, c in enumerate(base):
-            routable = i >= len(layers) or _layer_is_routable(layers[i], is_routed, install)
-            if i in tiered:
-                caches.append(cls(cfg, layer=i, context=context))
-            else:
-                caches.append(c)
-                kept.append((i, type(c).__name__ if routable or type(c) is not KVCache
-                             else "KVCache (attention not routable)"))
-        if not tiered:
-            log.warning("tiered: no layer of %s has a full-attention KVCache; nothing is tiered",
-                        type(model).__name__)
-        result = TieredCacheList(caches, config=cfg, tiered_layers=tiered, kept_layers=kept,
-                                 context=context)
-        log.info("tiered: %s", result.describe())
-        return result
+        return for_model(cls, model, gpu_budget, install=install, tokenizer=tokenizer, **config)
 
 
-def _layer_is_routable(layer, is_routed, installing: bool) -> bool:
-    """Whether some module of this layer calls mlx-lm's scaled_dot_product_attention."""
-    modules = {type(m).__module__ for _, m in layer.named_modules()} | {type(layer).__module__}
-    users = [m for m in modules if hasattr(sys.modules.get(m), "scaled_dot_product_attention")]
-    if not users:
-        return False
-    return not installing or any(is_routed(m) for m in users)
+def __getattr__(name):  # TieredCacheList moved to tiered.cache_list; old imports keep working
+    if name == "TieredCacheList":
+        from .cache_list import TieredCacheList
 
-
-def _to_numpy(x: mx.array) -> np.ndarray:
-    if x.dtype == mx.bfloat16:
-        x = x.astype(mx.float32)
-    return np.array(x)
-
-
-class TieredCacheList(list):
-    """The per-layer caches of one model, as ``mlx_lm.generate`` expects, plus shared facts."""
-
-    def __init__(self, caches, *, config, tiered_layers, kept_layers, context=None):
-        super().__init__(caches)
-        self.config = config
-        self.tiered_layers = list(tiered_layers)
-        self.kept_layers = list(kept_layers)
-        self.context = context
-
-    @property
-    def plan(self):
-        return self.context.plan if self.context is not None else None
-
-    @property
-    def scheduler(self):
-        return self.context.get_scheduler() if self.context is not None else None
-
-    def fork(self, **overrides) -> "TieredCacheList":
-        """The same prefilled (exact-phase) cache under other options, e.g. another budget.
-
-        Non-tiered layers are copied through their mlx-lm ``state``."""
-        cfg = TieredConfig.from_kwargs(**{**self.config.to_dict(), **overrides})
-        ctx = SharedContext(cfg, layers=len(self.tiered_layers))
-        if self.context is not None:
-            ctx.model_geometry = self.context.model_geometry
-            ctx.codebook_memo = self.context.codebook_memo  # same document: same codebooks
-            ctx.codebooks = self.context.codebooks
-        tokens = max((c.offset for c in self if isinstance(c, TieredCache)), default=0)
-        ctx.check_model_budget(reference_tokens=tokens or 4096)  # at the length it will compress
-        caches = []
-        for c in self:
-            if isinstance(c, TieredCache):
-                caches.append(c.fork(cfg, ctx))
-            else:
-                caches.append(type(c).from_state(c.state) if not c.empty() else type(c)())
-        return TieredCacheList(caches, config=cfg, tiered_layers=self.tiered_layers,
-                               kept_layers=self.kept_layers, context=ctx)
-
-    def save(self, directory: str, model) -> str:
-        """Persist this cache (after prefill) to ``directory``: ask again without re-reading."""
-        from .persist import save
-
-        return save(self, directory, model)
-
-    @classmethod
-    def load(cls, directory: str, model, **expect) -> "TieredCacheList":
-        """A cache saved with :meth:`save`; refuses another model or other options."""
-        from .persist import load
-
-        return load(directory, model, expect_config=expect or None)
-
-    def to_kvcache(self) -> list:
-        """mlx-lm ``KVCache`` layers holding this exact-phase cache's keys and values."""
-        out = []
-        for c in self:
-            if isinstance(c, TieredCache):
-                if c.phase != "exact":
-                    raise ValueError("to_kvcache needs a cache still in its exact phase")
-                kv = KVCache()
-                if not c.empty():
-                    k, v = c._exact_view()
-                    kv.update_and_fetch(k, v)
-                out.append(kv)
-            else:
-                out.append(type(c).from_state(c.state) if not c.empty() else type(c)())
-        return out
-
-    def close(self):
-        """Stop this cache's CPU workers and release its host pages and page files."""
-        if self.context is not None:
-            self.context.close()
-        for c in self:
-            if isinstance(c, TieredCache) and c.host is not None:
-                c.host.close()
-
-    def describe(self) -> str:
-        kept = ", ".join(f"{i}:{n}" for i, n in self.kept_layers) or "none"
-        return (f"{len(self.tiered_layers)} of {len(self)} layers tiered "
-                f"(budget {self.config.gpu_budget}, method {self.config.method}); kept: {kept}")
-
-    def tier_bytes(self) -> dict:
-        total = {"accelerator": 0, "transient": 0, "host": 0, "disk": 0}
-        for c in self:
-            if isinstance(c, TieredCache):
-                for k, v in c.tier_bytes().items():
-                    total[k] += v
-            else:
-                total["accelerator"] += getattr(c, "nbytes", 0)
-        return total
+        return TieredCacheList
+    raise AttributeError(name)

@@ -77,6 +77,8 @@ class CompressedLayer:
         self.anchor_k = self.anchor_v = None
         self.local_k = self.local_v = None
         self.local_start = 0
+        self._prev_local = (0, None, None)  # the local block before the last chunk
+        self._update = True  # this call changes the layer (False: a sharing layer reads it)
 
     # ---- storage ---------------------------------------------------------------------------
     def _alloc(self, capacity: int, n: int = 0):
@@ -215,7 +217,7 @@ class CompressedLayer:
         else:
             S, W = 0, R
         ring = np.full((H, W), -1, np.int32)
-        for t in range(max(0, n - W), n):
+        for t in range(max(S, n - W), n):  # the sinks are resident already: no second copy
             ring[:, t % W] = t
         sinks = np.tile(np.arange(S, dtype=np.int32), (H, 1))
         heavy_n = max(R - S - W, 0)
@@ -347,15 +349,20 @@ class CompressedLayer:
             self.flags[:, first : n0 + L] = 1  # stays lazy: the step's one sync evaluates it
 
     # ---- attention -------------------------------------------------------------------------
-    def attention(self, queries, keys, values, *, scale, mask, sinks=None):
+    def attention(self, queries, keys, values, *, scale, mask, sinks=None, update=True):
+        """Attention of a query (decode) or a prompt chunk over the tiers. keys/values: the
+        chunk's own K/V (chunks). ``update=False``: a layer sharing this cache reads it; nothing
+        changes (no accumulator update, no refresh, no lookahead move, no local block)."""
         self.scale = scale
+        self._update = update
         if queries.shape[2] == 1:
-            if self.anchor_k is not None or self.local_k is not None:
+            if update and (self.anchor_k is not None or self.local_k is not None):
                 self.end_prefill()
             if self.numpy_path:
                 return self._decode_numpy(queries, scale, sinks)
             return self._decode_mlx(queries, scale, sinks)
-        self._spill_reset()  # the next decode step selects afresh (synchronously)
+        if update:
+            self._spill_reset()  # the next decode step selects afresh (synchronously)
         return self._chunk(queries, keys, values, scale, sinks)
 
     def _resident_scores(self, q: mx.array, keys: mx.array | None = None,
@@ -425,7 +432,8 @@ class CompressedLayer:
         if sinks is not None:
             o, lse = ops.merge(o, lse, np.zeros_like(o), np.array(sinks, np.float32).reshape(Hq))
         resident_mass = float(np.mean(np.exp(lse_r - ops.logaddexp(lse_r, lse_c))))
-        self._step_done(float(np.mean(count)), resident_mass)
+        if self._update:
+            self._step_done(float(np.mean(count)), resident_mass)
         self.parent.stats.last_step_s = time.perf_counter() - t0
         return mx.array(o.reshape(1, Hq, 1, -1)).astype(queries.dtype)
 
@@ -471,12 +479,12 @@ class CompressedLayer:
         marks.append(("submit", t_acc))
         o_r, lse_r = self._resident_partial(s_r)
         mx.eval(o_r, lse_r)
-        if self._acc_np is not None:
+        if self._acc_np is not None and self._update:
             ops.acc_update(self._acc_np, z, m, ssum, rep, n, cfg.ema_alpha)
         marks.append(("resident", time.perf_counter()))
         o_c, lse_c = ops.wait_gather(handle, marks[-1][1] - t_acc)
         marks.append(("wait", time.perf_counter()))
-        if self.steps % self.config.refresh_every == 0:
+        if self._update and self.steps % self.config.refresh_every == 0:
             self._prefetch_likely()
         out = self._finish(queries, np.array(o_r).reshape(Hq, -1), np.array(lse_r).reshape(Hq),
                            o_c, lse_c, count, sinks, t0)
@@ -515,7 +523,8 @@ class CompressedLayer:
     def _end_step(self, queries, o, lse_r, lse, mean_count: float, marks):
         """Stats, the periodic H2O refresh, and the output (1, Hq, 1, dv) in the query dtype."""
         Hq = queries.shape[1]
-        self._step_done(mean_count, mx.exp(lse_r - lse).mean())
+        if self._update:
+            self._step_done(mean_count, mx.exp(lse_r - lse).mean())
         marks.append(("finish", time.perf_counter()))
         self.parent.stats.last_step_s = marks[-1][1] - marks[0][1]
         self.parent.stats.record_phases(marks)
@@ -527,7 +536,7 @@ class CompressedLayer:
         the CPU workers, whose gather overlaps the resident partial and the accumulator update;
         the merge happens on the device and the layer's output stays lazy. With lookahead,
         every step after the first runs :meth:`_decode_lookahead` instead."""
-        if self.lookahead and self._spill_live:
+        if self.lookahead and self._spill_live and self._update:
             return self._decode_lookahead(queries, scale, sinks)
         t0 = time.perf_counter()
         marks = [("", t0)]
@@ -562,14 +571,14 @@ class CompressedLayer:
         marks.append(("submit", t_acc))
         o_r, lse_r = self._resident_partial(s_r)
         lazy = [o_r, lse_r]
-        if self.acc is not None:  # one kernel pass on a GPU (metal/h2o_acc.h)
+        if self.acc is not None and self._update:  # one kernel pass on a GPU (metal/h2o_acc.h)
             self.acc = metal.acc_update(self.acc, z, sel.m, sel.s, self.n, rep, cfg.ema_alpha)
             lazy.append(self.acc)
         mx.async_eval(*lazy)  # the device works while the CPU gathers
         marks.append(("resident", time.perf_counter()))  # launching it (runs on asynchronously)
         o_c, lse_c = ops.wait_gather(handle, marks[-1][1] - t_acc)
         marks.append(("wait", time.perf_counter()))
-        if self.lookahead:  # the next step attends this selection (and its successors)
+        if self.lookahead and self._update:  # the next step attends this selection
             self._set_pending((idx.copy(), count.copy()))
         both = mx.array(np.concatenate([o_c, lse_c[:, None]], axis=1))  # one transfer, not two
         lse_r = lse_r.reshape(Hq)
@@ -698,8 +707,15 @@ class CompressedLayer:
         length: anchor + two chunks."""
         L = queries.shape[2]
         n0 = self.n - L
+        if not self._update:
+            # A layer sharing this cache: the chunk is the owner's, already the local block;
+            # attend over the block before it, kept for this.
+            keys, values = self.local_k[None], self.local_v[None]
+            loc0, lk, lv = self._prev_local
+        else:
+            loc0, lk, lv = self.local_start, self.local_k, self.local_v
         A = 0 if self.anchor_k is None else self.anchor_k.shape[1]
-        loc0, locn = self.local_start, (0 if self.local_k is None else self.local_k.shape[1])
+        locn = 0 if lk is None else lk.shape[1]
         if loc0 + locn != n0:  # the local block must be the tokens right before the chunk
             locn = 0
         parts_k, parts_v = [], []
@@ -707,8 +723,8 @@ class CompressedLayer:
             parts_k.append(self.anchor_k)
             parts_v.append(self.anchor_v)
         if locn:
-            parts_k.append(self.local_k)
-            parts_v.append(self.local_v)
+            parts_k.append(lk)
+            parts_v.append(lv)
         S = self.S_eff if A == 0 else 0  # the sinks live in the anchor block when there is one
         if S:
             parts_k.append(self.res_k[:, :S])
@@ -725,8 +741,11 @@ class CompressedLayer:
             out = mx.fast.scaled_dot_product_attention(
                 queries, k.astype(queries.dtype), v.astype(queries.dtype), scale=scale,
                 mask="causal", sinks=sinks)
-        self.local_k, self.local_v = keys[0].astype(self.dtype), values[0].astype(self.dtype)
-        self.local_start = n0
+        if self._update:
+            self._prev_local = (self.local_start, self.local_k, self.local_v)
+            self.local_k = keys[0].astype(self.dtype)
+            self.local_v = values[0].astype(self.dtype)
+            self.local_start = n0
         return out
 
     @property
@@ -739,6 +758,7 @@ class CompressedLayer:
     def end_prefill(self):
         """Decoding starts: the prefill-only blocks (anchor, local) leave the accelerator."""
         self.anchor_k = self.anchor_v = self.local_k = self.local_v = None
+        self._prev_local = (0, None, None)
 
     # ---- trim and persistence --------------------------------------------------------------
     def is_trimmable(self) -> bool:

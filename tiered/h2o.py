@@ -118,7 +118,9 @@ class H2OLayer:
         return keys, values
 
     # ---- attention -------------------------------------------------------------------------
-    def attention(self, queries, keys, values, *, scale, mask, sinks=None):
+    def attention(self, queries, keys, values, *, scale, mask, sinks=None, update=True):
+        """Exact attention over the resident set (``update=False``: a layer sharing this
+        cache reads it, and the accumulators stay as they are)."""
         self.scale = scale
         L = queries.shape[2]
         H = self.H
@@ -132,7 +134,7 @@ class H2OLayer:
             queries, self.res_k[None].astype(queries.dtype), self.res_v[None].astype(queries.dtype),
             scale=scale, mask=allowed, sinks=sinks,
         )
-        if L == 1:
+        if L == 1 and update:
             self._accumulate(queries, scale)
         return out
 

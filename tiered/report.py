@@ -13,16 +13,28 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def _ranges(ids) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out, start = [], None
+    for i, x in enumerate(ids):
+        if start is None:
+            start = x
+        if i + 1 == len(ids) or ids[i + 1] != x + 1:
+            out.append(f"{start}-{x}" if x != start else f"{x}")
+            start = None
+    return ", ".join(out)
+
+
 def report_dict(caches) -> dict:
     """Figures of a list of caches (``TieredCache.for_model`` output, or a loaded one)."""
     from .cache import TieredCache
 
     layers = [c for c in caches if isinstance(c, TieredCache)]
-    per_tier = {"accelerator": 0, "transient": 0, "host": 0, "disk": 0}
+    per_tier = {"accelerator": 0, "transient": 0, "host": 0, "disk": 0, "bookkeeping": 0}
     for c in caches:
         if isinstance(c, TieredCache):
             for k, v in c.tier_bytes().items():
-                per_tier[k] += v
+                per_tier[k] = per_tier.get(k, 0) + v
         else:
             per_tier["accelerator"] += int(getattr(c, "nbytes", 0) or 0)
     tokens = max((c.offset for c in layers), default=0)
@@ -37,6 +49,13 @@ def report_dict(caches) -> dict:
         "phases": sorted({c.phase for c in layers}),
         "peak_transient_accelerator_bytes": sum(c.stats.peak_transient_bytes for c in layers),
     }
+    notes: dict[str, list[int]] = {}
+    for c in layers:
+        notes.setdefault(c.layout_note, []).append(c.layer)
+    out["layouts"] = {note: ids for note, ids in notes.items()}
+    kept = getattr(caches, "kept_layers", None)
+    if kept:
+        out["kept_layers"] = [list(x) for x in kept]
     plan = getattr(caches, "plan", None) or (layers[0].plan if layers else None)
     if plan is not None:
         out["plan"] = plan.explain()
@@ -81,17 +100,24 @@ def report(caches) -> str:
         f"tiered cache: {d['tiered_layers']} of {d['layers']} layers tiered, "
         f"{d['tokens']} tokens, phase {'/'.join(d['phases']) or 'empty'}",
         f"  accelerator {_fmt_bytes(b['accelerator'])}"
-        + (f" ({100 * d['accelerator_fraction']:.1f}% of the full cache "
+        + (" (exact: what mlx-lm's KVCache holds)" if d["phases"] == ["exact"] else
+           f" ({100 * d['accelerator_fraction']:.1f}% of the full cache "
            f"{_fmt_bytes(d['full_cache_bytes'])})" if d["accelerator_fraction"] is not None else "")
         + f" | host {_fmt_bytes(b['host'])} | disk {_fmt_bytes(b['disk'])}",
     ]
-    if "budget_bytes" in d:
+    if "budget_bytes" in d and "compressed" in d["phases"]:
         ok = b["accelerator"] <= d["budget_bytes"]
         lines.append(f"  budget {_fmt_bytes(d['budget_bytes'])}: {'within' if ok else 'OVER'}")
     if d["peak_transient_accelerator_bytes"]:
         lines.append(f"  prefill transient peak (accelerator) "
                      f"{_fmt_bytes(d['peak_transient_accelerator_bytes'])}")
-    if "plan" in d:
+    if d["bytes"].get("bookkeeping"):
+        lines.append(f"  H2O seed statistics {_fmt_bytes(d['bytes']['bookkeeping'])} (the last "
+                     "queries and the prompt's attention per key, kept near compression only)")
+    for note, ids in d.get("layouts", {}).items():
+        which = "all tiered layers" if len(ids) == d["tiered_layers"] else f"layers {_ranges(ids)}"
+        lines.append(f"  {which}: {note}")
+    if "plan" in d and any(c != "exact" for c in d["phases"]):
         lines.append(f"  plan: {d['plan']}")
     if "selection" in d:
         s = d["selection"]

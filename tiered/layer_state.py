@@ -1,0 +1,164 @@
+"""A TieredCache layer's ``state``: what mlx-lm saves, loads, copies and evaluates.
+
+Format 2, mlx-lm's convention (arrays and scalars in ``state``; mlx-lm 0.32 saves nothing
+else): a tuple ``(keys, values, meta, arrays)``
+
+- ``keys``, ``values``: the exact phase's K/V (B, H, n, d), as ``KVCache.state[:2]`` holds
+  them; in the compressed phase the resident set's K/V (H, R, d); None while empty;
+- ``meta``: a JSON string: format version, config, layer, offset, phase, geometry, the
+  contract's verdicts (``exact_reason``, ``head_perm``), the scale;
+- ``arrays``: a dict of the other arrays by name: the compressed layer's state (codes, flags,
+  accumulators, plan), the host pages, the H2O seed statistics.
+
+Format 1 (tiered 0.1's dict ``state``, version 1) still loads.
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+
+from tiered.cpu import HostStore
+
+FORMAT = 2
+
+
+def _geometry_json(layer):
+    if layer._geometry is None:
+        return None
+    B, H, dk, dv, dtype = layer._geometry
+    return [B, H, dk, dv, str(dtype).split(".")[-1]]
+
+
+def meta_of(layer) -> str:
+    return json.dumps({
+        "format": FORMAT,
+        "config": layer.config.to_dict(),
+        "layer": layer.layer,
+        "layers": layer.context.layers,
+        "q_heads": layer.context.q_heads,
+        "offset": layer.offset,
+        "phase": layer.phase,
+        "geometry": _geometry_json(layer),
+        "exact_reason": layer.exact_reason,
+        "head_perm": None if layer.head_perm is None else layer.head_perm.tolist(),
+        "scale": layer._scale,
+        "returned": layer._returned,
+    })
+
+
+def state_of(layer):
+    arrays = {}
+    if layer._geometry is None:
+        return None, None, meta_of(layer), arrays
+    if layer.phase == "exact":
+        k, v = layer._exact_view()
+        if layer._obs is not None:
+            arrays["obs"] = layer._obs
+        if layer._colmass is not None:
+            arrays["colmass"] = mx.array(layer._colmass[:, : layer.offset])
+        return k, v, meta_of(layer), arrays
+    layer._flush()
+    comp = layer.compressed.state()
+    k, v = comp.pop("res_k"), comp.pop("res_v")
+    arrays["compressed"] = comp
+    if layer.host is not None:
+        arrays["host"] = layer.host.state()
+    return k, v, meta_of(layer), arrays
+
+
+def restore(layer, st, context=None):
+    """Rebuild ``layer`` from a state of format 2 (tuple) or 1 (dict). ``context``: the shared
+    context to join (a fresh one otherwise)."""
+    from .config import TieredConfig
+    from .context import SharedContext
+
+    if isinstance(st, dict):
+        return _restore_v1(layer, st, context)
+    # mlx-lm's save drops an empty dict (it flattens to nothing): (keys, values, meta) loads
+    if not isinstance(st, (tuple, list)) or len(st) not in (3, 4) or not isinstance(st[2], str):
+        raise ValueError("Invalid TieredCache state: expected (keys, values, meta, arrays) as "
+                         "written by tiered")
+    k, v, meta = st[:3]
+    arrays = st[3] if len(st) == 4 else {}
+    try:
+        meta = json.loads(meta)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"Invalid TieredCache state: its metadata is not JSON ({e})") from None
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"Invalid TieredCache state: format {meta.get('format')!r}, this "
+                         f"tiered reads {FORMAT} (and 1)")
+    config = TieredConfig.from_kwargs(**meta["config"])
+    ctx = context or SharedContext(config, layers=int(meta["layers"]))
+    layer.__init__(config, layer=int(meta["layer"]), context=ctx)
+    if meta.get("q_heads"):
+        ctx.q_heads = ctx.q_heads or int(meta["q_heads"])
+    layer.exact_reason = meta.get("exact_reason")
+    if meta.get("head_perm") is not None:
+        layer.head_perm = np.array(meta["head_perm"], np.int32)
+    layer._scale = meta.get("scale")
+    if meta.get("returned") is not None:
+        layer._returned = tuple(tuple(s) for s in meta["returned"])
+    if meta["geometry"] is None:
+        return layer
+    B, H, dk, dv, dtype = meta["geometry"]
+    dtype = getattr(mx, dtype)
+    layer._geometry = (int(B), int(H), int(dk), int(dv), dtype)
+    arrays = arrays or {}
+    if meta["phase"] == "exact":
+        layer._append_exact(k.astype(dtype), v.astype(dtype))
+        layer._obs = arrays.get("obs")
+        if "colmass" in arrays:
+            layer._colmass = np.array(arrays["colmass"], np.float32)
+    else:
+        comp = dict(arrays["compressed"], res_k=k, res_v=v)
+        _restore_compressed(layer, comp, arrays.get("host"))
+        layer.offset = int(meta["offset"])
+    if layer.offset != int(meta["offset"]):
+        raise ValueError("Invalid TieredCache state: offset does not match the stored tokens")
+    return layer
+
+
+def _restore_compressed(layer, comp: dict, host_state):
+    if comp.get("kind") == "h2o":
+        from .h2o import H2OLayer
+
+        layer.compressed = H2OLayer.from_state(layer, comp)
+    else:
+        from .compressed import CompressedLayer
+
+        layer.host = HostStore.from_state(host_state, budget=layer.context.host_budget)
+        layer.compressed = CompressedLayer.from_state(layer, comp)
+    layer.phase = "compressed"
+
+
+def _restore_v1(layer, st: dict, context=None):
+    """tiered 0.1's dict state (version 1)."""
+    from .config import TieredConfig
+    from .context import SharedContext
+
+    if st.get("version") != 1:
+        raise ValueError("Invalid TieredCache state: not written by this version of tiered "
+                         f"(version {st.get('version')!r}; this tiered reads 1 and 2)")
+    config = TieredConfig.from_kwargs(**json.loads(st["config"]))
+    ctx = context or SharedContext(config, layers=int(st.get("layers", 1)))
+    layer.__init__(config, layer=int(st["layer"]), context=ctx)
+    if "geometry" not in st:
+        return layer
+    B, H, dk, dv, dtype = st["geometry"]
+    dtype = getattr(mx, dtype)
+    layer._geometry = (int(B), int(H), int(dk), int(dv), dtype)
+    if st["phase"] == "exact":
+        layer._append_exact(st["keys"].astype(dtype), st["values"].astype(dtype))
+        layer._obs = st.get("obs")
+        if "colmass" in st:
+            layer._colmass = np.array(st["colmass"], np.float32)
+    else:
+        ctx.q_heads = int(st["q_heads"])
+        _restore_compressed(layer, st["compressed"], st.get("host"))
+        layer.offset = int(st["offset"])
+    if layer.offset != int(st["offset"]):
+        raise ValueError("Invalid TieredCache state: offset does not match the stored tokens")
+    return layer
