@@ -11,6 +11,13 @@ import time
 
 import tiered
 
+DESCRIPTION = """\
+Read a long document with an MLX language model through a tiered KV cache and answer a
+question about it (tiered run), or show the backend, BLAS and versions in use (tiered info).
+Without --document, tiered run reads a generated document with a hidden pass key."""
+
+MAX_DOCUMENT_BYTES = 1 << 31  # documents are read whole
+
 
 class Progress:
     """A one-line progress bar on stderr: tokens done, tokens/s, ETA."""
@@ -25,10 +32,10 @@ class Progress:
         now = time.perf_counter()
         frac = done / total if total else 1.0
         rate = done / max(now - self.start, 1e-9)
-        eta = (total - done) / rate if rate > 0 else float("inf")
+        eta = f"{(total - done) / rate:,.0f}s" if rate > 0 else "--"  # nothing done yet
+        speed = f"{rate:,.0f} tok/s" if done else "-- tok/s"
         bar = "#" * int(frac * self.width)
-        line = (f"{self.label} [{bar:<{self.width}}] {done}/{total} tokens "
-                f"{rate:,.0f} tok/s ETA {eta:,.0f}s")
+        line = f"{self.label} [{bar:<{self.width}}] {done}/{total} tokens {speed} ETA {eta}"
         if self.tty:
             self.stream.write("\r" + line + ("\n" if done >= total else ""))
             self.stream.flush()
@@ -65,8 +72,46 @@ def split_prompt(tokenizer, document: str, question: str, *, chat: bool):
     return tokenizer.encode(document), tokenizer.encode(question, add_special_tokens=False)
 
 
+class UsageError(Exception):
+    """A problem with the command line or its inputs: one line, exit code 2."""
+
+
+def read_document(path: str) -> str:
+    """The document's text; UsageError for a missing, unreadable, empty, binary or non-UTF-8
+    file (checked before the model loads)."""
+    if not os.path.isfile(path):
+        raise UsageError(f"document not found: {path}")
+    size = os.path.getsize(path)
+    if size > MAX_DOCUMENT_BYTES:
+        raise UsageError(f"document too large: {path} ({size} bytes, at most "
+                         f"{MAX_DOCUMENT_BYTES})")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise UsageError(f"cannot read the document {path}: {e.strerror}") from None
+    if b"\0" in raw:
+        raise UsageError(f"the document {path} is a binary file (it contains NUL bytes); give "
+                         "a UTF-8 text file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"the document {path} is not UTF-8 text (invalid byte at offset "
+                         f"{e.start}); convert it to UTF-8") from None
+    if not text.strip():
+        raise UsageError(f"the document {path} is empty")
+    return text
+
+
 def _options(args) -> dict:
-    opts = json.loads(args.options) if args.options else {}
+    try:
+        opts = json.loads(args.options) if args.options else {}
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--options is not valid JSON ({e.msg} at character {e.pos}): "
+                         f"{args.options!r}") from None
+    if not isinstance(opts, dict):
+        raise UsageError(f"--options must be a JSON object, e.g. '{{\"tau\": 0.95}}'; got "
+                         f"{args.options!r}")
     if args.gpu_budget is not None:
         opts["gpu_budget"] = args.gpu_budget
     if args.method is not None:
@@ -78,29 +123,42 @@ def _options(args) -> dict:
     return opts
 
 
-def cmd_run(args) -> int:
-    if args.document is not None and not os.path.isfile(args.document):
-        print(f"tiered run: error: document not found: {args.document}", file=sys.stderr)
-        return 2
-    if (args.document is not None or args.load_cache) and not args.question:
-        print("tiered run: error: --question is required with --document or --load-cache",
-              file=sys.stderr)
-        return 2
-    if args.load_cache and args.document:
-        print("tiered run: error: --load-cache answers from a saved cache; drop --document",
-              file=sys.stderr)
-        return 2
-    import mlx_lm
+def _check_inputs(args):
+    """Everything that can be checked before the model loads (seconds saved on a typo).
+    Returns the document's text (or None) and the options."""
+    from . import persist
+    from .config import TieredConfig
 
-    from .prefill import peak_rss_bytes, prefill
+    if (args.document is not None or args.load_cache) and not args.question:
+        raise UsageError("--question is required with --document or --load-cache")
+    if args.load_cache and args.document:
+        raise UsageError("--load-cache answers from a saved cache; drop --document")
+    if args.load_cache and args.save_cache:
+        raise UsageError("--save-cache saves after reading a document; drop it with --load-cache")
+    document = read_document(args.document) if args.document is not None else None
+    options = _options(args)
+    try:
+        TieredConfig.from_kwargs(**{"gpu_budget": 0.125, **options})
+        if args.load_cache:
+            persist.check_saved(args.load_cache)
+        if args.save_cache:
+            persist.check_save_target(args.save_cache)
+    except (ValueError, OSError) as e:
+        raise UsageError(str(e)) from None
+    return document, options
+
+
+def cmd_run(args) -> int:
+    document, options = _check_inputs(args)
+    from .prefill import prefill
 
     t0 = time.perf_counter()
     model, tokenizer = tiered.load(args.model)
     print(f"model: {getattr(model, 'tiered_name', args.model)} loaded in "
           f"{time.perf_counter() - t0:.1f}s", file=sys.stderr)
-    options = _options(args)
     expected = None
     prefill_stats = None
+    cache = None
     try:
         if args.load_cache:
             cache = tiered.TieredCacheList.load(args.load_cache, model, **options)
@@ -108,7 +166,7 @@ def cmd_run(args) -> int:
             print(f"cache: {cache[cache.tiered_layers[0]].offset} tokens loaded from "
                   f"{args.load_cache}", file=sys.stderr)
         else:
-            if args.document is None:
+            if document is None:
                 sample = _demo_document(tokenizer, args.demo_tokens, args.seed)
                 expected = sample.answer
                 print(f"demo: a {sample.n_tokens}-token document with a 5-digit pass key hidden "
@@ -116,8 +174,6 @@ def cmd_run(args) -> int:
                 prefix = tokenizer.encode(sample.document)
                 suffix = tokenizer.encode(sample.question, add_special_tokens=False)
             else:
-                with open(args.document, encoding="utf-8", errors="replace") as f:
-                    document = f.read()
                 prefix, suffix = split_prompt(tokenizer, document, args.question,
                                               chat=not args.no_chat)
             options.setdefault("gpu_budget", 0.125)
@@ -128,8 +184,20 @@ def cmd_run(args) -> int:
                 cache.save(args.save_cache, model)
                 print(f"cache saved to {args.save_cache}", file=sys.stderr)
     except (ValueError, OSError) as e:
+        if cache is not None:
+            cache.close()
         print(f"tiered run: error: {e}", file=sys.stderr)
         return 2
+    try:
+        return _answer(args, model, tokenizer, cache, suffix, expected, prefill_stats)
+    finally:
+        cache.close()
+
+
+def _answer(args, model, tokenizer, cache, suffix, expected, prefill_stats) -> int:
+    import mlx_lm
+
+    from .prefill import peak_rss_bytes
 
     if args.max_tokens is None:
         args.max_tokens = 10 if expected is not None else 32
@@ -167,7 +235,6 @@ def cmd_run(args) -> int:
                    generation_tps=last.generation_tps, expected=expected, prefill=prefill_stats)
         with open(args.json, "w") as f:
             json.dump(rep, f, indent=2, default=str)
-    cache.close()
     return 0
 
 
@@ -229,7 +296,7 @@ def cmd_info(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tiered", description=__doc__)
+    p = argparse.ArgumentParser(prog="tiered", description=DESCRIPTION)
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="read a long document and answer a question (or run the demo)")
     r.add_argument("--document", help="text file to read; without it a pass-key demo runs")
@@ -262,19 +329,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _budget(value: str):
-    try:
-        f = float(value)
-    except ValueError:
-        return value
-    return f
-
-
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "gpu_budget", None) is not None:
-        args.gpu_budget = _budget(args.gpu_budget)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except UsageError as e:
+        print(f"tiered {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"tiered {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

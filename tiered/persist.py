@@ -33,6 +33,34 @@ def _page_files(caches):
                         yield f
 
 
+def check_save_target(directory: str) -> str:
+    """A directory a save can write (created if needed): ValueError naming it otherwise."""
+    from .cpu.disk import DiskTierError, check_directory
+
+    try:
+        return check_directory(directory)
+    except DiskTierError as e:
+        raise ValueError(f"cannot save a cache to {directory!r}: {e.strerror}") from None
+
+
+def check_saved(directory: str) -> dict:
+    """The metadata of a saved cache directory, or ValueError saying why it is not one."""
+    path = os.path.join(directory, "tiered.json")
+    if not os.path.isdir(directory):
+        raise ValueError(f"{directory!r} is not a directory")
+    if not os.path.isfile(path):
+        raise ValueError(f"{directory!r} is not a tiered cache directory (no tiered.json)")
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path!r} is damaged ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise ValueError(f"{directory!r}: unsupported cache format "
+                         f"{meta.get('format') if isinstance(meta, dict) else meta!r}")
+    return meta
+
+
 def save(caches, directory: str, model) -> str:
     """Write ``caches`` (a TieredCacheList) to ``directory``; returns the directory."""
     from mlx_lm.models.cache import save_prompt_cache
@@ -44,6 +72,7 @@ def save(caches, directory: str, model) -> str:
     from .cpu.disk import check_directory
 
     directory = check_directory(directory)
+    caches.settle()  # save the tiers a decode step would use: codes and host pages
     pages = os.path.join(directory, "pages")
     files = list(_page_files(caches))
     if files:
@@ -99,14 +128,7 @@ def load(directory: str, model, *, expect_config: dict | None = None):
     from .context import SharedContext
     from .integration import install
 
-    path = os.path.join(directory, "tiered.json")
-    if not os.path.isfile(path):
-        raise ValueError(f"{directory!r} is not a tiered cache directory (no tiered.json)")
-    with open(path) as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise ValueError(f"{directory!r}: unsupported cache format {meta.get('format')} "
-                         f"v{meta.get('version')}")
+    meta = check_saved(directory)
     fp = model_fingerprint(model)
     if meta["model"] != fp:
         raise ValueError(f"the cache in {directory!r} was made for another model "
