@@ -103,8 +103,15 @@ def test_accelerator_bytes_within_budget(small, method, budget):
 
 
 def test_budget_refusal_names_the_smallest_that_works(small):
-    with pytest.raises(BudgetError, match="smallest budget that works"):
+    """A fraction no length can meet is refused by for_model, before any work, with the
+    smallest fraction that works; that fraction is then accepted."""
+    with pytest.raises(BudgetError, match="smallest fraction that works") as e:
         TieredCache.for_model(small, gpu_budget=0.01)
+    import re
+
+    smallest = float(re.search(r"works \(for long documents\) is ([0-9.]+)", str(e.value))[1])
+    assert 0.01 < smallest < 1
+    TieredCache.for_model(small, gpu_budget=min(1.0, smallest * 1.01))
 
 
 def test_h2o_segments_and_offset(small):
@@ -272,10 +279,13 @@ def test_blockwise_prefill_beyond_the_window(small):
     assert layer.anchor_k is None and layer.local_k is None
 
 
-@pytest.mark.parametrize("phase_window", [100000, 256], ids=["exact-phase", "compressed"])
-def test_save_and_load_a_cache_directory(small, tmp_path, phase_window):
-    prompt = _prompt(500, seed=12)
-    opts = dict(gpu_budget=0.25, page_size=64, recent=16, prefill_window=phase_window,
+@pytest.mark.parametrize("tokens", [60, 500], ids=["exact-phase", "compressed"])
+def test_save_and_load_a_cache_directory(small, tmp_path, tokens):
+    """60 tokens are below this budget's compression threshold (76): saved exact. 500 tokens
+    compress (beyond the 256-token prefill window, or at the save, which stores the layout
+    the next step would use)."""
+    prompt = _prompt(tokens, seed=12)
+    opts = dict(gpu_budget=0.25, page_size=64, recent=16, prefill_window=256,
                 host_budget="200KB", disk_dir=str(tmp_path / "live"))
     cache = TieredCache.for_model(small, **opts)
     from tiered.prefill import prefill
@@ -283,7 +293,7 @@ def test_save_and_load_a_cache_directory(small, tmp_path, phase_window):
     prefill(small, cache, prompt[0].tolist(), chunk=200)
     cache.save(str(tmp_path / "saved"), small)
     loaded = tiered.TieredCacheList.load(str(tmp_path / "saved"), small)
-    assert loaded[0].phase == cache[0].phase == ("exact" if phase_window > 500 else "compressed")
+    assert loaded[0].phase == cache[0].phase == ("exact" if tokens < 76 else "compressed")
     question = mx.array([[11, 12, 13, 14]])
     a = small(question, cache=cache)
     b = small(question, cache=loaded)
