@@ -122,7 +122,10 @@ class TieredCache(_BaseCache):
                                   keys.dtype)
             self._check_room(L)
             out = self._append_exact(keys, values)
-        self._fresh, self._new = True, (keys, values)
+        # attention reads the new tokens once (contract check, compression of a chunk); the
+        # reference goes right after, so the chunk's K/V are not held past the layer
+        self._fresh = True
+        self._new = None if (self.config.exact or self.exact_reason) else (keys, values)
         self._returned = (tuple(out[0].shape), tuple(out[1].shape))
         return out
 
@@ -304,28 +307,30 @@ class TieredCache(_BaseCache):
         the tiers without changing them)."""
         self._require_open()
         fresh, self._fresh = self._fresh, False
+        new, self._new = self._new, None
         L = queries.shape[2]
         if self.phase == "exact":
             if fresh:
-                self._check_contract(queries, keys, values, mask)
+                self._check_contract(queries, keys, values, mask, new)
                 self._scale = scale
                 if self._wants_compression(L):
                     self.compress(queries, scale, chunk=L)
             if self.phase == "exact":
                 return self._exact_attention(queries, keys, values, scale, mask, sinks, fresh)
-        new_k, new_v = self._new if fresh else (None, None)
+        new_k, new_v = new if fresh else (None, None)
         q = queries if self.head_perm is None else queries[:, mx.array(self.head_perm)]
         out = self.compressed.attention(q, new_k, new_v, scale=scale, mask=mask, sinks=sinks,
                                         update=fresh)
         return out if self.head_perm is None else out[:, mx.array(np.argsort(self.head_perm))]
 
-    def _check_contract(self, queries, keys, values, mask):
-        """Whether this layer may ever compress (see :mod:`tiered.contract`)."""
+    def _check_contract(self, queries, keys, values, mask, new):
+        """Whether this layer may ever compress (see :mod:`tiered.contract`); ``new``: the
+        keys/values the update stored."""
         if self.exact_reason is not None or self.config.exact:
             return
         why = contract.violation(queries, keys, values, mask, self._returned)
         if why is None and keys.shape[1] != self._geometry[1]:
-            perm = contract.head_order(keys, self._new[0], queries.shape[1])
+            perm = contract.head_order(keys, new[0], queries.shape[1])
             if perm is None:
                 why = (f"attention reads {keys.shape[1]} key heads that are not copies of the "
                        f"{self._geometry[1]} stored ones")
