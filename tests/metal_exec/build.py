@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -28,6 +29,8 @@ from metal_wrap import kernel_name, metal_params, metal_source, template_args
 HERE = Path(__file__).resolve().parent
 CXX = os.environ.get("CXX", "g++")
 FLAGS = ["-std=c++17", "-O2", "-fPIC", "-Wno-attributes", "-Wno-unknown-pragmas"]
+if sys.platform == "darwin":  # ucontext fibers there (not tried: no Mac was at hand)
+    FLAGS += ["-D_XOPEN_SOURCE=700", "-D_DARWIN_C_SOURCE"]
 RUNTIME = ("threadgroup.cpp", "launch.cpp")
 MARK = "__tqx_threadgroup"
 # `threadgroup T name[count];` after preprocessing: a type (no brackets, parentheses or =),
