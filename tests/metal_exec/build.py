@@ -6,8 +6,8 @@ declarations the prelude's macros expand to can be found; each becomes a referen
 that the runtime gives every thread of a threadgroup alike (a declaration in Metal names one
 array per threadgroup; left as it is, C++ would give each thread its own). Everything else in
 the text is compiled unchanged against shim.h and linked with the runtime (threadgroup.cpp,
-launch.cpp). Libraries are cached
-under a directory keyed by a hash of everything that goes into them.
+launch.cpp). Libraries are cached under a directory keyed by a hash of everything that goes
+into them.
 """
 
 from __future__ import annotations
@@ -138,12 +138,16 @@ def rewrite_threadgroup(text: str) -> tuple[str, int]:
     return text.replace(MARK, ""), len(sites)
 
 
+@functools.lru_cache(maxsize=512)
+def _rewritten(text: str) -> tuple[str, int]:
+    pre = _run([CXX, "-std=c++17", "-E", "-P", f"-Dthreadgroup={MARK}", "-x", "c++", "-"], text)
+    return rewrite_threadgroup(pre)
+
+
 def kernel_unit(spec, plan, header: str, source: str) -> tuple[str, int]:
     """The C++ translation unit of one kernel: shim, rewritten kernel text, and the entry
     point that calls the kernel with its buffers and the running thread's attributes."""
-    text = metal_source(spec, header, source, plan)
-    pre = _run([CXX, "-std=c++17", "-E", "-P", f"-Dthreadgroup={MARK}", "-x", "c++", "-"], text)
-    body, sites = rewrite_threadgroup(pre)
+    body, sites = _rewritten(metal_source(spec, header, source, plan))
     args, k = [], 0
     for p in metal_params(spec, source, plan):
         if p.kind == "attribute":
