@@ -443,7 +443,12 @@ def test_affine_kernel_matches_ops(d, bits, group_size, dtype, rep, n):
 @pytest.mark.parametrize("scale", [0.5, 3.0, 20.0])
 def test_tau_threshold_kernel_matches_ops(n, tau, scale):
     z = make_scores(8, n, n + 5, scale=scale, seed=n)
-    m, s, theta = tau_threshold(z, n, tau, use_kernel=True)
+    assert_kernel_threshold(z, n, tau, *tau_threshold(z, n, tau, use_kernel=True))
+
+
+def assert_kernel_threshold(z, n, tau, m, s, theta):
+    """The histogram kernel's (m, s, theta) against the sorting reference: m exact, s to
+    KERNEL_TOL, theta at most THETA_SLACK logits below the exact threshold."""
     m_ref, s_ref, theta_ref = tau_threshold_ops(z, n, tau)
     np.testing.assert_array_equal(np.asarray(m), np.asarray(m_ref))
     np.testing.assert_allclose(np.asarray(s), np.asarray(s_ref), rtol=KERNEL_TOL)
@@ -475,9 +480,16 @@ def test_tau_select_kernel_follows_rule(n, rep, cap, floor, tau, exclude_dtype):
     z = make_scores(h * rep, n, n + 5, seed=n + rep)
     exclude = mx.array(np.random.default_rng(2).random((h, n + 3)) < 0.1).astype(exclude_dtype)
     sel = tau_select(z, n, exclude, tau, cap, floor, with_stats=True, use_kernel=True)
+    assert_kernel_selection(z, n, exclude, sel, tau, cap, floor, rep, accelerator())
+
+
+def assert_kernel_selection(z, n, exclude, sel, tau, cap, floor, rep, backend):
+    """A kernel Selection (with its thresholds) of (H, n) scores z against the documented rule
+    (see test_tau_select_kernel_follows_rule); backend names the bin widths used."""
+    h = z.shape[0] // rep
     ex = np.asarray(exclude).astype(bool)[:, :n]
     got = check_select_output(sel.idx, sel.count, ex, max(cap, floor), floor, n)
-    w_t, w_l = select_bin_widths(accelerator())
+    w_t, w_l = select_bin_widths(backend)
     theta = np.asarray(sel.theta)
     zv, m, s = np_softmax_stats(z, n)
     np.testing.assert_array_equal(np.asarray(sel.m), m.astype(np.float32))

@@ -1,10 +1,7 @@
 """Compile the kernel sources on the CPU so a typo cannot hide until someone runs a GPU.
 
-Metal: each kernel is wrapped exactly as ``mx.fast.metal_kernel`` wraps it (the signature
-builder below follows mlx/backend/common/metal_kernel.cpp, ``write_signature``: argument
-order, ``constant`` vs ``device`` buffers, attributes found by name in the body, template
-parameters and the explicit instantiation) and checked by ``g++ -fsyntax-only`` against a
-small shim of the Metal standard library. The shim declares only what Metal has (no ``expf``,
+Metal: each kernel is wrapped exactly as ``mx.fast.metal_kernel`` wraps it (tests/metal_wrap.py)
+and checked by ``g++ -fsyntax-only`` against a small shim of the Metal standard library. The shim declares only what Metal has (no ``expf``,
 no CUDA names), so an undeclared identifier or a type error in a body fails; a deliberately
 broken body proves it. CUDA: each kernel is wrapped as ``mx.fast.cuda_kernel`` wraps it
 (mlx/backend/cuda/custom_kernel.cpp, ``build_kernel``) and compiled to PTX by nvcc, if present,
@@ -34,24 +31,9 @@ from tiered.metal.tau import (COMPACT_SPEC, HIST_SPEC, HIST_THETA_SPEC, KEYS_SPE
                               TAU_SPEC, THETA_SPEC, hist_theta_launch, rank_launches,
                               tau_launch, threshold_launches)
 
-METAL_TYPES = {
-    mx.float32: "float", mx.float16: "float16_t", mx.bfloat16: "bfloat16_t", mx.bool_: "bool",
-    mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t", mx.int64: "int64_t",
-    mx.uint8: "uint8_t", mx.uint16: "uint16_t", mx.uint32: "uint32_t", mx.uint64: "uint64_t",
-}  # fmt: skip
+from metal_wrap import METAL_TYPES, metal_source
+
 CUDA_TYPES = {**METAL_TYPES, mx.float16: "__half", mx.bfloat16: "__nv_bfloat16"}
-METAL_ATTRIBUTES = {
-    "dispatch_quadgroups_per_threadgroup": "uint", "dispatch_simdgroups_per_threadgroup": "uint",
-    "dispatch_threads_per_threadgroup": "uint3", "grid_origin": "uint3", "grid_size": "uint3",
-    "quadgroup_index_in_threadgroup": "uint", "quadgroups_per_threadgroup": "uint",
-    "simdgroup_index_in_threadgroup": "uint", "simdgroups_per_threadgroup": "uint",
-    "thread_execution_width": "uint", "thread_index_in_quadgroup": "uint",
-    "thread_index_in_simdgroup": "uint", "thread_index_in_threadgroup": "uint",
-    "thread_position_in_grid": "uint3", "thread_position_in_threadgroup": "uint3",
-    "threadgroup_position_in_grid": "uint3", "threadgroups_per_grid": "uint3",
-    "threads_per_grid": "uint3", "threads_per_simdgroup": "uint",
-    "threads_per_threadgroup": "uint3",
-}  # fmt: skip
 
 # What MLX prepends (metal::utils(): metal_stdlib, bf16, `using namespace metal`), reduced
 # to declarations of the Metal names a kernel may use.
@@ -152,54 +134,6 @@ using Shape = cuda::std::array<int32_t, MAX_NDIM>;
 using Strides = cuda::std::array<int64_t, MAX_NDIM>;
 }  // namespace mlx::core::cu
 """
-
-
-def _template_value(v) -> str:
-    return str(int(v)) if isinstance(v, (bool, int)) else METAL_TYPES[v]
-
-
-def _template_kind(v) -> str:
-    return "typename" if isinstance(v, mx.Dtype) else "bool" if isinstance(v, bool) else "int"
-
-
-def metal_source(spec: KernelSpec, header: str, source: str, plan) -> str:
-    """The text MLX's metal_kernel compiles (after its metal::utils() prefix)."""
-    name = "custom_kernel_" + spec.name
-    tmpl = ", ".join(_template_value(v) for _, v in plan.template)
-    if plan.template:
-        name += "_" + tmpl.replace(", ", "_")
-    for arr in plan.inputs:
-        suffix = "s" if arr.ndim == 0 else "c" if arr.size < 8 else ""
-        name += "_" + METAL_TYPES[arr.dtype] + suffix
-    for dt in plan.output_dtypes:
-        name += "_" + METAL_TYPES[dt]
-    params = []
-    shape_args = (
-        ("_shape", "const constant int*"),
-        ("_strides", "const constant int64_t*"),
-        ("_ndim", "const constant int&"),
-    )
-    for arg, arr in zip(spec.input_names, plan.inputs):
-        space = "constant" if arr.size < 8 else "device"
-        ref = "&" if arr.ndim == 0 else "*"
-        ctype = f"const {space} {METAL_TYPES[arr.dtype]}{ref}"
-        params.append(f"  {ctype} {arg} [[buffer({len(params)})]]")
-        for suffix, ctype in shape_args if arr.ndim > 0 else ():
-            if arg + suffix in source:
-                params.append(f"  {ctype} {arg}{suffix} [[buffer({len(params)})]]")
-    for arg, dt in zip(spec.output_names, plan.output_dtypes):
-        ctype = f"atomic<{METAL_TYPES[dt]}>" if spec.atomic_outputs else METAL_TYPES[dt]
-        params.append(f"  device {ctype}* {arg} [[buffer({len(params)})]]")
-    params += [f"  {t} {a} [[{a}]]" for a, t in METAL_ATTRIBUTES.items() if a in source]
-    text = header
-    if plan.template:
-        kinds = (f"{_template_kind(v)} {n}" for n, v in plan.template)
-        text += "template <" + ", ".join(kinds) + ">\n"
-    text += f"[[kernel]] void {name}(\n" + ",\n".join(params) + ") {\n" + source + "\n}\n"
-    if plan.template:
-        inst = f"{name}<{tmpl}>"
-        text += f'\ntemplate [[host_name("{name}")]] [[kernel]] decltype({inst}) {inst};\n'
-    return text
 
 
 def cuda_source(spec: KernelSpec, header: str, source: str, plan) -> str:
