@@ -5,14 +5,24 @@ layout as a host block), written once with ``pwrite`` into space reserved up fro
 ``posix_fallocate`` (a full disk is an ``OSError`` before anything is overwritten or freed, never
 a SIGBUS later), then mapped read-only: kernels read them through the same block address table
 as RAM blocks. Every page carries a CRC32, verified on read in debug mode and by
-:meth:`PageFile.verify`. The file lives in ``directory`` and is removed on close unless kept.
+:meth:`PageFile.verify`.
+
+A page file is anonymous: created in ``directory`` and unlinked at once, so it lives exactly as
+long as the process holds it (nothing is left behind by a crash, SIGTERM or SIGKILL) and no
+other path reaches it. A save copies its blocks into the cache directory
+(:meth:`PageFile.copy_to`); a load copies them from there into a new anonymous file
+(:meth:`PageFile.adopt`), so a saved cache and a live one never share a file. Before reads,
+:meth:`PageFile.check_size` turns a file that shrank under the cache into an error (a read
+past a mapped file's end would be a SIGBUS).
 """
 
 from __future__ import annotations
 
+import contextvars
 import errno
 import mmap
 import os
+import re
 import shutil
 import threading
 import uuid
@@ -22,9 +32,13 @@ import zlib
 import numpy as np
 
 ALIGN = mmap.ALLOCATIONGRANULARITY
-# Where reopen() looks for a page file whose recorded path is gone (a saved cache directory's
-# pages/ folder while it is loaded; see tiered.persist).
-REOPEN_DIR: str | None = None
+COPY_CHUNK = 64 << 20  # bytes per copy_file_range call
+# The saved cache directory's pages/ folder while tiered.persist loads from it: the only
+# place a state's disk blocks are read from (by bare name).
+PAGES_SOURCE: contextvars.ContextVar[str | None] = contextvars.ContextVar("pages_source",
+                                                                         default=None)
+_STALE = re.compile(r"^tiered-(\d+)-[0-9a-f]{12}-.*\.pages$")
+_swept: set[str] = set()
 
 
 class DiskTierError(OSError):
@@ -72,30 +86,94 @@ def raise_open_files_limit() -> int:
     return soft
 
 
-class PageFile:
-    """Append-only file of blocks; each block mapped read-only once written."""
+def disk_room(directory: str | None, nbytes: int, budget=None) -> None:
+    """DiskTierError unless the disk tier can take ``nbytes`` more: within ``budget`` (a
+    HostBudget of disk bytes) and the free space of ``directory`` (the temp dir when None)."""
+    import tempfile
 
-    def __init__(self, directory: str, name: str, block_shape: tuple, dtype, *, keep=False,
-                 path: str | None = None):
+    directory = directory or tempfile.gettempdir()
+    if budget is not None and budget.limit is not None and budget.used + nbytes > budget.limit:
+        raise DiskTierError(errno.ENOSPC, f"disk tier budget full: {budget.used} of "
+                            f"{budget.limit} bytes used, {nbytes} more needed for this step; "
+                            "raise disk_budget or host_budget, then run the step again")
+    free = shutil.disk_usage(check_directory(directory)).free
+    if free < nbytes:
+        raise DiskTierError(errno.ENOSPC, f"disk tier full: {nbytes} bytes needed for this step "
+                            f"in {directory!r}, {free} free; free disk space (or raise "
+                            "host_budget), then run the step again")
+
+
+def sweep_stale(directory: str) -> list[str]:
+    """Remove page files a dead process left in ``directory`` (files of tiered 0.1, which kept
+    named page files, or of a process killed between creating and unlinking one). Once per
+    directory and process; returns the removed paths."""
+    directory = os.path.abspath(directory)
+    if directory in _swept:
+        return []
+    _swept.add(directory)
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = _STALE.match(name)
+        if m is None or int(m.group(1)) == os.getpid():
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+            continue  # its owner is alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # alive, another user's
+        try:
+            os.remove(os.path.join(directory, name))
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
+
+
+def copy_range(src_fd: int, dst_fd: int, nbytes: int) -> None:
+    """Copy the first nbytes of src_fd to dst_fd at offset 0 (in kernel; reflinks where the
+    file system can)."""
+    done = 0
+    while done < nbytes:
+        n = os.copy_file_range(src_fd, dst_fd, min(COPY_CHUNK, nbytes - done), done, done)
+        if n == 0:
+            raise DiskTierError(errno.EIO, f"short copy: {done} of {nbytes} bytes")
+        done += n
+
+
+class PageFile:
+    """Append-only anonymous file of blocks; each block mapped read-only once written."""
+
+    def __init__(self, directory: str, name: str, block_shape: tuple, dtype):
         raise_open_files_limit()
         self.block_shape = tuple(block_shape)
         self.dtype = np.dtype(dtype)
         self.block_bytes = int(np.prod(self.block_shape)) * self.dtype.itemsize
         self.stride = -(-self.block_bytes // ALIGN) * ALIGN  # mmap offsets must be aligned
-        self.keep = keep
+        self.name = f"{name}.pages"  # a bare name: the file's name in a saved cache
+        self.directory = check_directory(directory)
+        sweep_stale(self.directory)
+        path = os.path.join(self.directory, f"tiered-{os.getpid()}-{uuid.uuid4().hex[:12]}-{name}.pages")
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.unlink(path)  # anonymous from now on
         self._lock = threading.Lock()
-        if path is None:
-            directory = check_directory(directory)
-            path = os.path.join(directory, f"tiered-{os.getpid()}-{uuid.uuid4().hex[:12]}-{name}.pages")
-            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
-        else:
-            flags = os.O_RDWR
-        self.path = path
-        self.fd = os.open(path, flags, 0o600)
         self.maps: list[mmap.mmap] = []
         self.views: list[np.ndarray] = []
         self.crc: list[list[int]] = []  # per block, per page
-        self._finalizer = weakref.finalize(self, PageFile._cleanup, self.fd, path, keep, self.maps)
+        self._finalizer = weakref.finalize(self, PageFile._cleanup, self.fd, self.maps)
+
+    def _map(self, index: int) -> np.ndarray:
+        mm = mmap.mmap(self.fd, self.stride, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ,
+                       offset=index * self.stride)
+        view = np.frombuffer(mm, dtype=self.dtype, count=int(np.prod(self.block_shape)))
+        self.maps.append(mm)
+        self.views.append(view.reshape(self.block_shape))
+        return self.views[-1]
 
     # ---- writes ----------------------------------------------------------------------------
     def append(self, block: np.ndarray) -> int:
@@ -107,33 +185,30 @@ class PageFile:
         with self._lock:
             index = len(self.maps)
             offset = index * self.stride
-            free = shutil.disk_usage(os.path.dirname(self.path)).free
+            free = shutil.disk_usage(self.directory).free
             if free < self.stride:
                 raise DiskTierError(
                     errno.ENOSPC,
-                    f"disk tier full: {self.stride} bytes needed in {os.path.dirname(self.path)!r}, "
+                    f"disk tier full: {self.stride} bytes needed in {self.directory!r}, "
                     f"{free} free; lower the document size, raise host_budget or free disk space",
                 )
             try:
                 os.posix_fallocate(self.fd, offset, self.stride)
             except OSError as e:
+                os.ftruncate(self.fd, offset)  # give back what the failed reservation took
                 raise DiskTierError(e.errno, f"disk tier: cannot reserve {self.stride} bytes in "
-                                             f"{self.path!r} ({e.strerror})") from None
+                                             f"{self.directory!r} ({e.strerror})") from None
             data = np.ascontiguousarray(block).view(np.uint8).reshape(-1)
             written = 0
             while written < data.size:
                 written += os.pwrite(self.fd, memoryview(data[written:]), offset + written)
             try:
-                mm = mmap.mmap(self.fd, self.stride, flags=mmap.MAP_SHARED,
-                               prot=mmap.PROT_READ, offset=offset)
+                self._map(index)
             except OSError as e:  # the RAM block is still held by the caller: nothing lost
-                raise DiskTierError(e.errno, f"disk tier: cannot map block {index} of "
-                                    f"{self.path!r} ({e.strerror}); with EMFILE raise the "
-                                    "open-files limit (ulimit -n) or host_budget") from None
-            view = np.frombuffer(mm, dtype=self.dtype, count=int(np.prod(self.block_shape)))
-            view = view.reshape(self.block_shape)
-            self.maps.append(mm)
-            self.views.append(view)
+                os.ftruncate(self.fd, offset)
+                raise DiskTierError(e.errno, f"disk tier: cannot map block {index} of a page "
+                                    f"file in {self.directory!r} ({e.strerror}); with EMFILE "
+                                    "raise the open-files limit (ulimit -n) or host_budget") from None
             self.crc.append([zlib.crc32(np.ascontiguousarray(block[p]).view(np.uint8))
                              for p in range(self.block_shape[0])])
             return index
@@ -152,6 +227,15 @@ class PageFile:
     def address(self, index: int) -> int:
         return int(self.views[index].ctypes.data)
 
+    def check_size(self) -> None:
+        """DiskTierError when the file no longer holds every mapped block (it was truncated
+        under the cache: reading the lost part would raise SIGBUS)."""
+        need = len(self.maps) * self.stride
+        size = os.fstat(self.fd).st_size
+        if size < need:
+            raise DiskTierError(errno.EIO, f"disk tier page file {self.name} shrank to {size} "
+                                f"bytes under the cache ({need} held): its blocks are lost")
+
     def verify(self, index: int, slots=None) -> None:
         """Raise ValueError naming the page when a page's bytes don't match its checksum."""
         slots = range(self.block_shape[0]) if slots is None else slots
@@ -159,7 +243,7 @@ class PageFile:
             got = zlib.crc32(np.ascontiguousarray(self.views[index][s]).view(np.uint8))
             if got != self.crc[index][s]:
                 raise ValueError(
-                    f"Corrupt page in disk tier file {self.path!r}: block {index}, page {s} "
+                    f"Corrupt page in disk tier file {self.name}: block {index}, page {s} "
                     f"(crc32 {got:#010x}, expected {self.crc[index][s]:#010x})"
                 )
 
@@ -178,38 +262,65 @@ class PageFile:
     def nbytes(self) -> int:
         return len(self.maps) * self.stride
 
-    # ---- lifetime --------------------------------------------------------------------------
+    # ---- saving and loading ----------------------------------------------------------------
     def state(self) -> dict:
-        return {"path": self.path, "blocks": len(self.maps), "crc": [list(c) for c in self.crc],
+        return {"name": self.name, "blocks": len(self.maps), "crc": [list(c) for c in self.crc],
                 "shape": list(self.block_shape), "dtype": self.dtype.str}
 
+    def copy_to(self, path: str) -> int:
+        """Write every block into a new file at ``path`` (flushed); returns its size."""
+        self.check_size()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            copy_range(self.fd, fd, self.nbytes)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return self.nbytes
+
     @classmethod
-    def reopen(cls, st: dict, *, keep: bool = True) -> "PageFile":
-        """Map a page file written earlier (e.g. saved with a cache), checking its size."""
-        path = st["path"]
-        if not os.path.exists(path) and REOPEN_DIR is not None:
-            moved = os.path.join(REOPEN_DIR, os.path.basename(path))
-            path = moved if os.path.exists(moved) else path
-        if not os.path.exists(path):
-            raise ValueError(f"disk tier file {path!r} is gone: a cache with a disk tier can be "
-                             "reopened only while its page file exists (save it with "
-                             "TieredCacheList.save or keep_disk=True)")
-        pf = cls("", "", tuple(st["shape"]), np.dtype(st["dtype"]), keep=keep, path=path)
-        size = os.fstat(pf.fd).st_size
-        if size < int(st["blocks"]) * pf.stride:
-            raise ValueError(f"Corrupt disk tier file {path!r}: {size} bytes, expected at least "
-                             f"{int(st['blocks']) * pf.stride}")
-        for i in range(int(st["blocks"])):
-            mm = mmap.mmap(pf.fd, pf.stride, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ,
-                           offset=i * pf.stride)
-            view = np.frombuffer(mm, dtype=pf.dtype, count=int(np.prod(pf.block_shape)))
-            pf.maps.append(mm)
-            pf.views.append(view.reshape(pf.block_shape))
-        pf.crc = [list(c) for c in st["crc"]]
+    def adopt(cls, st: dict, directory: str) -> "PageFile":
+        """A new anonymous page file in ``directory`` holding the blocks of the saved file
+        ``st["name"]``, read from the saved cache's pages folder (PAGES_SOURCE): copied, so
+        nothing later written reaches the saved cache. Checks the saved file's size, every
+        page's CRC32 and that it is a regular file inside that folder."""
+        source = PAGES_SOURCE.get()
+        if source is None:
+            raise ValueError("this cache state has a disk tier, whose pages are saved beside it: "
+                             "load it with TieredCacheList.load(directory, model)")
+        name = st["name"]
+        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
+            raise ValueError(f"Invalid page file name {name!r} in a saved cache: a bare file name "
+                             "inside its pages folder was expected")
+        path = os.path.join(source, name)
+        if os.path.islink(path) or not os.path.isfile(path):
+            raise ValueError(f"page file {name!r} of the saved cache is missing or not a "
+                             "regular file")
+        shape, dtype, blocks = tuple(int(x) for x in st["shape"]), np.dtype(st["dtype"]), int(st["blocks"])
+        pf = cls(directory, name[: -len(".pages")] if name.endswith(".pages") else name, shape,
+                 dtype)
+        src = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            size = os.fstat(src).st_size
+            if size < blocks * pf.stride:
+                raise ValueError(f"Corrupt page file {name!r} in a saved cache: {size} bytes, "
+                                 f"expected {blocks * pf.stride}")
+            copy_range(src, pf.fd, blocks * pf.stride)
+        finally:
+            os.close(src)
+        for i in range(blocks):
+            pf._map(i)
+        pf.crc = [[int(c) for c in row] for row in st["crc"]]
+        if len(pf.crc) != blocks or any(len(r) != shape[0] for r in pf.crc):
+            raise ValueError(f"Invalid saved page file {name!r}: checksums for "
+                             f"{len(pf.crc)} blocks, {blocks} expected")
+        for i in range(blocks):
+            pf.verify(i)
         return pf
 
+    # ---- lifetime --------------------------------------------------------------------------
     @staticmethod
-    def _cleanup(fd, path, keep, maps):
+    def _cleanup(fd, maps):
         for mm in maps:
             try:
                 mm.close()
@@ -219,11 +330,6 @@ class PageFile:
             os.close(fd)
         except OSError:
             pass
-        if not keep:
-            try:
-                os.remove(path)
-            except OSError:
-                pass
 
     def close(self):
         self.views.clear()

@@ -72,12 +72,12 @@ class HostTensor:
     """
 
     def __init__(self, n_kv_heads, page_size, head_dim, dtype, pages_per_block, *,
-                 budget=None, disk_dir=None, keep_disk=False, disk_budget=None, name="tensor"):
+                 budget=None, disk_dir=None, disk_budget=None, name="tensor"):
         if dtype not in HOST_DTYPES:
             raise ValueError(f"Invalid host dtype {dtype!r}: expected one of {HOST_DTYPES}")
         self.n_kv_heads, self.page_size, self.head_dim = n_kv_heads, page_size, head_dim
         self.dtype, self.pages_per_block = dtype, pages_per_block
-        self.budget, self.disk_dir, self.keep_disk, self.name = budget, disk_dir, keep_disk, name
+        self.budget, self.disk_dir, self.name = budget, disk_dir, name
         self.disk_budget = disk_budget
         self.blocks: list[mx.array | None] = []
         self.scale_blocks: list[mx.array | None] = []  # int8 only: (ppb, H, page_size) fp32
@@ -130,11 +130,10 @@ class HostTensor:
             import tempfile
 
             d = self.disk_dir or tempfile.gettempdir()
-            self.disk = PageFile(d, self.name, self.block_shape, _NP[self.dtype],
-                                 keep=self.keep_disk)
+            self.disk = PageFile(d, self.name, self.block_shape, _NP[self.dtype])
             if self.dtype == "int8":
                 self.scale_disk = PageFile(d, self.name + "-scales", self.block_shape[:-1],
-                                           np.float32, keep=self.keep_disk)
+                                           np.float32)
         return self.disk, self.scale_disk
 
     def _adopt_disk(self, data: np.ndarray, scales: np.ndarray | None, at: int | None = None):
@@ -271,7 +270,7 @@ class HostStore:
         batch: number of sequences (rows of the page table).
         pages_per_block: pages per allocation; blocks are added as the store grows.
         budget: a shared :class:`tiered.cpu.disk.HostBudget`; blocks beyond it go to the
-            disk tier, in page files under ``disk_dir`` (removed on close unless keep_disk).
+            disk tier, in anonymous page files under ``disk_dir`` (see tiered.cpu.disk).
     """
 
     def __init__(
@@ -287,7 +286,6 @@ class HostStore:
         pages_per_block: int = 16,
         budget=None,
         disk_dir: str | None = None,
-        keep_disk: bool = False,
         disk_budget=None,
         name: str = "layer",
     ):
@@ -298,7 +296,7 @@ class HostStore:
         self.n_kv_heads, self.head_dim, self.page_size = n_kv_heads, head_dim, page_size
         self.value_dim = value_dim or head_dim
         self.batch = batch
-        tier = dict(budget=budget, disk_dir=disk_dir, keep_disk=keep_disk, disk_budget=disk_budget)
+        tier = dict(budget=budget, disk_dir=disk_dir, disk_budget=disk_budget)
         self.values = HostTensor(n_kv_heads, page_size, self.value_dim, dtype, pages_per_block,
                                  name=f"{name}-values", **tier)
         self.keys = (
@@ -351,19 +349,35 @@ class HostStore:
                 )
         n = values.shape[2]
         pos = 0
-        while pos < n:
-            slot = self.length % self.page_size
-            if slot == 0:
+        # All or nothing: a block that cannot be had (disk tier full) leaves the store as it was
+        # (pages written past the old length are unreachable, their blocks reused later).
+        undo = (self.length, [list(p) for p in self._pages], list(self._free), self._next_page)
+        try:
+            while pos < n:
+                slot = self.length % self.page_size
+                if slot == 0:
+                    for b in range(self.batch):
+                        self._pages[b].append(self._new_page())
+                take = min(self.page_size - slot, n - pos)
                 for b in range(self.batch):
-                    self._pages[b].append(self._new_page())
-            take = min(self.page_size - slot, n - pos)
-            for b in range(self.batch):
-                page = self._pages[b][-1]
-                self.values.write(page, slot, values[b, :, pos : pos + take])
-                if self.keys is not None:
-                    self.keys.write(page, slot, keys[b, :, pos : pos + take])
-            self.length += take
-            pos += take
+                    page = self._pages[b][-1]
+                    self.values.write(page, slot, values[b, :, pos : pos + take])
+                    if self.keys is not None:
+                        self.keys.write(page, slot, keys[b, :, pos : pos + take])
+                self.length += take
+                pos += take
+        except BaseException:
+            self.length, self._pages, self._free, self._next_page = undo
+            raise
+
+    def bytes_to_append(self, tokens: int) -> int:
+        """Host bytes (RAM or disk) the next ``tokens`` appended tokens allocate: whole blocks."""
+        held = sum(len(p) for p in self._pages)
+        logical = -(-(self.length + tokens) // self.page_size) * self.batch - held
+        physical = max(0, logical - len(self._free))
+        over = self._next_page + physical - self.values.capacity_pages
+        blocks = -(-max(0, over) // self.values.pages_per_block)
+        return blocks * sum(t.block_bytes for t in self.tensors)
 
     def _check(self, x, name, dim):
         expected = (self.batch, self.n_kv_heads, None, dim)
@@ -500,18 +514,30 @@ class HostStore:
         for t in self.tensors:
             t.prefetch(pages)
 
-    def rebudget(self, budget, disk_budget=None):
-        """Count this store's RAM blocks (and disk blocks) against other shared budgets (the
-        layers of a loaded cache join their model's budgets again)."""
+    def rebudget(self, budget, disk_budget=None, *, disk_dir=None):
+        """Count this store's RAM blocks (and disk blocks) against other shared budgets, and
+        spill future blocks to ``disk_dir`` (the layers of a loaded cache join their model's
+        budgets again)."""
         for t in self.tensors:
             if t.budget is not None:
                 t.budget.release(t.nbytes)
-            t.budget, t.disk_budget = budget, disk_budget
+            if t.disk_budget is not None:
+                t.disk_budget.release(t.disk_bytes)
+            t.budget, t.disk_budget, t.disk_dir = budget, disk_budget, disk_dir
             if budget is not None:
                 budget.charge(t.nbytes)
+            if disk_budget is not None:
+                disk_budget.charge(t.disk_bytes)
+
+    def check_disk(self):
+        """DiskTierError when a page file of this store shrank (see PageFile.check_size)."""
+        for t in self.tensors:
+            for f in (t.disk, t.scale_disk):
+                if f is not None:
+                    f.check_size()
 
     def close(self):
-        """Release host RAM and remove page files (unless kept)."""
+        """Release host RAM and the page files."""
         for t in self.tensors:
             t.close()
 
@@ -555,22 +581,25 @@ class HostStore:
         return st
 
     @classmethod
-    def from_state(cls, st: dict, *, budget=None, disk_dir=None, keep_disk=False) -> "HostStore":
+    def from_state(cls, st: dict, *, budget=None, disk_dir=None, disk_budget=None) -> "HostStore":
         import json
 
         from .disk import PageFile
 
         H, d, dv, P, dtype, has_keys, batch, ppb, length, next_page = st["meta"]
         obj = cls(H, d, value_dim=dv, page_size=P, dtype=dtype, keys=bool(has_keys), batch=batch,
-                  pages_per_block=ppb, budget=budget, disk_dir=disk_dir, keep_disk=keep_disk)
+                  pages_per_block=ppb, budget=budget, disk_dir=disk_dir, disk_budget=disk_budget)
         for name, t in (("values", obj.values), ("keys", obj.keys)):
             if t is None:
                 continue
             disk = json.loads(st[name + "_disk"]) if name + "_disk" in st else None
             if disk is not None:
-                t.disk = PageFile.reopen(disk["data"], keep=True)
+                import tempfile
+
+                work = disk_dir or tempfile.gettempdir()
+                t.disk = PageFile.adopt(disk["data"], work)
                 if disk["scales"] is not None:
-                    t.scale_disk = PageFile.reopen(disk["scales"], keep=True)
+                    t.scale_disk = PageFile.adopt(disk["scales"], work)
             scales = st.get(name + "_scales", [None] * len(st[name]))
             for b, (blk, sc) in enumerate(zip(st[name], scales)):
                 di = disk["index"][b] if disk is not None else -1

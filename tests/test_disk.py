@@ -36,10 +36,10 @@ def test_spill_round_trip_with_checksums(tmp_path, dtype):
     np.testing.assert_allclose(store.read("values"), v[0], atol=tol, rtol=tol)
     np.testing.assert_allclose(store.read("keys"), k[0], atol=tol, rtol=tol)
     store.verify_tokens(0, np.arange(300))  # every disk page's CRC32 holds
-    files = [f for f in os.listdir(tmp_path) if f.endswith(".pages")]
-    assert files
+    assert not os.listdir(tmp_path), "page files are anonymous: nothing in the directory"
+    held = [os.readlink(f"/proc/self/fd/{t.disk.fd}") for t in store.tensors]
+    assert all(p.startswith(str(tmp_path)) and p.endswith("(deleted)") for p in held), held
     store.close()
-    assert not [f for f in os.listdir(tmp_path) if f.endswith(".pages")], "page files left"
 
 
 def test_gather_kernel_reads_spilled_blocks(tmp_path):
@@ -72,7 +72,7 @@ def test_corrupt_page_is_detected(tmp_path):
     t = store.values
     blk = t.disk_index.index(0)
     t.verify(range(blk * 2, blk * 2 + 2))  # intact
-    fd = os.open(t.disk.path, os.O_WRONLY)
+    fd = os.open(f"/proc/self/fd/{t.disk.fd}", os.O_WRONLY)
     os.pwrite(fd, b"\xff\x7f\x00\x01", 100)  # flip bytes inside the first page on disk
     os.close(fd)
     with pytest.raises(ValueError, match="Corrupt page"):
@@ -115,30 +115,85 @@ def test_disk_budget_is_enforced(tmp_path):
     store.close()
 
 
-def test_state_references_disk_blocks(tmp_path):
+def test_disk_blocks_travel_only_through_a_saved_pages_folder(tmp_path):
+    """A store's state names its page files by bare name: restoring it needs the folder a
+    save copied them into (PAGES_SOURCE), and the restored store reads a copy of its own."""
+    from tiered.cpu.disk import PAGES_SOURCE
+
     rng = np.random.default_rng(5)
-    store, _ = _store(tmp_path, 1, keep_disk=True)
+    store, _ = _store(tmp_path / "live", 1)
     v = _data(rng, 150)
     store.append(v, _data(rng, 150))
     st = store.state()
-    clone = HostStore.from_state(st)
-    np.testing.assert_array_equal(clone.read("values"), store.read("values"))
-    store.close()  # kept: the clone can still read the file
-    np.testing.assert_allclose(clone.read("values"), v[0], atol=1e-3)
-    path = clone.values.disk.path
-    clone.close()
-    os.remove(path)
-    with pytest.raises(ValueError, match="is gone"):
+    with pytest.raises(ValueError, match="TieredCacheList.load"):
         HostStore.from_state(st)
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    for t in store.tensors:
+        t.disk.copy_to(str(saved / t.disk.name))
+    token = PAGES_SOURCE.set(str(saved))
+    try:
+        clone = HostStore.from_state(st, disk_dir=str(tmp_path / "work"))
+    finally:
+        PAGES_SOURCE.reset(token)
+    before = {f: (saved / f).read_bytes() for f in os.listdir(saved)}
+    np.testing.assert_array_equal(clone.read("values"), store.read("values"))
+    store.close()
+    clone.append(_data(rng, 40), _data(rng, 40))  # the clone grows on its own files
+    np.testing.assert_allclose(clone.read("values", 0, 0, 150), v[0], atol=1e-3)
+    assert {f: (saved / f).read_bytes() for f in os.listdir(saved)} == before
+    clone.close()
 
 
-def test_page_file_rejects_a_truncated_file(tmp_path):
-    pf = PageFile(str(tmp_path), "t", (2, 2, 16, 8), np.float16, keep=True)
+def test_page_files_are_anonymous_and_stale_ones_are_swept(tmp_path):
+    """Live page files have no name in the directory (nothing is left if the process dies);
+    a named page file of a dead process (tiered 0.1, or a crash between create and unlink)
+    goes when the next page file is made there; a live process's file stays."""
+    from tiered.cpu import disk
+
+    dead = tmp_path / "tiered-999999999-0123456789ab-layer0-values.pages"
+    alive = tmp_path / f"tiered-{os.getppid()}-0123456789ab-layer0-values.pages"
+    other = tmp_path / "notes.pages"
+    for f in (dead, alive, other):
+        f.write_bytes(b"x")
+    disk._swept.discard(str(tmp_path))
+    pf = PageFile(str(tmp_path), "t", (2, 2, 16, 8), np.float16)
     pf.append(np.ones((2, 2, 16, 8), np.float16))
+    assert sorted(os.listdir(tmp_path)) == sorted([alive.name, other.name])
+    pf.close()
+
+
+def test_a_page_file_that_shrinks_is_an_error_not_sigbus(tmp_path):
+    pf = PageFile(str(tmp_path), "t", (2, 2, 16, 8), np.float16)
+    pf.append(np.ones((2, 2, 16, 8), np.float16))
+    pf.check_size()
+    os.truncate(f"/proc/self/fd/{pf.fd}", 0)
+    with pytest.raises(DiskTierError, match="shrank"):
+        pf.check_size()
+    pf.close()
+
+
+def test_page_file_rejects_a_truncated_saved_file(tmp_path):
+    from tiered.cpu.disk import PAGES_SOURCE
+
+    pf = PageFile(str(tmp_path), "t", (2, 2, 16, 8), np.float16)
+    pf.append(np.ones((2, 2, 16, 8), np.float16))
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    pf.copy_to(str(saved / pf.name))
     st = pf.state()
-    st["blocks"] = 5
-    with pytest.raises(ValueError, match="Corrupt disk tier file"):
-        PageFile.reopen(st)
+    token = PAGES_SOURCE.set(str(saved))
+    try:
+        good = PageFile.adopt(st, str(tmp_path))
+        assert np.array_equal(good.views[0], pf.views[0])
+        st["blocks"] = 5
+        with pytest.raises(ValueError, match="Corrupt page file"):
+            PageFile.adopt(st, str(tmp_path))
+        for bad in ("../x.pages", "/etc/passwd", ".."):
+            with pytest.raises(ValueError, match="bare file name"):
+                PageFile.adopt(dict(st, name=bad), str(tmp_path))
+    finally:
+        PAGES_SOURCE.reset(token)
     pf.close()
 
 
