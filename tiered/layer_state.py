@@ -15,6 +15,7 @@ Format 1 (tiered 0.1's dict ``state``, version 1) still loads.
 
 from __future__ import annotations
 
+import contextvars
 import json
 
 import mlx.core as mx
@@ -22,7 +23,14 @@ import numpy as np
 
 from tiered.cpu import HostStore
 
+from . import state_checks as checks
+from .snapshot import SnapshotError
+
 FORMAT = 2
+# What a load expects the states to hold ({"geometry": the model's, "config": the options the
+# cache will run with}), set by tiered.persist.load.
+EXPECTED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("tiered_expected",
+                                                                      default=None)
 
 
 def _geometry_json(layer):
@@ -54,7 +62,7 @@ def state_of(layer):
     if layer._geometry is None:
         return None, None, meta_of(layer), arrays
     if layer.phase == "exact":
-        k, v = layer._exact_view()
+        k, v = layer._exact_view() if layer.keys is not None else (None, None)
         if layer._obs is not None:
             arrays["obs"] = layer._obs
         if layer._colmass is not None:
@@ -71,7 +79,17 @@ def state_of(layer):
 
 def restore(layer, st, context=None):
     """Rebuild ``layer`` from a state of format 2 (tuple) or 1 (dict). ``context``: the shared
-    context to join (a fresh one otherwise)."""
+    context to join (a fresh one otherwise). A damaged or inconsistent state is a ValueError
+    (SnapshotError), checked before anything is built from it."""
+    try:
+        return _restore(layer, st, context)
+    except SnapshotError:
+        raise
+    except (KeyError, IndexError, TypeError, ValueError, OverflowError, AttributeError) as e:
+        raise SnapshotError(f"Invalid TieredCache state: {type(e).__name__}: {e}") from None
+
+
+def _restore(layer, st, context=None):
     from .config import TieredConfig
     from .context import SharedContext
 
@@ -87,9 +105,11 @@ def restore(layer, st, context=None):
         meta = json.loads(meta)
     except json.JSONDecodeError as e:
         raise ValueError(f"Invalid TieredCache state: its metadata is not JSON ({e})") from None
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"Invalid TieredCache state: format {meta.get('format')!r}, this "
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(f"Invalid TieredCache state: format "
+                         f"{meta.get('format') if isinstance(meta, dict) else meta!r}, this "
                          f"tiered reads {FORMAT} (and 1)")
+    checks.meta(meta, EXPECTED.get())
     config = TieredConfig.from_kwargs(**meta["config"])
     ctx = context or SharedContext(config, layers=int(meta["layers"]))
     layer.__init__(config, layer=int(meta["layer"]), context=ctx)
@@ -107,15 +127,28 @@ def restore(layer, st, context=None):
     dtype = getattr(mx, dtype)
     layer._geometry = (int(B), int(H), int(dk), int(dv), dtype)
     arrays = arrays or {}
+    checks.need(isinstance(arrays, dict), "arrays is not a mapping")
     if meta["phase"] == "exact":
+        if int(meta["offset"]) == 0 and k is None:
+            return layer
+        checks.exact(k, v, layer._geometry, int(meta["offset"]))
+        if int(meta["offset"]) == 0:
+            return layer
         layer._append_exact(k.astype(dtype), v.astype(dtype))
         layer._obs = arrays.get("obs")
         if "colmass" in arrays:
             layer._colmass = np.array(arrays["colmass"], np.float32)
     else:
+        checks.need(isinstance(arrays.get("compressed"), dict), "compressed state missing")
         comp = dict(arrays["compressed"], res_k=k, res_v=v)
-        _restore_compressed(layer, comp, arrays.get("host"))
+        checks.compressed(comp, layer._geometry)
+        if comp.get("kind") != "h2o":
+            checks.host(arrays.get("host"), layer._geometry)
+            checks.need(int(arrays["host"]["meta"][8]) == int(comp["n"]),
+                        "host pages and codes hold different token counts")
         layer.offset = int(meta["offset"])
+        checks.need(layer.offset >= int(comp["n"]), "offset below the stored tokens")
+        _restore_compressed(layer, comp, arrays.get("host"))
     if layer.offset != int(meta["offset"]):
         raise ValueError("Invalid TieredCache state: offset does not match the stored tokens")
     return layer
@@ -129,7 +162,9 @@ def _restore_compressed(layer, comp: dict, host_state):
     else:
         from .compressed import CompressedLayer
 
-        layer.host = HostStore.from_state(host_state, budget=layer.context.host_budget)
+        layer.host = HostStore.from_state(host_state, budget=layer.context.host_budget,
+                                          disk_dir=layer.config.disk_dir,
+                                          disk_budget=layer.context.disk_budget)
         layer.compressed = CompressedLayer.from_state(layer, comp)
     layer.phase = "compressed"
 

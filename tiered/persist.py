@@ -1,154 +1,201 @@
 """Ask again: save a prefilled tiered cache to a directory, and load it for a new question.
 
-Layout of a cache directory:
+A saved cache is an immutable, self-contained snapshot (:mod:`tiered.snapshot`): a manifest
+(``tiered.json``: format, tiered version, the model's fingerprint, the config, the layers, the
+tokens, every file with its size and SHA-256), every layer's ``state`` through mlx-lm's
+``save_prompt_cache`` (accelerator arrays, host RAM pages, policy state) and copies of the disk
+tier's page files. Nothing in it refers to a live cache's files, and a loaded cache works on
+copies: using it never writes into the saved directory.
 
-- ``tiered.json``: format version, tiered version, the model's fingerprint, the config, the
-  tiered layers, the token count;
-- ``cache.safetensors``: every layer's ``state`` through ``mlx_lm.save_prompt_cache``
-  (accelerator arrays, host pages, policy state);
-- ``pages/``: copies of the disk tier's page files (hard links where the file system allows).
-
-Loading refuses a cache made for another model (fingerprint) or with other options.
+Loading refuses a damaged or swapped file (checksums), a cache made for another model
+(fingerprint, and the geometry the tensors hold) or with other layout options. Runtime options
+(host and disk budgets, disk_dir, workers) come from the save unless given again.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 
+from . import snapshot
+from .snapshot import SnapshotError
+
 FORMAT = "tiered.cache"
-VERSION = 1
+VERSION = 2
+# Options that change how a loaded cache runs, not what it holds: a load may set them anew.
+RUNTIME_OPTIONS = ("host_budget", "disk_dir", "disk_budget", "workers", "kernel_threads",
+                   "verify_pages", "keep_disk")
 
 
-def _page_files(caches):
-    from .cache import TieredCache
-
-    for c in caches:
-        if isinstance(c, TieredCache) and c.host is not None:
-            for t in c.host.tensors:
-                for f in (t.disk, t.scale_disk):
-                    if f is not None:
-                        yield f
-
-
-def check_save_target(directory: str) -> str:
-    """A directory a save can write (created if needed): ValueError naming it otherwise."""
+def check_save_target(directory: str, need_bytes: int = 0) -> str:
+    """A directory a save can write (created if needed) with ``need_bytes`` free, or a
+    ValueError naming it: before the work whose result would be saved."""
     from .cpu.disk import DiskTierError, check_directory
 
     try:
-        return check_directory(directory)
+        directory = check_directory(directory)
     except DiskTierError as e:
-        raise ValueError(f"cannot save a cache to {directory!r}: {e.strerror}") from None
+        raise SnapshotError(f"cannot save a cache to {directory!r}: {e.strerror}") from None
+    free = shutil.disk_usage(directory).free
+    if need_bytes > free:
+        raise SnapshotError(f"cannot save a cache to {directory!r}: about {need_bytes} bytes "
+                            f"needed, {free} free")
+    return directory
 
 
 def check_saved(directory: str) -> dict:
-    """The metadata of a saved cache directory, or ValueError saying why it is not one."""
-    path = os.path.join(directory, "tiered.json")
-    if not os.path.isdir(directory):
-        raise ValueError(f"{directory!r} is not a directory")
-    if not os.path.isfile(path):
-        raise ValueError(f"{directory!r} is not a tiered cache directory (no tiered.json)")
-    try:
-        with open(path) as f:
-            meta = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path!r} is damaged ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise ValueError(f"{directory!r}: unsupported cache format "
-                         f"{meta.get('format') if isinstance(meta, dict) else meta!r}")
+    """The manifest of a saved cache directory (files checked), or ValueError saying why not."""
+    meta = snapshot.read_manifest(directory)
+    if meta.get("format") != FORMAT:
+        raise SnapshotError(f"{directory!r}: not a tiered cache (format {meta.get('format')!r})")
+    if meta.get("version") != VERSION:
+        raise SnapshotError(f"{directory!r}: saved by another tiered (format version "
+                            f"{meta.get('version')!r}, this tiered reads {VERSION}); save it "
+                            "again from the document")
+    kinds = {"model": str, "config": dict, "tiered_layers": list, "kept_layers": list,
+             "tokens": int, "cache": str}
+    for key, kind in kinds.items():
+        if not isinstance(meta.get(key), kind):
+            raise SnapshotError(f"{directory!r}: the manifest's {key!r} is missing or invalid")
+    pages = meta.get("pages")
+    if meta["cache"] not in meta["files"] or (pages is not None and not (
+            isinstance(pages, str) and any(n.startswith(pages + "/") for n in meta["files"]))):
+        raise SnapshotError(f"{directory!r}: the manifest names files it does not list")
+    snapshot.resolve(directory, meta["cache"])
+    if pages is not None:
+        snapshot.resolve(directory, pages)
+    if not all(isinstance(i, int) and i >= 0 for i in meta["tiered_layers"]):
+        raise SnapshotError(f"{directory!r}: invalid tiered_layers in the manifest")
     return meta
 
 
+def saved_bytes(caches) -> int:
+    """Bytes a save of ``caches`` writes (state arrays and page files), for the space check."""
+    from mlx.utils import tree_flatten
+
+    from .cache import TieredCache
+
+    total = 0
+    for c in caches:
+        total += sum(getattr(a, "nbytes", 0) for _, a in tree_flatten(c.state))
+        if isinstance(c, TieredCache) and c.host is not None:
+            total += c.host.disk_bytes
+    return total
+
+
 def save(caches, directory: str, model) -> str:
-    """Write ``caches`` (a TieredCacheList) to ``directory``; returns the directory."""
+    """Write ``caches`` (a TieredCacheList) to ``directory`` as a new snapshot; returns the
+    directory. Atomic: a failed save leaves the previous snapshot as it was."""
     from mlx_lm.models.cache import save_prompt_cache
 
     from . import __version__
     from .cache import TieredCache
     from .codecs import model_fingerprint
 
-    from .cpu.disk import check_directory
-
-    directory = check_directory(directory)
+    directory = check_save_target(directory)
     caches.settle()  # save the tiers a decode step would use: codes and host pages
-    pages = os.path.join(directory, "pages")
-    files = list(_page_files(caches))
-    if files:
-        os.makedirs(pages, exist_ok=True)
-        for f in files:
-            dst = os.path.join(pages, os.path.basename(f.path))
-            if os.path.exists(dst):
-                os.remove(dst)
-            try:
-                os.link(f.path, dst)
-            except OSError:
-                shutil.copyfile(f.path, dst)
-    for c in caches:
-        if isinstance(c, TieredCache):
-            c._flush()
     layers = [c for c in caches if isinstance(c, TieredCache)]
-    meta = {
-        "format": FORMAT, "version": VERSION, "tiered": __version__,
-        "model": model_fingerprint(model),
-        "config": caches.config.to_dict(),
-        "tiered_layers": list(caches.tiered_layers),
-        "kept_layers": [list(x) for x in caches.kept_layers],
-        "tokens": max((c.offset for c in layers), default=0),
-    }
-    tmp = os.path.join(directory, "cache.safetensors.tmp.safetensors")
-    save_prompt_cache(tmp, caches, metadata={"tiered": json.dumps(meta)})
-    os.replace(tmp, os.path.join(directory, "cache.safetensors"))
-    with open(os.path.join(directory, "tiered.json"), "w") as f:
-        json.dump(meta, f, indent=2)
+    for c in layers:
+        c._require_open()
+        c._flush()
+    check_save_target(directory, saved_bytes(caches))
+    sid = snapshot.new_id()
+    names: list[str] = []
+    pages = f"pages-{sid}"
+    try:
+        for c in layers:
+            for t in (c.host.tensors if c.host is not None else []):
+                for f in (t.disk, t.scale_disk):
+                    if f is None:
+                        continue
+                    os.makedirs(os.path.join(directory, pages), exist_ok=True)
+                    names.append(f"{pages}/{f.name}")
+                    f.copy_to(os.path.join(directory, pages, f.name))
+        cache_name = f"cache-{sid}.safetensors"
+        names.append(cache_name)
+        save_prompt_cache(os.path.join(directory, cache_name), caches,
+                          metadata={"tiered_snapshot": sid})
+        meta = {
+            "format": FORMAT, "version": VERSION, "tiered": __version__,
+            "model": model_fingerprint(model),
+            "config": caches.config.to_dict(),
+            "tiered_layers": list(caches.tiered_layers),
+            "kept_layers": [list(x) for x in caches.kept_layers],
+            "tokens": max((c.offset for c in layers), default=0),
+            "cache": cache_name,
+            "pages": pages if any(n.startswith(pages) for n in names) else None,
+            "files": snapshot.describe_files(directory, names),
+        }
+        snapshot.commit(directory, meta)
+    except BaseException as e:
+        snapshot.discard(directory, names)
+        if isinstance(e, (OSError, RuntimeError)):
+            raise SnapshotError(f"cannot save a cache to {directory!r}: {e}; the previous "
+                                "snapshot there (if any) is unchanged") from None
+        raise
     return directory
 
 
-@contextlib.contextmanager
-def _remap_pages(pages_dir: str):
-    from .cpu import disk
+def _config_for_load(meta: dict, directory: str, overrides: dict | None):
+    from .config import TieredConfig
 
-    old = disk.REOPEN_DIR
-    disk.REOPEN_DIR = pages_dir
     try:
-        yield
-    finally:
-        disk.REOPEN_DIR = old
+        saved = TieredConfig.from_kwargs(**meta["config"])
+    except (TypeError, ValueError) as e:
+        raise SnapshotError(f"{directory!r}: the saved options are invalid ({e})") from None
+    if not overrides:
+        return saved
+    wanted = TieredConfig.from_kwargs(**{**saved.to_dict(), **overrides})
+    have, want = saved.to_dict(), wanted.to_dict()
+    diff = {k: (have[k], want[k]) for k in want
+            if have[k] != want[k] and k not in RUNTIME_OPTIONS}
+    if diff:
+        raise SnapshotError(f"the cache in {directory!r} was made with other options: "
+                            + ", ".join(f"{k}={a!r} (asked {b!r})" for k, (a, b) in diff.items()))
+    return wanted
 
 
 def load(directory: str, model, *, expect_config: dict | None = None):
-    """A TieredCacheList from ``directory``; ValueError if it was made for another model or
-    (when ``expect_config`` is given) with other options."""
+    """A TieredCacheList from ``directory``. ValueError if the snapshot is damaged, was made
+    for another model, or (``expect_config``) with other layout options; runtime options in
+    ``expect_config`` (RUNTIME_OPTIONS) replace the saved ones."""
     from mlx_lm.models.cache import load_prompt_cache
 
-    from .cache import TieredCache, TieredCacheList
+    from . import layer_state
+    from .cache_list import relink
     from .codecs import model_fingerprint
-    from .config import TieredConfig
-    from .context import SharedContext
+    from .context import SharedContext, model_geometry
+    from .cpu.disk import PAGES_SOURCE
     from .integration import install
 
     meta = check_saved(directory)
     fp = model_fingerprint(model)
     if meta["model"] != fp:
-        raise ValueError(f"the cache in {directory!r} was made for another model "
-                         f"({meta['model']}), not this one ({fp})")
-    config = TieredConfig.from_kwargs(**meta["config"])
-    if expect_config is not None:
-        wanted = TieredConfig.from_kwargs(**{**meta["config"], **expect_config}).to_dict()
-        diff = {k: (meta["config"][k], v) for k, v in wanted.items() if meta["config"].get(k) != v}
-        if diff:
-            raise ValueError(f"the cache in {directory!r} was made with other options: "
-                             + ", ".join(f"{k}={a!r} (asked {b!r})" for k, (a, b) in diff.items()))
+        raise SnapshotError(f"the cache in {directory!r} was made for another model "
+                            f"({meta['model']}), not this one ({fp})")
+    config = _config_for_load(meta, directory, expect_config)
     install()
-    with _remap_pages(os.path.join(directory, "pages")):
-        caches = load_prompt_cache(os.path.join(directory, "cache.safetensors"))
-    ctx = SharedContext(config, layers=len(meta["tiered_layers"]), model=model)
-    for c in caches:
-        if isinstance(c, TieredCache):
-            if c.context.plan is not None and ctx.plan is None:
-                ctx.plan = c.context.plan
-            ctx.q_heads = ctx.q_heads or c.context.q_heads
-            c.context = ctx
-    return TieredCacheList(caches, config=config, tiered_layers=meta["tiered_layers"],
-                           kept_layers=[tuple(x) for x in meta["kept_layers"]], context=ctx)
+    geo = model_geometry(model, len(meta["tiered_layers"]))
+    pages = snapshot.resolve(directory, meta["pages"]) if meta.get("pages") else None
+    token = PAGES_SOURCE.set(pages)
+    expect = layer_state.EXPECTED.set({"geometry": geo, "config": config})
+    try:
+        caches = load_prompt_cache(snapshot.resolve(directory, meta["cache"]))
+    except SnapshotError:
+        raise
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError, OverflowError) as e:
+        raise SnapshotError(f"the cache in {directory!r} cannot be read: {e}") from None
+    finally:
+        PAGES_SOURCE.reset(token)
+        layer_state.EXPECTED.reset(expect)
+    n_layers = len(getattr(model, "layers", []))
+    from .cache import TieredCache
+
+    tiered = [i for i, c in enumerate(caches) if isinstance(c, TieredCache)]
+    if tiered != meta["tiered_layers"] or (n_layers and len(caches) != n_layers):
+        raise SnapshotError(f"the cache in {directory!r} holds {len(caches)} layers "
+                            f"(tiered {tiered}), this model has {n_layers}")
+    ctx = SharedContext(config, layers=len(tiered), model=model)
+    return relink(caches, ctx, config=config,
+                  kept=[tuple(x) for x in meta["kept_layers"]])
