@@ -32,7 +32,7 @@ import numpy as np
 
 from tiered import metal
 
-from . import ops
+from . import ops, undo
 from .keys import AffineKeys, CodebookKeys, _capacity
 from .planner import BudgetError, Plan
 
@@ -78,6 +78,7 @@ class CompressedLayer:
         self.local_k = self.local_v = None
         self.local_start = 0
         self._prev_local = (0, None, None)  # the local block before the last chunk
+        self.journal = undo.Journal(0, self.config.undo_tokens)  # what trim gives back
         self._update = True  # this call changes the layer (False: a sharing layer reads it)
 
     # ---- storage ---------------------------------------------------------------------------
@@ -136,6 +137,7 @@ class CompressedLayer:
         self.scale = scale
         store.append(keys[0], 0)
         self.n = n
+        self.journal = undo.Journal(n, parent.config.undo_tokens)
         # Heavy hitters seeded from the prefill's attention (tiered.ops.h2o_seed).
         if self.acc is not None and seed is not None:
             w = seed
@@ -205,9 +207,11 @@ class CompressedLayer:
         out[:, :k] = np.sort(top, axis=1)
         return out
 
-    def _rebuild_resident(self, keys: mx.array | None = None, values: mx.array | None = None):
+    def _rebuild_resident(self, keys: mx.array | None = None, values: mx.array | None = None,
+                          journal: bool = False):
         """Lay out sinks, recent ring and heavy hitters; K/V from ``keys``/``values`` (H, n, d)
-        when given (exact phase), else from the current resident set and the host."""
+        when given (exact phase), else from the current resident set and the host.
+        ``journal``: record what it replaces (a refresh; see tiered.undo)."""
         n, H = self.n, self.H
         if keys is None:
             self.parent._flush()  # tokens leaving the ring are read back from the host
@@ -224,6 +228,8 @@ class CompressedLayer:
         heavy = self._choose_heavy(heavy_n, n, S, W) if self.acc is not None else np.full(
             (H, heavy_n), -1, np.int32)
         tok = np.concatenate([sinks, ring, heavy], axis=1).astype(np.int32)
+        if journal:
+            self.journal.record(n, "refresh", undo.demoted_rows(self, tok))
         res_k, res_v = self._fetch_kv(tok, keys, values)
         self.S_eff, self.W_eff = S, W
         self._set_resident(res_k, res_v, tok)
@@ -297,6 +303,8 @@ class CompressedLayer:
         """New tokens (1, H, L, d): compressed keys, recent ring, write-behind to the host."""
         L = keys.shape[2]
         n0 = self.n
+        # The host write can fail (disk tier full): it goes first, so a failure changes nothing
+        self.parent._write_behind(keys, values)
         if n0 + L > self.capacity:
             self._alloc(_capacity(n0 + L, self.plan.step), n0)
         with ops.kernel_threads(self.config.kernel_threads if L == 1 else 1 << 16):
@@ -307,7 +315,6 @@ class CompressedLayer:
         elif self._acc_np is not None:
             self._acc_np[:, n0 : n0 + L] = 0.0
         self._ring_insert(keys[0], values[0], n0)
-        self.parent._write_behind(keys, values)
         return keys, values
 
     def _ring_insert(self, k: mx.array, v: mx.array, n0: int):
@@ -315,10 +322,14 @@ class CompressedLayer:
         L = k.shape[1]
         S, W = self.S_eff, self.W_eff
         if W == 0:
+            self.journal.record(n0 + L, "append", (n0, np.zeros(0, np.int32),
+                                                   np.zeros((self.H, 0), np.int32),
+                                                   self.res_k[:, :0], self.res_v[:, :0]))
             return
         tok = self._res_tok_np
         first = max(n0, n0 + L - W)
         slots = np.array([S + (t % W) for t in range(first, n0 + L)], np.int32)
+        self.journal.record(n0 + L, "append", (n0, slots) + undo.ring_rows(self, slots))
         old = tok[:, slots].copy()
         new = np.arange(first, n0 + L, dtype=np.int32)
         # On an accelerator each array made from host values costs a host-to-device transfer
@@ -424,7 +435,7 @@ class CompressedLayer:
         self.steps += 1
         self.parent.stats.record_step(mean_count, self.n, resident_mass)
         if self.acc is not None and self.steps % self.config.refresh_every == 0:
-            self._rebuild_resident()
+            self._rebuild_resident(journal=True)
 
     def _finish(self, queries, o_r, lse_r, o_c, lse_c, count, sinks, t0):
         Hq = queries.shape[1]
@@ -462,13 +473,7 @@ class CompressedLayer:
         mx.eval(q, s_r)
         marks.append(("sync", time.perf_counter()))
         q_np = np.array(q)
-        z = self.keys.scores(q, n, rep, q_np)
-        # Resident tokens enter the policy's softmax with their exact scores.
-        tok = self._res_tok_np
-        s_np = np.array(s_r).reshape(Hq, -1)
-        for h in range(Hq):
-            valid = tok[h // rep] >= 0
-            z[h, tok[h // rep][valid]] = s_np[h][valid]
+        z = self._scores_with_resident(q, q_np, s_r, rep)
         cap, floor = self._cap(n)
         idx, count, m, ssum, _ = ops.select(z, self._flags_np[:, :n], cfg.tau, cap, floor, rep)
         marks.append(("select", time.perf_counter()))
@@ -479,8 +484,10 @@ class CompressedLayer:
         marks.append(("submit", t_acc))
         o_r, lse_r = self._resident_partial(s_r)
         mx.eval(o_r, lse_r)
-        if self._acc_np is not None and self._update:
-            ops.acc_update(self._acc_np, z, m, ssum, rep, n, cfg.ema_alpha)
+        if self._update:
+            self.journal.record(n, "step", (n, q, rep, self.steps))
+            if self._acc_np is not None:
+                ops.acc_update(self._acc_np, z, m, ssum, rep, n, cfg.ema_alpha)
         marks.append(("resident", time.perf_counter()))
         o_c, lse_c = ops.wait_gather(handle, marks[-1][1] - t_acc)
         marks.append(("wait", time.perf_counter()))
@@ -571,6 +578,8 @@ class CompressedLayer:
         marks.append(("submit", t_acc))
         o_r, lse_r = self._resident_partial(s_r)
         lazy = [o_r, lse_r]
+        if self._update:
+            self.journal.record(self.n, "step", (self.n, q, rep, self.steps))
         if self.acc is not None and self._update:  # one kernel pass on a GPU (metal/h2o_acc.h)
             self.acc = metal.acc_update(self.acc, z, sel.m, sel.s, self.n, rep, cfg.ema_alpha)
             lazy.append(self.acc)
@@ -611,6 +620,7 @@ class CompressedLayer:
         o, lse = self._combine(o_r.reshape(Hq, -1), lse_r, o_s.reshape(Hq, -1),
                                lse_s.reshape(Hq), sinks, Hq)
         lazy = [o, self._pending]
+        self.journal.record(self.n, "step", (self.n, q, rep, self.steps))
         if self.acc is not None:
             self.acc = metal.acc_update(self.acc, z, sel.m, sel.s, self.n, rep, cfg.ema_alpha)
             lazy.append(self.acc)
@@ -742,6 +752,8 @@ class CompressedLayer:
                 queries, k.astype(queries.dtype), v.astype(queries.dtype), scale=scale,
                 mask="causal", sinks=sinks)
         if self._update:
+            self.journal.record(self.n, "chunk", (self.local_start, self.local_k, self.local_v,
+                                                  self._prev_local))
             self._prev_local = (self.local_start, self.local_k, self.local_v)
             self.local_k = keys[0].astype(self.dtype)
             self.local_v = values[0].astype(self.dtype)
@@ -757,27 +769,71 @@ class CompressedLayer:
 
     def end_prefill(self):
         """Decoding starts: the prefill-only blocks (anchor, local) leave the accelerator."""
+        self.journal.record(self.n, "prefill_end", (self.local_start, self.local_k, self.local_v,
+                                                    self._prev_local, self.anchor_k,
+                                                    self.anchor_v))
         self.anchor_k = self.anchor_v = self.local_k = self.local_v = None
         self._prev_local = (0, None, None)
+
+    def restore_blocks(self, payload):
+        """Undo a chunk's or the decode start's change of the block-wise prefill's blocks."""
+        self.local_start, self.local_k, self.local_v, self._prev_local = payload[:4]
+        if len(payload) > 4:
+            self.anchor_k, self.anchor_v = payload[4:]
+
+    def step_scores(self, q: mx.array, rep: int):
+        """A decode step's scores z (every token; the resident ones exact) and their softmax
+        max m and sum s per query head, recomputed for the layer as it is (tiered.undo)."""
+        H, d = self.H, q.shape[-1]
+        Hq = q.shape[0]
+        s_r = self._resident_scores(q.reshape(H, rep, d))
+        if not self.numpy_path:
+            z, sel = self._select_device(q, s_r, Hq, rep)
+            return z, sel.m, sel.s
+        mx.eval(q, s_r)
+        z = self._scores_with_resident(q, np.array(q), s_r, rep)
+        cap, floor = self._cap(self.n)
+        _, _, m, ssum, _ = ops.select(z, self._flags_np[:, : self.n], self.config.tau, cap,
+                                      floor, rep)
+        return z, m, ssum
+
+    def _scores_with_resident(self, q, q_np, s_r, rep):
+        """numpy scores (Hq, n) from the codes, the resident tokens' replaced by their exact
+        scores s_r (they enter the policy's softmax exactly)."""
+        z = self.keys.scores(q, self.n, rep, q_np)
+        tok = self._res_tok_np
+        s_np = np.array(s_r).reshape(z.shape[0], -1)
+        for h in range(z.shape[0]):
+            valid = tok[h // rep] >= 0
+            z[h, tok[h // rep][valid]] = s_np[h][valid]
+        return z
 
     # ---- trim and persistence --------------------------------------------------------------
     def is_trimmable(self) -> bool:
         return True
 
     def trim(self, n_trim: int) -> int:
+        """Give back the last n_trim tokens: undone through the journal (tiered.undo), so that
+        feeding them again reproduces the first feed; past the journal, the tokens go and the
+        resident set is rebuilt from the policy."""
         n_trim = min(n_trim, self.n)
-        self.parent._flush()
+        target = self.n - n_trim
         self._spill_reset()  # the spill may hold trimmed tokens: the next update drops them
-        self.n -= n_trim
-        self.parent.host.truncate(self.n)
-        tok = self._res_tok_np
-        tok[tok >= self.n] = -1
-        self.res_tok = mx.array(tok)
+        self.parent._drop_pending_after(target)
+        exact = undo.undo(self, target)
+        self.n = target
+        self.parent.host.truncate(min(target, self.parent.host.length))
+        if not exact:
+            tok = self._res_tok_np
+            tok[tok >= target] = -1
+            self.res_tok = mx.array(tok)
         if self.numpy_path:
-            self._flags_np[:, self.n :] = 0
+            self._flags_np[:, target:] = 0
         else:
-            self.flags[:, self.n :] = 0
-        self._rebuild_resident()
+            self.flags[:, target:] = 0
+        if not exact:
+            self._rebuild_resident()
+            self.journal.forget(target)
         return n_trim
 
     def state(self) -> dict:
@@ -817,6 +873,7 @@ class CompressedLayer:
             store = CodebookKeys.from_state(ks, H, plan.step, _numpy_path(parent.config))
         self = cls(parent, plan, store, cap)
         self.n, self.steps = n, int(st["steps"])
+        self.journal = undo.Journal(n, parent.config.undo_tokens)
         self.scale = None if st["scale"] < 0 else float(st["scale"])
         if self.numpy_path:
             self._flags_np[:, :n] = np.array(st["flags"])

@@ -136,6 +136,7 @@ class TieredConfig:
     recent: int = 64
     ema_alpha: float = 0.95
     refresh_every: int = 16  # decode steps between promotions / demotions
+    undo_tokens: int = 64  # tokens trim() can give back exactly (tiered.undo); 0: none
     # Accelerator path: attend the previous step's offloaded selection (and each selected
     # token's successor) from a device buffer the CPU workers keep up to date, instead of
     # waiting per layer for this step's gather. No sync inside a step; the buffer (2 x
@@ -149,7 +150,7 @@ class TieredConfig:
     host_budget: int | str | None = None  # host RAM for pages; beyond it they go to disk_dir
     disk_dir: str | None = None  # default: the system temp directory
     disk_budget: int | str | None = None  # cap on disk-tier bytes (None: the disk's free space)
-    keep_disk: bool = False  # keep page files after close (for reopening a saved state)
+    keep_disk: bool = False  # no effect since tiered 0.2: page files are anonymous, saves copy them
     verify_pages: bool = False  # check disk pages' CRC32 on every read (debug; also TIERED_DEBUG=1)
     # prefill and calibration
     # None: a layer compresses once a compressed layout meets gpu_budget (tiered.layout); an
@@ -210,6 +211,7 @@ class TieredConfig:
         if not (isinstance(self.ema_alpha, (int, float)) and 0 <= self.ema_alpha < 1):
             raise ValueError(f"Invalid ema_alpha: {self.ema_alpha!r} (expected 0 <= alpha < 1)")
         self._int("refresh_every", 1)
+        self._int("undo_tokens", 0)
         self._int("page_size", 1)
         if self.page_size & (self.page_size - 1):
             raise ValueError(f"Invalid page_size: {self.page_size!r} (expected a power of two)")

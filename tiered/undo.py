@@ -1,0 +1,187 @@
+"""Undo journal of a compressed layer: what ``trim`` needs to give the last tokens back exactly.
+
+A compressed layer changes more than its token count when tokens come in: the recent ring
+overwrites resident slots, a decode step moves the H2O accumulators, every ``refresh_every``
+steps the resident set is rebuilt, a prompt chunk replaces the local block. ``trim(n)`` then
+feeding the same n tokens must reproduce the first feed, so each change is journaled with what
+it overwrote, and trim undoes the entries of the trimmed tokens, newest first:
+
+- ``append``: the ring slots written, the tokens and K/V rows they held (restored as they were);
+- ``step``: the step's scaled query. The accumulator update acc = alpha acc + (1 - alpha) p
+  is inverted with p recomputed from that query over the same codes and resident set (the
+  journal restores those first): equal up to float rounding;
+- ``refresh``: the resident token ids before it, and the K/V rows of the tokens it demoted
+  (the promoted ones are dropped again): restored exactly;
+- ``chunk`` / ``prefill_end``: the block-wise prefill's blocks before the change.
+
+Only the last ``undo_tokens`` tokens are journaled (a trim reaching further back, or past the
+compression, rebuilds the resident set from the policy, as a refresh does, and says so once).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import numpy as np
+
+log = logging.getLogger("tiered")
+
+
+class Journal:
+    def __init__(self, n: int, limit: int):
+        self.entries: list[tuple[int, str, tuple]] = []  # (n after the change, kind, payload)
+        self.horizon = n  # the smallest token count a trim can restore exactly
+        self.limit = limit
+        self.warned = False
+
+    def record(self, n_after: int, kind: str, payload: tuple) -> None:
+        if self.limit <= 0:
+            self.horizon = max(self.horizon, n_after)
+            return
+        self.entries.append((n_after, kind, payload))
+        while self.entries and self.entries[0][0] <= n_after - self.limit:
+            self.horizon = max(self.horizon, self.entries.pop(0)[0])
+
+    def covers(self, n_target: int) -> bool:
+        return n_target >= self.horizon
+
+    def pop_after(self, n_target: int):
+        """Entries newer than n_target tokens, newest first (removed from the journal)."""
+        while self.entries and self.entries[-1][0] > n_target:
+            yield self.entries.pop()
+
+    def forget(self, n: int) -> None:
+        """Nothing before n tokens can be restored any more (a fallback rebuild happened)."""
+        self.entries.clear()
+        self.horizon = n
+
+
+def _slot_index(slots):
+    """A static slice for one slot (no index array: on a GPU each costs an upload)."""
+    slots = np.asarray(slots, np.int32)
+    if slots.size == 1:
+        return slice(int(slots[0]), int(slots[0]) + 1)
+    return mx.array(slots)
+
+
+def ring_rows(layer, slots) -> tuple:
+    """What a ring insert into ``slots`` overwrites: token ids (H, m) and K/V rows (lazy
+    views of the arrays as they are now)."""
+    idx = _slot_index(slots)
+    return layer._res_tok_np[:, slots].copy(), layer.res_k[:, idx], layer.res_v[:, idx]
+
+
+def undo_append(layer, n0: int, slots, old_tok, old_k, old_v) -> None:
+    idx = _slot_index(slots)
+    layer.res_k[:, idx] = old_k
+    layer.res_v[:, idx] = old_v
+    layer._res_tok_np[:, slots] = old_tok
+    layer.res_tok = mx.array(layer._res_tok_np)
+    layer.n = n0
+    _flags_from_resident(layer)
+
+
+def demoted_rows(layer, new_tok: np.ndarray) -> tuple:
+    """Before a refresh to ``new_tok``: the old ids and the K/V rows of the tokens it drops."""
+    old = layer._res_tok_np
+    H = old.shape[0]
+    gone = [np.flatnonzero((old[h] >= 0) & ~np.isin(old[h], new_tok[h])) for h in range(H)]
+    m = max((len(g) for g in gone), default=0)
+    slots = np.zeros((H, m), np.int32)
+    for h, g in enumerate(gone):
+        slots[h, : len(g)] = g
+    idx = mx.array(slots)[..., None]
+    rows_k = mx.take_along_axis(layer.res_k, idx, axis=1)
+    rows_v = mx.take_along_axis(layer.res_v, idx, axis=1)
+    toks = np.take_along_axis(old, slots, axis=1)
+    for h, g in enumerate(gone):
+        toks[h, len(g):] = -1
+    mx.eval(rows_k, rows_v)
+    return old.copy(), layer.S_eff, layer.W_eff, toks, rows_k, rows_v
+
+
+def undo_refresh(layer, old_tok, S_eff, W_eff, toks, rows_k, rows_v) -> None:
+    """The resident set as it was: kept rows from the current set, demoted ones from the
+    journal."""
+    H, R = old_tok.shape
+    cur = layer._res_tok_np
+    src = np.zeros((H, R), np.int32)
+    for h in range(H):
+        pool = np.concatenate([cur[h], toks[h]])
+        for j, t in enumerate(old_tok[h]):
+            if t < 0:
+                continue
+            where = np.flatnonzero(pool == t)
+            src[h, j] = where[0]
+    idx = mx.array(src)[..., None]
+    k = mx.take_along_axis(mx.concatenate([layer.res_k, rows_k], axis=1), idx, axis=1)
+    v = mx.take_along_axis(mx.concatenate([layer.res_v, rows_v], axis=1), idx, axis=1)
+    valid = mx.array(old_tok >= 0)[..., None]
+    k, v = mx.where(valid, k, 0), mx.where(valid, v, 0)
+    mx.eval(k, v)
+    layer.S_eff, layer.W_eff = S_eff, W_eff
+    layer._set_resident(k, v, old_tok)
+    _flags_from_resident(layer)
+
+
+def undo_step(layer, n: int, q: mx.array, rep: int, steps: int) -> None:
+    """Invert a decode step's accumulator update (see the module docstring)."""
+    layer.steps = steps
+    stats = layer.parent.stats
+    if stats.decode_steps:
+        stats.decode_steps -= 1
+        for lst in (stats.selected, stats.live, stats.resident_mass):
+            if lst:
+                lst.pop()
+    if layer.acc is None:
+        return
+    alpha = layer.config.ema_alpha
+    z, m, s = layer.step_scores(q, rep)
+    H = layer.H
+    if layer.numpy_path:
+        zz = z[:, :n].astype(np.float64)
+        inv = np.where(s > 0, (1.0 - alpha) / (rep * np.maximum(s, 1e-30)), 0.0)
+        p = (np.exp(zz - m[:, None].astype(np.float64)) * inv[:, None]).reshape(H, rep, n).sum(1)
+        acc = layer._acc_np
+        acc[:, :n] = ((acc[:, :n].astype(np.float64) - p) / alpha).astype(np.float32)
+        return
+    p = mx.exp(z[:, :n] - m[:, None]) / s[:, None]
+    p = (1 - alpha) * p.reshape(H, rep, n).mean(axis=1)
+    layer.acc[:, :n] = (layer.acc[:, :n] - p) / alpha
+
+
+def _flags_from_resident(layer) -> None:
+    """flags[h, t] = 1 exactly where token t is resident for head h (the layer's invariant)."""
+    H, n = layer.H, layer.n
+    flags = np.zeros((H, n), np.uint8)
+    tok = layer._res_tok_np
+    for h in range(H):
+        t = tok[h][(tok[h] >= 0) & (tok[h] < n)]
+        flags[h, t] = 1
+    if layer.numpy_path:
+        layer._flags_np[:, :n] = flags
+    else:
+        layer.flags[:, :n] = mx.array(flags)
+
+
+def undo(layer, n_target: int) -> bool:
+    """Undo every change newer than n_target tokens; False when the journal does not reach
+    back that far (nothing is undone then)."""
+    j = layer.journal
+    if not j.covers(n_target):
+        if not j.warned:
+            j.warned = True
+            log.warning("tiered: layer %d trimmed back past its undo journal (%d tokens): the "
+                        "resident set is rebuilt from the policy", layer.parent.layer, j.limit)
+        return False
+    for _, kind, payload in j.pop_after(n_target):
+        if kind == "append":
+            undo_append(layer, *payload)
+        elif kind == "step":
+            undo_step(layer, *payload)
+        elif kind == "refresh":
+            undo_refresh(layer, *payload)
+        elif kind in ("chunk", "prefill_end"):
+            layer.restore_blocks(payload)
+    return True
