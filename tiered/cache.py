@@ -97,6 +97,7 @@ class TieredCache(_BaseCache):
         self._fresh = False  # update_and_fetch since the last attention call
         self._returned = None  # shapes update_and_fetch returned last
         self._new = None  # the keys/values update_and_fetch stored last
+        self._finite_checks: list = []  # GPU path: queued door checks (see _door)
 
     # ---- the mlx-lm cache contract ---------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array):
@@ -108,20 +109,29 @@ class TieredCache(_BaseCache):
         """
         self._require_open()
         self._validate(keys, values)
-        L = keys.shape[2]
-        if self.phase == "compressed":
-            self._require_routing()
-            self._check_room(L)
-            out = self.compressed.append(keys, values)
-            self.offset += L
-        else:
-            if not self.config.exact and self.exact_reason is None:
-                self._require_routing()  # it may compress at any step: attention must reach it
-            if self._geometry is None:
-                self._geometry = (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3],
-                                  keys.dtype)
-            self._check_room(L)
-            out = self._append_exact(keys, values)
+        L, before, first = keys.shape[2], self.offset, self._geometry is None
+        try:
+            if self.phase == "compressed":
+                self._require_routing()
+                self._check_room(L)
+                self._preflight(L)
+                self._door(keys, values)
+                out = self.compressed.append(keys, values)
+                self.offset += L
+            else:
+                if not self.config.exact and self.exact_reason is None:
+                    self._require_routing()  # it may compress at any step: attention must reach it
+                if first:
+                    self._geometry = (keys.shape[0], keys.shape[1], keys.shape[3],
+                                      values.shape[3], keys.dtype)
+                self._check_room(L)
+                self._preflight(L)
+                out = self._append_exact(keys, values)
+        except BaseException:
+            if first and self.offset == before:
+                self._geometry = None
+            self.context.abort_step(self, before, L)  # the step is applied whole or not at all
+            raise
         # attention reads the new tokens once (contract check, compression of a chunk); the
         # reference goes right after, so the chunk's K/V are not held past the layer
         self._fresh = True
@@ -170,6 +180,31 @@ class TieredCache(_BaseCache):
                 )
             if keys.dtype != dtype:
                 raise ValueError(f"Invalid dtype of keys: this cache holds {dtype}, got {keys.dtype}")
+
+    def _door(self, keys, values):
+        """Non-finite keys or values never enter the compressed tiers (one NaN key would make
+        every score of its head NaN): a ValueError naming the layer, before anything changes.
+        On the CPU backend the check is immediate (the arrays are read anyway); on a GPU it is
+        queued with the step and read where the tokens reach the host (a sync of its own per
+        layer and token would cost more than the step: see issue 24)."""
+        ok = mx.isfinite(keys).all() & mx.isfinite(values).all()
+        if ops.on_cpu_backend():
+            if not ok.item():
+                raise ValueError(self._non_finite(self.offset, keys.shape[2]))
+        else:
+            self._finite_checks.append((self.offset, keys.shape[2], ok))
+
+    def _non_finite(self, start: int, L: int) -> str:
+        return (f"layer {self.layer}: non-finite keys or values (NaN or Inf) at tokens "
+                f"[{start}, {start + L}); the compressed tiers refuse them (an fp16 overflow in "
+                "the model, or damaged weights?)")
+
+    def _check_finite_queued(self):
+        """The GPU path's queued checks (see _door), read when the tokens reach the host."""
+        checks, self._finite_checks = self._finite_checks, []
+        for start, L, ok in checks:
+            if not ok.item():
+                raise ValueError(self._non_finite(start, L))
 
     def _check_room(self, L: int):
         """An absolute budget: some layout must hold offset + L tokens (BudgetError before the
@@ -243,6 +278,9 @@ class TieredCache(_BaseCache):
         n = min(self.offset, max(0, int(n)))
         if n == 0:
             return 0
+        if n == self.offset and self.phase == "compressed":  # back to empty: a fresh start
+            self._drop_tiers()
+            return n
         if self.phase == "compressed":
             n = self.compressed.trim(n)
             self.offset -= n
@@ -304,8 +342,19 @@ class TieredCache(_BaseCache):
     def attention(self, queries, keys, values, *, scale, mask, sinks=None):
         """Attention for this layer; ``keys``/``values`` are what update_and_fetch returned
         (or, for a layer sharing this cache, what keys_and_values returned: that call reads
-        the tiers without changing them)."""
+        the tiers without changing them). If it fails, every layer of the model that took this
+        step's tokens gives them back (the step is applied whole or not at all)."""
         self._require_open()
+        fresh = self._fresh
+        try:
+            return self._attention(queries, keys, values, scale, mask, sinks)
+        except BaseException:
+            if fresh:
+                L = queries.shape[2]
+                self.context.abort_step(self, self.offset - L, L)
+            raise
+
+    def _attention(self, queries, keys, values, scale, mask, sinks):
         fresh, self._fresh = self._fresh, False
         new, self._new = self._new, None
         L = queries.shape[2]
@@ -344,12 +393,18 @@ class TieredCache(_BaseCache):
             log.warning("tiered: layer %d stays exact (full cache): %s", self.layer, why)
 
     def _wants_compression(self, L: int) -> bool:
-        if self.config.exact or self.exact_reason is not None:
+        return self._compresses_at(self.offset, L)
+
+    def _compresses_at(self, n: int, L: int) -> bool:
+        """Whether an exact layer holding n tokens (this step's L included) compresses now:
+        at a decode step, or a prompt beyond prefill_window (or the absolute budget), once a
+        compressed layout holds n tokens within the budget."""
+        if self.config.exact or self.exact_reason is not None or self._geometry[0] != 1:
             return False
-        n = self.offset
         absolute = self.config.budget_fraction is None
+        full = self.context.geometry_for(self).full_bytes(n) / max(self.context.layers, 1)
         if not (L == 1 or n > self.config.prefill_window or
-                (absolute and self.keys.nbytes > self.config.gpu_budget / self.context.layers)):
+                (absolute and full > self.config.gpu_budget / max(self.context.layers, 1))):
             return False
         return self.context.layout_at(self, n) is not None
 
@@ -422,15 +477,18 @@ class TieredCache(_BaseCache):
         return HostStore(
             H, dk, value_dim=dv, page_size=cfg.page_size, dtype=cfg.host_dtype,
             keys=cfg.host_keys, batch=B, pages_per_block=ppb, budget=self.context.host_budget,
-            disk_dir=cfg.disk_dir, keep_disk=cfg.keep_disk,
-            disk_budget=self.context.disk_budget, name=f"layer{self.layer}",
+            disk_dir=cfg.disk_dir, disk_budget=self.context.disk_budget,
+            name=f"layer{self.layer}",
         )
 
     def _flush(self):
+        """The write-behind queue into the host pages, all or nothing (a full disk tier leaves
+        the queue and the pages as they were)."""
         if not self._pending:
             return
         if self.compressed is not None and hasattr(self.compressed, "spill_join"):
             self.compressed.spill_join()  # a lookahead move reading these pages finishes first
+        self._check_finite_queued()
         if self.host is None:
             self.host = self._new_host()
         ks = [k for k, _ in self._pending]
@@ -438,19 +496,69 @@ class TieredCache(_BaseCache):
         k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
         v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
         k, v = _to_numpy(k), _to_numpy(v)
+        self.host.append(v, k if self.config.host_keys else None)
         self._pending.clear()
         self._pending_tokens = 0
-        self.host.append(v, k if self.config.host_keys else None)
+
+    def _drop_pending_after(self, n: int) -> None:
+        """Trim the write-behind queue and the host pages to the first n tokens."""
+        host_len = self.host.length if self.host is not None else 0
+        keep = max(0, n - host_len)
+        kept, total = [], 0
+        for k, v in self._pending:
+            take = min(k.shape[2], keep - total)
+            if take <= 0:
+                break
+            kept.append((k[..., :take, :], v[..., :take, :]))
+            total += take
+        self._pending, self._pending_tokens = kept, total
+        if self.host is not None and host_len > n:
+            self.host.truncate(n)
+
+    def _host_bytes_for(self, L: int) -> int:
+        """Host bytes (RAM or disk) this layer allocates for a step of L tokens."""
+        if self.phase == "compressed":
+            if self.host is None:
+                return 0
+            return self.host.bytes_to_append(self._pending_tokens + L)
+        if not self._compresses_at(self.offset + L, L):
+            return 0  # stays exact: nothing goes to the host
+        return self._new_host(self.offset + L).bytes_to_append(self.offset + L)
+
+    def _preflight(self, L: int):
+        """DiskTierError before anything changes when the host budget and the disk tier
+        cannot take what every tiered layer writes at this step (the first layer of a step
+        checks for all of them: the same geometry, the same tokens)."""
+        ctx = self.context
+        if ctx.host_budget.limit is None:
+            return  # no host budget: no disk tier
+        from .cpu.disk import disk_room
+
+        need = self._host_bytes_for(L)
+        if need == 0:
+            return
+        layers = ctx.layers_to_step(self)
+        room = max(0, ctx.host_budget.limit - ctx.host_budget.used)
+        to_disk = max(0, need * layers - room)
+        if to_disk:
+            disk_room(self.config.disk_dir, to_disk, ctx.disk_budget)
 
     def _to_host(self, keys: mx.array, values: mx.array):
         """The exact phase's K/V into fresh host pages, a few thousand tokens per pass (the
         host holds nothing of the exact phase: leaving it is the one copy)."""
         n = keys.shape[2]
-        self.host = self._new_host(n)
-        for i in range(0, n, HOST_COPY_TOKENS):
-            k = _to_numpy(keys[..., i : i + HOST_COPY_TOKENS, :])
-            v = _to_numpy(values[..., i : i + HOST_COPY_TOKENS, :])
-            self.host.append(v, k if self.config.host_keys else None)
+        host = self._new_host(n)
+        try:
+            for i in range(0, n, HOST_COPY_TOKENS):
+                k = _to_numpy(keys[..., i : i + HOST_COPY_TOKENS, :])
+                v = _to_numpy(values[..., i : i + HOST_COPY_TOKENS, :])
+                if not (np.isfinite(k).all() and np.isfinite(v).all()):
+                    raise ValueError(self._non_finite(i, k.shape[2]))
+                host.append(v, k if self.config.host_keys else None)
+        except BaseException:
+            host.close()  # nothing half-made stays: the layer is still exact
+            raise
+        self.host = host
 
     def tier_bytes(self) -> dict:
         """Bytes per tier, measured from the arrays this layer holds. ``transient``: the part of
@@ -520,16 +628,24 @@ class TieredCache(_BaseCache):
         rep = Hq // self._geometry[1]
         seed = ops.h2o_seed(obs[0] if obs is not None else None, keys[0], scale,
                             self._colmass, rep)
-        self._colmass = self._obs = None
+        # All or nothing: a failure (disk tier full, non-finite K/V) leaves the layer exact.
         if plan.codec == "none":
             from .h2o import H2OLayer
 
-            self.compressed = H2OLayer.from_exact(self, plan, keys, values, seed)
+            compressed = H2OLayer.from_exact(self, plan, keys, values, seed)
         else:
             self._to_host(keys, values)
-            codebook = self.context.codebook_for(self, keys) if plan.codec == "codebook" else None
-            self.compressed = CompressedLayer.from_exact(self, plan, codebook, keys, values,
-                                                         seed, scale, chunk=chunk)
+            try:
+                codebook = (self.context.codebook_for(self, keys) if plan.codec == "codebook"
+                            else None)
+                compressed = CompressedLayer.from_exact(self, plan, codebook, keys, values,
+                                                        seed, scale, chunk=chunk)
+            except BaseException:
+                self.host.close()
+                self.host = None
+                raise
+        self.compressed = compressed
+        self._colmass = self._obs = None
         self.phase = "compressed"
         self.keys = self.values = None
 
@@ -554,6 +670,17 @@ class TieredCache(_BaseCache):
         if self.closed:
             raise ValueError(f"TieredCache layer {self.layer} was closed; make a new cache "
                              "(TieredCache.for_model) or load a saved one")
+
+    def _drop_tiers(self):
+        """Forget every token (trim to 0): the layer is as new, its budgets given back."""
+        if self.compressed is not None and hasattr(self.compressed, "spill_join"):
+            self.compressed.spill_join()
+        if self.host is not None:
+            self.host.close()
+        geometry = self._geometry
+        self._reset_storage()
+        self._geometry = geometry
+        self.offset = 0
 
     def close(self):
         """Release this layer's host pages and page files; using it afterwards is an error."""

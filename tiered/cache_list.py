@@ -86,6 +86,10 @@ def for_model(cls, model, gpu_budget=0.125, *, install: bool = True, tokenizer=N
             tiered.append(i)
     context = SharedContext(cfg, layers=len(tiered), model=model)
     context.check_budget()
+    if tiered and not cfg.exact and (cfg.host_budget is not None or cfg.disk_budget is not None):
+        from .cpu.disk import disk_room
+
+        disk_room(cfg.disk_dir, cfg.disk_budget or 0)  # writable, and room for its budget
     if cfg.calibration != "self" and not cfg.exact and tiered:
         context.calibrate_from_text(model, tokenizer or getattr(model, "tiered_tokenizer", None),
                                     tiered)
@@ -105,27 +109,31 @@ def for_model(cls, model, gpu_budget=0.125, *, install: bool = True, tokenizer=N
     return result
 
 
-def relink(caches, context=None) -> "TieredCacheList":
+def relink(caches, context=None, *, config=None, kept=None) -> "TieredCacheList":
     """Caches loaded layer by layer (each TieredCache with a context of its own) as one
     TieredCacheList whose tiered layers share ``context`` (a new one from the first layer's
-    config when None): the plan, the CPU workers and the host budget are the model's again."""
+    config when None): the plan, the CPU workers and the host budget are the model's again.
+    ``config``: the options the layers run with from now on (a load's runtime overrides)."""
     from .cache import TieredCache
 
     tiered = [i for i, c in enumerate(caches) if isinstance(c, TieredCache)]
+    kept = kept if kept is not None else [
+        (i, type(c).__name__) for i, c in enumerate(caches) if i not in tiered]
     if not tiered:
-        return TieredCacheList(caches, config=TieredConfig(), tiered_layers=[], kept_layers=[
-            (i, type(c).__name__) for i, c in enumerate(caches)])
-    first = caches[tiered[0]]
-    ctx = context or SharedContext(first.config, layers=len(tiered))
+        return TieredCacheList(caches, config=config or TieredConfig(), tiered_layers=[],
+                               kept_layers=kept)
+    config = config or caches[tiered[0]].config
+    ctx = context or SharedContext(config, layers=len(tiered))
     for i in tiered:
         c = caches[i]
         ctx.plan = ctx.plan or c.context.plan
         ctx.q_heads = ctx.q_heads or c.context.q_heads
-        c.context = ctx
+        c.context, c.config = ctx, config
+        if c.compressed is not None:
+            c.compressed.config = config
         if c.host is not None:
-            c.host.rebudget(ctx.host_budget, ctx.disk_budget)
-    kept = [(i, type(c).__name__) for i, c in enumerate(caches) if i not in tiered]
-    return TieredCacheList(caches, config=first.config, tiered_layers=tiered, kept_layers=kept,
+            c.host.rebudget(ctx.host_budget, ctx.disk_budget, disk_dir=config.disk_dir)
+    return TieredCacheList(caches, config=config, tiered_layers=tiered, kept_layers=kept,
                            context=ctx)
 
 
@@ -138,6 +146,8 @@ class TieredCacheList(list):
         self.tiered_layers = list(tiered_layers)
         self.kept_layers = list(kept_layers)
         self.context = context
+        if context is not None:
+            context.bind(self)
 
     @property
     def plan(self):

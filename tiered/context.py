@@ -84,8 +84,40 @@ class SharedContext:
         from tiered.cpu.disk import HostBudget
 
         self._threshold = None  # (length,) once computed
+        self._caches = None  # weakref to the TieredCacheList (abort_step)
         self.host_budget = HostBudget(config.host_budget)
         self.disk_budget = HostBudget(config.disk_budget) if config.disk_budget else None
+
+    # ---- the steps of the model's layers ---------------------------------------------------
+    def bind(self, caches) -> None:
+        """The caches of the model (a TieredCacheList) this context serves, weakly."""
+        self._caches = weakref.ref(caches)
+
+    def _bound(self) -> list:
+        caches = self._caches() if self._caches is not None else None
+        return list(caches) if caches is not None else []
+
+    def layers_to_step(self, layer) -> int:
+        """Tiered layers that have not yet taken the step ``layer`` is taking (itself
+        included): the ones at its offset. 1 when the caches are not known."""
+        peers = [c for c in self._bound() if hasattr(c, "phase") and not c.closed]
+        if not peers:
+            return 1
+        return sum(1 for c in peers if c.offset == layer.offset)
+
+    def abort_step(self, layer, before: int, L: int) -> None:
+        """A step of L tokens from ``before`` failed in ``layer``: every cache of the model that
+        took it gives it back (trim), so the caller can run the same step again."""
+        caches = self._bound() or [layer]
+        for c in caches:
+            if getattr(c, "offset", None) != before + L or not c.is_trimmable():
+                continue
+            try:
+                c.trim(L)
+            except Exception:  # noqa: BLE001  (keep rolling back the others)
+                pass
+            if hasattr(c, "_fresh"):
+                c._fresh, c._new = False, None
 
     # ---- lookahead -------------------------------------------------------------------------
     def register_lookahead(self, layer: int, compressed):
@@ -124,7 +156,12 @@ class SharedContext:
         """The layout of ``layer`` at n tokens (None: exact); the shared plan once made."""
         if self.plan is not None:
             return self.plan
-        return layout.layout_at(self.geometry_for(layer), self.config, n)
+        cfg = self.config
+        if cfg.budget_fraction is not None and cfg.compress_from is None:
+            t = self.threshold(layer)
+            if t is None or n < t:
+                return None  # below the threshold (or in its sawtooth): exact
+        return layout.layout_at(self.geometry_for(layer), cfg, n)
 
     def threshold(self, layer) -> int | None:
         """First length at which the layer compresses (fractions: the compression threshold;

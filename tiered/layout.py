@@ -27,6 +27,7 @@ import dataclasses
 from .planner import MIN_HEAVY, BudgetError, Geometry, Plan, _fmt_bytes, make_plan
 
 MAX_TOKENS = 1 << 24  # lengths searched for a fraction's compression threshold
+STABLE_SPAN = 1024  # lengths past the threshold that must all fit (buffers grow in blocks of 256)
 
 
 def horizon(config) -> int:
@@ -121,9 +122,14 @@ def refusal(geometry: Geometry, config, n: int) -> str:
 
 
 def compression_threshold(geometry: Geometry, config) -> int | None:
-    """The smallest length at which a fractional budget is met by a compressed layout
-    (None: at no length up to MAX_TOKENS). Feasibility grows with n (the budget grows linearly,
-    the codebooks are a constant), so a binary search finds the first feasible length."""
+    """The length from which a fractional budget is met by a compressed layout (None: at no
+    length up to MAX_TOKENS).
+
+    Feasibility is not monotone near the threshold: the budget grows linearly with n while the
+    buffers grow in blocks, so a layout that fits at n can miss at n + 1 when a block is added
+    (a sawtooth). A binary search finds a feasible length; the threshold is then the first length
+    from which every length of the next STABLE_SPAN fits, so a layer that reaches it compresses
+    once and does not fall back into the sawtooth."""
     if config.exact or config.budget_fraction is None:
         return None
     if compressed_plan(geometry, config, MAX_TOKENS) is None:
@@ -135,7 +141,13 @@ def compression_threshold(geometry: Geometry, config) -> int | None:
             lo = mid
         else:
             hi = mid
-    return hi
+    n = hi
+    m = n
+    while m < min(n + STABLE_SPAN, MAX_TOKENS):
+        m += 1
+        if compressed_plan(geometry, config, m) is None:
+            n = m + 1  # a dip: start again after it
+    return n
 
 
 def check_fraction(geometry: Geometry, config) -> None:
