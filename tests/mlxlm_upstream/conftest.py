@@ -54,7 +54,8 @@ def _upstream(item):
 def pytest_collection_modifyitems(config, items):
     use_known = os.environ.get("TIERED_UPSTREAM_KNOWN", "1") != "0"
     known = record.load_known() if use_known else {}
-    budget_is_default = swap.compress_budget_text() == swap.DEFAULT_COMPRESS_BUDGET
+    compress_is_default = swap.compress_settings() == (swap.DEFAULT_COMPRESS_BUDGET,
+                                                       swap.DEFAULT_COMPRESS_FROM)
     full = os.environ.get("TIERED_UPSTREAM") == "full" or bool(config.option.markexpr)
     keep, drop = [], []
     for item in items:
@@ -66,8 +67,8 @@ def pytest_collection_modifyitems(config, items):
         slow = test not in SAMPLE.get(stem, ())
         if slow:
             item.add_marker(pytest.mark.slow)
-        # The list was made at the default compressing budget; another budget runs raw.
-        if mode.name != "compress" or budget_is_default:
+        # The list was made with the default compressing settings; other settings run raw.
+        if mode.name != "compress" or compress_is_default:
             item.upstream_known = dict(known.get((stem, mode.name, test), {}))
         (drop if slow and not full else keep).append(item)
     if drop:
@@ -151,8 +152,8 @@ def pytest_runtest_makereport(item, call):
             rep.longrepr = (f"known failure {missing} of {up[2]} ({up[1].name}) no longer occurs: "
                             f"remove it from {record.KNOWN_FAILURES.name}")
             phases[-1] = record.phase(call.when, rep, None, root=root)
-        _write_record(item, up, phases, _subtest_contexts.pop(item.nodeid, []),
-                      tiered_layers=swap.Tally.count)
+        _write_record(item, up, phases, _subtest_contexts.pop(item.nodeid, []))
+        swap.Tally.reset()  # its caches go now, not when the next test starts
     return rep
 
 
@@ -164,7 +165,7 @@ def pytest_runtest_logreport(report):
         _subtest_contexts.setdefault(report.nodeid, []).append(label)
 
 
-def _write_record(item, up, phases, contexts, *, tiered_layers):
+def _write_record(item, up, phases, contexts):
     path = os.environ.get("TIERED_UPSTREAM_RESULTS")
     if not path:
         return
@@ -172,11 +173,13 @@ def _write_record(item, up, phases, contexts, *, tiered_layers):
     comparisons = getattr(item, "upstream_comparisons", None) or []
     diffs = [d for _, d in comparisons if d is not None]
     failed = [d for ok, d in comparisons if not ok and d is not None]
-    row = {"file": stem, "mode": mode.name, "budget": mode.budget, "test": test,
+    built, compressed = swap.Tally.counts()
+    row = {"file": stem, "mode": mode.name, "budget": mode.budget,
+           "options": dict(mode.options), "test": test,
            **record.summarize(phases, contexts),
            "comparisons": len(comparisons), "max_abs_diff": max(diffs, default=None),
            "max_abs_diff_failed": max(failed, default=None),
-           "tiered_layers": tiered_layers,
+           "tiered_layers": built, "compressed_layers": compressed,
            "duration_s": round(sum(p["duration"] for p in phases), 3)}
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")

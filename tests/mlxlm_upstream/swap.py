@@ -5,11 +5,13 @@ and only names that module looks up are rebound; no test body changes, every ass
 
 - ``load`` (``mlx_lm.utils.load`` of a Hub repository) -> the embedded model, in every mode;
   small random-weight models that tests build themselves stay as they are.
-- ``KVCache`` -> a stand-in whose construction is ``TieredCache(TieredConfig(gpu_budget=...))``
-  (after ``tiered.install()``, as a user of a single TieredCache must); class attributes such
+- ``KVCache`` -> a stand-in whose construction is ``TieredCache(TieredConfig(gpu_budget=...,
+  **options))`` (after ``tiered.install()``, as a user of a single TieredCache must); class
+  attributes such
   as ``merge`` are TieredCache's, and ``isinstance(x, KVCache)`` accepts either class, since
   models keep mlx-lm's ``KVCache`` in layers that tiered does not take.
-- ``make_prompt_cache(model)`` -> ``TieredCache.for_model(model, gpu_budget=...)``. A call with
+- ``make_prompt_cache(model)`` -> ``TieredCache.for_model(model, gpu_budget=..., **options)``.
+  A call with
   ``max_kv_size`` asks for mlx-lm's ``RotatingKVCache``, which tiered does not replace: it
   stays mlx-lm's.
 - test_generate.py builds no cache itself: generate / BatchGenerator make it inside mlx-lm, so
@@ -19,8 +21,9 @@ and only names that module looks up are rebound; no test body changes, every ass
   mlx-lm's own cache, and only what the test builds is tiered.
 
 Modes: ``baseline`` (mlx-lm's caches, the embedded model), ``exact`` (gpu_budget=1.0),
-``compress`` (``$TIERED_UPSTREAM_BUDGET``, default 0.125). ``$TIERED_UPSTREAM_MODES`` picks
-some of them (comma-separated).
+``compress`` (``$TIERED_UPSTREAM_BUDGET``, default "1GB", with ``compress_from`` =
+``$TIERED_UPSTREAM_COMPRESS_FROM``, default 1, "none" to leave it unset; see record.py). ``$TIERED_UPSTREAM_MODES``
+picks some of them (comma-separated).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import tiered
 from tiered import TieredCache, TieredConfig
 
 from . import src
-from .record import DEFAULT_COMPRESS_BUDGET, parse_budget
+from .record import DEFAULT_COMPRESS_BUDGET, DEFAULT_COMPRESS_FROM, parse_budget
 
 # Names inside mlx-lm that make the cache for an upstream test which never builds one itself.
 LIBRARY_SWAPS = {
@@ -52,19 +55,27 @@ LIBRARY_SWAPS = {
 class Mode:
     name: str
     budget: float | str | None  # None: mlx-lm's own caches
+    options: tuple = ()  # further TieredConfig options, as (name, value) pairs
 
     @property
     def tiered(self) -> bool:
         return self.budget is not None
 
+    def config(self) -> dict:
+        return {"gpu_budget": self.budget, **dict(self.options)}
 
-def compress_budget_text() -> str:
-    return os.environ.get("TIERED_UPSTREAM_BUDGET") or DEFAULT_COMPRESS_BUDGET
+
+def compress_settings() -> tuple[str, str]:
+    """(budget, compress_from) of the compressing mode, as given or by default."""
+    return (os.environ.get("TIERED_UPSTREAM_BUDGET") or DEFAULT_COMPRESS_BUDGET,
+            os.environ.get("TIERED_UPSTREAM_COMPRESS_FROM") or DEFAULT_COMPRESS_FROM)
 
 
 def all_modes() -> dict[str, Mode]:
+    budget, compress_from = compress_settings()
+    options = () if compress_from == "none" else (("compress_from", int(compress_from)),)
     return {m.name: m for m in (Mode("baseline", None), Mode("exact", 1.0),
-                                Mode("compress", parse_budget(compress_budget_text())))}
+                                Mode("compress", parse_budget(budget), options))}
 
 
 def selected_modes() -> list[Mode]:
@@ -80,17 +91,23 @@ def selected_modes() -> list[Mode]:
 # ---- stand-ins --------------------------------------------------------------------------------
 class Tally:
     """TieredCache layers the stand-ins built during the current test: a test that builds
-    none does not exercise the cache under test, and the table says so."""
+    none does not exercise the cache under test, and one whose layers never left the exact
+    phase did not exercise compression; the table says both."""
 
-    count = 0
+    caches: list = []
 
     @classmethod
     def reset(cls) -> None:
-        cls.count = 0
+        cls.caches = []
 
     @classmethod
-    def add(cls, n: int) -> None:
-        cls.count += n
+    def add(cls, caches) -> None:
+        cls.caches.extend(c for c in caches if isinstance(c, TieredCache))
+
+    @classmethod
+    def counts(cls) -> tuple[int, int]:
+        """(layers built, layers in the compressed phase now)."""
+        return len(cls.caches), sum(c.phase == "compressed" for c in cls.caches)
 
 
 def load_embedded(path_or_repo=None, *args, **kwargs):
@@ -118,29 +135,30 @@ class _KVCacheRole(type):
         return getattr(TieredCache, name)
 
 
-def kvcache_standin(budget):
+def kvcache_standin(mode: Mode):
     class KVCache(metaclass=_KVCacheRole):
-        """``KVCache()`` of an upstream test: one TieredCache layer at this mode's budget."""
+        """``KVCache()`` of an upstream test: one TieredCache layer in this mode."""
 
         def __new__(cls):
             # A TieredCache built directly is only reached by attention once install() has
             # run after the model's module was imported; for_model does it, so do we.
             tiered.install()
-            Tally.add(1)
-            return TieredCache(TieredConfig(gpu_budget=budget))
+            cache = TieredCache(TieredConfig.from_kwargs(**mode.config()))
+            Tally.add([cache])
+            return cache
 
     return KVCache
 
 
-def prompt_cache_standin(budget, original):
+def prompt_cache_standin(mode: Mode, original):
     def make_prompt_cache(model, max_kv_size=None):
         """``make_prompt_cache`` of an upstream test: the model's caches, tiered."""
         if max_kv_size is not None:
             return original(model, max_kv_size)
-        if budget != 1.0:
+        if mode.budget != 1.0:
             _skip_unevaluable(model)
-        caches = TieredCache.for_model(model, gpu_budget=budget)
-        Tally.add(sum(isinstance(c, TieredCache) for c in caches))
+        caches = TieredCache.for_model(model, **mode.config())
+        Tally.add(caches)
         return caches
 
     return make_prompt_cache
@@ -181,9 +199,9 @@ def load_module(stem: str, mode: Mode):
         module.load = load_embedded
     if mode.tiered:
         if hasattr(module, "KVCache"):
-            module.KVCache = kvcache_standin(mode.budget)
+            module.KVCache = kvcache_standin(mode)
         if hasattr(module, "make_prompt_cache"):
-            module.make_prompt_cache = prompt_cache_standin(mode.budget, module.make_prompt_cache)
+            module.make_prompt_cache = prompt_cache_standin(mode, module.make_prompt_cache)
     REGISTRY[name] = (stem, mode)
     return module
 
@@ -193,7 +211,7 @@ def library_swaps(stem: str, mode: Mode):
     out = []
     for module_name, attr in LIBRARY_SWAPS.get(stem, ()) if mode.tiered else ():
         module = importlib.import_module(module_name)
-        out.append((module, attr, prompt_cache_standin(mode.budget, getattr(module, attr))))
+        out.append((module, attr, prompt_cache_standin(mode, getattr(module, attr))))
     return out
 
 

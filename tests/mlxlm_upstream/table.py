@@ -16,7 +16,7 @@ import json
 import re
 from collections import defaultdict
 
-from .record import DEFAULT_COMPRESS_BUDGET, parse_budget
+from .record import DEFAULT_COMPRESS_BUDGET, DEFAULT_COMPRESS_FROM, parse_budget
 
 MODE_ORDER = {"baseline": 0, "exact": 1, "compress": 2}
 COUNTED = ("passed", "failed", "error", "skipped", "xfailed")
@@ -28,11 +28,16 @@ def read(paths) -> list[dict]:
         with open(path) as f:
             for line in f:
                 r = json.loads(line)
-                # Compressing runs at several budgets are separate columns of the tables.
-                r["label"] = r["mode"] if r["mode"] != "compress" else f"compress {r['budget']}"
+                # Compressing runs with other settings are separate columns of the tables.
+                r["label"] = r["mode"] if r["mode"] != "compress" else _setting(r)
                 records[(r["file"], r["label"], r["test"])] = r  # a later run of a test wins
     return sorted(records.values(), key=lambda r: (r["file"], MODE_ORDER.get(r["mode"], 9),
                                                    r["label"], r["test"]))
+
+
+def _setting(r) -> str:
+    options = "".join(f", {k}={v}" for k, v in (r.get("options") or {}).items())
+    return f"compress {r['budget']}{options}"
 
 
 def _cell(text) -> str:
@@ -61,14 +66,16 @@ def render(records) -> str:
     baseline = {(r["file"], r["test"]): r["outcome"] for r in records if r["mode"] == "baseline"}
     tiered_labels = list(dict.fromkeys(r["label"] for r in records if r["mode"] != "baseline"))
 
-    out += ["| upstream file | mode | budget | tests | passed | failed | errored | skipped | "
-            "known (xfailed) | built a TieredCache |", "|---|---|---|---|---|---|---|---|---|---|"]
+    out += ["| upstream file | mode | tests | passed | failed | errored | skipped | "
+            "known (xfailed) | built a TieredCache | ended compressed |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for (stem, mode), rs in by_key.items():
         n = {k: sum(r["outcome"] == k for r in rs) for k in COUNTED}
-        budget = rs[0]["budget"] if rs[0]["budget"] is not None else "mlx-lm caches"
-        built = sum((r.get("tiered_layers") or 0) > 0 for r in rs) if rs[0]["budget"] else "-"
-        out.append(f"| {stem}.py | {mode} | {budget} | {len(rs)} | {n['passed']} | {n['failed']} "
-                   f"| {n['error']} | {n['skipped']} | {n['xfailed']} | {built} |")
+        tiered = rs[0]["budget"] is not None
+        built = sum((r.get("tiered_layers") or 0) > 0 for r in rs) if tiered else "-"
+        squeezed = sum((r.get("compressed_layers") or 0) > 0 for r in rs) if tiered else "-"
+        out.append(f"| {stem}.py | {mode} | {len(rs)} | {n['passed']} | {n['failed']} "
+                   f"| {n['error']} | {n['skipped']} | {n['xfailed']} | {built} | {squeezed} |")
 
     bad = ("failed", "error", "xfailed")
     out += ["", "### Pass with mlx-lm's own caches, fail in a tiered mode, by error", "",
@@ -125,13 +132,13 @@ def render(records) -> str:
     return "\n".join(out) + "\n"
 
 
-def known_lines(records, compress_budget) -> str:
+def known_lines(records, default_label) -> str:
     lines = []
     for r in records:
         if r["outcome"] not in ("failed", "error", "xfailed"):
             continue
-        if r["mode"] == "compress" and str(r["budget"]) != str(compress_budget):
-            continue  # the list holds the default compressing budget only
+        if r["mode"] == "compress" and r["label"] != default_label:
+            continue  # the list holds the default compressing settings only
         seen = set()
         for f in r.get("failures") or []:
             exc = f["error"].split(":", 1)[0].rsplit(".", 1)[-1]
@@ -153,9 +160,11 @@ def main(argv=None):
     print(render(records), end="")
     if args.known:
         with open(args.known, "w") as f:
-            f.write("# Written by tests/mlxlm_upstream/table.py from a TIERED_UPSTREAM_KNOWN=0 run; "
-                    "format in record.py.\n"
-                    + known_lines(records, parse_budget(DEFAULT_COMPRESS_BUDGET)))
+            f.write("# Written by tests/mlxlm_upstream/table.py from a TIERED_UPSTREAM_KNOWN=0 "
+                    "run; format in record.py.\n"
+                    + known_lines(records, _setting({
+                        "budget": parse_budget(DEFAULT_COMPRESS_BUDGET),
+                        "options": {"compress_from": int(DEFAULT_COMPRESS_FROM)}})))
 
 
 if __name__ == "__main__":
