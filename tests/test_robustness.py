@@ -273,3 +273,42 @@ def test_no_page_file_outlives_its_process(tmp_path, sig):
     p.send_signal(sig)
     p.wait(timeout=30)
     assert not os.listdir(tmp_path)
+
+
+def _dir_bytes(path):
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.125])
+def test_save_estimate_bounds_what_a_save_writes(small, tmp_path, budget):
+    """The space a save needs, estimated before the prefill, is at least what it writes."""
+    from tiered import persist
+
+    toks = _ids(900, seed=5)
+    cache = TieredCache.for_model(small, gpu_budget=budget)
+    prefill(small, cache, toks, chunk=256)
+    cache.save(str(tmp_path / "c"), small)
+    written = _dir_bytes(tmp_path / "c")
+    assert 0 < written <= persist.estimate_save_bytes(small, len(toks)), written
+    cache.close()
+
+
+def test_cli_refuses_a_save_without_room_before_the_prefill(tmp_path, monkeypatch, capsys):
+    """--save-cache to a disk without room for the document's cache: one line, exit 2, and
+    no prefill done."""
+    import shutil
+
+    from tiered import cli, prefill as prefill_mod
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The harbour master keeps a blue bicycle behind the bakery. " * 60)
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage",
+                        lambda p: real(p)._replace(free=64 * 1024))  # 64 KiB free
+    ran = []
+    monkeypatch.setattr(prefill_mod, "prefill", lambda *a, **k: ran.append(1))
+    rc = cli.main(["run", "--document", str(doc), "--question", "Where?", "--save-cache",
+                   str(tmp_path / "c"), "--max-tokens", "2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "needed" in err and not ran, err
+    assert not (tmp_path / "c" / "tiered.json").exists()

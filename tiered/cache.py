@@ -62,6 +62,11 @@ def _to_numpy(x: mx.array) -> np.ndarray:
 class TieredCache(_BaseCache):
     """Tiered KV cache of one attention layer (see module docstring)."""
 
+    @property
+    def step(self) -> int:
+        """Tokens by which the exact phase grows its buffers (KVCache's ``step``)."""
+        return self.config.step
+
     def __init__(self, config: TieredConfig | None = None, *, layer: int = 0,
                  context: "SharedContext | None" = None):
         self.config = config or TieredConfig()
@@ -98,6 +103,7 @@ class TieredCache(_BaseCache):
         self._returned = None  # shapes update_and_fetch returned last
         self._new = None  # the keys/values update_and_fetch stored last
         self._finite_checks: list = []  # GPU path: queued door checks (see _door)
+        self._finite_bad = None  # device path: the first non-finite position, lazily
 
     # ---- the mlx-lm cache contract ---------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array):
@@ -205,6 +211,9 @@ class TieredCache(_BaseCache):
         for start, L, ok in checks:
             if not ok.item():
                 raise ValueError(self._non_finite(start, L))
+        bad, self._finite_bad = self._finite_bad, None
+        if bad is not None and bad.item() < np.iinfo(np.int32).max:
+            raise ValueError(self._non_finite(bad.item(), 1))
 
     def _check_room(self, L: int):
         """An absolute budget: some layout must hold offset + L tokens (BudgetError before the
@@ -308,17 +317,52 @@ class TieredCache(_BaseCache):
         return self.tier_bytes()["accelerator"]
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
-        """mlx-lm's ``kv_bits`` path: refused, with the options that do the same job."""
-        raise ValueError(
-            f"kv_bits={bits}: a TieredCache quantizes through its own options, not mlx-lm's "
-            "QuantizedKVCache: keys are already compressed to codes, and host values can be "
-            "8-bit (host_dtype='int8'); drop kv_bits, or use mlx-lm's own cache for kv_bits")
+        """mlx-lm's ``kv_bits`` path. A layer in the exact phase is a KVCache and quantizes as
+        one (the result is mlx-lm's ``QuantizedKVCache``, which is no longer tiered: a warning
+        says so); a compressed layer is refused, with the options that do the same job."""
+        self._require_open()
+        if self._geometry is not None and self.phase != "exact":
+            raise ValueError(
+                f"kv_bits={bits}: layer {self.layer} is compressed ({self.offset} tokens); a "
+                "TieredCache quantizes through its own options, not mlx-lm's QuantizedKVCache: "
+                "keys are already compressed to codes, and host values can be 8-bit "
+                "(host_dtype='int8'); drop kv_bits, or use mlx-lm's own cache for kv_bits")
+        from mlx_lm.models.cache import KVCache
+
+        if self.exact_reason is None and not self.config.exact:
+            log.warning("kv_bits=%d: layer %d leaves tiered for mlx-lm's QuantizedKVCache "
+                           "(exact phase, %d tokens): it will not compress", bits, self.layer,
+                           self.offset)
+        kv = KVCache()
+        if self._geometry is not None:
+            kv.keys, kv.values = self._exact_view()
+            kv.offset = self.offset
+        return kv.to_quantized(group_size=group_size, bits=bits)
 
     @classmethod
     def merge(cls, caches):
-        raise ValueError("TieredCache serves one sequence: batched generation (BatchGenerator) "
-                         "merges caches, which a TieredCache cannot be; use mlx-lm's own caches "
-                         "for batches")
+        """mlx-lm's batching (BatchGenerator merges one cache per sequence): layers still in
+        the exact phase merge into mlx-lm's ``BatchKVCache`` (the batch then runs exact, as it
+        would with ``KVCache``); a compressed layer cannot join a batch and is refused."""
+        from mlx_lm.models.cache import BatchKVCache, KVCache
+
+        views = []
+        for c in caches:
+            if not isinstance(c, TieredCache):
+                raise TypeError(f"cannot merge a TieredCache with {type(c).__name__}")
+            c._require_open()
+            kv = KVCache()
+            if c._geometry is not None:
+                if c.phase != "exact" or c._geometry[0] != 1:
+                    raise ValueError(
+                        f"layer {c.layer} holds {c.offset} tokens compressed: batched generation "
+                        "(BatchGenerator) merges caches, which only exact-phase TieredCaches "
+                        "can join; generate one sequence at a time, or use mlx-lm's own caches "
+                        "for batches")
+                kv.keys, kv.values = c._exact_view()
+                kv.offset = c.offset
+            views.append(kv)
+        return BatchKVCache.merge(views)
 
     def extract(self, idx: int):
         """The cache of sequence ``idx`` (a TieredCache holds one: idx 0, an independent copy)."""

@@ -177,6 +177,11 @@ def cmd_run(args) -> int:
                 prefix, suffix = split_prompt(tokenizer, document, args.question,
                                               chat=not args.no_chat)
             options.setdefault("gpu_budget", 0.125)
+            if args.save_cache:  # the room for the save, before the prefill it would save
+                from . import persist
+
+                persist.check_save_target(args.save_cache, persist.estimate_save_bytes(
+                    model, len(prefix)))
             cache = tiered.TieredCache.for_model(model, tokenizer=tokenizer, **options)
             prefill_stats = prefill(model, cache, prefix, chunk=args.prefill_step,
                                     progress=Progress("prefill"))

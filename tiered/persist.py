@@ -18,6 +18,8 @@ import json
 import os
 import shutil
 
+import mlx.core as mx
+
 from . import snapshot
 from .snapshot import SnapshotError
 
@@ -25,7 +27,7 @@ FORMAT = "tiered.cache"
 VERSION = 2
 # Options that change how a loaded cache runs, not what it holds: a load may set them anew.
 RUNTIME_OPTIONS = ("host_budget", "disk_dir", "disk_budget", "workers", "kernel_threads",
-                   "verify_pages", "keep_disk")
+                   "verify_pages", "keep_disk", "device_gather")
 
 
 def check_save_target(directory: str, need_bytes: int = 0) -> str:
@@ -68,6 +70,27 @@ def check_saved(directory: str) -> dict:
     if not all(isinstance(i, int) and i >= 0 for i in meta["tiered_layers"]):
         raise SnapshotError(f"{directory!r}: invalid tiered_layers in the manifest")
     return meta
+
+
+def estimate_save_bytes(model, n_tokens: int) -> int:
+    """Bytes a save of ``n_tokens`` of ``model``'s cache writes at most, before any work: the
+    full cache's size (a save holds the tiers: host values in the host dtype, keys as codes,
+    the resident set; never more than every token's K and V at the model's dtype), and the
+    metadata. Only the metadata where the model's arguments do not say its geometry."""
+    args = getattr(model, "args", None)
+    heads = getattr(args, "num_key_value_heads", None) or getattr(args, "num_attention_heads", 0)
+    dim = getattr(args, "head_dim", None) or (
+        getattr(args, "hidden_size", 0) // max(getattr(args, "num_attention_heads", 1) or 1, 1))
+    layers = len(getattr(model, "layers", ()))
+    try:
+        from mlx.utils import tree_flatten
+
+        dtype_bytes = next(v.dtype.size for _, v in tree_flatten(model.parameters())
+                           if v.dtype in (mx.float32, mx.float16, mx.bfloat16))
+    except StopIteration:
+        dtype_bytes = 2
+    metadata = 65536 + 16384 * layers  # manifest, safetensors headers, per-layer state
+    return int(layers * heads * dim * 2 * n_tokens * dtype_bytes) + metadata
 
 
 def saved_bytes(caches) -> int:

@@ -1,7 +1,8 @@
 """Runs mlx-lm's own tests in each mode (see swap.py) and records what each did.
 
 - Default run: a fixed sample of upstream tests (:data:`SAMPLE`) in every mode; the rest is
-  marked ``slow`` and deselected unless ``TIERED_UPSTREAM=full`` or an explicit ``-m``.
+  marked ``slow``, which the project's pytest options deselect (``-m slow`` runs it;
+  ``TIERED_UPSTREAM=full`` marks nothing slow, so the default run takes every test).
 - Known failures (known_failures.txt, see record.py): a failure whose exception
   class is listed for that test and mode is reported as xfailed; any other failure fails; a
   listed class that the test no longer raises fails its teardown, so the list can only shrink
@@ -51,29 +52,23 @@ def _upstream(item):
     return stem, mode, f"{cls.__name__}.{item.name}"
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection sees the slow marks
 def pytest_collection_modifyitems(config, items):
     use_known = os.environ.get("TIERED_UPSTREAM_KNOWN", "1") != "0"
     known = record.load_known() if use_known else {}
     compress_is_default = swap.compress_settings() == (swap.DEFAULT_COMPRESS_BUDGET,
                                                        swap.DEFAULT_COMPRESS_FROM)
-    full = os.environ.get("TIERED_UPSTREAM") == "full" or bool(config.option.markexpr)
-    keep, drop = [], []
+    full = os.environ.get("TIERED_UPSTREAM") == "full"
     for item in items:
         up = _upstream(item)
         if up is None:
-            keep.append(item)
             continue
         stem, mode, test = up
-        slow = test not in SAMPLE.get(stem, ())
-        if slow:
+        if not full and test not in SAMPLE.get(stem, ()):
             item.add_marker(pytest.mark.slow)
         # The list was made with the default compressing settings; other settings run raw.
         if mode.name != "compress" or compress_is_default:
             item.upstream_known = dict(known.get((stem, mode.name, test), {}))
-        (drop if slow and not full else keep).append(item)
-    if drop:
-        config.hook.pytest_deselected(items=drop)
-        items[:] = keep
 
 
 @pytest.fixture(autouse=True)
