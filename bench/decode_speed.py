@@ -155,7 +155,7 @@ def attention_bytes(method: str, cache, n: int, geo) -> dict:
             acc += layer.spill_k.nbytes + layer.spill_v.nbytes
             host += int(layer.spill_rows_moved / layer.spill_moves * per_row)
         else:
-            sel = np.mean(c.stats.selected[-5:]) if c.stats.selected else 0
+            sel = np.mean([float(x) for x in c.stats.selected[-5:]]) if c.stats.selected else 0
             host += int(sel * H * per_row)
         acc += codes + scores + h2o + resident
     return {"accelerator": int(acc), "host": int(host)}
@@ -174,7 +174,8 @@ def main(argv=None):
     p.add_argument("--kernels", default=None, choices=["numba", "mlx"],
                    help="force the per-step path (default: numba on the CPU, mlx on GPUs)")
     p.add_argument("--methods", nargs="+", default=["KVCache", "QuantizedKVCache-8", "tiered"],
-                   choices=["KVCache", "QuantizedKVCache-8", "tiered", "tiered+lookahead"])
+                   choices=["KVCache", "QuantizedKVCache-8", "tiered", "tiered+hostgather",
+                            "tiered+lookahead"])
     p.add_argument("--name", default=None)
     args = p.parse_args(argv)
     on_cpu = mx.default_device() == mx.cpu
@@ -206,6 +207,10 @@ def main(argv=None):
         if "tiered" in args.methods:
             for b in args.budgets:
                 runs.append((f"tiered@{b}", lambda b=b: tiered_caches(model, seed, n, b, options)))
+        if "tiered+hostgather" in args.methods:  # the CPU workers gather: a sync per layer
+            for b in args.budgets:
+                runs.append((f"tiered+hostgather@{b}", lambda b=b: tiered_caches(
+                    model, seed, n, b, dict(options, device_gather="off"))))
         if "tiered+lookahead" in args.methods:
             for b in args.budgets:
                 runs.append((f"tiered+lookahead@{b}", lambda b=b: tiered_caches(
@@ -246,7 +251,9 @@ def main(argv=None):
                   f"{build_s:.1f}s) attn bytes {nb['accelerator'] / 1e6:.0f} MB dev + "
                   f"{nb['host'] / 1e6:.1f} MB host, {100 * rec['bandwidth_fraction']:.0f}% of copy "
                   f"bandwidth" + (f", overlap {sched.get('overlap_ratio'):.2f}"
-                                  if sched.get("overlap_ratio") is not None else ""), flush=True)
+                                  if sched.get("overlap_ratio") is not None else "")
+                  + f", slowest step {max(times[args.warmup:]) * 1e3 / ms:.2f}x the median",
+                  flush=True)
             if isinstance(cache, tiered.TieredCacheList):
                 cache.close()
             del cache

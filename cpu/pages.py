@@ -304,6 +304,7 @@ class HostStore:
                        name=f"{name}-keys", **tier) if keys else None
         )
         self.length = 0  # tokens per sequence
+        self.device_writes = False  # device writes queued since the CPU last read (settle)
         self._pages: list[list[int]] = [[] for _ in range(batch)]
         self._free: list[int] = []
         self._next_page = 0
@@ -338,6 +339,7 @@ class HostStore:
     # ---- writes -----------------------------------------------------------------------
     def append(self, values: np.ndarray, keys: np.ndarray | None = None):
         """Append tokens. values/keys: (B, H, L, d) arrays (float16 or float32)."""
+        self.settle()
         self._check(values, "values", self.value_dim)
         if self.keys is not None:
             if keys is None:
@@ -347,7 +349,22 @@ class HostStore:
                 raise ValueError(
                     f"Invalid shape of keys: {keys.shape[2]} tokens, values have {values.shape[2]}"
                 )
-        n = values.shape[2]
+        self._advance(values.shape[2], values, keys)
+
+    def reserve(self, n: int):
+        """Take the next n tokens' slots (pages allocated, length advanced) without writing
+        them: a device writes the bytes (``tiered.device_decode``). Reads from the host wait
+        for the device first (:meth:`settle`)."""
+        self._advance(n, None, None)
+        self.device_writes = True
+
+    def settle(self):
+        """Wait for queued device writes before the CPU reads the pages."""
+        if self.device_writes:
+            mx.synchronize()
+            self.device_writes = False
+
+    def _advance(self, n: int, values, keys):
         pos = 0
         # All or nothing: a block that cannot be had (disk tier full) leaves the store as it was
         # (pages written past the old length are unreachable, their blocks reused later).
@@ -359,7 +376,7 @@ class HostStore:
                     for b in range(self.batch):
                         self._pages[b].append(self._new_page())
                 take = min(self.page_size - slot, n - pos)
-                for b in range(self.batch):
+                for b in range(self.batch if values is not None else 0):
                     page = self._pages[b][-1]
                     self.values.write(page, slot, values[b, :, pos : pos + take])
                     if self.keys is not None:
@@ -400,6 +417,7 @@ class HostStore:
     # ---- reads (reference path; kernels use addrs + logical_pages) ---------------------
     def read(self, kind: str, b: int = 0, start: int = 0, stop: int | None = None) -> np.ndarray:
         """(H, stop-start, d) float32 copy of tokens [start, stop) of sequence b."""
+        self.settle()
         tensor = self._tensor(kind)
         stop = self.length if stop is None else stop
         if not 0 <= start <= stop <= self.length:
@@ -415,6 +433,7 @@ class HostStore:
 
     def gather(self, kind: str, b: int, head: int, tokens: np.ndarray) -> np.ndarray:
         """(len(tokens), d) float32 rows of one head, in the order given (vectorized by block)."""
+        self.settle()
         tensor = self._tensor(kind)
         tokens = np.asarray(tokens, np.int64)
         if tokens.size and (tokens.min() < 0 or tokens.max() >= self.length):
@@ -435,6 +454,7 @@ class HostStore:
         """(H, m, d) rows of tokens (H, m) (kv head h's row of token tokens[h, i]; -1 gives
         zeros) in the storage dtype: float16 and float32 rows are copied as stored, with no
         conversion; int8 rows come dequantized, as float32."""
+        self.settle()
         from .kernels import copy_rows
 
         tensor = self._tensor(kind)
@@ -459,6 +479,7 @@ class HostStore:
         """(H, length, d) every token of sequence b as a lazy MLX graph over the blocks: no
         byte is read unless it is evaluated (disk-tier blocks are read here). int8 stores come
         dequantized (float32)."""
+        self.settle()
         tensor = self._tensor(kind)
         H, P, d = self.n_kv_heads, self.page_size, tensor.head_dim
         if self.length == 0:
@@ -500,6 +521,7 @@ class HostStore:
 
     def verify_tokens(self, b: int, tokens: np.ndarray) -> None:
         """Debug/test check: the CRC32 of every disk page holding these tokens."""
+        self.settle()
         pages = np.unique(self.logical_pages(b)[np.asarray(tokens, np.int64) // self.page_size])
         for t in self.tensors:
             t.verify(pages)
@@ -556,6 +578,7 @@ class HostStore:
         RAM blocks are the MLX arrays themselves; blocks in the disk tier are referenced (page
         file path, block index, checksums), not copied: mlx-lm evaluates ``state`` after every
         prefill chunk. A page file must outlive what was saved from it."""
+        self.settle()
         st = {
             "meta": [
                 self.n_kv_heads, self.head_dim, self.value_dim, self.page_size, self.values.dtype,

@@ -32,7 +32,7 @@ import numpy as np
 
 from tiered import metal
 
-from . import ops, undo
+from . import device_decode, ops, undo
 from .keys import AffineKeys, CodebookKeys, _capacity
 from .planner import BudgetError, Plan
 
@@ -371,10 +371,29 @@ class CompressedLayer:
                 self.end_prefill()
             if self.numpy_path:
                 return self._decode_numpy(queries, scale, sinks)
+            if self._device_tables(update) is not None:
+                return device_decode.decode(self, queries, scale, sinks, self._tables)
             return self._decode_mlx(queries, scale, sinks)
         if update:
             self._spill_reset()  # the next decode step selects afresh (synchronously)
         return self._chunk(queries, keys, values, scale, sinks)
+
+    def _device_tables(self, update: bool):
+        """The device path's tables when this layer decodes there (tiered.device_decode), else
+        None; decided at the first decode step (pages on the disk tier later turn it off)."""
+        mode = self.config.device_gather
+        if mode == "off" or not update:
+            return None
+        why = device_decode.supported(self)
+        if why is not None:
+            if mode == "on":
+                raise ValueError(f"device_gather='on': layer {self.parent.layer} cannot: {why}")
+            self._tables = None
+            return None
+        if getattr(self, "_tables", None) is None:
+            self.parent._flush()  # what the CPU path queued, on the host before the device writes
+            self._tables = device_decode.DeviceTables()
+        return self._tables
 
     def _resident_scores(self, q: mx.array, keys: mx.array | None = None,
                          tok: mx.array | None = None) -> mx.array:
@@ -382,7 +401,9 @@ class CompressedLayer:
         tokens ``tok`` (H, R), such as the spill buffer); q (H, rep, d) fp32 scaled. -inf on
         empty slots (token -1)."""
         keys, tok = (self.res_k, self.res_tok) if keys is None else (keys, tok)
-        s = q @ keys.astype(mx.float32).swapaxes(-1, -2)
+        # in the keys' dtype (a float32 copy of the resident keys per step would cost more
+        # than the product); the scores come out float32
+        s = (q.astype(keys.dtype) @ keys.swapaxes(-1, -2)).astype(mx.float32)
         return mx.where((tok >= 0)[:, None, :], s, -mx.inf)
 
     def _resident_partial(self, s: mx.array, values: mx.array | None = None):
@@ -395,7 +416,7 @@ class CompressedLayer:
         m = mx.where(mx.isfinite(m), m, 0)
         p = mx.exp(s - m)
         den = mx.sum(p, axis=-1, keepdims=True)
-        o = (p @ values.astype(mx.float32)) / mx.maximum(den, 1e-30)
+        o = (p.astype(values.dtype) @ values).astype(mx.float32) / mx.maximum(den, 1e-30)
         lse = mx.where(den[..., 0] > 0, (m + mx.log(den))[..., 0], -mx.inf)
         return o, lse
 
@@ -499,7 +520,7 @@ class CompressedLayer:
         self.parent.stats.record_phases(marks)
         return out
 
-    def _select_device(self, q, s_r, Hq: int, rep: int):
+    def _select_device(self, q, s_r, Hq: int, rep: int, select: bool = True):
         """Scores of every token from the compressed keys (the resident tokens' replaced by
         their exact scores s_r) and the tau-cumulative selection, on the device (lazy).
         Returns (z (Hq, n + 1), sel)."""
@@ -513,6 +534,8 @@ class CompressedLayer:
         cols = mx.where(tok >= 0, tok, n)
         zp = mx.concatenate([z, mx.zeros((Hq, 1), mx.float32)], axis=1)
         z = mx.put_along_axis(zp, cols, s_r.reshape(Hq, R), axis=1)  # (Hq, n + 1)
+        if not select:
+            return z, None
         cap, floor = self._cap(n)
         sel = metal.tau_select(z, n, self.flags, self.config.tau, cap, floor, with_stats=True)
         return z, sel

@@ -143,6 +143,11 @@ class TieredConfig:
     # max_selected tokens per kv head) comes out of the resident set's share of gpu_budget,
     # half of it at most (max_selected shrinks to fit).
     lookahead: bool = False
+    # Accelerator path (CUDA): the device writes leaving tokens into the host pages and reads
+    # the selected 8-token chunks from them in place (tiered.device_decode): no host round
+    # trip in a step. "auto": wherever the layer's pages allow it; "off": the CPU workers
+    # gather (one sync per layer).
+    device_gather: str = "auto"
     # host tier
     host_dtype: str = "float16"
     host_keys: bool = True
@@ -186,6 +191,7 @@ class TieredConfig:
             raise ValueError("Invalid lookahead: needs method='tiered' with host keys (rescore="
                              "'exact'): the buffer holds exact keys and values of host tokens")
         self._choice("kernels", ("auto", "numba", "mlx"))
+        self._choice("device_gather", ("auto", "on", "off"))
         if self.codebook_groups is not None:
             self._int("codebook_groups", 1)
         if self.codebook_size is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import mlx.core as mx
 import numpy as np
 
 
@@ -24,14 +25,14 @@ class LayerStats:
     def record_step(self, selected: float, live: int, resident_mass) -> None:
         """resident_mass may be a lazy MLX scalar (read when summarized: no sync per step)."""
         self.decode_steps += 1
-        self.selected.append(float(selected))
+        self.selected.append(selected if isinstance(selected, mx.array) else float(selected))
         self.live.append(int(live))
         self.resident_mass.append(resident_mass)
 
     def summary(self) -> dict:
         if not self.selected:
             return {"decode_steps": 0}
-        sel = np.asarray(self.selected)
+        sel = np.asarray([float(x) for x in self.selected])
         live = np.asarray(self.live, dtype=np.float64)
         return {
             "decode_steps": self.decode_steps,

@@ -1,0 +1,347 @@
+"""Accelerator decode with no host round trip inside a layer (issue 24; CUDA).
+
+The host pages stay where they are, in host RAM, and the device reaches them in place: the
+host store's blocks are MLX CPU-stream arrays (managed memory on CUDA) advised to stay on the
+host and be mapped for the GPU (:mod:`tiered.uva`), and two kernels take their addresses:
+
+- **write-behind** (:func:`write_tokens`): the tokens leaving the recent ring are written into
+  their host pages by the device, queued with the step (the CPU no longer reads them back);
+- **chunk gather** (:func:`gather_chunks`): the selected chunks of ``CHUNK`` consecutive tokens
+  (2 KB of fp16 rows per head at head_dim 128) are read into device buffers, where attention
+  over them runs.
+
+A step is then one lazy graph, as ``KVCache``'s is: scores from the compressed keys, the
+tau-cumulative selection over chunks (:func:`chunk_scores`), the gather, the exact partial over
+the gathered tokens, the merge with the resident partial and the H2O update. Nothing waits for
+the device until mlx-lm reads the token.
+
+How a chunk is weighed: its logit is the log-sum-exp of its tokens' logits, over the tokens
+that are neither resident nor past the host pages (those are attended exactly from the
+resident set); a chunk with no such token keeps the log-sum-exp of all its tokens for the
+total mass and is excluded. The tau rule, floor and cap then hold per chunk (cap and floor
+divided by ``CHUNK``): the selected tokens are whole chunks, at most the token cap.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from . import uva
+
+CHUNK = 8  # tokens per selected chunk (Quest / ShadowKV use 8-16)
+
+_GATHER = r"""
+    // One thread per 16-byte word of out (H, CAPC, C, ROW_BYTES): chunk idx[h, slot] of
+    // kv head h, read from its host page; slots past count[h] read nothing (zeros). ok
+    // (H, CAPC * C): the token is selected, on the host pages and not resident (flags).
+    const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    constexpr uint32_t WPR = ROW_BYTES / 16;
+    constexpr uint32_t WPC = WPR * C;
+    if (tid >= (uint64_t)H * CAPC * WPC) return;
+    const uint32_t h = tid / (CAPC * WPC);
+    const uint32_t rem = tid % (CAPC * WPC);
+    const uint32_t slot = rem / WPC, w = rem % WPC;
+    uint4 val = make_uint4(0u, 0u, 0u, 0u);
+    const bool selected = (int)slot < count[h];
+    if (w % WPR == 0) {
+        const int64_t t = selected ? (int64_t)idx[h * CAPC + slot] * C + w / WPR : -1;
+        ok[(uint64_t)h * CAPC * C + slot * C + w / WPR] =
+            selected && t < n_host[0] && !flags[(uint64_t)h * flags_shape[1] + t];
+    }
+    if (selected) {
+        const uint64_t t0 = (uint64_t)idx[h * CAPC + slot] * C;
+        const int64_t pp = pages[t0 / P];
+        const uint64_t base = addrs[pp / PPB];
+        const uint64_t off = (((uint64_t)(pp % PPB) * H + h) * P + t0 % P) * ROW_BYTES
+                             + (uint64_t)w * 16;
+        val = *reinterpret_cast<const uint4*>(base + off);
+    }
+    reinterpret_cast<uint4*>(out)[tid] = val;
+"""
+
+_WRITE = r"""
+    // One thread per 16-byte word of src (H, L, ROW_BYTES): token i goes to slot slot[i] of
+    // physical page page[i], head h, in the block at addrs[page / PPB].
+    const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    constexpr uint32_t WPR = ROW_BYTES / 16;
+    const uint32_t L = src_shape[1];
+    if (tid >= (uint64_t)H * L * WPR) return;
+    const uint32_t h = tid / (L * WPR);
+    const uint32_t rem = tid % (L * WPR);
+    const uint32_t i = rem / WPR, w = rem % WPR;
+    const int64_t pp = page[i];
+    const uint64_t base = addrs[pp / PPB];
+    const uint64_t off = (((uint64_t)(pp % PPB) * H + h) * P + slot[i]) * ROW_BYTES
+                         + (uint64_t)w * 16;
+    *reinterpret_cast<uint4*>(base + off) = reinterpret_cast<const uint4*>(src)[tid];
+    if (tid == 0) done[0] = 1;
+"""
+
+_CHUNKS = r"""
+    // One thread per (query head, chunk): the chunk's logit (module docstring) and, from the
+    // first query head of each kv head, whether the chunk is excluded.
+    const uint32_t tid = blockIdx.x * blockDim.x + threadIdx.x;
+    const int nh = n_host[0];
+    const uint32_t nc = (nh + C - 1) / C;
+    if (tid >= (uint32_t)z_shape[0] * nc) return;
+    const uint32_t qh = tid / nc, c = tid % nc, h = qh / REP;
+    const float* zr = z + (uint64_t)qh * z_shape[1];
+    const auto* fr = flags + (uint64_t)h * flags_shape[1];
+    float v[C];
+    bool live[C], valid[C];
+    float m_all = -INFINITY, m_live = -INFINITY;
+    for (int j = 0; j < C; ++j) {
+        const int t = c * C + j;
+        valid[j] = t < nh;
+        v[j] = valid[j] ? zr[t] : -INFINITY;
+        live[j] = valid[j] && !fr[t];
+        if (valid[j]) m_all = fmaxf(m_all, v[j]);
+        if (live[j]) m_live = fmaxf(m_live, v[j]);
+    }
+    float s_all = 0.f, s_live = 0.f;
+    for (int j = 0; j < C; ++j) {
+        if (valid[j]) s_all += expf(v[j] - m_all);
+        if (live[j]) s_live += expf(v[j] - m_live);
+    }
+    const bool any_live = m_live > -INFINITY;
+    zc[tid] = any_live ? m_live + logf(s_live) : m_all + logf(s_all);
+    if (qh % REP == 0) excl[h * nc + c] = !any_live;
+"""
+
+_kernels: dict = {}
+
+
+def _kernel(name: str):
+    if name not in _kernels:
+        if name == "gather":
+            _kernels[name] = mx.fast.cuda_kernel(
+                name="tiered_host_gather",
+                input_names=["idx", "count", "pages", "addrs", "flags", "n_host"],
+                output_names=["out", "ok"], source=_GATHER)
+        elif name == "chunks":
+            _kernels[name] = mx.fast.cuda_kernel(
+                name="tiered_chunk_logits", input_names=["z", "flags", "n_host"],
+                output_names=["zc", "excl"], source=_CHUNKS)
+        else:
+            _kernels[name] = mx.fast.cuda_kernel(
+                name="tiered_host_write", input_names=["src", "page", "slot", "addrs"],
+                output_names=["done"], source=_WRITE)
+    return _kernels[name]
+
+
+def supported(layer) -> str | None:
+    """Why ``layer`` (a CompressedLayer) cannot decode on this path, or None."""
+    host = layer.parent.host
+    cfg = layer.config
+    if not uva.available():
+        return "not on MLX's CUDA backend"
+    if host is None:
+        return "no host pages"
+    if host.values.dtype == "int8":
+        return "int8 host values (scales are not gathered on the device)"
+    if host.disk_bytes:
+        return "host pages on the disk tier"
+    if host.page_size % CHUNK:
+        return f"page_size {host.page_size} is not a multiple of {CHUNK}"
+    if (host.value_dim * np.dtype(host.values.dtype).itemsize) % 16:
+        return "value rows are not a multiple of 16 bytes"
+    if cfg.rescore == "exact" and host.keys is None:
+        return "exact rescoring without host keys"
+    return None
+
+
+class DeviceTables:
+    """Per host tensor: the device copies of its block addresses and of the page table,
+    rebuilt only when a block or a page is added; blocks advised once."""
+
+    def __init__(self):
+        self._addrs: dict[int, tuple[int, mx.array]] = {}
+        self._pages: tuple[int, mx.array] | None = None
+        self._advised: set[int] = set()
+
+    def addrs(self, tensor) -> mx.array:
+        n = len(tensor.addrs)
+        got = self._addrs.get(id(tensor))
+        if got is None or got[0] != n:
+            for b in range(n):
+                addr = int(tensor.addrs[b])
+                if addr not in self._advised:
+                    uva.advise_host(tensor.views[b])
+                    self._advised.add(addr)
+            got = (n, uva.address_array(tensor.addrs.astype(np.uint64)))
+            self._addrs[id(tensor)] = got
+        return got[1]
+
+    def pages(self, host) -> mx.array:
+        pages = host.logical_pages(0)
+        if self._pages is None or self._pages[0] != len(pages):
+            self._pages = (len(pages), mx.array(pages.astype(np.int64)))
+        return self._pages[1]
+
+
+def write_tokens(tables: DeviceTables, host, keys: mx.array, values: mx.array) -> list:
+    """Queue the write of new tokens (1, H, L, d) into the host pages; the store's length
+    advances now, the bytes land when the device runs the step. Returns the writes' outputs
+    (to be evaluated with the step)."""
+    L = values.shape[2]
+    start = host.length
+    host.reserve(L)
+    pages_np = host.logical_pages(0)
+    t = np.arange(start, start + L)
+    page = mx.array(pages_np[t // host.page_size].astype(np.int64))
+    slot = mx.array((t % host.page_size).astype(np.int32))
+    out = []
+    for tensor, x in ((host.values, values), (host.keys, keys)):
+        if tensor is None:
+            continue
+        x = x[0].astype(_mx_dtype(tensor.dtype))
+        row = x.shape[-1] * x.dtype.size
+        (done,) = _kernel("write")(
+            inputs=[x, page, slot, tables.addrs(tensor)], output_shapes=[(1,)],
+            output_dtypes=[mx.int32], grid=(x.shape[0] * L * row // 16, 1, 1),
+            threadgroup=(256, 1, 1),
+            template=[("H", x.shape[0]), ("P", host.page_size),
+                      ("PPB", tensor.pages_per_block), ("ROW_BYTES", row)])
+        out.append(done)
+    return out
+
+
+def gather_chunks(tables: DeviceTables, host, tensor, idx: mx.array, count: mx.array,
+                  flags: mx.array):
+    """The selected chunks' rows (H, CAPC * CHUNK, d) in the host dtype, read in place from
+    the host pages (slots past count are zeros), and which tokens are attended here (H,
+    CAPC * CHUNK): selected, on the host pages, not resident."""
+    H, capc = idx.shape
+    d = tensor.head_dim
+    dtype = _mx_dtype(tensor.dtype)
+    row = d * dtype.size
+    n_host = mx.array([host.length], mx.int32)
+    out, ok = _kernel("gather")(
+        inputs=[idx, count, tables.pages(host), tables.addrs(tensor), flags, n_host],
+        output_shapes=[(H, capc * CHUNK, d), (H, capc * CHUNK)],
+        output_dtypes=[dtype, mx.bool_],
+        grid=(H * capc * CHUNK * row // 16, 1, 1), threadgroup=(256, 1, 1),
+        template=[("H", H), ("CAPC", capc), ("C", CHUNK), ("P", host.page_size),
+                  ("PPB", tensor.pages_per_block), ("ROW_BYTES", row)])
+    return out, ok
+
+
+def chunk_logits(z: mx.array, flags: mx.array, n_host: int, rep: int):
+    """:func:`chunk_scores` in one kernel (CUDA)."""
+    Hq = z.shape[0]
+    nc = -(-n_host // CHUNK)
+    zc, excl = _kernel("chunks")(
+        inputs=[z, flags, mx.array([n_host], mx.int32)],
+        output_shapes=[(Hq, nc), (Hq // rep, nc)], output_dtypes=[mx.float32, mx.bool_],
+        grid=(Hq * nc, 1, 1), threadgroup=(256, 1, 1),
+        template=[("C", CHUNK), ("REP", rep)])
+    return zc, excl
+
+
+def chunk_scores(z: mx.array, flags: mx.array, n_host: int, rep: int):
+    """Chunk logits (Hq, nc) and the chunks to exclude (H, nc) from token logits z (Hq, >= n)
+    and the resident flags (H, >= n) (see the module docstring); nc = ceil(n_host / CHUNK)."""
+    Hq = z.shape[0]
+    H = Hq // rep
+    nc = -(-n_host // CHUNK)
+    width = nc * CHUNK
+    zt = z[:, :n_host]
+    fl = flags[:, :n_host].astype(mx.bool_)
+    if width > n_host:  # the last chunk's tokens past the host pages: not selectable
+        zt = mx.concatenate([zt, mx.full((Hq, width - n_host), -mx.inf, z.dtype)], axis=1)
+        fl = mx.concatenate([fl, mx.ones((H, width - n_host), mx.bool_)], axis=1)
+    zt = zt.reshape(Hq, nc, CHUNK)
+    live = ~fl.reshape(H, 1, nc, CHUNK)
+    live_q = mx.broadcast_to(live, (H, rep, nc, CHUNK)).reshape(Hq, nc, CHUNK)
+    z_live = mx.logsumexp(mx.where(live_q, zt, -mx.inf), axis=-1)
+    z_all = mx.logsumexp(zt, axis=-1)
+    exclude = ~mx.any(live[:, 0], axis=-1)  # (H, nc)
+    excl_q = mx.repeat(exclude, rep, axis=0)
+    return mx.where(excl_q, z_all, z_live), exclude
+
+
+def chunk_tokens(idx: mx.array, count: mx.array, flags: mx.array, n_host: int):
+    """Token ids (H, CAPC * CHUNK) of the selected chunks and whether each is attended here
+    (a selected slot, on the host pages, not resident)."""
+    H, capc = idx.shape
+    tok = (mx.maximum(idx, 0)[..., None] * CHUNK + mx.arange(CHUNK)).reshape(H, -1)
+    slot = mx.arange(capc * CHUNK) // CHUNK
+    ok = (slot[None, :] < count[:, None]) & (tok < n_host)
+    resident = mx.take_along_axis(flags, mx.minimum(tok, flags.shape[1] - 1), axis=1)
+    return tok, ok & ~resident.astype(mx.bool_)
+
+
+def _mx_dtype(name: str):
+    return {"float16": mx.float16, "float32": mx.float32}[name]
+
+
+def flush(parent, tables: DeviceTables, upto: int) -> list:
+    """Write-behind on the device: queued tokens go to the host pages until the pages hold
+    ``upto`` tokens (whole queue entries; the current step's own tokens stay queued while
+    the ring holds them). The door's finiteness checks fold into one lazy flag, read when the
+    CPU next reads the pages. Returns the writes' outputs."""
+    host = parent.host
+    writes = []
+    while parent._pending and host.length < upto:
+        k, v = parent._pending.pop(0)
+        parent._pending_tokens -= v.shape[2]
+        writes += write_tokens(tables, host, k, v)
+    checks, parent._finite_checks = parent._finite_checks, []
+    for start, _, ok in checks:  # the first bad position so far, lazily
+        bad = mx.where(ok, np.iinfo(np.int32).max, start)
+        parent._finite_bad = bad if parent._finite_bad is None else mx.minimum(
+            parent._finite_bad, bad)
+    return writes
+
+
+def decode(layer, queries, scale, sinks, tables: DeviceTables):
+    """One query of a compressed layer, as one lazy graph (see the module docstring)."""
+    import time
+
+    from . import metal
+
+    t0 = time.perf_counter()
+    marks = [("", t0)]
+    cfg, parent, H, n = layer.config, layer.parent, layer.H, layer.n
+    host = parent.host
+    writes = flush(parent, tables, n - layer.W_eff)
+    Hq, d = queries.shape[1], queries.shape[3]
+    rep = Hq // H
+    q = queries[0, :, 0, :].astype(mx.float32) * scale
+    qh = q.reshape(H, rep, d)
+    s_r = layer._resident_scores(qh)
+    z, _ = layer._select_device(q, s_r, Hq, rep, select=False)
+    n_host = host.length
+    zc, excl = chunk_logits(z, layer.flags, n_host, rep)
+    cap, floor = layer._cap(n)
+    capc = max(1, cap // CHUNK)
+    idx, count = metal.tau_select(zc, zc.shape[1], excl, cfg.tau, capc,
+                                  min(capc, -(-floor // CHUNK)))
+    vals, ok = gather_chunks(tables, host, host.values, idx, count, layer.flags)
+    if cfg.rescore == "exact":
+        keys, _ = gather_chunks(tables, host, host.keys, idx, count, layer.flags)
+        s_c = (qh.astype(keys.dtype) @ keys.swapaxes(-1, -2)).astype(mx.float32)  # (H, rep, T)
+    else:
+        tok, _ = chunk_tokens(idx, count, layer.flags, n_host)
+        zt = z.reshape(H, rep, -1)
+        s_c = mx.take_along_axis(zt, mx.broadcast_to(tok[:, None, :], (H, rep, tok.shape[1])),
+                                 axis=2)
+    s_c = mx.where(ok[:, None, :], s_c, -mx.inf)
+    vals = mx.where(ok[..., None], vals, mx.zeros((), vals.dtype))
+    o_c, lse_c = layer._resident_partial(s_c, vals)
+    o_r, lse_r = layer._resident_partial(s_r)
+    lse_r = lse_r.reshape(Hq)
+    o, lse = layer._combine(o_r.reshape(Hq, -1), lse_r, o_c.reshape(Hq, -1),
+                            lse_c.reshape(Hq), sinks, Hq)
+    if layer._update:
+        layer.journal.record(n, "step", (n, q, rep, layer.steps))
+        if layer.acc is not None:
+            zn = z[:, :n]
+            m = zn.max(axis=1)
+            s = mx.exp(zn - m[:, None]).sum(axis=1)
+            layer.acc = metal.acc_update(layer.acc, z, m, s, n, rep, cfg.ema_alpha)
+            writes.append(layer.acc)
+    marks.append(("build", time.perf_counter()))
+    out = layer._end_step(queries, o, lse_r, lse, ok.sum() / H, marks)
+    return mx.depends(out, writes) if writes else out
