@@ -156,17 +156,35 @@ def test_keys_and_values_in_both_phases():
 
 
 def test_kv_bits_merge_and_extract_are_clear():
-    model, tok = make_small_model("llama-gqa-d64", layers=2), None
+    """Exact phase: kv_bits and merge behave as KVCache's (mlx-lm's QuantizedKVCache and
+    BatchKVCache, same contents); compressed: both refused with one clear error."""
+    from mlx_lm.models.cache import BatchKVCache, QuantizedKVCache
+
+    model = make_small_model("llama-gqa-d64", layers=2)
     cache = TieredCache.for_model(model, gpu_budget=1.0)
+    ref = [KVCache() for _ in model.layers]
     model(mx.array([[1, 2, 3]]), cache=cache)
-    with pytest.raises(ValueError, match="kv_bits=4"):
-        cache[0].to_quantized(group_size=64, bits=4)
-    with pytest.raises(ValueError, match="one sequence"):
-        TieredCache.merge([cache[0], cache[0]])
+    model(mx.array([[1, 2, 3]]), cache=ref)
+    q = cache[0].to_quantized(group_size=64, bits=4)
+    want = ref[0].to_quantized(group_size=64, bits=4)
+    assert isinstance(q, QuantizedKVCache) and q.offset == 3
+    assert all(mx.array_equal(a[..., :3, :], b[..., :3, :]).item()
+               for a, b in zip(q.keys, want.keys))
+    merged = TieredCache.merge([cache[0], cache[0]])
+    assert isinstance(merged, BatchKVCache) and merged.keys.shape[0] == 2
+    assert mx.array_equal(merged.keys[1:, :, :3], ref[0].keys[..., :3, :]).item()
     one = cache[0].extract(0)
     assert one is not cache[0] and one.offset == 3
     with pytest.raises(ValueError, match="Invalid idx 1"):
         cache[0].extract(1)
+    squeezed = TieredCache.for_model(model, gpu_budget="1GB", compress_from=1)
+    model(mx.array([[1, 2, 3]]), cache=squeezed)
+    model(mx.array([[4]]), cache=squeezed)
+    assert squeezed[0].phase == "compressed"
+    with pytest.raises(ValueError, match="kv_bits=4"):
+        squeezed[0].to_quantized(group_size=64, bits=4)
+    with pytest.raises(ValueError, match="compressed"):
+        TieredCache.merge([squeezed[0], squeezed[0]])
 
 
 def test_batch_of_two_stays_exact_with_a_compressing_budget():

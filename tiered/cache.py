@@ -348,8 +348,9 @@ class TieredCache(_BaseCache):
 
         views = []
         for c in caches:
-            if not isinstance(c, TieredCache):
-                raise TypeError(f"cannot merge a TieredCache with {type(c).__name__}")
+            if not isinstance(c, TieredCache):  # mlx-lm's caches merge as KVCache.merge does
+                views.append(c)
+                continue
             c._require_open()
             kv = KVCache()
             if c._geometry is not None:

@@ -50,8 +50,10 @@ def exact_attention(queries, keys, values, *, scale, mask, sinks=None, fast=Fals
     softmax, or computed with MLX ops for prompt chunks on other backends."""
     L = queries.shape[2]
     causal = isinstance(mask, str) and mask == "causal"
+    # float32 only: the model runs in it on the CPU backend (weights dequantized at load); a
+    # float16 / bfloat16 graph stays lazy (MLX's CPU lacks some half kernels, e.g. GatherMM)
     if (fast and L > 1 and sinks is None and on_cpu_backend() and queries.shape[0] == 1
-            and causal):
+            and causal and queries.dtype == mx.float32):
         from tiered.cpu.attention import causal_attention
 
         q = np.array(queries[0].astype(mx.float32))
