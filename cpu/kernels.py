@@ -255,11 +255,20 @@ def codebook_encode(x, C, out=None):
 
 
 # ---- row reductions -------------------------------------------------------------------------
+# Non-finite scores (NaN, +-inf: an fp16 overflow, a damaged page) are absent from the
+# selection: never selected, no softmax mass. NaN costs nothing: max(a, b) is
+# select(b > a, b, a), which skips a NaN b, fast_exp64(NaN) is 0, and NaN >= theta is false. A
+# row holding +-inf (the reductions below return it) is read from a copy where they are NaN
+# (_nan_for_inf): per-element guards in the hot loops measured 15-20% slower.
+_INF32 = np.float32(np.inf)
+
+
 @kernel("float32(float32[::1], int64)", inf_safe=True)
 def _row_max(row, n):
-    """max(row[:n]), n >= 1. Eight independent maxima: LLVM does not vectorize a float max
-    reduction (it would need no-NaN), and the dependency chain alone costs 2x."""
-    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = row[0]
+    """max of the non-NaN values of row[:n] (-inf if none; +inf if the row holds it). Eight
+    independent maxima: LLVM does not vectorize a float max reduction (it would need no-NaN),
+    and the dependency chain alone costs 2x."""
+    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = -_INF32
     j = 0
     while j + 8 <= n:
         m0 = max(m0, row[j])
@@ -279,8 +288,9 @@ def _row_max(row, n):
 
 @kernel("float32(float32[::1], int64)", inf_safe=True)
 def _row_min(row, n):
-    """min(row[:n]), n >= 1, as _row_max."""
-    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = row[0]
+    """min of the non-NaN values of row[:n] (+inf if none; -inf if the row holds it), as
+    _row_max."""
+    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = _INF32
     j = 0
     while j + 8 <= n:
         m0 = min(m0, row[j])
@@ -298,11 +308,23 @@ def _row_min(row, n):
     return min(min(min(m0, m1), min(m2, m3)), min(min(m4, m5), min(m6, m7)))
 
 
+@kernel(inf_safe=True)
+def _nan_for_inf(z, n):
+    """A copy of z[:, :n] with +-inf as NaN (the selection's view of a row holding them)."""
+    out = np.empty((z.shape[0], n), np.float32)
+    for h in range(z.shape[0]):
+        for j in range(n):
+            v = z[h, j]
+            out[h, j] = v if abs(v) < _INF32 else np.nan
+    return out
+
+
 # ---- (b) tau-cumulative selection -----------------------------------------------------------
 @kernel(inf_safe=True)
 def _bin(x, lo, scale, nbins):
-    """Histogram bin of x: bins of width 1/scale from lo; x <= lo goes to bin 0."""
-    return 0 if x <= lo else min(nbins - 1, int((x - lo) * scale))
+    """Histogram bin of x: bins of width 1/scale from lo; x <= lo goes to bin 0, and so does
+    NaN (int() of NaN is undefined: a negative index wrote outside the histogram)."""
+    return min(nbins - 1, int((x - lo) * scale)) if x > lo else 0
 
 
 @kernel(inf_safe=True)
@@ -361,7 +383,8 @@ def _refine_threshold(vals, mref, cand, nc, above, target, weighted, hist):
 @kernel(inf_safe=True)
 def _tau_threshold(row, n, mx, lo, tau, hist, cand, ebuf):
     """(theta, s) of one query head: s = sum_j exp(row[j] - mx), theta the largest score whose
-    top set {row >= theta} holds tau * s (the minimum for tau >= 1). row[:n] spans [lo, mx]."""
+    top set {row >= theta} holds tau * s (the minimum for tau >= 1). The non-NaN values of
+    row[:n] span [lo, mx] (finite); NaN counts for nothing and is never a candidate."""
     chunk = ebuf.shape[0]
     nbins = hist.shape[0]
     lo_bin = max(lo, mx - _MASS_SPAN)  # the tail below holds < n e^-100 of the mass
@@ -372,7 +395,7 @@ def _tau_threshold(row, n, mx, lo, tau, hist, cand, ebuf):
         j1 = min(n, j0 + chunk)
         # exp and sum in their own loop so they vectorize; the histogram scatter cannot
         for j in range(j0, j1):
-            e = fast_exp64(np.float64(row[j]) - mx)
+            e = fast_exp64(np.float64(row[j]) - mx)  # 0 for NaN
             ebuf[j - j0] = e
             s += e
         if tau < 1.0:
@@ -393,7 +416,30 @@ def _tau_threshold(row, n, mx, lo, tau, hist, cand, ebuf):
         if _bin(np.float64(row[j]), lo_bin, scale, nbins) == b:
             cand[nc] = j
             nc += 1
+    if b == 0:  # bin 0 also holds NaN, never a candidate (a test in the loop: 10% slower)
+        kept = 0
+        for t in range(nc):
+            if row[cand[t]] == row[cand[t]]:
+                cand[kept] = cand[t]
+                kept += 1
+        nc = kept
     return _refine_threshold(row, mx, cand, nc, above, target, True, hist), s
+
+
+@kernel(inf_safe=True)
+def _head_threshold(row, n, tau, hist, cand, ebuf):
+    """(ok, m, s, theta, lse) of one query head over its non-NaN scores (_tau_threshold).
+    ok is False, and nothing computed, for a row holding +-inf (the caller reads it again with
+    NaN for them). A row without a finite score: m = -inf, s = 0, theta = +inf, lse = -inf,
+    it selects nothing (an empty partial)."""
+    mx = np.float64(_row_max(row, n))
+    lo = np.float64(_row_min(row, n))
+    if mx == np.inf or lo == -np.inf:
+        return False, mx, 0.0, np.inf, -np.inf
+    if mx == -np.inf:
+        return True, mx, 0.0, np.inf, -np.inf
+    th, s = _tau_threshold(row, n, mx, lo, tau, hist, cand, ebuf)
+    return True, mx, s, th, mx + math.log(s)
 
 
 @kernel(inf_safe=True)
@@ -425,12 +471,14 @@ def _emit(k, n, flags, keys, take_flag, part_flag, v, n_part, idx):
 
 @kernel(inf_safe=True)
 def _rank_candidates(z, lse, rep, k, n, flags, flag, keys, cand):
-    """cand <- tokens with flags[k] == flag; keys[k, j] <- max_h log p_hj for them. Count."""
+    """cand <- tokens with flags[k] == flag; keys[k, j] <- max_h log p_hj for them (over the
+    heads where the score is not NaN; -inf for a token NaN in every head). Count."""
     m = 0
     for j in range(n):
         if flags[k, j] == flag:
             best = np.float64(z[k * rep, j]) - lse[k * rep]
-            for r in range(1, rep):
+            best = best if best == best else -np.inf  # max(NaN, x) would be NaN
+            for r in range(1, rep):  # max(best, NaN) is best
                 best = max(best, np.float64(z[k * rep + r, j]) - lse[k * rep + r])
             keys[k, j] = best
             cand[m] = j
@@ -451,24 +499,34 @@ def _select_kv_head(z, n, exclude, theta, lse, k, limit, floor, flags, keys, can
         th = theta[k * rep + r]
         row = z[k * rep + r]
         for j in range(n):
-            member[j] |= row[j] >= th
+            member[j] |= row[j] >= th  # false for NaN
     n_union = 0
-    n_free = 0
+    n_free = 0  # counts tokens NaN in every head too (the floor's ranking drops them)
     for j in range(n):
         keep = (0 if exclude[k, j] else 1) if has_exclude else 1
         n_union += keep * member[j]
         n_free += keep * (1 - member[j])
         # 1 -> _IN_UNION, 0 -> _AVAILABLE, excluded -> _EXCLUDED (branch-free)
         member[j] = keep * (2 - member[j])
-    if n_union > limit:  # keep the limit best of U_k
+    if n_union > limit:  # keep the limit best of U_k (each has a finite score: a finite key)
         m = _rank_candidates(z, lse, rep, k, n, flags, _IN_UNION, keys, cand)
         v = _refine_threshold(keys[k], 0.0, cand, m, 0.0, float(limit), False, hist)
         return _emit(k, n, flags, keys, _NO_FLAG, _IN_UNION, v, limit, idx)
     if n_union < floor and n_free > 0:  # all of U_k and the best available up to floor
-        need = min(floor - n_union, n_free)
         m = _rank_candidates(z, lse, rep, k, n, flags, _AVAILABLE, keys, cand)
-        v = _refine_threshold(keys[k], 0.0, cand, m, 0.0, float(need), False, hist)
-        return _emit(k, n, flags, keys, _IN_UNION, _AVAILABLE, v, need, idx)
+        kept = 0
+        for t in range(m):  # a token NaN in every head (key -inf) is absent; here, not in
+            # _rank_candidates: a test per token there measured 5-10% slower
+            if keys[k, cand[t]] > -np.inf:
+                cand[kept] = cand[t]
+                kept += 1
+            else:
+                flags[k, cand[t]] = _EXCLUDED
+        m = kept
+        need = min(floor - n_union, m)
+        if need > 0:
+            v = _refine_threshold(keys[k], 0.0, cand, m, 0.0, float(need), False, hist)
+            return _emit(k, n, flags, keys, _IN_UNION, _AVAILABLE, v, need, idx)
     return _emit(k, n, flags, keys, _IN_UNION, _NO_FLAG, 0.0, 0, idx)
 
 
@@ -491,14 +549,17 @@ def _tau_select(z, n, exclude, tau, cap, floor, idx, count, m_out, s_out, mass_o
     keys = np.empty((H, n), np.float64)  # max_h log p_hj, filled for ranked candidates only
     flags = np.empty((H, n), np.uint8)  # _EXCLUDED, _IN_UNION or _AVAILABLE per token
 
+    redo = np.zeros(Hq, np.bool_)
     for h in prange(Hq):
-        mx = np.float64(_row_max(z[h], n))
-        lo = np.float64(_row_min(z[h], n))
-        th, s = _tau_threshold(z[h], n, mx, lo, tau, hist[h], cand[h], ebuf[h])
-        theta[h] = th
-        m_out[h] = mx
-        s_out[h] = s
-        lse[h] = mx + math.log(s)
+        ok, mx, s, th, ls = _head_threshold(z[h], n, tau, hist[h], cand[h], ebuf[h])
+        redo[h] = not ok
+        m_out[h], s_out[h], theta[h], lse[h] = mx, s, th, ls
+    if redo.any():  # rare: rows holding +-inf, read again from a copy where they are NaN
+        z = _nan_for_inf(z, n)
+        for h in prange(Hq):
+            if redo[h]:
+                ok, mx, s, th, ls = _head_threshold(z[h], n, tau, hist[h], cand[h], ebuf[h])
+                m_out[h], s_out[h], theta[h], lse[h] = mx, s, th, ls
 
     limit = max(cap, floor)  # a floor above the cap raises the cap
     for k in prange(H):
@@ -509,7 +570,7 @@ def _tau_select(z, n, exclude, tau, cap, floor, idx, count, m_out, s_out, mass_o
         for r in range(rep):
             h = k * rep + r
             acc = 0.0
-            for t in range(cnt):
+            for t in range(cnt):  # 0 where h's score is NaN
                 acc += fast_exp64(np.float64(z[h, idx[k, t]]) - lse[h])
             mass_out[h] = acc
 
@@ -520,6 +581,7 @@ class Selection(NamedTuple):
     idx: (H, cap_alloc) int32 selected offloaded tokens of each kv head, ascending, -1 past
     count; count: (H,) int32; m: (Hq,) float32 max score; s: (Hq,) float32 sum of
     exp(z - m) over all n tokens; mass: (Hq,) float32 softmax mass of the selected tokens.
+    Over finite scores only: a head without one has m = -inf, s = 0, mass = 0.
     """
 
     idx: np.ndarray
@@ -539,7 +601,12 @@ def tau_select(z, exclude, tau, cap, floor=0, *, n=None, n_kv_heads=None, cap_al
     tokens of largest max_h p_hj are kept (ties: lower index); if |U_k| < floor, available
     tokens are added by descending max_h p_hj up to floor. A floor above cap raises the cap.
 
-    z: (Hq, >= n) float32 scores (finite); exclude: (H, >= n) bool/uint8, or None (then pass
+    Non-finite scores (NaN, +-inf) are absent: the selection is that of the same scores without
+    them (a head's non-finite score of a token counts for nothing; a token without a finite
+    score in any head of its group is never selected); a kv head without a finite score
+    selects nothing. Any values, no crash or hang.
+
+    z: (Hq, >= n) float32 scores; exclude: (H, >= n) bool/uint8, or None (then pass
     n_kv_heads); tau in (0, 1]; cap >= 1; floor >= 0; cap_alloc: columns of idx (default
     max(cap, floor)); out: a previous Selection to reuse its buffers. O(n) per head (histogram
     passes, no full sort).
