@@ -11,7 +11,7 @@ from ._numba import kernel
 
 
 @kernel("void(float32[:, ::1], float32[:, ::1], float32[::1], float32[::1], int64, int64, "
-        "float32)", parallel=True)
+        "float32)", parallel=True, inf_safe=True)  # inf_safe: the guard below compares with inf
 def _acc_update(acc, z, m, s, rep, n, alpha):
     H = acc.shape[0]
     inv = np.empty(z.shape[0], np.float32)
@@ -26,7 +26,10 @@ def _acc_update(acc, z, m, s, rep, n, alpha):
             p = 0.0
             for r in range(rep):
                 h = k * rep + r
-                p += math.exp(z[h, j] - m[h]) * inv[h]
+                c = math.exp(z[h, j] - m[h]) * inv[h]
+                # A non-finite contribution (a NaN or Inf score, or a head with no finite
+                # score: m = -inf, s = 0) is skipped, so the accumulators stay finite.
+                p += c if c < np.inf else 0.0
             acc[k, j] = alpha * acc[k, j] + p
 
 
@@ -36,6 +39,8 @@ def acc_update(acc: np.ndarray, z: np.ndarray, m: np.ndarray, s: np.ndarray, rep
 
     acc: (H, >= n) float32 accumulators; z: (Hq, >= n) float32 scores with softmax statistics
     m (max) and s (sum of exp(z - m)) per query head, so p[h, j] = exp(z[h, j] - m[h]) / s[h].
+    A p[h, j] that is not finite (NaN or Inf in z, m or s) adds nothing: finite accumulators
+    stay finite given statistics as tau_select returns them (s >= 1, or m = -inf and s = 0).
     """
     H = acc.shape[0]
     if z.shape[0] != H * rep or acc.shape[1] < n or z.shape[1] < n:

@@ -255,11 +255,20 @@ def codebook_encode(x, C, out=None):
 
 
 # ---- row reductions -------------------------------------------------------------------------
+# Non-finite scores (NaN, +-inf: an fp16 overflow, a damaged page) are absent from the
+# selection: never selected, no softmax mass. NaN costs nothing: max(a, b) is
+# select(b > a, b, a), which skips a NaN b, fast_exp64(NaN) is 0, and NaN >= theta is false. A
+# row holding +-inf (the reductions below return it) is read from a copy where they are NaN
+# (_nan_for_inf): per-element guards in the hot loops measured 15-20% slower.
+_INF32 = np.float32(np.inf)
+
+
 @kernel("float32(float32[::1], int64)", inf_safe=True)
 def _row_max(row, n):
-    """max(row[:n]), n >= 1. Eight independent maxima: LLVM does not vectorize a float max
-    reduction (it would need no-NaN), and the dependency chain alone costs 2x."""
-    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = row[0]
+    """max of the non-NaN values of row[:n] (-inf if none; +inf if the row holds it). Eight
+    independent maxima: LLVM does not vectorize a float max reduction (it would need no-NaN),
+    and the dependency chain alone costs 2x."""
+    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = -_INF32
     j = 0
     while j + 8 <= n:
         m0 = max(m0, row[j])
@@ -279,8 +288,9 @@ def _row_max(row, n):
 
 @kernel("float32(float32[::1], int64)", inf_safe=True)
 def _row_min(row, n):
-    """min(row[:n]), n >= 1, as _row_max."""
-    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = row[0]
+    """min of the non-NaN values of row[:n] (+inf if none; -inf if the row holds it), as
+    _row_max."""
+    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = _INF32
     j = 0
     while j + 8 <= n:
         m0 = min(m0, row[j])
@@ -298,11 +308,23 @@ def _row_min(row, n):
     return min(min(min(m0, m1), min(m2, m3)), min(min(m4, m5), min(m6, m7)))
 
 
+@kernel(inf_safe=True)
+def _nan_for_inf(z, n):
+    """A copy of z[:, :n] with +-inf as NaN (the selection's view of a row holding them)."""
+    out = np.empty((z.shape[0], n), np.float32)
+    for h in range(z.shape[0]):
+        for j in range(n):
+            v = z[h, j]
+            out[h, j] = v if abs(v) < _INF32 else np.nan
+    return out
+
+
 # ---- (b) tau-cumulative selection -----------------------------------------------------------
 @kernel(inf_safe=True)
 def _bin(x, lo, scale, nbins):
-    """Histogram bin of x: bins of width 1/scale from lo; x <= lo goes to bin 0."""
-    return 0 if x <= lo else min(nbins - 1, int((x - lo) * scale))
+    """Histogram bin of x: bins of width 1/scale from lo; x <= lo goes to bin 0, and so does
+    NaN (int() of NaN is undefined: a negative index wrote outside the histogram)."""
+    return min(nbins - 1, int((x - lo) * scale)) if x > lo else 0
 
 
 @kernel(inf_safe=True)
@@ -361,7 +383,8 @@ def _refine_threshold(vals, mref, cand, nc, above, target, weighted, hist):
 @kernel(inf_safe=True)
 def _tau_threshold(row, n, mx, lo, tau, hist, cand, ebuf):
     """(theta, s) of one query head: s = sum_j exp(row[j] - mx), theta the largest score whose
-    top set {row >= theta} holds tau * s (the minimum for tau >= 1). row[:n] spans [lo, mx]."""
+    top set {row >= theta} holds tau * s (the minimum for tau >= 1). The non-NaN values of
+    row[:n] span [lo, mx] (finite); NaN counts for nothing and is never a candidate."""
     chunk = ebuf.shape[0]
     nbins = hist.shape[0]
     lo_bin = max(lo, mx - _MASS_SPAN)  # the tail below holds < n e^-100 of the mass
@@ -372,7 +395,7 @@ def _tau_threshold(row, n, mx, lo, tau, hist, cand, ebuf):
         j1 = min(n, j0 + chunk)
         # exp and sum in their own loop so they vectorize; the histogram scatter cannot
         for j in range(j0, j1):
-            e = fast_exp64(np.float64(row[j]) - mx)
+            e = fast_exp64(np.float64(row[j]) - mx)  # 0 for NaN
             ebuf[j - j0] = e
             s += e
         if tau < 1.0:
@@ -393,7 +416,30 @@ def _tau_threshold(row, n, mx, lo, tau, hist, cand, ebuf):
         if _bin(np.float64(row[j]), lo_bin, scale, nbins) == b:
             cand[nc] = j
             nc += 1
+    if b == 0:  # bin 0 also holds NaN, never a candidate (a test in the loop: 10% slower)
+        kept = 0
+        for t in range(nc):
+            if row[cand[t]] == row[cand[t]]:
+                cand[kept] = cand[t]
+                kept += 1
+        nc = kept
     return _refine_threshold(row, mx, cand, nc, above, target, True, hist), s
+
+
+@kernel(inf_safe=True)
+def _head_threshold(row, n, tau, hist, cand, ebuf):
+    """(ok, m, s, theta, lse) of one query head over its non-NaN scores (_tau_threshold).
+    ok is False, and nothing computed, for a row holding +-inf (the caller reads it again with
+    NaN for them). A row without a finite score: m = -inf, s = 0, theta = +inf, lse = -inf,
+    it selects nothing (an empty partial)."""
+    mx = np.float64(_row_max(row, n))
+    lo = np.float64(_row_min(row, n))
+    if mx == np.inf or lo == -np.inf:
+        return False, mx, 0.0, np.inf, -np.inf
+    if mx == -np.inf:
+        return True, mx, 0.0, np.inf, -np.inf
+    th, s = _tau_threshold(row, n, mx, lo, tau, hist, cand, ebuf)
+    return True, mx, s, th, mx + math.log(s)
 
 
 @kernel(inf_safe=True)
@@ -425,12 +471,14 @@ def _emit(k, n, flags, keys, take_flag, part_flag, v, n_part, idx):
 
 @kernel(inf_safe=True)
 def _rank_candidates(z, lse, rep, k, n, flags, flag, keys, cand):
-    """cand <- tokens with flags[k] == flag; keys[k, j] <- max_h log p_hj for them. Count."""
+    """cand <- tokens with flags[k] == flag; keys[k, j] <- max_h log p_hj for them (over the
+    heads where the score is not NaN; -inf for a token NaN in every head). Count."""
     m = 0
     for j in range(n):
         if flags[k, j] == flag:
             best = np.float64(z[k * rep, j]) - lse[k * rep]
-            for r in range(1, rep):
+            best = best if best == best else -np.inf  # max(NaN, x) would be NaN
+            for r in range(1, rep):  # max(best, NaN) is best
                 best = max(best, np.float64(z[k * rep + r, j]) - lse[k * rep + r])
             keys[k, j] = best
             cand[m] = j
@@ -451,24 +499,34 @@ def _select_kv_head(z, n, exclude, theta, lse, k, limit, floor, flags, keys, can
         th = theta[k * rep + r]
         row = z[k * rep + r]
         for j in range(n):
-            member[j] |= row[j] >= th
+            member[j] |= row[j] >= th  # false for NaN
     n_union = 0
-    n_free = 0
+    n_free = 0  # counts tokens NaN in every head too (the floor's ranking drops them)
     for j in range(n):
         keep = (0 if exclude[k, j] else 1) if has_exclude else 1
         n_union += keep * member[j]
         n_free += keep * (1 - member[j])
         # 1 -> _IN_UNION, 0 -> _AVAILABLE, excluded -> _EXCLUDED (branch-free)
         member[j] = keep * (2 - member[j])
-    if n_union > limit:  # keep the limit best of U_k
+    if n_union > limit:  # keep the limit best of U_k (each has a finite score: a finite key)
         m = _rank_candidates(z, lse, rep, k, n, flags, _IN_UNION, keys, cand)
         v = _refine_threshold(keys[k], 0.0, cand, m, 0.0, float(limit), False, hist)
         return _emit(k, n, flags, keys, _NO_FLAG, _IN_UNION, v, limit, idx)
     if n_union < floor and n_free > 0:  # all of U_k and the best available up to floor
-        need = min(floor - n_union, n_free)
         m = _rank_candidates(z, lse, rep, k, n, flags, _AVAILABLE, keys, cand)
-        v = _refine_threshold(keys[k], 0.0, cand, m, 0.0, float(need), False, hist)
-        return _emit(k, n, flags, keys, _IN_UNION, _AVAILABLE, v, need, idx)
+        kept = 0
+        for t in range(m):  # a token NaN in every head (key -inf) is absent; here, not in
+            # _rank_candidates: a test per token there measured 5-10% slower
+            if keys[k, cand[t]] > -np.inf:
+                cand[kept] = cand[t]
+                kept += 1
+            else:
+                flags[k, cand[t]] = _EXCLUDED
+        m = kept
+        need = min(floor - n_union, m)
+        if need > 0:
+            v = _refine_threshold(keys[k], 0.0, cand, m, 0.0, float(need), False, hist)
+            return _emit(k, n, flags, keys, _IN_UNION, _AVAILABLE, v, need, idx)
     return _emit(k, n, flags, keys, _IN_UNION, _NO_FLAG, 0.0, 0, idx)
 
 
@@ -491,14 +549,17 @@ def _tau_select(z, n, exclude, tau, cap, floor, idx, count, m_out, s_out, mass_o
     keys = np.empty((H, n), np.float64)  # max_h log p_hj, filled for ranked candidates only
     flags = np.empty((H, n), np.uint8)  # _EXCLUDED, _IN_UNION or _AVAILABLE per token
 
+    redo = np.zeros(Hq, np.bool_)
     for h in prange(Hq):
-        mx = np.float64(_row_max(z[h], n))
-        lo = np.float64(_row_min(z[h], n))
-        th, s = _tau_threshold(z[h], n, mx, lo, tau, hist[h], cand[h], ebuf[h])
-        theta[h] = th
-        m_out[h] = mx
-        s_out[h] = s
-        lse[h] = mx + math.log(s)
+        ok, mx, s, th, ls = _head_threshold(z[h], n, tau, hist[h], cand[h], ebuf[h])
+        redo[h] = not ok
+        m_out[h], s_out[h], theta[h], lse[h] = mx, s, th, ls
+    if redo.any():  # rare: rows holding +-inf, read again from a copy where they are NaN
+        z = _nan_for_inf(z, n)
+        for h in prange(Hq):
+            if redo[h]:
+                ok, mx, s, th, ls = _head_threshold(z[h], n, tau, hist[h], cand[h], ebuf[h])
+                m_out[h], s_out[h], theta[h], lse[h] = mx, s, th, ls
 
     limit = max(cap, floor)  # a floor above the cap raises the cap
     for k in prange(H):
@@ -509,7 +570,7 @@ def _tau_select(z, n, exclude, tau, cap, floor, idx, count, m_out, s_out, mass_o
         for r in range(rep):
             h = k * rep + r
             acc = 0.0
-            for t in range(cnt):
+            for t in range(cnt):  # 0 where h's score is NaN
                 acc += fast_exp64(np.float64(z[h, idx[k, t]]) - lse[h])
             mass_out[h] = acc
 
@@ -520,6 +581,7 @@ class Selection(NamedTuple):
     idx: (H, cap_alloc) int32 selected offloaded tokens of each kv head, ascending, -1 past
     count; count: (H,) int32; m: (Hq,) float32 max score; s: (Hq,) float32 sum of
     exp(z - m) over all n tokens; mass: (Hq,) float32 softmax mass of the selected tokens.
+    Over finite scores only: a head without one has m = -inf, s = 0, mass = 0.
     """
 
     idx: np.ndarray
@@ -539,7 +601,12 @@ def tau_select(z, exclude, tau, cap, floor=0, *, n=None, n_kv_heads=None, cap_al
     tokens of largest max_h p_hj are kept (ties: lower index); if |U_k| < floor, available
     tokens are added by descending max_h p_hj up to floor. A floor above cap raises the cap.
 
-    z: (Hq, >= n) float32 scores (finite); exclude: (H, >= n) bool/uint8, or None (then pass
+    Non-finite scores (NaN, +-inf) are absent: the selection is that of the same scores without
+    them (a head's non-finite score of a token counts for nothing; a token without a finite
+    score in any head of its group is never selected); a kv head without a finite score
+    selects nothing. Any values, no crash or hang.
+
+    z: (Hq, >= n) float32 scores; exclude: (H, >= n) bool/uint8, or None (then pass
     n_kv_heads); tau in (0, 1]; cap >= 1; floor >= 0; cap_alloc: columns of idx (default
     max(cap, floor)); out: a previous Selection to reuse its buffers. O(n) per head (histogram
     passes, no full sort).
@@ -820,10 +887,11 @@ def _exact_logits(q, k, cnt, rep, addrs, scale_addrs, code, d, blk, rows, f16, r
 
 
 @kernel(inf_safe=True, inline=True)
-def _weighted_values(cnt, rep, addrs, scale_addrs, code, dv, blk, rows, f16, row, w, acc):
+def _weighted_values(cnt, rep, addrs, scale_addrs, code, dv, blk, rows, f16, row, w, acc,
+                     dropped):
     """acc[r*dv:(r+1)*dv] = sum_t w[r, t] * value of the t-th selected token (at blk[t],
     rows[t]); each value row is decoded once. acc is a flat local buffer: accumulating into the
-    2-D output measured 1.5x slower."""
+    2-D output measured 1.5x slower. dropped: some head dropped a token (weight 0), see below."""
     acc[: rep * dv] = 0.0
     for t in range(cnt):
         if t + PREFETCH_ROWS < cnt:
@@ -833,6 +901,49 @@ def _weighted_values(cnt, rep, addrs, scale_addrs, code, dv, blk, rows, f16, row
             p = w[r, t]
             for e in range(dv):
                 acc[r * dv + e] += p * row[e]
+    if dropped:
+        _without_dropped(cnt, rep, addrs, scale_addrs, code, dv, blk, rows, f16, row, w, acc)
+
+
+@kernel(inf_safe=True, inline=True)
+def _without_dropped(cnt, rep, addrs, scale_addrs, code, dv, blk, rows, f16, row, w, acc):
+    """Redo the sum of each head that came out not finite and that drops a token another head
+    keeps (weight 0 here, positive there): that token's value row (NaN or Inf) was read for
+    every head, and 0 times NaN is NaN. Rare: only behind a non-finite logit."""
+    for r in range(rep):
+        finite = True
+        for e in range(dv):
+            finite = finite and abs(acc[r * dv + e]) < _INF32
+        drops = False
+        for t in range(cnt):
+            drops = drops or w[r, t] == 0.0
+        if finite or not drops:
+            continue
+        acc[r * dv:(r + 1) * dv] = 0.0
+        for t in range(cnt):
+            p = w[r, t]
+            if p != 0.0:
+                _load_row(addrs, scale_addrs, code, dv, blk[t], rows[t], f16, row)
+                for e in range(dv):
+                    acc[r * dv + e] += p * row[e]
+
+
+@kernel(inf_safe=True, inline=True)
+def _weighted_only(w, blk, rows, rep, cnt):
+    """Move the tokens t < cnt with a nonzero weight w[r, t] in some head to the front of w,
+    blk and rows, in order; returns their count."""
+    kept = 0
+    for t in range(cnt):
+        live = False
+        for r in range(rep):
+            live = live or w[r, t] != 0.0
+        if live:
+            blk[kept] = blk[t]
+            rows[kept] = rows[t]
+            for r in range(rep):
+                w[r, kept] = w[r, t]
+            kept += 1
+    return kept
 
 
 @kernel(
@@ -886,39 +997,64 @@ def _gather_partial(q, z, idx, count, rep, page_ids, page_size, ppb, val_addrs,
         else:
             _exact_logits(q, k, cnt, rep, key_addrs, key_scale_addrs, 2, d, blk, rows, f16,
                           row, w)
-        # Softmax weights in place, in loops of their own so max and exp vectorize.
+        # Softmax weights in place, in loops of their own so max and exp vectorize. A token
+        # whose logit is not finite (a NaN or Inf in its key row or score) is dropped: counted
+        # in the max loop, so that the exp loop stays as it was unless a head has one (a test
+        # per logit there measured 45% slower per layer with exact rescoring).
+        dropped = 0
         for r in range(rep):
-            mx = -np.inf
+            mx = -_INF32
+            bad = 0
             for t in range(cnt):
-                mx = max(mx, w[r, t])
+                v = w[r, t]
+                mx = max(mx, v)  # skips NaN (see _row_max)
+                bad += 0 if abs(v) < _INF32 else 1
+            if bad > 0:  # rare: the max of the finite logits only
+                mx = -_INF32
+                for t in range(cnt):
+                    v = w[r, t]
+                    mx = max(mx, v if v < _INF32 else -_INF32)
             total = 0.0
-            if mx > -np.inf:
+            if mx > -_INF32 and bad == 0:
                 for t in range(cnt):
                     p = fast_exp(w[r, t] - mx)
                     w[r, t] = p
                     total += p
+            elif mx > -_INF32:  # weight 0 for the non-finite logits
+                for t in range(cnt):
+                    v = w[r, t]
+                    p = fast_exp(v - mx) if abs(v) < _INF32 else np.float32(0.0)
+                    w[r, t] = p
+                    total += p
+            dropped += bad
             if total > 0.0:
                 lse_out[h0 + r] = mx + math.log(total)
                 inv = np.float32(1.0 / total)
                 for t in range(cnt):
                     w[r, t] *= inv
-            else:  # nothing selected (or only -inf logits): o = 0, lse = -inf
+            else:  # nothing selected (or no finite logit): o = 0, lse = -inf
                 lse_out[h0 + r] = -np.inf
+                dropped += cnt
                 for t in range(cnt):
                     w[r, t] = 0.0
+        # A token dropped by every head is not read (0 times a NaN in its value row would be
+        # NaN): the tokens weighted in some head move to the front. A weight-0 test in pass 2
+        # instead measured 15% slower. (A token dropped by some heads only: _without_dropped.)
+        if dropped > 0:
+            cnt = _weighted_only(w, blk, rows, rep, cnt)
         # Pass 2: each value row is decoded once and accumulated into all rep heads.
         if NATIVE_HALF and val_code == _FLOAT16_NATIVE:
             _weighted_values(cnt, rep, val_addrs, val_scale_addrs, _FLOAT16_NATIVE, dv,
-                             blk, rows, f16, row, w, acc)
+                             blk, rows, f16, row, w, acc, dropped > 0)
         elif val_code == 0:
             _weighted_values(cnt, rep, val_addrs, val_scale_addrs, 0, dv, blk, rows, f16,
-                             row, w, acc)
+                             row, w, acc, dropped > 0)
         elif val_code == 1:
             _weighted_values(cnt, rep, val_addrs, val_scale_addrs, 1, dv, blk, rows, f16,
-                             row, w, acc)
+                             row, w, acc, dropped > 0)
         else:
             _weighted_values(cnt, rep, val_addrs, val_scale_addrs, 2, dv, blk, rows, f16,
-                             row, w, acc)
+                             row, w, acc, dropped > 0)
         for r in range(rep):
             for e in range(dv):
                 o_out[h0 + r, e] = acc[r * dv + e]
@@ -937,9 +1073,12 @@ def gather_partial(q, z, idx, count, rep, page_ids, page_size, pages_per_block, 
     For query head qh (kv head k = qh // rep) over tokens j in idx[k, :count[k]]: logits
     w_j = z[qh, j], or q[qh] . key_j read from the host keys when rescore_exact; writes
     o_out[qh] = sum_j softmax(w)_j v_j and lse_out[qh] = logsumexp_j w_j (0 and -inf for an
-    empty selection). Blocks are reached by address: block p // pages_per_block of val_addrs
-    (fp16/fp32/int8 per DTYPE_CODES; int8 scales at val_scale_addrs), page slot
-    p % pages_per_block, shape (pages_per_block, H, page_size, dim).
+    empty selection). A token whose w_j is not finite (a NaN or Inf in its key row or score,
+    a NaN query) is dropped from qh's partial: the partial of the others, whose value rows
+    alone reach o_out[qh] (a NaN in a kept token's value row makes it NaN). Blocks are reached
+    by address: block p // pages_per_block of val_addrs (fp16/fp32/int8 per DTYPE_CODES; int8
+    scales at val_scale_addrs), page slot p % pages_per_block, shape (pages_per_block, H,
+    page_size, dim).
 
     q: (Hq, d) float32 scaled queries (read only when rescore_exact); z: (Hq, >= n) float32
     scores (may be None when rescore_exact);
@@ -1009,17 +1148,20 @@ def merge_partials(o1, lse1, o2, lse2):
     """Exact merge of two softmax partials over disjoint token sets (flash-decoding).
 
     o*: (..., dv) normalized partial outputs; lse*: (...) their log-sum-exp (-inf for an empty
-    set). Returns (o, lse) of the union; o = 0 and lse = -inf when both are empty.
+    set). Returns (o, lse) of the union; o = 0 and lse = -inf when both are empty. A NaN in
+    either partial (a NaN query gives a NaN resident partial) comes out as NaN, without a
+    warning: numpy's floating-point warnings are off here.
     """
     lse1, lse2 = np.asarray(lse1), np.asarray(lse2)
-    m = np.maximum(lse1, lse2)
-    m = np.where(np.isfinite(m), m, 0.0)  # both -inf: weights exp(-inf) = 0, no NaN
-    w1, w2 = np.exp(lse1 - m), np.exp(lse2 - m)
-    total = w1 + w2
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(all="ignore"):
+        m = np.maximum(lse1, lse2)
+        m = np.where(np.isfinite(m), m, 0.0)  # both -inf: weights exp(-inf) = 0, no NaN
+        w1, w2 = np.exp(lse1 - m), np.exp(lse2 - m)
+        total = w1 + w2
         lse = (m + np.log(total)).astype(np.result_type(lse1, lse2))
         o = (w1[..., None] * o1 + w2[..., None] * o2) / total[..., None]
-    o = np.where(total[..., None] > 0, o, 0.0).astype(np.result_type(o1, o2))
+    # Both empty: 0. A NaN total (a NaN lse) keeps its NaN output rather than reading as empty.
+    o = np.where(total[..., None] == 0, 0.0, o).astype(np.result_type(o1, o2))
     return o, lse
 
 

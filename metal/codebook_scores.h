@@ -12,8 +12,10 @@
 //   params   int32_t  [n, n_cap, block_len]
 // Outputs:
 //   z        float    (Hq, n)         the exported scores
-//   zmax     float    (Hq, n_blocks)  max of z over each block's tokens (-inf for none), which
-//                                     the selection kernels reduce instead of re-reading z
+//   zmax     float    (Hq, n_blocks)  max of the finite z over each block's tokens (-inf for
+//                                     none), which the selection kernels reduce instead of
+//                                     re-reading z (they skip non-finite scores: a NaN or Inf
+//                                     here would make them re-read the row)
 // Template constants: G, C, DS, GC, W (= G * CODE_BITS / 32), CODE_BITS (8 or 16), REP (query
 // heads per kv head), REP_TILE (query heads per threadgroup; divides REP), LUT_SHARED (1: the
 // threadgroup builds its REP_TILE heads' table in shared memory from q and the codebook, laid
@@ -58,7 +60,9 @@ if (LUT_SHARED) {
     // |entry| <= |q group| |centroid| (Cauchy-Schwarz): each head's largest squared group norm
     // times the largest squared centroid norm of the kv head bounds its entries' squares. The
     // scale puts that bound below 2^14 (float16 overflows at 65504), a pass over the small
-    // codebook instead of a pass that computes every entry twice.
+    // codebook instead of a pass that computes every entry twice. Norms that are not finite
+    // (a NaN or Inf input) are left out of the bound: they would scale every entry to zero;
+    // their own entries come out NaN or Inf, as in a float32 table.
     float cn = 0.0f;
     for (int t = tq_tid; t < GC * C; t += tq_ntid) {
       const int64_t row = (int64_t(h) * GC * C + t) * DS;
@@ -67,7 +71,7 @@ if (LUT_SHARED) {
         const float v = codebook[row + s];
         s2 += v * v;
       }
-      cn = s2 > cn ? s2 : cn;
+      cn = (s2 > cn && s2 < TQ_INF) ? s2 : cn;
     }
     float qn[REP_TILE];
     TQ_UNROLL for (int r = 0; r < REP_TILE; ++r) {
@@ -80,7 +84,7 @@ if (LUT_SHARED) {
           const float v = q_s[r * D + i * DS + s];
           s2 += v * v;
         }
-        qn[r] = s2 > qn[r] ? s2 : qn[r];
+        qn[r] = (s2 > qn[r] && s2 < TQ_INF) ? s2 : qn[r];
       }
     }
     const float cmax = tq_block_all<true>(cn, red, tq_tid, tq_ntid);
@@ -169,7 +173,21 @@ for (int j = j_begin + tq_tid; j < j_end; j += tq_ntid) {
   TQ_UNROLL for (int r = 0; r < REP_TILE; ++r) {
     const float v = acc[r] * inv_scale[r];
     z[int64_t(qh0 + r) * n + j] = v;
-    best[r] = v > best[r] ? v : best[r];
+    best[r] = v > best[r] ? v : best[r];  // NaN never wins
+  }
+}
+// A +inf score (rare) hides the finite maximum: this thread's own scores again, without it
+// (a test in the loop above pushed a 1024-thread CUDA variant over 64 registers per thread).
+TQ_UNROLL for (int r = 0; r < REP_TILE; ++r) {
+  if (best[r] == TQ_INF) {
+    float b = -TQ_INF;
+    const int jb = tq_bx * params[2];  // (from params again: nothing more held in the loop)
+    const int je = (jb + params[2] < params[0]) ? jb + params[2] : params[0];
+    for (int j = jb + tq_tid; j < je; j += tq_ntid) {
+      const float v = z[int64_t(qh0 + r) * params[0] + j];
+      b = (v > b && v < TQ_INF) ? v : b;
+    }
+    best[r] = b;
   }
 }
 

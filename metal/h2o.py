@@ -9,6 +9,8 @@ kernel reads the scores once. H100, 32 query / 8 kv heads, device time
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 
 from ._build import KernelSpec, Launch, device_floats, device_ints, launch, resolve_backend
@@ -39,6 +41,7 @@ def acc_update_ops(acc, z, m, s, n: int, rep: int, alpha: float) -> mx.array:
     _check(acc, z, m, s, n, rep, alpha)
     h = acc.shape[0]
     p = mx.exp(z[:, :n].astype(mx.float32) - m[:, None]) / s[:, None]
+    p = mx.where(p < math.inf, p, 0.0)  # a non-finite probability adds nothing
     upd = alpha * acc[:, :n] + (1 - alpha) * p.reshape(h, rep, n).mean(axis=1)
     return mx.concatenate([upd, acc[:, n:]], axis=1)
 
@@ -47,7 +50,9 @@ def acc_update(acc, z, m, s, n: int, rep: int, alpha: float, *,
                use_kernel: bool | None = None) -> mx.array:
     """New H2O accumulators: for every kv head h and token j < n,
     alpha * acc[h, j] + (1 - alpha) * the mean over h's rep query heads of the token's softmax
-    probability exp(z - m) / s; columns from n on are kept. acc float32 (H, C); z float32
+    probability exp(z - m) / s (one that is not finite, from a NaN or Inf score or a head
+    without a finite score, m = -inf and s = 0, adds nothing: finite accumulators stay
+    finite); columns from n on are kept. acc float32 (H, C); z float32
     (H * rep, N >= n), only the first n columns read; m, s float32 (H * rep,). Returns a new
     (H, C) float32 array (lazy). use_kernel as in the other kernels."""
     _check(acc, z, m, s, n, rep, alpha)

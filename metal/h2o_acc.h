@@ -13,6 +13,8 @@
 //   params  int32_t [n, N, C]
 //   fparams float   [alpha]
 // Output (every element written): acc_out float (H, C).
+// A probability that is not finite (a NaN or Inf score, or a head without a finite score:
+// m = -inf, s = 0) adds nothing, so finite accumulators stay finite.
 // Template constant: REP (query heads per kv head).
 // Grid: x = columns, one thread each; y = kv head.
 const int n = params[0];
@@ -28,7 +30,8 @@ if (j < C) {
     float p = 0.0f;
     TQ_UNROLL for (int r = 0; r < REP; ++r) {
       const int qh = h * REP + r;
-      p += tq_exp(z[int64_t(qh) * N + j] - m[qh]) / s[qh];
+      const float c = tq_exp(z[int64_t(qh) * N + j] - m[qh]) / s[qh];
+      p += c < TQ_INF ? c : 0.0f;
     }
     a = alpha * a + (1.0f - alpha) * (p / float(REP));
   }

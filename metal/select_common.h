@@ -1,6 +1,11 @@
 // Shared by the selection passes (tau_hist.h, tau_theta.h, tau_keys.h, tau_compact.h); goes
 // into the kernel header.
 //
+// Non-finite scores (NaN, +-inf) are absent: never selected, no softmax mass, no count; a row
+// (query head) without a finite score has m = -inf, s = 0 and theta = +inf, and selects
+// nothing. Each pass skips them with a comparison that is false for NaN (Metal and CUDA keep
+// IEEE comparisons: MLX builds these kernels without fast math), in the loop it already runs.
+//
 // Determinism: every sum that decides which tokens are selected is order-independent, so a
 // selection is the same in every run (the overlap scheduler's results must not depend on how
 // many workers ran or how the GPU scheduled its threads). Softmax masses are histogrammed in
@@ -35,35 +40,50 @@ TQ_DEVICE_FN void tq_shared_add_u64(TQ_TG TQ_ATOMIC_U32* p, const int i, const t
   }
 }
 
-// The maximum of one row of block maxima zmax (M, the same in every threadgroup: a maximum
-// does not depend on the order), returned to every thread. red holds at least 32 floats.
+// The maximum of the finite scores of one row (-inf if none), returned to every thread: from
+// the row's block maxima zmax[at .. at + M) (the same in every threadgroup: a maximum does
+// not depend on the order). A block maximum that is NaN or +inf (MLX's max propagates them)
+// hides its block's finite maximum: then the row's scores z[zrow .. zrow + n) are read
+// instead (every thread sees the same reduced flag, so the branch and its barriers are
+// uniform). red holds at least 32 floats.
 TQ_DEVICE_FN float tq_row_max(TQ_GLOBAL const float* zmax, const int64_t at, const int M,
+                              TQ_GLOBAL const float* z, const int64_t zrow, const int n,
                               TQ_TG float* red, const int tid, const int ntid) {
   float mm = -TQ_INF;
   for (int t = tid; t < M; t += ntid) {
     const float v = zmax[at + t];
-    mm = v > mm ? v : mm;
+    mm = v < TQ_INF ? (v > mm ? v : mm) : TQ_INF;  // +inf flags NaN and +inf
   }
-  return tq_block_all<true>(mm, red, tid, ntid);
+  float m = tq_block_all<true>(mm, red, tid, ntid);
+  if (m == TQ_INF) {
+    mm = -TQ_INF;
+    for (int j = tid; j < n; j += ntid) {
+      const float v = z[zrow + j];
+      mm = (v > mm && v < TQ_INF) ? v : mm;
+    }
+    m = tq_block_all<true>(mm, red, tid, ntid);
+  }
+  return m;
 }
 
 // Pass 1's histograms of R consecutive rows (query heads), in shared memory: hist (R x nb
-// fixed-point sums, row r at r * nb) is zeroed, m[r] = the maximum of zmax row zat + r * M
-// (M block maxima each), and the softmax masses exp(z_j - m[r]) of the tokens j in
-// [j_begin, j_end) of z row row + r * N are added, bin b holding (m[r] - z_j) * inv_w in
-// [b, b + 1) (the last bin also takes everything lower). U tokens' loads per thread are issued
+// fixed-point sums, row r at r * nb) is zeroed, m[r] = the maximum of the finite scores of z
+// row row + r * N (n scores; from zmax row zat + r * M, M block maxima each: tq_row_max),
+// and the softmax masses exp(z_j - m[r]) of the tokens j in [j_begin, j_end) of that row are
+// added, bin b holding (m[r] - z_j) * inv_w in [b, b + 1) (the last bin also takes
+// everything lower; a non-finite z_j adds nothing). U tokens' loads per thread are issued
 // before any is used. Every thread gets m; the caller puts a barrier before reading hist.
 template <int U, int R>
 TQ_DEVICE_FN void tq_mass_hist(
-    TQ_GLOBAL const float* z, const int64_t row, const int64_t N, const int j_begin,
-    const int j_end, TQ_GLOBAL const float* zmax, const int64_t zat, const int M,
-    const float inv_w, const int nb, TQ_TG TQ_ATOMIC_U32* hist, TQ_THREAD float* m,
-    TQ_TG float* red, const int tid, const int ntid) {
+    TQ_GLOBAL const float* z, const int64_t row, const int64_t N, const int n,
+    const int j_begin, const int j_end, TQ_GLOBAL const float* zmax, const int64_t zat,
+    const int M, const float inv_w, const int nb, TQ_TG TQ_ATOMIC_U32* hist,
+    TQ_THREAD float* m, TQ_TG float* red, const int tid, const int ntid) {
   for (int b = tid; b < R * nb; b += ntid) {
     tq_shared_zero_u64(hist, b);
   }
   TQ_UNROLL for (int r = 0; r < R; ++r) {  // its barriers order the zeroing
-    m[r] = tq_row_max(zmax, zat + r * M, M, red, tid, ntid);
+    m[r] = tq_row_max(zmax, zat + r * M, M, z, row + r * N, n, red, tid, ntid);
   }
   for (int j0 = j_begin + tid; j0 < j_end; j0 += U * ntid) {
     float vs[U][R];
@@ -77,9 +97,10 @@ TQ_DEVICE_FN void tq_mass_hist(
       if (j0 + u * ntid < j_end) {
         TQ_UNROLL for (int r = 0; r < R; ++r) {
           const float v = vs[u][r];
-          const float pos = (m[r] - v) * inv_w;
+          const float pos = (m[r] - v) * inv_w;  // NaN for NaN: bin 0, with no mass
           const int b = pos >= float(nb - 1) ? nb - 1 : (pos > 0.0f ? int(pos) : 0);
-          tq_shared_add_u64(hist, r * nb + b, tq_mass_fixed(tq_exp(v - m[r])));
+          const float e = tq_exp(v - m[r]);  // NaN or +inf for a non-finite score: skipped
+          tq_shared_add_u64(hist, r * nb + b, e < TQ_INF ? tq_mass_fixed(e) : tq_u64(0));
         }
       }
     }
@@ -190,9 +211,13 @@ TQ_DEVICE_FN tq_bound tq_boundary(
 
 
 // The threshold from a mass histogram's boundary (tq_boundary with scale tau): the lower edge
-// of the boundary bin minus half a bin, -inf for tau >= 1 or a boundary in the last bin.
+// of the boundary bin minus half a bin, -inf for tau >= 1 or a boundary in the last bin; +inf
+// for a row without mass (no finite score: it keeps nothing).
 TQ_DEVICE_FN float tq_theta_of(const tq_bound bd, const int nb, const float m, const float tau,
                                const float span_t) {
+  if (!(bd.total > 0.0f)) {
+    return TQ_INF;
+  }
   const bool all = tau >= 1.0f || !bd.found || bd.bin >= nb - 1;
   return all ? -TQ_INF : m - (float(bd.bin) + 1.5f) * (span_t / float(nb));
 }
@@ -200,7 +225,8 @@ TQ_DEVICE_FN float tq_theta_of(const tq_bound bd, const int nb, const float m, c
 // Pass 1b's result for query head qh from its float mass histogram hist_f (nb bins of width
 // span_t / nb below m, shared memory): m, the sum s, and theta = the lower edge of the bin at
 // which the mass accumulated from the top reaches tau * s, minus half a bin (-inf for
-// tau >= 1 or a boundary in the last bin). Every thread must call it (tq_boundary).
+// tau >= 1 or a boundary in the last bin, +inf for a row without mass). Every thread must call
+// it (tq_boundary).
 TQ_DEVICE_FN void tq_write_theta(
     TQ_TG const float* hist_f, const int nb, const float m, const float tau, const float span_t,
     TQ_TG float* scratch, const int tid, const int ntid, const int qh, TQ_GLOBAL float* m_out,
@@ -261,9 +287,10 @@ TQ_DEVICE_FN void tq_keys_chunk(
   if (tid < 2) {
     TQ_ATOMIC_STORE(cnt_s, tid, 0u);
   }
-  float anchor = -TQ_INF;
+  float anchor = -TQ_INF;  // over the heads with mass (a head without has log s = -inf)
   for (int r = 0; r < REP; ++r) {
-    anchor = -logs_s[r] > anchor ? -logs_s[r] : anchor;
+    const float a = -logs_s[r];
+    anchor = (a > anchor && a < TQ_INF) ? a : anchor;
   }
   TQ_BARRIER();
   const float inv_wl = float(NL) / span_l;
@@ -283,18 +310,24 @@ TQ_DEVICE_FN void tq_keys_chunk(
     TQ_UNROLL for (int u = 0; u < U; ++u) {
       const int j = j0 + u * ntid;
       if (j < j_end) {
+        // A head where the score is not finite neither keeps nor ranks the token; a token
+        // without a finite score in any head is absent (class 0, as if excluded).
         bool keep = false;
+        bool present = false;
         float lmax = -TQ_INF;
         TQ_UNROLL for (int r = 0; r < REP; ++r) {
-          keep = keep || (v[u][r] >= theta_s[r]);
+          const bool finite = v[u][r] > -TQ_INF && v[u][r] < TQ_INF;
+          present = present || finite;
+          keep = keep || (finite && v[u][r] >= theta_s[r]);
           const float lp = v[u][r] - m_s[r] - logs_s[r];
-          lmax = lp > lmax ? lp : lmax;
+          lmax = (finite && lp > lmax) ? lp : lmax;
         }
-        const uint32_t cls = allowed[u] ? (keep ? 2u : 1u) : 0u;
+        const bool live = allowed[u] && present;
+        const uint32_t cls = live ? (keep ? 2u : 1u) : 0u;
         const float pos = (anchor - lmax) * inv_wl;
         const int b = pos >= float(NL - 1) ? NL - 1 : (pos > 0.0f ? int(pos) : 0);
         code[int64_t(h) * n + j] = (cls << 16) | uint32_t(b);
-        if (allowed[u]) {
+        if (live) {
           TQ_SHARED_ATOMIC_ADD_U32(lhist_s, (keep ? 0 : NL) + b, 1u);
           n_allowed += 1u;
           n_keep += keep ? 1u : 0u;
@@ -425,7 +458,9 @@ TQ_DEVICE_FN void tq_compact_chunk(
           TQ_ATOMIC_STORE(idx, int64_t(h) * cap_alloc + slot, uint32_t(j));
         }
         TQ_UNROLL for (int r = 0; r < REP; ++r) {
-          acc[r] += tq_exp(z[int64_t(h * REP + r) * N + j] - m_s[r]) / s_s[r];
+          // NaN or +inf where head r's score is not finite (or r has none): no mass
+          const float p = tq_exp(z[int64_t(h * REP + r) * N + j] - m_s[r]) / s_s[r];
+          acc[r] += p < TQ_INF ? p : 0.0f;
         }
       }
       ab += is_up ? 1.0f : 0.0f;

@@ -58,12 +58,16 @@ def tau_threshold_ops(z: mx.array, n: int, tau: float) -> tuple[mx.array, mx.arr
     Returns (m, s, theta_logit), each float32 (Hq,): m = max z, s = sum exp(z - m), and
     theta_logit = z of the k-th largest token, k the smallest count whose softmax mass
     reaches tau (so {j : z_j >= theta_logit} is that set, plus exact ties); tau == 1 gives
-    min z (every token kept).
+    min z (every token kept). Only finite scores count (NaN and +-inf are absent: the set is
+    {j : z_j finite and >= theta_logit}); a row without one gives m = -inf, s = 0 and
+    theta_logit = +inf.
     """
     _check(z, n, tau)
-    zs = mx.sort(z[:, :n].astype(mx.float32), axis=1)  # ascending
+    zv = z[:, :n].astype(mx.float32)
+    # Non-finite scores sort first as -inf, with weight exp(-inf) = 0.
+    zs = mx.sort(_finite_or(zv, -math.inf), axis=1)  # ascending
     m = zs[:, -1]
-    e = mx.exp(zs - m[:, None])
+    e = mx.exp(zs - mx.where(m > -math.inf, m, 0.0)[:, None])
     # Summing from the smallest terms up keeps the many tiny ones that a running float32
     # sum dominated by the heavy hitters would round away.
     before = mx.cumsum(e, axis=1, inclusive=False)  # mass of the tokens below each one
@@ -73,8 +77,13 @@ def tau_threshold_ops(z: mx.array, n: int, tau: float) -> tuple[mx.array, mx.arr
     k = (before <= ((1.0 - tau) * s)[:, None]).astype(mx.int32).sum(axis=1) - 1
     theta = mx.take_along_axis(zs, k[:, None], axis=1)[:, 0]
     if tau >= 1.0:  # keep every token, also those whose exp(z - m) underflows to 0
-        theta = zs[:, 0]
-    return m, s, theta
+        theta = _finite_or(zv, math.inf).min(axis=1)
+    return m, s, mx.where(m > -math.inf, theta, math.inf)
+
+
+def _finite_or(z: mx.array, other: float) -> mx.array:
+    """z where it is finite (the comparison is false for NaN), else other."""
+    return mx.where(mx.abs(z) < math.inf, z, other)
 
 
 def tau_launch(z: mx.array, n: int, tau: float, *, backend: str) -> Launch:
@@ -114,7 +123,7 @@ def tau_threshold(
     z = z.astype(mx.float32)
     m, s, theta = launch(TAU_SPEC, backend, tau_launch(z, n, tau, backend=backend))
     if tau >= 1.0:
-        theta = z[:, :n].min(axis=1)
+        theta = mx.where(m > -math.inf, _finite_or(z[:, :n], math.inf).min(axis=1), math.inf)
     return m, s, theta
 
 
@@ -159,7 +168,8 @@ HIST_SPEC = KernelSpec(
     output_names=("hist",), headers=("reduce_common.h", "select_common.h"),
 )
 THETA_SPEC = KernelSpec(
-    name="tiered_tau_theta", body="tau_theta.h", input_names=("hist", "zmax", "params", "fparams"),
+    name="tiered_tau_theta", body="tau_theta.h",
+    input_names=("hist", "zmax", "z", "params", "fparams"),
     output_names=("m_out", "s_out", "theta_out"), headers=("reduce_common.h", "select_common.h"),
 )
 HIST_THETA_SPEC = KernelSpec(  # passes 1 and 1b in one threadgroup per query head
@@ -205,7 +215,8 @@ def threshold_launches(z, n, zmax, tau, *, backend):
 
     def theta(hist_out):
         return Launch(
-            inputs=[hist_out, zmax, device_ints(m_blocks, blocks_q), device_floats(tau, SPAN_T)],
+            inputs=[hist_out, zmax, z, device_ints(m_blocks, blocks_q, n, n_total),
+                    device_floats(tau, SPAN_T)],
             template=[("NB", nb)], grid=(threads, hq, 1), threadgroup=(threads, 1, 1),
             output_shapes=[(hq,), (hq,), (hq,)],
             output_dtypes=[mx.float32, mx.float32, mx.float32],
@@ -338,6 +349,11 @@ def tau_select(
     The set is {j : z[qh, j] >= theta[qh] for some qh of the group} minus exclude. Over cap,
     the tokens with the largest max-over-heads probability stay; under floor, the most
     probable other non-excluded tokens are added (count <= non-excluded tokens).
+    Non-finite scores (NaN, +-inf) are absent, on every path: the selection is that of the
+    same scores without them (a query head's score of a token is dropped, and a token with no
+    finite score in its group is never selected). A query head without a finite score has
+    m = -inf, s = 0, mass 0 (lse = -inf, an empty partial); a group without one selects
+    nothing.
     Where it runs: on CUDA, up to persist.MAX_TOKENS tokens where the grid fits
     (:mod:`tiered.metal.persist`), the passes below as phases of one persistent launch
     (tau_persist.h), with the same result (the selected mass summed over other chunks). On a
@@ -385,9 +401,13 @@ def tau_select(
 
     m, s, theta = tau_threshold(z, n, tau, use_kernel=False)
     zv = z[:, :n].astype(mx.float32)
-    logp = (zv - (m + mx.log(s))[:, None]).reshape(h, rep, n)
+    # A non-finite score is absent: log-probability -inf, never kept; a token without a
+    # finite score in any head of its group is never selected.
+    finite = mx.abs(zv) < math.inf
+    logp = mx.where(finite, zv - (m + mx.log(s))[:, None], -math.inf).reshape(h, rep, n)
     allowed = mx.logical_not(exclude[:, :n].astype(mx.bool_))
-    keep = (zv >= theta[:, None]).reshape(h, rep, n).any(axis=1) & allowed
+    allowed = allowed & finite.reshape(h, rep, n).any(axis=1)
+    keep = (finite & (zv >= theta[:, None])).reshape(h, rep, n).any(axis=1) & allowed
     lmax = logp.max(axis=1)  # (H, n): log of the max-over-heads probability
 
     # Rank kept tokens above all others, each group by lmax: lift the kept ones by a per-head

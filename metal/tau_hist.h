@@ -1,9 +1,11 @@
 // Selection pass 1 of 3: softmax mass histograms of one query head's scores, one per chunk of
 // its tokens (a threadgroup each).
 //
-//   m = max z (reduced from per-block maxima, e.g. the codebook kernel's zmax),
+//   m = max of the finite z (reduced from per-block maxima, e.g. the codebook kernel's zmax;
+//   from z itself where a block maximum is NaN or +inf, tq_row_max),
 //   hist[qh, c, b] = sum of exp(z_j - m) over the tokens j of chunk c with (m - z_j) / w in
-//   [b, b + 1), w = span / NB; bin NB - 1 also takes everything below m - span. Sums in fixed
+//   [b, b + 1), w = span / NB; bin NB - 1 also takes everything below m - span (a non-finite
+//   z_j adds nothing: select_common.h). Sums in fixed
 //   point (tq_mass_fixed, select_common.h): the same in every run.
 //
 // Each threadgroup writes every bin of its own row, so the launch needs no zero fill and no
@@ -32,7 +34,7 @@ TQ_SHARED(float, red, 32);
 const int j_begin = tq_bx * chunk;
 const int j_end = (j_begin + chunk < n) ? j_begin + chunk : n;
 float m[1];
-tq_mass_hist<8, 1>(z, int64_t(qh) * N, N, j_begin, j_end, zmax, int64_t(qh) * M, M,
+tq_mass_hist<8, 1>(z, int64_t(qh) * N, N, n, j_begin, j_end, zmax, int64_t(qh) * M, M,
                    float(NB) / span, NB, hist_s, m, red, tq_tid, tq_ntid);
 TQ_BARRIER();
 const int64_t out = (int64_t(qh) * chunks + tq_bx) * NB * 2;

@@ -23,8 +23,8 @@ const int qh = tq_by;
 TQ_SHARED_ATOMIC_U64(hist_s, NB);
 TQ_SHARED(float, red, 32);
 float mr[1];
-tq_mass_hist<U, 1>(z, int64_t(qh) * N, N, 0, n, zmax, int64_t(qh) * M, M, float(NB) / span_t,
-                   NB, hist_s, mr, red, tq_tid, tq_ntid);
+tq_mass_hist<U, 1>(z, int64_t(qh) * N, N, n, 0, n, zmax, int64_t(qh) * M, M,
+                   float(NB) / span_t, NB, hist_s, mr, red, tq_tid, tq_ntid);
 const float m = mr[0];
 TQ_BARRIER();
 // The sums as floats, in place (CUDA's static shared memory holds 48 KB: the fixed-point pairs

@@ -107,7 +107,7 @@ for (;;) {
     for (int r0 = 0; r0 < REP; r0 += HR) {
       constexpr int U = HR >= 8 ? 1 : 8 / HR;  // tokens whose loads go out together
       float mr[HR];
-      tq_mass_hist<U, HR>(z, int64_t(h * REP + r0) * N, N, j_begin, j_end, zmax,
+      tq_mass_hist<U, HR>(z, int64_t(h * REP + r0) * N, N, n, j_begin, j_end, zmax,
                           int64_t(h * REP + r0) * M, M, inv_w, NB, work, mr, red, tq_tid,
                           tq_ntid);
       TQ_BARRIER();

@@ -3,7 +3,8 @@
 // of the previous pass into NB finer log-domain bins.
 //
 //   m = max_j z_j,  s = sum_j exp(z_j - m),  theta = the logit of the smallest kept token when
-//   tokens are kept by descending z until their softmax mass reaches tau
+//   tokens are kept by descending z until their softmax mass reaches tau; over the finite z_j
+//   only (m = -inf, s = 0, theta = +inf for a row without one)
 //
 // Inputs (names as in tau.py):
 //   z       float   (Hq, N)    scores; only the first n columns are read
@@ -40,7 +41,7 @@ for (int j0 = tq_tid; j0 < n; j0 += UNROLL * tq_ntid) {
   TQ_UNROLL for (int u = 0; u < UNROLL; ++u) {
     const int j = j0 + u * tq_ntid;
     const float v = j < n ? z[base + j] : -TQ_INF;
-    zmax = v > zmax ? v : zmax;
+    zmax = (v > zmax && v < TQ_INF) ? v : zmax;  // finite scores only: NaN, +-inf are absent
   }
 }
 const float m = tq_block_all<true>(zmax, red, tq_tid, tq_ntid);
@@ -63,7 +64,8 @@ for (int pass = 0; pass < PASSES; ++pass) {
     }
     TQ_UNROLL for (int u = 0; u < UNROLL; ++u) {
       const float v = vs[u];
-      const float e = tq_exp(v - m);
+      float e = tq_exp(v - m);
+      e = e < TQ_INF ? e : 0.0f;  // NaN or +inf for a non-finite score: no mass
       const float pos = (v - lo) * inv_w;
       if (pos >= float(NB)) {
         acc[NS - 1] += e;
@@ -110,5 +112,5 @@ for (int pass = 0; pass < PASSES; ++pass) {
 if (tq_tid == 0) {
   m_out[qh] = m;
   s_out[qh] = s;
-  theta_out[qh] = theta - 0.5f * float(NB) * w;
+  theta_out[qh] = s > 0.0f ? theta - 0.5f * float(NB) * w : TQ_INF;  // no finite score: none
 }
