@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kernels import _causal_softmax_rows
+from .gather import _causal_softmax_rows
 
 # Largest score buffer (rep * block * n float32) before the query block is shrunk to fit.
 MAX_SCRATCH_BYTES = 256 * 2**20

@@ -24,10 +24,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-HOST_DTYPES = ("float16", "float32", "int8")
-
-_MX = {"float16": mx.float16, "float32": mx.float32, "int8": mx.int8}
-_NP = {"float16": np.float16, "float32": np.float32, "int8": np.int8}
+from .host_tensor import _MX, _NP, HOST_DTYPES, HostTensor
 
 
 @dataclass
@@ -40,222 +37,6 @@ class PageTable:
 
     def pages_of(self, b: int) -> np.ndarray:
         return self.indices[self.indptr[b] : self.indptr[b + 1]]
-
-
-def _alloc_block(shape, dtype: str):
-    # Unwritten slots hold NaN (int8: 0, with NaN scales) so a read past the end shows up.
-    fill = 0 if dtype == "int8" else float("nan")
-    arr = mx.full(shape, fill, dtype=_MX[dtype], stream=mx.cpu)
-    mx.eval(arr)
-    return arr
-
-
-def _host_copy(arr: mx.array) -> mx.array:
-    out = mx.array(np.array(arr))
-    mx.eval(out)
-    return out
-
-
-def _np_view(arr: mx.array) -> np.ndarray:
-    view = np.array(arr, copy=False)
-    if not view.flags.writeable or not view.flags.c_contiguous:
-        raise RuntimeError("host block is not a writable contiguous buffer")
-    return view
-
-
-class HostTensor:
-    """One paged tensor (keys or values) of a layer: blocks, views and the address table.
-
-    A block lives in host RAM (an MLX CPU array, ``blocks[b]``) or, once the shared host
-    budget is spent, in the disk tier (``disk.views[disk_index[b]]``); ``views[b]`` and
-    ``addrs[b]`` point at wherever it is, so page ids never change when a block moves.
-    """
-
-    def __init__(self, n_kv_heads, page_size, head_dim, dtype, pages_per_block, *,
-                 budget=None, disk_dir=None, disk_budget=None, name="tensor"):
-        if dtype not in HOST_DTYPES:
-            raise ValueError(f"Invalid host dtype {dtype!r}: expected one of {HOST_DTYPES}")
-        self.n_kv_heads, self.page_size, self.head_dim = n_kv_heads, page_size, head_dim
-        self.dtype, self.pages_per_block = dtype, pages_per_block
-        self.budget, self.disk_dir, self.name = budget, disk_dir, name
-        self.disk_budget = disk_budget
-        self.blocks: list[mx.array | None] = []
-        self.scale_blocks: list[mx.array | None] = []  # int8 only: (ppb, H, page_size) fp32
-        self.views: list[np.ndarray] = []
-        self.scale_views: list[np.ndarray] = []
-        self.addrs = np.zeros(0, np.int64)
-        self.scale_addrs = np.zeros(0, np.int64)
-        self.disk_index: list[int] = []  # -1: in RAM
-        self.disk = None  # PageFile of the data blocks
-        self.scale_disk = None
-
-    @property
-    def block_shape(self):
-        return (self.pages_per_block, self.n_kv_heads, self.page_size, self.head_dim)
-
-    @property
-    def capacity_pages(self) -> int:
-        return len(self.blocks) * self.pages_per_block
-
-    @property
-    def block_bytes(self) -> int:
-        n = int(np.prod(self.block_shape)) * np.dtype(_NP[self.dtype]).itemsize
-        if self.dtype == "int8":
-            n += int(np.prod(self.block_shape[:-1])) * 4
-        return n
-
-    def grow(self):
-        """One more block: in RAM while the host budget allows, else the oldest RAM block of
-        this tensor moves to disk first (written and checked before its RAM is freed)."""
-        b = self.budget
-        if b is None or b.reserve(self.block_bytes):
-            self._adopt(_alloc_block(self.block_shape, self.dtype), None)
-            return
-        ram = [i for i, d in enumerate(self.disk_index) if d < 0]
-        if ram:
-            self.spill(ram[0])
-            if b.reserve(self.block_bytes):
-                self._adopt(_alloc_block(self.block_shape, self.dtype), None)
-                return
-        # No RAM block of ours to give back: the new block starts on disk.
-        fill = np.zeros(self.block_shape, _NP[self.dtype]) if self.dtype == "int8" else np.full(
-            self.block_shape, np.nan, _NP[self.dtype])
-        sfill = np.full(self.block_shape[:-1], np.nan, np.float32) if self.dtype == "int8" else None
-        self._adopt_disk(fill, sfill)
-
-    def _files(self):
-        from .disk import PageFile
-
-        if self.disk is None:
-            import tempfile
-
-            d = self.disk_dir or tempfile.gettempdir()
-            self.disk = PageFile(d, self.name, self.block_shape, _NP[self.dtype])
-            if self.dtype == "int8":
-                self.scale_disk = PageFile(d, self.name + "-scales", self.block_shape[:-1],
-                                           np.float32)
-        return self.disk, self.scale_disk
-
-    def _adopt_disk(self, data: np.ndarray, scales: np.ndarray | None, at: int | None = None):
-        from .disk import DiskTierError
-
-        disk, sdisk = self._files()
-        need = disk.stride + (sdisk.stride if sdisk is not None else 0)
-        if self.disk_budget is not None and not self.disk_budget.reserve(need):
-            raise DiskTierError(
-                28, f"disk tier budget full: {self.disk_budget.used} of {self.disk_budget.limit} "
-                f"bytes used, {need} more needed; raise disk_budget or host_budget")
-        i = disk.append(data)
-        if sdisk is not None:
-            j = sdisk.append(scales)
-            assert i == j
-        if at is None:
-            self.blocks.append(None)
-            self.views.append(disk.views[i])
-            self.addrs = np.append(self.addrs, np.int64(disk.address(i)))
-            self.disk_index.append(i)
-            if sdisk is not None:
-                self.scale_blocks.append(None)
-                self.scale_views.append(sdisk.views[i])
-                self.scale_addrs = np.append(self.scale_addrs, np.int64(sdisk.address(i)))
-        else:
-            self.views[at] = disk.views[i]
-            self.addrs[at] = disk.address(i)
-            self.disk_index[at] = i
-            if sdisk is not None:
-                self.scale_views[at] = sdisk.views[i]
-                self.scale_addrs[at] = sdisk.address(i)
-
-    def spill(self, blk: int):
-        """Move RAM block ``blk`` to the disk tier. Its RAM is released only after the disk
-        holds it (a DiskTierError leaves everything as it was)."""
-        scales = self.scale_views[blk] if self.dtype == "int8" else None
-        self._adopt_disk(self.views[blk], scales, at=blk)
-        self.blocks[blk] = None
-        if self.dtype == "int8":
-            self.scale_blocks[blk] = None
-        if self.budget is not None:
-            self.budget.release(self.block_bytes)
-
-    def _adopt(self, blk, scales):
-        self.blocks.append(blk)
-        view = _np_view(blk)
-        self.views.append(view)
-        self.addrs = np.append(self.addrs, np.int64(view.ctypes.data))
-        self.disk_index.append(-1)
-        if self.dtype == "int8":
-            if scales is None:
-                scales = _alloc_block(self.block_shape[:-1], "float32")  # NaN-filled
-            self.scale_blocks.append(scales)
-            sview = _np_view(scales)
-            self.scale_views.append(sview)
-            self.scale_addrs = np.append(self.scale_addrs, np.int64(sview.ctypes.data))
-
-    def write(self, page: int, start: int, data: np.ndarray):
-        """data: (H, n, d) float32/float16 tokens written at slots [start, start+n) of a page."""
-        blk, slot = divmod(page, self.pages_per_block)
-        n = data.shape[1]
-        if self.dtype == "int8":
-            amax = np.abs(data).max(axis=-1).astype(np.float32)
-            scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
-            q = np.rint(data / scale[..., None]).clip(-127, 127).astype(np.int8)
-        else:
-            q, scale = data, None
-        d = self.disk_index[blk]
-        if d >= 0:  # a page of a block on disk (a freed page reused): rewrite it there
-            self.disk.write_page(d, slot, start, q.astype(_NP[self.dtype]))
-            if scale is not None:
-                self.scale_disk.write_page(d, slot, start, scale)
-            return
-        self.views[blk][slot, :, start : start + n] = q
-        if scale is not None:
-            self.scale_views[blk][slot, :, start : start + n] = scale
-
-    def read(self, page: int, start: int, n: int) -> np.ndarray:
-        """(H, n, d) float32 copy of slots [start, start+n) of a page."""
-        blk, slot = divmod(page, self.pages_per_block)
-        raw = self.views[blk][slot, :, start : start + n].astype(np.float32)
-        if self.dtype == "int8":
-            raw *= self.scale_views[blk][slot, :, start : start + n, None]
-        return raw
-
-    def verify(self, pages) -> None:
-        """Check the CRC32 of those physical pages that live on disk (ValueError if corrupt)."""
-        for p in pages:
-            blk, slot = divmod(int(p), self.pages_per_block)
-            d = self.disk_index[blk]
-            if d >= 0:
-                self.disk.verify(d, [slot])
-                if self.scale_disk is not None:
-                    self.scale_disk.verify(d, [slot])
-
-    def prefetch(self, pages) -> None:
-        by_block: dict[int, list[int]] = {}
-        for p in pages:
-            blk, slot = divmod(int(p), self.pages_per_block)
-            if self.disk_index[blk] >= 0:
-                by_block.setdefault(self.disk_index[blk], []).append(slot)
-        for d, slots in by_block.items():
-            self.disk.prefetch(d, sorted(set(slots)))
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of host RAM held."""
-        return sum(b.nbytes for b in self.blocks if b is not None) + sum(
-            s.nbytes for s in self.scale_blocks if s is not None)
-
-    @property
-    def disk_bytes(self) -> int:
-        return sum(f.nbytes for f in (self.disk, self.scale_disk) if f is not None)
-
-    def close(self):
-        for f in (self.disk, self.scale_disk):
-            if f is not None:
-                f.close()
-        if self.budget is not None:
-            self.budget.release(self.nbytes)
-        self.blocks.clear()
-        self.scale_blocks.clear()
 
 
 class HostStore:
@@ -455,7 +236,7 @@ class HostStore:
         zeros) in the storage dtype: float16 and float32 rows are copied as stored, with no
         conversion; int8 rows come dequantized, as float32."""
         self.settle()
-        from .kernels import copy_rows
+        from .paged_rows import copy_rows
 
         tensor = self._tensor(kind)
         tokens = np.asarray(tokens)
@@ -589,57 +370,18 @@ class HostStore:
             "free": mx.array(np.array(self._free, np.int64)),
         }
         for name, t in (("values", self.values), ("keys", self.keys)):
-            if t is None:
-                continue
-            st[name] = [b if b is not None else mx.zeros((0,), mx.int8) for b in t.blocks]
-            if t.dtype == "int8":
-                st[name + "_scales"] = [b if b is not None else mx.zeros((0,), mx.int8)
-                                        for b in t.scale_blocks]
-            if t.disk is not None:
-                import json
-
-                st[name + "_disk"] = json.dumps({
-                    "index": t.disk_index, "data": t.disk.state(),
-                    "scales": t.scale_disk.state() if t.scale_disk is not None else None})
+            if t is not None:
+                st.update(t.state(name))
         return st
 
     @classmethod
     def from_state(cls, st: dict, *, budget=None, disk_dir=None, disk_budget=None) -> "HostStore":
-        import json
-
-        from .disk import PageFile
-
         H, d, dv, P, dtype, has_keys, batch, ppb, length, next_page = st["meta"]
         obj = cls(H, d, value_dim=dv, page_size=P, dtype=dtype, keys=bool(has_keys), batch=batch,
                   pages_per_block=ppb, budget=budget, disk_dir=disk_dir, disk_budget=disk_budget)
         for name, t in (("values", obj.values), ("keys", obj.keys)):
-            if t is None:
-                continue
-            disk = json.loads(st[name + "_disk"]) if name + "_disk" in st else None
-            if disk is not None:
-                import tempfile
-
-                work = disk_dir or tempfile.gettempdir()
-                t.disk = PageFile.adopt(disk["data"], work)
-                if disk["scales"] is not None:
-                    t.scale_disk = PageFile.adopt(disk["scales"], work)
-            scales = st.get(name + "_scales", [None] * len(st[name]))
-            for b, (blk, sc) in enumerate(zip(st[name], scales)):
-                di = disk["index"][b] if disk is not None else -1
-                if di >= 0:
-                    t.blocks.append(None)
-                    t.views.append(t.disk.views[di])
-                    t.addrs = np.append(t.addrs, np.int64(t.disk.address(di)))
-                    t.disk_index.append(di)
-                    if t.scale_disk is not None:
-                        t.scale_blocks.append(None)
-                        t.scale_views.append(t.scale_disk.views[di])
-                        t.scale_addrs = np.append(t.scale_addrs, np.int64(t.scale_disk.address(di)))
-                    continue
-                # Copy: the block must be host memory this store owns and may write in place.
-                if budget is not None:
-                    budget.reserve(t.block_bytes)
-                t._adopt(_host_copy(blk), None if sc is None else _host_copy(sc))
+            if t is not None:
+                t.restore(st, name, disk_dir, budget)
         pages = np.array(st["pages"], np.int64).reshape(batch, -1)
         obj._pages = [list(map(int, row)) for row in pages]
         obj._free = list(map(int, np.array(st["free"], np.int64)))

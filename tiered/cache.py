@@ -29,7 +29,7 @@ from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from tiered.cpu import HostStore
 
-from . import contract, layer_state, ops
+from . import contract, device_decode, layer_state, ops
 from .config import TieredConfig
 from .context import SharedContext
 from .planner import BudgetError
@@ -212,7 +212,7 @@ class TieredCache(_BaseCache):
             if not ok.item():
                 raise ValueError(self._non_finite(start, L))
         bad, self._finite_bad = self._finite_bad, None
-        if bad is not None and bad.item() < np.iinfo(np.int32).max:
+        if bad is not None and bad.item() < device_decode.NO_BAD:
             raise ValueError(self._non_finite(bad.item(), 1))
 
     def _check_room(self, L: int):
@@ -327,24 +327,28 @@ class TieredCache(_BaseCache):
                 "TieredCache quantizes through its own options, not mlx-lm's QuantizedKVCache: "
                 "keys are already compressed to codes, and host values can be 8-bit "
                 "(host_dtype='int8'); drop kv_bits, or use mlx-lm's own cache for kv_bits")
-        from mlx_lm.models.cache import KVCache
-
         if self.exact_reason is None and not self.config.exact:
             log.warning("kv_bits=%d: layer %d leaves tiered for mlx-lm's QuantizedKVCache "
-                           "(exact phase, %d tokens): it will not compress", bits, self.layer,
-                           self.offset)
+                        "(exact phase, %d tokens): it will not compress", bits, self.layer,
+                        self.offset)
+        return self._as_kvcache().to_quantized(group_size=group_size, bits=bits)
+
+    def _as_kvcache(self):
+        """An exact-phase layer as mlx-lm's KVCache over the same buffers (no copy)."""
+        from mlx_lm.models.cache import KVCache
+
         kv = KVCache()
         if self._geometry is not None:
             kv.keys, kv.values = self._exact_view()
             kv.offset = self.offset
-        return kv.to_quantized(group_size=group_size, bits=bits)
+        return kv
 
     @classmethod
     def merge(cls, caches):
         """mlx-lm's batching (BatchGenerator merges one cache per sequence): layers still in
         the exact phase merge into mlx-lm's ``BatchKVCache`` (the batch then runs exact, as it
         would with ``KVCache``); a compressed layer cannot join a batch and is refused."""
-        from mlx_lm.models.cache import BatchKVCache, KVCache
+        from mlx_lm.models.cache import BatchKVCache
 
         views = []
         for c in caches:
@@ -352,17 +356,13 @@ class TieredCache(_BaseCache):
                 views.append(c)
                 continue
             c._require_open()
-            kv = KVCache()
-            if c._geometry is not None:
-                if c.phase != "exact" or c._geometry[0] != 1:
-                    raise ValueError(
-                        f"layer {c.layer} holds {c.offset} tokens compressed: batched generation "
-                        "(BatchGenerator) merges caches, which only exact-phase TieredCaches "
-                        "can join; generate one sequence at a time, or use mlx-lm's own caches "
-                        "for batches")
-                kv.keys, kv.values = c._exact_view()
-                kv.offset = c.offset
-            views.append(kv)
+            if c._geometry is not None and (c.phase != "exact" or c._geometry[0] != 1):
+                raise ValueError(
+                    f"layer {c.layer} holds {c.offset} tokens compressed: batched generation "
+                    "(BatchGenerator) merges caches, which only exact-phase TieredCaches "
+                    "can join; generate one sequence at a time, or use mlx-lm's own caches "
+                    "for batches")
+            views.append(c._as_kvcache())
         return BatchKVCache.merge(views)
 
     def extract(self, idx: int):

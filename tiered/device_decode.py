@@ -24,10 +24,14 @@ divided by ``CHUNK``): the selected tokens are whole chunks, at most the token c
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 import numpy as np
 
-from . import uva
+from . import metal, uva
+
+NO_BAD = np.iinfo(np.int32).max  # the door's lazy flag: no non-finite position seen
 
 CHUNK = 8  # tokens per selected chunk (Quest / ShadowKV use 8-16)
 
@@ -44,17 +48,15 @@ _GATHER = r"""
     const uint32_t slot = rem / WPC, w = rem % WPC;
     uint4 val = make_uint4(0u, 0u, 0u, 0u);
     const bool selected = (int)slot < count[h];
-    if (w % WPR == 0) {
-        const int64_t t = selected ? (int64_t)idx[h * CAPC + slot] * C + w / WPR : -1;
-        ok[(uint64_t)h * CAPC * C + slot * C + w / WPR] =
-            selected && t < n_host[0] && !flags[(uint64_t)h * flags_shape[1] + t];
-    }
-    if (selected) {
-        const uint64_t t0 = (uint64_t)idx[h * CAPC + slot] * C;
-        const int64_t pp = pages[t0 / P];
+    const int64_t t = selected ? (int64_t)idx[h * CAPC + slot] * C + w / WPR : -1;
+    const bool attended =
+        selected && t < n_host[0] && !flags[(uint64_t)h * flags_shape[1] + t];
+    if (w % WPR == 0) ok[(uint64_t)h * CAPC * C + slot * C + w / WPR] = attended;
+    if (attended) {  // others stay zero (rows past the host pages were never written)
+        const int64_t pp = pages[t / P];
         const uint64_t base = addrs[pp / PPB];
-        const uint64_t off = (((uint64_t)(pp % PPB) * H + h) * P + t0 % P) * ROW_BYTES
-                             + (uint64_t)w * 16;
+        const uint64_t off = (((uint64_t)(pp % PPB) * H + h) * P + t % P) * ROW_BYTES
+                             + (uint64_t)(w % WPR) * 16;
         val = *reinterpret_cast<const uint4*>(base + off);
     }
     reinterpret_cast<uint4*>(out)[tid] = val;
@@ -157,7 +159,7 @@ class DeviceTables:
 
     def __init__(self):
         self._addrs: dict[int, tuple[int, mx.array]] = {}
-        self._pages: tuple[int, mx.array] | None = None
+        self._pages: tuple[np.ndarray, mx.array] | None = None
         self._advised: set[int] = set()
 
     def addrs(self, tensor) -> mx.array:
@@ -174,9 +176,9 @@ class DeviceTables:
         return got[1]
 
     def pages(self, host) -> mx.array:
-        pages = host.logical_pages(0)
-        if self._pages is None or self._pages[0] != len(pages):
-            self._pages = (len(pages), mx.array(pages.astype(np.int64)))
+        pages = host.logical_pages(0)  # a few thousand ids at 1M tokens: compared each step
+        if self._pages is None or not np.array_equal(self._pages[0], pages):
+            self._pages = (pages, mx.array(pages))
         return self._pages[1]
 
 
@@ -210,8 +212,8 @@ def write_tokens(tables: DeviceTables, host, keys: mx.array, values: mx.array) -
 def gather_chunks(tables: DeviceTables, host, tensor, idx: mx.array, count: mx.array,
                   flags: mx.array):
     """The selected chunks' rows (H, CAPC * CHUNK, d) in the host dtype, read in place from
-    the host pages (slots past count are zeros), and which tokens are attended here (H,
-    CAPC * CHUNK): selected, on the host pages, not resident."""
+    the host pages, and which tokens are attended here (H, CAPC * CHUNK): selected, on the
+    host pages, not resident. Rows of tokens not attended are zeros (not read)."""
     H, capc = idx.shape
     d = tensor.head_dim
     dtype = _mx_dtype(tensor.dtype)
@@ -261,11 +263,17 @@ def chunk_scores(z: mx.array, flags: mx.array, n_host: int, rep: int):
     return mx.where(excl_q, z_all, z_live), exclude
 
 
+def chunk_token_ids(idx: mx.array) -> mx.array:
+    """Token ids (H, CAPC * CHUNK) of the chunks idx (H, CAPC) (padding -1 reads chunk 0)."""
+    return (mx.maximum(idx, 0)[..., None] * CHUNK + mx.arange(CHUNK)).reshape(idx.shape[0], -1)
+
+
 def chunk_tokens(idx: mx.array, count: mx.array, flags: mx.array, n_host: int):
     """Token ids (H, CAPC * CHUNK) of the selected chunks and whether each is attended here
-    (a selected slot, on the host pages, not resident)."""
-    H, capc = idx.shape
-    tok = (mx.maximum(idx, 0)[..., None] * CHUNK + mx.arange(CHUNK)).reshape(H, -1)
+    (a selected slot, on the host pages, not resident): what the gather kernel's ``ok`` says,
+    with MLX ops."""
+    capc = idx.shape[1]
+    tok = chunk_token_ids(idx)
     slot = mx.arange(capc * CHUNK) // CHUNK
     ok = (slot[None, :] < count[:, None]) & (tok < n_host)
     resident = mx.take_along_axis(flags, mx.minimum(tok, flags.shape[1] - 1), axis=1)
@@ -289,7 +297,7 @@ def flush(parent, tables: DeviceTables, upto: int) -> list:
         writes += write_tokens(tables, host, k, v)
     checks, parent._finite_checks = parent._finite_checks, []
     for start, _, ok in checks:  # the first bad position so far, lazily
-        bad = mx.where(ok, np.iinfo(np.int32).max, start)
+        bad = mx.where(ok, NO_BAD, start)
         parent._finite_bad = bad if parent._finite_bad is None else mx.minimum(
             parent._finite_bad, bad)
     return writes
@@ -297,10 +305,6 @@ def flush(parent, tables: DeviceTables, upto: int) -> list:
 
 def decode(layer, queries, scale, sinks, tables: DeviceTables):
     """One query of a compressed layer, as one lazy graph (see the module docstring)."""
-    import time
-
-    from . import metal
-
     t0 = time.perf_counter()
     marks = [("", t0)]
     cfg, parent, H, n = layer.config, layer.parent, layer.H, layer.n
@@ -323,12 +327,11 @@ def decode(layer, queries, scale, sinks, tables: DeviceTables):
         keys, _ = gather_chunks(tables, host, host.keys, idx, count, layer.flags)
         s_c = (qh.astype(keys.dtype) @ keys.swapaxes(-1, -2)).astype(mx.float32)  # (H, rep, T)
     else:
-        tok, _ = chunk_tokens(idx, count, layer.flags, n_host)
+        tok = chunk_token_ids(idx)
         zt = z.reshape(H, rep, -1)
         s_c = mx.take_along_axis(zt, mx.broadcast_to(tok[:, None, :], (H, rep, tok.shape[1])),
                                  axis=2)
     s_c = mx.where(ok[:, None, :], s_c, -mx.inf)
-    vals = mx.where(ok[..., None], vals, mx.zeros((), vals.dtype))
     o_c, lse_c = layer._resident_partial(s_c, vals)
     o_r, lse_r = layer._resident_partial(s_r)
     lse_r = lse_r.reshape(Hq)

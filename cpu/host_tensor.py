@@ -1,0 +1,275 @@
+"""One paged tensor of the host store (keys or values of a layer): its blocks in host RAM
+or in the disk tier, their numpy views and the block address table Numba kernels read (see
+:mod:`tiered.cpu.pages` for the layout)."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+
+import mlx.core as mx
+import numpy as np
+
+HOST_DTYPES = ("float16", "float32", "int8")
+
+_MX = {"float16": mx.float16, "float32": mx.float32, "int8": mx.int8}
+_NP = {"float16": np.float16, "float32": np.float32, "int8": np.int8}
+
+
+
+def _alloc_block(shape, dtype: str):
+    # Unwritten slots hold NaN (int8: 0, with NaN scales) so a read past the end shows up.
+    fill = 0 if dtype == "int8" else float("nan")
+    arr = mx.full(shape, fill, dtype=_MX[dtype], stream=mx.cpu)
+    mx.eval(arr)
+    return arr
+
+
+def _host_copy(arr: mx.array) -> mx.array:
+    out = mx.array(np.array(arr))
+    mx.eval(out)
+    return out
+
+
+def _np_view(arr: mx.array) -> np.ndarray:
+    view = np.array(arr, copy=False)
+    if not view.flags.writeable or not view.flags.c_contiguous:
+        raise RuntimeError("host block is not a writable contiguous buffer")
+    return view
+
+
+class HostTensor:
+    """One paged tensor (keys or values) of a layer: blocks, views and the address table.
+
+    A block lives in host RAM (an MLX CPU array, ``blocks[b]``) or, once the shared host
+    budget is spent, in the disk tier (``disk.views[disk_index[b]]``); ``views[b]`` and
+    ``addrs[b]`` point at wherever it is, so page ids never change when a block moves.
+    """
+
+    def __init__(self, n_kv_heads, page_size, head_dim, dtype, pages_per_block, *,
+                 budget=None, disk_dir=None, disk_budget=None, name="tensor"):
+        if dtype not in HOST_DTYPES:
+            raise ValueError(f"Invalid host dtype {dtype!r}: expected one of {HOST_DTYPES}")
+        self.n_kv_heads, self.page_size, self.head_dim = n_kv_heads, page_size, head_dim
+        self.dtype, self.pages_per_block = dtype, pages_per_block
+        self.budget, self.disk_dir, self.name = budget, disk_dir, name
+        self.disk_budget = disk_budget
+        self.blocks: list[mx.array | None] = []
+        self.scale_blocks: list[mx.array | None] = []  # int8 only: (ppb, H, page_size) fp32
+        self.views: list[np.ndarray] = []
+        self.scale_views: list[np.ndarray] = []
+        self.addrs = np.zeros(0, np.int64)
+        self.scale_addrs = np.zeros(0, np.int64)
+        self.disk_index: list[int] = []  # -1: in RAM
+        self.disk = None  # PageFile of the data blocks
+        self.scale_disk = None
+
+    @property
+    def block_shape(self):
+        return (self.pages_per_block, self.n_kv_heads, self.page_size, self.head_dim)
+
+    @property
+    def capacity_pages(self) -> int:
+        return len(self.blocks) * self.pages_per_block
+
+    @property
+    def block_bytes(self) -> int:
+        n = int(np.prod(self.block_shape)) * np.dtype(_NP[self.dtype]).itemsize
+        if self.dtype == "int8":
+            n += int(np.prod(self.block_shape[:-1])) * 4
+        return n
+
+    def grow(self):
+        """One more block: in RAM while the host budget allows, else the oldest RAM block of
+        this tensor moves to disk first (written and checked before its RAM is freed)."""
+        b = self.budget
+        if b is None or b.reserve(self.block_bytes):
+            self._adopt(_alloc_block(self.block_shape, self.dtype), None)
+            return
+        ram = [i for i, d in enumerate(self.disk_index) if d < 0]
+        if ram:
+            self.spill(ram[0])
+            if b.reserve(self.block_bytes):
+                self._adopt(_alloc_block(self.block_shape, self.dtype), None)
+                return
+        # No RAM block of ours to give back: the new block starts on disk.
+        fill = np.zeros(self.block_shape, _NP[self.dtype]) if self.dtype == "int8" else np.full(
+            self.block_shape, np.nan, _NP[self.dtype])
+        sfill = np.full(self.block_shape[:-1], np.nan, np.float32) if self.dtype == "int8" else None
+        self._adopt_disk(fill, sfill)
+
+    def _files(self):
+        from .disk import PageFile
+
+        if self.disk is None:
+            d = self.disk_dir or tempfile.gettempdir()
+            self.disk = PageFile(d, self.name, self.block_shape, _NP[self.dtype])
+            if self.dtype == "int8":
+                self.scale_disk = PageFile(d, self.name + "-scales", self.block_shape[:-1],
+                                           np.float32)
+        return self.disk, self.scale_disk
+
+    def _adopt_disk(self, data: np.ndarray, scales: np.ndarray | None, at: int | None = None):
+        from .disk import DiskTierError
+
+        disk, sdisk = self._files()
+        need = disk.stride + (sdisk.stride if sdisk is not None else 0)
+        if self.disk_budget is not None and not self.disk_budget.reserve(need):
+            raise DiskTierError(
+                28, f"disk tier budget full: {self.disk_budget.used} of {self.disk_budget.limit} "
+                f"bytes used, {need} more needed; raise disk_budget or host_budget")
+        i = disk.append(data)
+        if sdisk is not None:
+            j = sdisk.append(scales)
+            assert i == j
+        if at is None:
+            self.blocks.append(None)
+            self.views.append(disk.views[i])
+            self.addrs = np.append(self.addrs, np.int64(disk.address(i)))
+            self.disk_index.append(i)
+            if sdisk is not None:
+                self.scale_blocks.append(None)
+                self.scale_views.append(sdisk.views[i])
+                self.scale_addrs = np.append(self.scale_addrs, np.int64(sdisk.address(i)))
+        else:
+            self.views[at] = disk.views[i]
+            self.addrs[at] = disk.address(i)
+            self.disk_index[at] = i
+            if sdisk is not None:
+                self.scale_views[at] = sdisk.views[i]
+                self.scale_addrs[at] = sdisk.address(i)
+
+    def spill(self, blk: int):
+        """Move RAM block ``blk`` to the disk tier. Its RAM is released only after the disk
+        holds it (a DiskTierError leaves everything as it was)."""
+        scales = self.scale_views[blk] if self.dtype == "int8" else None
+        self._adopt_disk(self.views[blk], scales, at=blk)
+        self.blocks[blk] = None
+        if self.dtype == "int8":
+            self.scale_blocks[blk] = None
+        if self.budget is not None:
+            self.budget.release(self.block_bytes)
+
+    def _adopt(self, blk, scales):
+        self.blocks.append(blk)
+        view = _np_view(blk)
+        self.views.append(view)
+        self.addrs = np.append(self.addrs, np.int64(view.ctypes.data))
+        self.disk_index.append(-1)
+        if self.dtype == "int8":
+            if scales is None:
+                scales = _alloc_block(self.block_shape[:-1], "float32")  # NaN-filled
+            self.scale_blocks.append(scales)
+            sview = _np_view(scales)
+            self.scale_views.append(sview)
+            self.scale_addrs = np.append(self.scale_addrs, np.int64(sview.ctypes.data))
+
+    def write(self, page: int, start: int, data: np.ndarray):
+        """data: (H, n, d) float32/float16 tokens written at slots [start, start+n) of a page."""
+        blk, slot = divmod(page, self.pages_per_block)
+        n = data.shape[1]
+        if self.dtype == "int8":
+            amax = np.abs(data).max(axis=-1).astype(np.float32)
+            scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+            q = np.rint(data / scale[..., None]).clip(-127, 127).astype(np.int8)
+        else:
+            q, scale = data, None
+        d = self.disk_index[blk]
+        if d >= 0:  # a page of a block on disk (a freed page reused): rewrite it there
+            self.disk.write_page(d, slot, start, q.astype(_NP[self.dtype]))
+            if scale is not None:
+                self.scale_disk.write_page(d, slot, start, scale)
+            return
+        self.views[blk][slot, :, start : start + n] = q
+        if scale is not None:
+            self.scale_views[blk][slot, :, start : start + n] = scale
+
+    def read(self, page: int, start: int, n: int) -> np.ndarray:
+        """(H, n, d) float32 copy of slots [start, start+n) of a page."""
+        blk, slot = divmod(page, self.pages_per_block)
+        raw = self.views[blk][slot, :, start : start + n].astype(np.float32)
+        if self.dtype == "int8":
+            raw *= self.scale_views[blk][slot, :, start : start + n, None]
+        return raw
+
+    def verify(self, pages) -> None:
+        """Check the CRC32 of those physical pages that live on disk (ValueError if corrupt)."""
+        for p in pages:
+            blk, slot = divmod(int(p), self.pages_per_block)
+            d = self.disk_index[blk]
+            if d >= 0:
+                self.disk.verify(d, [slot])
+                if self.scale_disk is not None:
+                    self.scale_disk.verify(d, [slot])
+
+    def prefetch(self, pages) -> None:
+        by_block: dict[int, list[int]] = {}
+        for p in pages:
+            blk, slot = divmod(int(p), self.pages_per_block)
+            if self.disk_index[blk] >= 0:
+                by_block.setdefault(self.disk_index[blk], []).append(slot)
+        for d, slots in by_block.items():
+            self.disk.prefetch(d, sorted(set(slots)))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of host RAM held."""
+        return sum(b.nbytes for b in self.blocks if b is not None) + sum(
+            s.nbytes for s in self.scale_blocks if s is not None)
+
+    @property
+    def disk_bytes(self) -> int:
+        return sum(f.nbytes for f in (self.disk, self.scale_disk) if f is not None)
+
+    def close(self):
+        for f in (self.disk, self.scale_disk):
+            if f is not None:
+                f.close()
+        if self.budget is not None:
+            self.budget.release(self.nbytes)
+        self.blocks.clear()
+        self.scale_blocks.clear()
+
+    # ---- persistence (HostStore.state / from_state) ---------------------------------------
+    def state(self, name: str) -> dict:
+        """This tensor's entries of the store's state: RAM blocks as they are (no copies),
+        disk-tier blocks by reference (page file, block index, checksums)."""
+        st = {name: [b if b is not None else mx.zeros((0,), mx.int8) for b in self.blocks]}
+        if self.dtype == "int8":
+            st[name + "_scales"] = [b if b is not None else mx.zeros((0,), mx.int8)
+                                    for b in self.scale_blocks]
+        if self.disk is not None:
+            st[name + "_disk"] = json.dumps({
+                "index": self.disk_index, "data": self.disk.state(),
+                "scales": self.scale_disk.state() if self.scale_disk is not None else None})
+        return st
+
+    def restore(self, st: dict, name: str, disk_dir, budget) -> None:
+        """Blocks from a store's state: disk-tier blocks adopted (copied at load, see
+        :meth:`PageFile.adopt`), RAM blocks copied into memory this tensor owns."""
+        from .disk import PageFile
+
+        disk = json.loads(st[name + "_disk"]) if name + "_disk" in st else None
+        if disk is not None:
+            work = disk_dir or tempfile.gettempdir()
+            self.disk = PageFile.adopt(disk["data"], work)
+            if disk["scales"] is not None:
+                self.scale_disk = PageFile.adopt(disk["scales"], work)
+        scales = st.get(name + "_scales", [None] * len(st[name]))
+        for b, (blk, sc) in enumerate(zip(st[name], scales)):
+            di = disk["index"][b] if disk is not None else -1
+            if di >= 0:
+                self.blocks.append(None)
+                self.views.append(self.disk.views[di])
+                self.addrs = np.append(self.addrs, np.int64(self.disk.address(di)))
+                self.disk_index.append(di)
+                if self.scale_disk is not None:
+                    self.scale_blocks.append(None)
+                    self.scale_views.append(self.scale_disk.views[di])
+                    self.scale_addrs = np.append(self.scale_addrs,
+                                                 np.int64(self.scale_disk.address(di)))
+                continue
+            # Copy: the block must be host memory this store owns and may write in place.
+            if budget is not None:
+                budget.reserve(self.block_bytes)
+            self._adopt(_host_copy(blk), None if sc is None else _host_copy(sc))
