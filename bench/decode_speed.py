@@ -296,7 +296,7 @@ def main(argv=None):
     print("wrote", *paths)
 
 
-PHASES = {  # decode-step phases (tiered/compressed.py), as the tables and plots name them
+PHASES = {  # decode-step phases (tiered/decode_paths.py, tiered/device_decode.py), as the tables and plots name them
     "spill": "lookahead: finish this layer's buffer move (wait for its worker, upload) and start the next layer's",
     "build": "queue scores + selection (host)",
     "sync": "wait for the device (scores, selection, and the layers before)",

@@ -356,9 +356,10 @@ def test_lookahead_attends_resident_and_previous_selection_exactly(small, monkey
     previous step's selection and its successors (outside the resident set), with the rows
     of the host pages. Checked against float64 numpy from the host store's float32 rows."""
     from tiered import compressed as C
+    from tiered import lookahead as LA
 
     moves, steps = {}, []
-    real_move, real_step = C._spill_move, C.CompressedLayer._decode_lookahead
+    real_move, real_step = LA._spill_move, C.CompressedLayer._decode_lookahead
 
     def move(idx, count, res_tok, n, spill_tok, host, *heads):
         moves[id(host)] = (idx.copy(), count.copy(), res_tok.copy(), n)
@@ -373,7 +374,7 @@ def test_lookahead_attends_resident_and_previous_selection_exactly(small, monkey
             self.spill_k.astype(mx.float32)), moves[id(self.parent.host)]))
         return out
 
-    monkeypatch.setattr(C, "_spill_move", move)
+    monkeypatch.setattr(LA, "_spill_move", move)
     monkeypatch.setattr(C.CompressedLayer, "_decode_lookahead", step)
     cache = TieredCache.for_model(small, kernels="mlx", lookahead=True, gpu_budget=0.5,
                                   max_selected=48, host_dtype="float32", page_size=64,

@@ -21,6 +21,7 @@ from tiered.cpu import kernels as K
 
 
 def _np(a: mx.array) -> np.ndarray:
+    """Zero-copy numpy view of an evaluated MLX array (CPU memory)."""
     mx.eval(a)
     return np.array(a, copy=False)
 

@@ -22,6 +22,14 @@ def on_cpu_backend() -> bool:
     return mx.default_device() == mx.cpu
 
 
+def numpy_path(config) -> bool:
+    """Whether a compressed layer runs its step with Numba kernels on zero-copy views (the CPU
+    backend, or kernels='numba') rather than MLX ops and device kernels."""
+    if config.kernels == "auto":
+        return on_cpu_backend()
+    return config.kernels == "numba"
+
+
 @contextlib.contextmanager
 def kernel_threads(n: int):
     """Numba threads for the parallel kernels called inside (thread-local, restored after)."""

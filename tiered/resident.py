@@ -1,0 +1,153 @@
+"""The resident set of a compressed layer: its layout (sinks, recent ring, heavy hitters,
+the lookahead buffer's share), the H2O choice of heavy hitters, and rebuilding it from the
+exact phase or from the host pages at a refresh."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from . import undo
+from .planner import BudgetError
+
+
+class ResidentSet:
+    """Methods of :class:`tiered.compressed.CompressedLayer` (see the module docstring)."""
+
+    def _resident_layout(self, n: int) -> int:
+        """Resident slots per head at n tokens (sinks + ring + heavy)."""
+        if not self.plan.keep_values_resident:
+            return min(self.W, n)
+        r = self.plan.check(n, horizon=self.config.refresh_every + 1)
+        if self.lookahead:  # the spill buffer's slots cost what resident slots cost
+            spill = self._spill_size(n + self.config.refresh_every + 1)
+            need = min(self.plan.minimum_resident(), n)
+            if r - spill < need:
+                raise BudgetError(
+                    f"gpu_budget too small for lookahead at {n} tokens: its buffer of {spill} "
+                    f"tokens per kv head leaves {r - spill} resident slots, {need} needed "
+                    "(raise gpu_budget, lower max_selected, or set lookahead=False)")
+            r -= spill
+        return min(max(r, 0), n)
+
+    def _spill_size(self, n: int) -> int:
+        """Slots per kv head of the lookahead buffer: a selection and its successors, plus the
+        always-empty slot that padded updates write to (at most half the resident slots)."""
+        return 2 * self._cap(n)[0] + 1
+
+    def _choose_heavy(self, count: int, n: int, S: int, W: int) -> np.ndarray:
+        """(H, count) token ids of the top accumulators outside sinks and the recent ring."""
+        H = self.H
+        out = np.full((H, count), -1, np.int32)
+        lo, hi = min(S, n), max(n - W, 0)
+        if count <= 0 or hi <= lo:
+            return out
+        acc = self._acc_host()[:, lo:hi]
+        host = self.parent.host
+        if self.res_tok is not None and (host is None or host.keys is None):
+            # No full keys on the host: only tokens whose K/V are on the accelerator (the
+            # resident set, the recent ring) can be heavy hitters. Eviction, as in H2O.
+            allowed = np.zeros_like(acc, dtype=bool)
+            for h in range(H):
+                t = self._res_tok_np[h]
+                t = t[(t >= lo) & (t < hi)] - lo
+                allowed[h, t] = True
+            acc = np.where(allowed, acc, -np.inf)
+        k = min(count, hi - lo)
+        top = np.argpartition(-acc, k - 1, axis=1)[:, :k] if k < hi - lo else np.tile(
+            np.arange(hi - lo), (H, 1))
+        picked = np.take_along_axis(acc, top, axis=1)
+        top = np.where(np.isfinite(picked), top + lo, -1)
+        out[:, :k] = np.sort(top, axis=1)
+        return out
+
+    def _rebuild_resident(self, keys: mx.array | None = None, values: mx.array | None = None,
+                          journal: bool = False):
+        """Lay out sinks, recent ring and heavy hitters; K/V from ``keys``/``values`` (H, n, d)
+        when given (exact phase), else from the current resident set and the host.
+        ``journal``: record what it replaces (a refresh; see tiered.undo)."""
+        n, H = self.n, self.H
+        if keys is None:
+            self.parent._flush()  # tokens leaving the ring are read back from the host
+        R = self._resident_layout(n)
+        if self.plan.keep_values_resident:
+            S, W = min(self.S, n), min(self.plan.recent_window(R), n)
+        else:
+            S, W = 0, R
+        ring = np.full((H, W), -1, np.int32)
+        for t in range(max(S, n - W), n):  # the sinks are resident already: no second copy
+            ring[:, t % W] = t
+        sinks = np.tile(np.arange(S, dtype=np.int32), (H, 1))
+        heavy_n = max(R - S - W, 0)
+        heavy = self._choose_heavy(heavy_n, n, S, W) if self.acc is not None else np.full(
+            (H, heavy_n), -1, np.int32)
+        tok = np.concatenate([sinks, ring, heavy], axis=1).astype(np.int32)
+        if journal:
+            self.journal.record(n, "refresh", undo.demoted_rows(self, tok))
+        res_k, res_v = self._fetch_kv(tok, keys, values)
+        self.S_eff, self.W_eff = S, W
+        self._set_resident(res_k, res_v, tok)
+        flags = np.zeros((H, n), np.uint8)
+        for h in range(H):
+            flags[h, tok[h][tok[h] >= 0]] = 1
+        if self.numpy_path:
+            self._flags_np[:, :n] = flags
+        else:
+            self.flags[:, :n] = mx.array(flags)
+            mx.eval(self.flags)
+
+    def _fetch_kv(self, tok: np.ndarray, keys, values):
+        """Full K/V (H, R, d) for token ids ``tok`` (-1: zeros), in the model dtype."""
+        safe = np.maximum(tok, 0)
+        if keys is not None:
+            idx = mx.array(safe)[..., None]
+            k = mx.take_along_axis(keys, idx, axis=1)
+            v = mx.take_along_axis(values, idx, axis=1)
+        else:
+            k, v = self._gather_known(safe)
+        valid = mx.array(tok >= 0)[..., None]
+        k = mx.where(valid, k, 0).astype(self.dtype)
+        v = mx.where(valid, v, 0).astype(self.dtype)
+        mx.eval(k, v)
+        return k, v
+
+    def _gather_known(self, tok: np.ndarray):
+        """K/V (H, R, d) for token ids, in the model dtype: rows already resident are copied
+        on the device, only the others are read from the host pages and uploaded (a refresh
+        promotes few tokens; moving the whole resident set through the host cost seconds per
+        refresh at 128k tokens)."""
+        host = self.parent.host
+        H, R = tok.shape
+        old_tok = self._res_tok_np
+        R_old = 0 if old_tok is None else old_tok.shape[1]
+        src = np.zeros((H, R), np.int32)  # row of concat(resident, new rows) per slot
+        need = []
+        for h in range(H):
+            miss = tok[h] >= 0
+            if old_tok is not None:
+                order = np.argsort(old_tok[h], kind="stable")
+                sorted_old = old_tok[h][order]
+                pos = np.clip(np.searchsorted(sorted_old, tok[h]), 0, len(sorted_old) - 1)
+                hit = (sorted_old[pos] == tok[h]) & (tok[h] >= 0)
+                src[h, hit] = order[pos[hit]]
+                miss &= ~hit
+            need.append(np.flatnonzero(miss))
+        n_new = max((len(x) for x in need), default=0)
+        new_tok = np.full((H, n_new), -1, np.int32)
+        for h, pos in enumerate(need):
+            new_tok[h, : len(pos)] = tok[h, pos]
+            src[h, pos] = R_old + np.arange(len(pos), dtype=np.int32)
+        # Rows as stored (float16 by default: half the bytes of float32 to upload, and no
+        # conversion on the host).
+        parts_k = [self.res_k] if R_old else []
+        parts_v = [self.res_v] if R_old else []
+        if n_new:
+            parts_k.append(mx.array(host.gather_rows("keys", 0, new_tok)).astype(self.dtype))
+            parts_v.append(mx.array(host.gather_rows("values", 0, new_tok)).astype(self.dtype))
+        elif not R_old:  # nothing anywhere: an empty block keeps the shapes
+            parts_k.append(mx.zeros((H, 0, self.dk), self.dtype))
+            parts_v.append(mx.zeros((H, 0, self.dv), self.dtype))
+        idx = mx.array(src)[..., None]
+        k = mx.take_along_axis(mx.concatenate(parts_k, axis=1), idx, axis=1)
+        v = mx.take_along_axis(mx.concatenate(parts_v, axis=1), idx, axis=1)
+        return k, v
