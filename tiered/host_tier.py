@@ -1,0 +1,159 @@
+"""How a layer's tokens reach its host pages: the door (non-finite K/V refused), the
+write-behind queue and its flush, the room a step needs (host budget, disk tier) checked before
+it writes, and the exact phase's move to the pages when the layer compresses."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from tiered.cpu import HostStore
+
+from . import device_decode, ops
+
+HOST_COPY_TOKENS = 4096  # tokens per pass when the exact K/V move to the host pages
+MAX_PAGES_PER_BLOCK = 16  # host pages per allocation, at most
+
+
+def _to_numpy(x: mx.array) -> np.ndarray:
+    if x.dtype == mx.bfloat16:
+        x = x.astype(mx.float32)
+    return np.array(x)
+
+
+class HostTier:
+    """Methods of :class:`tiered.cache.TieredCache` (see the module docstring)."""
+
+    def _door(self, keys, values):
+        """Non-finite keys or values never enter the compressed tiers (one NaN key would make
+        every score of its head NaN): a ValueError naming the layer, before anything changes.
+        On the CPU backend the check is immediate (the arrays are read anyway); on a GPU it is
+        queued with the step and read where the tokens reach the host (a sync of its own per
+        layer and token would cost more than the step: see issue 24)."""
+        ok = mx.isfinite(keys).all() & mx.isfinite(values).all()
+        if ops.on_cpu_backend():
+            if not ok.item():
+                raise ValueError(self._non_finite(self.offset, keys.shape[2]))
+        else:
+            self._finite_checks.append((self.offset, keys.shape[2], ok))
+
+    def _non_finite(self, start: int, L: int) -> str:
+        return (f"layer {self.layer}: non-finite keys or values (NaN or Inf) at tokens "
+                f"[{start}, {start + L}); the compressed tiers refuse them (an fp16 overflow in "
+                "the model, or damaged weights?)")
+
+    def _check_finite_queued(self):
+        """The GPU path's queued checks (see _door), read when the tokens reach the host."""
+        checks, self._finite_checks = self._finite_checks, []
+        for start, L, ok in checks:
+            if not ok.item():
+                raise ValueError(self._non_finite(start, L))
+        bad, self._finite_bad = self._finite_bad, None
+        if bad is not None and bad.item() < device_decode.NO_BAD:
+            raise ValueError(self._non_finite(bad.item(), 1))
+
+    # ---- tiers -----------------------------------------------------------------------------
+    def _write_behind(self, keys, values):
+        """Queue new tokens for the host pages; flushed once they are surely evaluated."""
+        self._pending.append((keys, values))
+        self._pending_tokens += keys.shape[2]
+        if self._pending_tokens >= self.config.page_size:
+            self._flush()
+
+    def _flush_until(self, n: int):
+        """Make sure tokens [0, n) are on the host (older ones than the recent ring)."""
+        if self.host is None or self.host.length < n:
+            self._flush()
+
+    def _new_host(self, n: int = 0) -> HostStore:
+        """Host pages for this layer; blocks sized to the tokens it holds now (a power of two
+        of pages, up to 16): a short context does not take 16 pages per layer."""
+        B, H, dk, dv, _ = self._geometry
+        cfg = self.config
+        pages = max(1, -(-n // cfg.page_size))
+        ppb = min(MAX_PAGES_PER_BLOCK, 1 << (pages - 1).bit_length())
+        return HostStore(
+            H, dk, value_dim=dv, page_size=cfg.page_size, dtype=cfg.host_dtype,
+            keys=cfg.host_keys, batch=B, pages_per_block=ppb, budget=self.context.host_budget,
+            disk_dir=cfg.disk_dir, disk_budget=self.context.disk_budget,
+            name=f"layer{self.layer}",
+        )
+
+    def _flush(self):
+        """The write-behind queue into the host pages, all or nothing (a full disk tier leaves
+        the queue and the pages as they were)."""
+        if not self._pending:
+            return
+        if self.compressed is not None and hasattr(self.compressed, "spill_join"):
+            self.compressed.spill_join()  # a lookahead move reading these pages finishes first
+        self._check_finite_queued()
+        if self.host is None:
+            self.host = self._new_host()
+        ks = [k for k, _ in self._pending]
+        vs = [v for _, v in self._pending]
+        k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
+        v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
+        k, v = _to_numpy(k), _to_numpy(v)
+        self.host.append(v, k if self.config.host_keys else None)
+        self._pending.clear()
+        self._pending_tokens = 0
+
+    def _drop_pending_after(self, n: int) -> None:
+        """Trim the write-behind queue and the host pages to the first n tokens."""
+        host_len = self.host.length if self.host is not None else 0
+        keep = max(0, n - host_len)
+        kept, total = [], 0
+        for k, v in self._pending:
+            take = min(k.shape[2], keep - total)
+            if take <= 0:
+                break
+            kept.append((k[..., :take, :], v[..., :take, :]))
+            total += take
+        self._pending, self._pending_tokens = kept, total
+        if self.host is not None and host_len > n:
+            self.host.truncate(n)
+
+    def _host_bytes_for(self, L: int) -> int:
+        """Host bytes (RAM or disk) this layer allocates for a step of L tokens."""
+        if self.phase == "compressed":
+            if self.host is None:
+                return 0
+            return self.host.bytes_to_append(self._pending_tokens + L)
+        if not self._compresses_at(self.offset + L, L):
+            return 0  # stays exact: nothing goes to the host
+        return self._new_host(self.offset + L).bytes_to_append(self.offset + L)
+
+    def _preflight(self, L: int):
+        """DiskTierError before anything changes when the host budget and the disk tier
+        cannot take what every tiered layer writes at this step (the first layer of a step
+        checks for all of them: the same geometry, the same tokens)."""
+        ctx = self.context
+        if ctx.host_budget.limit is None:
+            return  # no host budget: no disk tier
+        from .cpu.disk import disk_room
+
+        need = self._host_bytes_for(L)
+        if need == 0:
+            return
+        layers = ctx.layers_to_step(self)
+        room = max(0, ctx.host_budget.limit - ctx.host_budget.used)
+        to_disk = max(0, need * layers - room)
+        if to_disk:
+            disk_room(self.config.disk_dir, to_disk, ctx.disk_budget)
+
+    def _to_host(self, keys: mx.array, values: mx.array):
+        """The exact phase's K/V into fresh host pages, a few thousand tokens per pass (the
+        host holds nothing of the exact phase: leaving it is the one copy)."""
+        n = keys.shape[2]
+        host = self._new_host(n)
+        try:
+            for i in range(0, n, HOST_COPY_TOKENS):
+                k = _to_numpy(keys[..., i : i + HOST_COPY_TOKENS, :])
+                v = _to_numpy(values[..., i : i + HOST_COPY_TOKENS, :])
+                if not (np.isfinite(k).all() and np.isfinite(v).all()):
+                    raise ValueError(self._non_finite(i, k.shape[2]))
+                host.append(v, k if self.config.host_keys else None)
+        except BaseException:
+            host.close()  # nothing half-made stays: the layer is still exact
+            raise
+        self.host = host
