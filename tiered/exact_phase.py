@@ -1,0 +1,152 @@
+"""The exact phase of a layer (mlx-lm's KVCache layout: every token's K and V on the
+accelerator), the bookkeeping that seeds the heavy hitters when it ends, and the move to the
+compressed phase once a compressed layout meets the budget (:meth:`ExactPhase.compress`)."""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import numpy as np
+
+from . import ops
+
+log = logging.getLogger("tiered")
+
+
+class ExactPhase:
+    """Methods of :class:`tiered.cache.TieredCache` (see the module docstring)."""
+
+    def _exact_capacity(self, need: int, grow: int) -> int:
+        """Capacity of the exact buffers: mlx-lm's steps, clipped to an absolute budget."""
+        if self.config.budget_fraction is not None:
+            return grow
+        geo = self.context.geometry_for(self)
+        fits = int(self.config.gpu_budget // max(geo.full_bytes(1), 1))
+        return max(need, min(grow, fits))
+
+    def _append_exact(self, keys, values):
+        prev, n = self.offset, keys.shape[2]
+        if self.keys is None or prev + n > self.keys.shape[2]:
+            B, H, _, dk = keys.shape
+            steps = (self.config.step + n - 1) // self.config.step
+            size = self._exact_capacity(prev + n, prev + steps * self.config.step) - prev
+            new_k = mx.zeros((B, H, size, dk), keys.dtype)
+            new_v = mx.zeros((B, H, size, values.shape[3]), values.dtype)
+            if self.keys is None:
+                self.keys, self.values = new_k, new_v
+            else:
+                self.keys = mx.concatenate([self.keys[..., :prev, :], new_k], axis=2)
+                self.values = mx.concatenate([self.values[..., :prev, :], new_v], axis=2)
+        self.keys[..., prev : prev + n, :] = keys
+        self.values[..., prev : prev + n, :] = values
+        self.offset += n
+        return self._exact_view()
+
+    def _exact_view(self):
+        if self.offset == self.keys.shape[2]:
+            return self.keys, self.values
+        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+
+    def _wants_compression(self, L: int) -> bool:
+        return self._compresses_at(self.offset, L)
+
+    def _compresses_at(self, n: int, L: int) -> bool:
+        """Whether an exact layer holding n tokens (this step's L included) compresses now:
+        at a decode step, or a prompt beyond prefill_window (or the absolute budget), once a
+        compressed layout holds n tokens within the budget."""
+        if self.config.exact or self.exact_reason is not None or self._geometry[0] != 1:
+            return False
+        absolute = self.config.budget_fraction is None
+        full = self.context.geometry_for(self).full_bytes(n) / max(self.context.layers, 1)
+        if not (L == 1 or n > self.config.prefill_window or
+                (absolute and full > self.config.gpu_budget / max(self.context.layers, 1))):
+            return False
+        return self.context.layout_at(self, n) is not None
+
+    def _bookkeeping(self, n: int) -> bool:
+        """Whether to record what the H2O seed needs (the last queries, the prompt's attention
+        mass): only when this layer may compress within the observation window."""
+        if self.config.exact or self.exact_reason is not None or self._geometry[0] != 1:
+            return False
+        t = self.context.threshold(self)
+        return t is not None and n + self._obs_window() >= t
+
+    def _obs_window(self) -> int:
+        return max(self.config.recent, 16)
+
+    def _exact_attention(self, queries, keys, values, scale, mask, sinks, fresh):
+        perm = self.head_perm
+        if perm is not None and fresh:  # the stored heads, queries grouped to match them
+            queries = queries[:, mx.array(perm)]
+            keys, values = self._exact_view()
+        colmass = None
+        if fresh and self._bookkeeping(self.offset):
+            self._observe(queries)
+            colmass = self._column_mass(keys.shape[2])
+        out = ops.exact_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks,
+                                  fast=not self.config.exact, column_mass=colmass)
+        if perm is not None and fresh:
+            out = out[:, mx.array(np.argsort(perm))]
+        return out
+
+    def _column_mass(self, n: int):
+        """The exported per-key attention mass buffer (H, >= n)."""
+        H = self._geometry[1]
+        if self._colmass is None or self._colmass.shape[1] < n:
+            grown = np.zeros((H, max(n, 2 * (0 if self._colmass is None else
+                                             self._colmass.shape[1]))), np.float32)
+            if self._colmass is not None:
+                grown[:, : self._colmass.shape[1]] = self._colmass
+            self._colmass = grown
+        return self._colmass
+
+    def _observe(self, queries):
+        """Keep the last queries of the exact phase: they seed the resident set (SnapKV-style)."""
+        w = self._obs_window()
+        q = queries[..., -w:, :]
+        if self._obs is None or q.shape[2] >= w or self._obs.shape[-1] != q.shape[-1]:
+            self._obs = q
+        else:
+            self._obs = mx.concatenate([self._obs, q], axis=2)[..., -w:, :]
+
+    def compress(self, queries: mx.array | None, scale: float, chunk: int = 0):
+        """Exact phase -> compressed phase: codes for every token, resident set, host pages.
+
+        queries: this step's queries (or None: the observed ones seed the resident set);
+        chunk > 1: the last ``chunk`` tokens are a prompt chunk still to be attended."""
+        from .compressed import CompressedLayer
+
+        keys, values = self._exact_view()
+        self.stats.peak_transient_bytes = max(self.stats.peak_transient_bytes,
+                                              self.keys.nbytes + self.values.nbytes)
+        if queries is not None:
+            self.context.q_heads = queries.shape[1]
+        plan = self.context.plan_for(self)
+        obs = self._obs
+        if obs is None or obs.shape[2] == 0:
+            obs = None if queries is None else queries[..., -self.config.recent:, :]
+        Hq = obs.shape[1] if obs is not None else self._geometry[1]
+        rep = Hq // self._geometry[1]
+        seed = ops.h2o_seed(obs[0] if obs is not None else None, keys[0], scale,
+                            self._colmass, rep)
+        # All or nothing: a failure (disk tier full, non-finite K/V) leaves the layer exact.
+        if plan.codec == "none":
+            from .h2o import H2OLayer
+
+            compressed = H2OLayer.from_exact(self, plan, keys, values, seed)
+        else:
+            self._to_host(keys, values)
+            try:
+                codebook = (self.context.codebook_for(self, keys) if plan.codec == "codebook"
+                            else None)
+                compressed = CompressedLayer.from_exact(self, plan, codebook, keys, values,
+                                                        seed, scale, chunk=chunk)
+            except BaseException:
+                self.host.close()
+                self.host = None
+                raise
+        self.compressed = compressed
+        self._colmass = self._obs = None
+        self.phase = "compressed"
+        self.keys = self.values = None
