@@ -15,6 +15,7 @@ import mlx.core as mx
 import numpy as np
 from decode_speed import build_model, seed_kv, tiered_caches, time_decode
 
+from tiered import device_attend
 from tiered import device_decode as dd
 from tiered import metal
 
@@ -60,7 +61,7 @@ def main():
     mx.eval(z)
     n_host = host.length
     rows["chunk logits (MLX ops)"] = lambda: dd.chunk_scores(z, L.flags, n_host, rep)
-    rows["chunk logits (kernel)"] = lambda: dd.chunk_logits(z, L.flags, n_host, rep)
+    rows["chunk logits (kernel)"] = lambda: dd.chunk_logits(z, L.flags, n_host, rep, n)
     zc, excl = dd.chunk_scores(z, L.flags, n_host, rep)
     mx.eval(zc, excl)
     cap, floor = L._cap(n)
@@ -79,6 +80,12 @@ def main():
                                                                     count, L.flags)
     vals, _ = dd.gather_chunks(tables, host, host.values, idx, count, L.flags)
     mx.eval(vals)
+    if host.keys is not None:
+        rows["gather keys + values (one launch)"] = lambda: device_attend.gather_kv(
+            tables, host, idx, count, L.flags)
+        gk, gv, ok = device_attend.gather_kv(tables, host, idx, count, L.flags)
+        rows["fused attention (2 kernels)"] = lambda: device_attend.attend(
+            q, L.res_k, L.res_v, L.res_tok, gk, gv, ok, None, mx.float16)
     s_c = (qh.astype(vals.dtype) @ vals.swapaxes(-1, -2)).astype(mx.float32)
     rows["partial over gathered"] = lambda: L._resident_partial(s_c, vals)
     rows["resident partial"] = lambda: L._resident_partial(s_r)

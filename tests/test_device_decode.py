@@ -69,9 +69,48 @@ def test_chunk_logits_kernel_matches_ops(n_host, rep):
     z = mx.array(rng.normal(size=(H * rep, n + 1)).astype(np.float32))
     flags = mx.array((rng.random((H, n + 9)) < 0.3).astype(np.uint8))
     want_z, want_x = chunk_scores(z, flags, n_host, rep)
-    got_z, got_x = chunk_logits(z, flags, n_host, rep)
+    got_z, got_x, za = chunk_logits(z, flags, n_host, rep, n)
     np.testing.assert_allclose(np.array(got_z), np.array(want_z), rtol=1e-5, atol=1e-5)
     assert np.array_equal(np.array(got_x), np.array(want_x))
+    # za: each chunk's log-sum-exp over the tokens below n; together the row's log-sum-exp
+    zn = np.array(z)[:, :n]
+    assert za.shape == (H * rep, -(-n // CHUNK))
+    for qh in range(H * rep):
+        for c in range(za.shape[1]):
+            np.testing.assert_allclose(za[qh, c].item(), _lse(zn[qh, c * CHUNK:(c + 1) * CHUNK]),
+                                       rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(_lse(np.array(za[qh])), _lse(zn[qh]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.accelerator
+@needs_cuda
+@pytest.mark.parametrize("R,T,rep,d,sinks,dtype", [
+    (300, 64, 4, 128, False, "float16"), (5000, 2048, 4, 128, True, "float16"),
+    (37, 8, 3, 64, False, "float32"), (0, 16, 2, 64, True, "float32")])
+def test_attend_kernel_matches_ops(R, T, rep, d, sinks, dtype):
+    """The split-K attention over the resident set and the gathered rows equals the MLX-op
+    partials and merge: output, attended count and resident share of the mass."""
+    from tiered.device_attend import attend, attend_ops
+    rng = np.random.default_rng(R + T)
+    H = 2
+    dt = getattr(mx, dtype)
+    q = mx.array(rng.normal(size=(H * rep, d)).astype(np.float32) * 0.3)
+    R = max(R, 1)
+    rk, rv = (mx.array(rng.normal(size=(H, R, d))).astype(dt) for _ in range(2))
+    gk, gv = (mx.array(rng.normal(size=(H, T, d))).astype(dt) for _ in range(2))
+    rtok = np.arange(H * R, dtype=np.int32).reshape(H, R)
+    rtok[rng.random((H, R)) < 0.2] = -1
+    rtok[1, :] = -1 if R < 40 else rtok[1, :]  # a head with an empty resident set
+    ok = rng.random((H, T)) < 0.7
+    ok[0, :] = False  # a head with nothing gathered
+    sink = rng.normal(size=(H * rep,)).astype(np.float32) if sinks else None
+    args = (q, rk, rv, mx.array(rtok), gk, gv, mx.array(ok), sink, dt)
+    o, st = attend(*args)
+    o_ref, st_ref = attend_ops(*args)
+    tol = 2e-3 if dtype == "float16" else 1e-5
+    np.testing.assert_allclose(np.array(o.astype(mx.float32)),
+                               np.array(o_ref.astype(mx.float32)), rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.array(st), np.array(st_ref), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.accelerator

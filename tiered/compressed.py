@@ -30,7 +30,7 @@ import numpy as np
 
 from tiered import metal
 
-from . import device_decode, ops, undo
+from . import device_decode, device_step, ops, undo
 from .chunked import ChunkAttention
 from .compressed_state import CompressedState
 from .decode_paths import DecodePaths
@@ -232,7 +232,7 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
             if self.numpy_path:
                 return self._decode_numpy(queries, scale, sinks)
             if self._device_tables(update) is not None:
-                return device_decode.decode(self, queries, scale, sinks, self._tables)
+                return device_step.decode(self, queries, scale, sinks, self._tables)
             return self._decode_mlx(queries, scale, sinks)
         if update:
             self._spill_reset()  # the next decode step selects afresh (synchronously)

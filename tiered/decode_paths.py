@@ -1,7 +1,7 @@
 """The decode step of a compressed layer on the two synchronous paths: ``numpy_path`` (MLX's
 CPU backend: Numba kernels on zero-copy views, the CPU workers gathering) and the MLX path
 (GPUs: scores and selection on the device, one sync per layer to hand the selection to the
-CPU workers). The accelerator path without that sync is :mod:`tiered.device_decode`."""
+CPU workers). The accelerator path without that sync is :mod:`tiered.device_step`."""
 
 from __future__ import annotations
 
@@ -129,11 +129,12 @@ class DecodePaths:
             o = o * mx.sigmoid(lse - s_sink)[:, None]
         return o, lse
 
-    def _end_step(self, queries, o, lse_r, lse, mean_count: float, marks):
-        """Stats, the periodic H2O refresh, and the output (1, Hq, 1, dv) in the query dtype."""
+    def _end_step(self, queries, o, resident_mass, mean_count, marks):
+        """Stats, the periodic H2O refresh, and the output (1, Hq, 1, dv) in the query dtype.
+        resident_mass: the resident set's share of the attention mass (lazy)."""
         Hq = queries.shape[1]
         if self._update:
-            self._step_done(mean_count, mx.exp(lse_r - lse).mean())
+            self._step_done(mean_count, resident_mass)
         marks.append(("finish", time.perf_counter()))
         self.parent.stats.last_step_s = marks[-1][1] - marks[0][1]
         self.parent.stats.record_phases(marks)
@@ -194,4 +195,5 @@ class DecodePaths:
         both = mx.array(np.concatenate([o_c, lse_c[:, None]], axis=1))  # one transfer, not two
         lse_r = lse_r.reshape(Hq)
         o, lse = self._combine(o_r.reshape(Hq, -1), lse_r, both[:, :-1], both[:, -1], sinks, Hq)
-        return self._end_step(queries, o, lse_r, lse, float(np.mean(count)), marks)
+        return self._end_step(queries, o, mx.exp(lse_r - lse).mean(), float(np.mean(count)),
+                              marks)

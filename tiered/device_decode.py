@@ -10,10 +10,8 @@ host and be mapped for the GPU (:mod:`tiered.uva`), and two kernels take their a
   (2 KB of fp16 rows per head at head_dim 128) are read into device buffers, where attention
   over them runs.
 
-A step is then one lazy graph, as ``KVCache``'s is: scores from the compressed keys, the
-tau-cumulative selection over chunks (:func:`chunk_scores`), the gather, the exact partial over
-the gathered tokens, the merge with the resident partial and the H2O update. Nothing waits for
-the device until mlx-lm reads the token.
+A step is then one lazy graph, as ``KVCache``'s is (:mod:`tiered.device_step`); nothing
+waits for the device until mlx-lm reads the token.
 
 How a chunk is weighed: its logit is the log-sum-exp of its tokens' logits, over the tokens
 that are neither resident nor past the host pages (those are attended exactly from the
@@ -24,12 +22,10 @@ divided by ``CHUNK``): the selected tokens are whole chunks, at most the token c
 
 from __future__ import annotations
 
-import time
-
 import mlx.core as mx
 import numpy as np
 
-from . import metal, uva
+from . import uva
 
 NO_BAD = np.iinfo(np.int32).max  # the door's lazy flag: no non-finite position seen
 
@@ -81,33 +77,40 @@ _WRITE = r"""
 """
 
 _CHUNKS = r"""
-    // One thread per (query head, chunk): the chunk's logit (module docstring) and, from the
-    // first query head of each kv head, whether the chunk is excluded.
+    // One thread per (query head, chunk of the first n tokens): za, the log-sum-exp of the
+    // chunk's tokens below n (the step's softmax total, for the H2O update); for chunks of
+    // the host pages also the chunk's logit zc (module docstring) and, from the first query
+    // head of each kv head, whether the chunk is excluded. n_host = [host length, n].
     const uint32_t tid = blockIdx.x * blockDim.x + threadIdx.x;
-    const int nh = n_host[0];
-    const uint32_t nc = (nh + C - 1) / C;
-    if (tid >= (uint32_t)z_shape[0] * nc) return;
-    const uint32_t qh = tid / nc, c = tid % nc, h = qh / REP;
+    const int nh = n_host[0], nt = n_host[1];
+    const uint32_t nc = (nh + C - 1) / C, na = (nt + C - 1) / C;
+    if (tid >= (uint32_t)z_shape[0] * na) return;
+    const uint32_t qh = tid / na, c = tid % na, h = qh / REP;
     const float* zr = z + (uint64_t)qh * z_shape[1];
     const auto* fr = flags + (uint64_t)h * flags_shape[1];
     float v[C];
-    bool live[C], valid[C];
-    float m_all = -INFINITY, m_live = -INFINITY;
+    bool live[C], valid[C], below[C];
+    float m_all = -INFINITY, m_live = -INFINITY, m_n = -INFINITY;
     for (int j = 0; j < C; ++j) {
         const int t = c * C + j;
+        below[j] = t < nt;
         valid[j] = t < nh;
-        v[j] = valid[j] ? zr[t] : -INFINITY;
+        v[j] = below[j] ? zr[t] : -INFINITY;
         live[j] = valid[j] && !fr[t];
+        if (below[j]) m_n = fmaxf(m_n, v[j]);
         if (valid[j]) m_all = fmaxf(m_all, v[j]);
         if (live[j]) m_live = fmaxf(m_live, v[j]);
     }
-    float s_all = 0.f, s_live = 0.f;
+    float s_all = 0.f, s_live = 0.f, s_n = 0.f;
     for (int j = 0; j < C; ++j) {
+        if (below[j]) s_n += expf(v[j] - m_n);
         if (valid[j]) s_all += expf(v[j] - m_all);
         if (live[j]) s_live += expf(v[j] - m_live);
     }
+    za[tid] = m_n + logf(s_n);
+    if (c >= nc) return;
     const bool any_live = m_live > -INFINITY;
-    zc[tid] = any_live ? m_live + logf(s_live) : m_all + logf(s_all);
+    zc[qh * nc + c] = any_live ? m_live + logf(s_live) : m_all + logf(s_all);
     if (qh % REP == 0) excl[h * nc + c] = !any_live;
 """
 
@@ -124,7 +127,7 @@ def _kernel(name: str):
         elif name == "chunks":
             _kernels[name] = mx.fast.cuda_kernel(
                 name="tiered_chunk_logits", input_names=["z", "flags", "n_host"],
-                output_names=["zc", "excl"], source=_CHUNKS)
+                output_names=["zc", "excl", "za"], source=_CHUNKS)
         else:
             _kernels[name] = mx.fast.cuda_kernel(
                 name="tiered_host_write", input_names=["src", "page", "slot", "addrs"],
@@ -161,6 +164,7 @@ class DeviceTables:
         self._addrs: dict[int, tuple[int, mx.array]] = {}
         self._pages: tuple[np.ndarray, mx.array] | None = None
         self._advised: set[int] = set()
+        self._ones: dict[int, mx.array] = {}
 
     def addrs(self, tensor) -> mx.array:
         n = len(tensor.addrs)
@@ -174,6 +178,14 @@ class DeviceTables:
             got = (n, uva.address_array(tensor.addrs.astype(np.uint64)))
             self._addrs[id(tensor)] = got
         return got[1]
+
+    def ones(self, n: int) -> mx.array:
+        """A kept float32 array of n ones (a fresh one per step would be a launch)."""
+        got = self._ones.get(n)
+        if got is None:
+            got = self._ones[n] = mx.ones((n,), mx.float32)
+            mx.eval(got)
+        return got
 
     def pages(self, host) -> mx.array:
         pages = host.logical_pages(0)  # a few thousand ids at 1M tokens: compared each step
@@ -229,16 +241,19 @@ def gather_chunks(tables: DeviceTables, host, tensor, idx: mx.array, count: mx.a
     return out, ok
 
 
-def chunk_logits(z: mx.array, flags: mx.array, n_host: int, rep: int):
-    """:func:`chunk_scores` in one kernel (CUDA)."""
+def chunk_logits(z: mx.array, flags: mx.array, n_host: int, rep: int, n: int | None = None):
+    """:func:`chunk_scores` in one kernel (CUDA), and za (Hq, ceil(n / CHUNK)): each chunk's
+    log-sum-exp over its tokens below n (default n_host), whose log-sum-exp is the row's."""
     Hq = z.shape[0]
-    nc = -(-n_host // CHUNK)
-    zc, excl = _kernel("chunks")(
-        inputs=[z, flags, mx.array([n_host], mx.int32)],
-        output_shapes=[(Hq, nc), (Hq // rep, nc)], output_dtypes=[mx.float32, mx.bool_],
-        grid=(Hq * nc, 1, 1), threadgroup=(256, 1, 1),
+    n = n_host if n is None else n
+    nc, na = -(-n_host // CHUNK), -(-n // CHUNK)
+    zc, excl, za = _kernel("chunks")(
+        inputs=[z, flags, mx.array([n_host, n], mx.int32)],
+        output_shapes=[(Hq, nc), (Hq // rep, nc), (Hq, na)],
+        output_dtypes=[mx.float32, mx.bool_, mx.float32],
+        grid=(Hq * na, 1, 1), threadgroup=(256, 1, 1),
         template=[("C", CHUNK), ("REP", rep)])
-    return zc, excl
+    return zc, excl, za
 
 
 def chunk_scores(z: mx.array, flags: mx.array, n_host: int, rep: int):
@@ -301,50 +316,3 @@ def flush(parent, tables: DeviceTables, upto: int) -> list:
         parent._finite_bad = bad if parent._finite_bad is None else mx.minimum(
             parent._finite_bad, bad)
     return writes
-
-
-def decode(layer, queries, scale, sinks, tables: DeviceTables):
-    """One query of a compressed layer, as one lazy graph (see the module docstring)."""
-    t0 = time.perf_counter()
-    marks = [("", t0)]
-    cfg, parent, H, n = layer.config, layer.parent, layer.H, layer.n
-    host = parent.host
-    writes = flush(parent, tables, n - layer.W_eff)
-    Hq, d = queries.shape[1], queries.shape[3]
-    rep = Hq // H
-    q = queries[0, :, 0, :].astype(mx.float32) * scale
-    qh = q.reshape(H, rep, d)
-    s_r = layer._resident_scores(qh)
-    z, _ = layer._select_device(q, s_r, Hq, rep, select=False)
-    n_host = host.length
-    zc, excl = chunk_logits(z, layer.flags, n_host, rep)
-    cap, floor = layer._cap(n)
-    capc = max(1, cap // CHUNK)
-    idx, count = metal.tau_select(zc, zc.shape[1], excl, cfg.tau, capc,
-                                  min(capc, -(-floor // CHUNK)))
-    vals, ok = gather_chunks(tables, host, host.values, idx, count, layer.flags)
-    if cfg.rescore == "exact":
-        keys, _ = gather_chunks(tables, host, host.keys, idx, count, layer.flags)
-        s_c = (qh.astype(keys.dtype) @ keys.swapaxes(-1, -2)).astype(mx.float32)  # (H, rep, T)
-    else:
-        tok = chunk_token_ids(idx)
-        zt = z.reshape(H, rep, -1)
-        s_c = mx.take_along_axis(zt, mx.broadcast_to(tok[:, None, :], (H, rep, tok.shape[1])),
-                                 axis=2)
-    s_c = mx.where(ok[:, None, :], s_c, -mx.inf)
-    o_c, lse_c = layer._resident_partial(s_c, vals)
-    o_r, lse_r = layer._resident_partial(s_r)
-    lse_r = lse_r.reshape(Hq)
-    o, lse = layer._combine(o_r.reshape(Hq, -1), lse_r, o_c.reshape(Hq, -1),
-                            lse_c.reshape(Hq), sinks, Hq)
-    if layer._update:
-        layer.journal.record(n, "step", (n, q, rep, layer.steps))
-        if layer.acc is not None:
-            zn = z[:, :n]
-            m = zn.max(axis=1)
-            s = mx.exp(zn - m[:, None]).sum(axis=1)
-            layer.acc = metal.acc_update(layer.acc, z, m, s, n, rep, cfg.ema_alpha)
-            writes.append(layer.acc)
-    marks.append(("build", time.perf_counter()))
-    out = layer._end_step(queries, o, lse_r, lse, ok.sum() / H, marks)
-    return mx.depends(out, writes) if writes else out

@@ -60,7 +60,8 @@ class Lookahead:
             lazy.append(self.acc)
         mx.async_eval(*lazy)
         marks.append(("build", time.perf_counter()))
-        return self._end_step(queries, o, lse_r, lse, float(np.mean(count)), marks)
+        return self._end_step(queries, o, mx.exp(lse_r - lse).mean(), float(np.mean(count)),
+                              marks)
 
     def _set_pending(self, selection):
         self._pending = selection

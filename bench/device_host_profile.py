@@ -1,0 +1,72 @@
+"""Host side of a device decode step (issue 24): how long Python takes to queue a token's
+graph, how long the eval then takes, and which Python functions the queuing spends on
+(cProfile), on a Llama-3-8B-shaped model at --context tokens.
+
+    python bench/device_host_profile.py --model llama3-8b-2l --context 131072
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import common  # noqa: F401  (tiered before mlx)
+import mlx.core as mx
+import numpy as np
+from decode_speed import build_model, kv_caches, seed_kv, tiered_caches, time_decode
+
+
+def split_times(model, cache, steps):
+    """Median (queue ms, eval ms) per token: building the forward graph, then evaluating it."""
+    y = mx.array([[1]])
+    q, e = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        logits = model(y, cache=cache)
+        y = mx.argmax(logits[:, -1], axis=-1)[:, None]
+        t1 = time.perf_counter()
+        mx.eval(y)
+        t2 = time.perf_counter()
+        q.append(t1 - t0)
+        e.append(t2 - t1)
+    return 1e3 * float(np.median(q)), 1e3 * float(np.median(e))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama3-8b-2l", choices=["llama3-8b-2l", "llama3-8b"])
+    ap.add_argument("--context", type=int, default=131072)
+    ap.add_argument("--budget", type=float, default=0.125)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--sort", default="tottime", help="pstats key (tottime, cumulative)")
+    args = ap.parse_args()
+    model, _ = build_model(args.model, mx.float16)
+    seed = seed_kv(model, None, 2048)
+    kv = kv_caches(seed, args.context)
+    time_decode(model, kv, 3, 2)
+    print("KVCache: queue %.2f ms, eval %.2f ms" % split_times(model, kv, args.steps))
+    del kv
+    cache = tiered_caches(model, seed, args.context, args.budget, dict(calibration_tokens=2048))
+    from tiered import device_step
+    for flag in (True, False, True):
+        device_step.ASYNC_EVAL = flag
+        ms, _, _ = time_decode(model, cache, 5, 3)
+        print(f"tiered (async_eval per layer: {flag}): {ms:.2f} ms/token; queue %.2f ms, "
+              "eval %.2f ms" % split_times(model, cache, args.steps), flush=True)
+    prof = cProfile.Profile()
+    y = mx.array([[1]])
+    prof.enable()
+    for _ in range(args.steps):
+        y = mx.argmax(model(y, cache=cache)[:, -1], axis=-1)[:, None]
+        mx.eval(y)
+    prof.disable()
+    st = pstats.Stats(prof)
+    st.sort_stats(args.sort).print_stats(args.top)
+    cache.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Which GPU kernels one decode step launches, and their device time (issue 24).
+
+MLX has no CUDA profiler of its own; PyTorch's (CUPTI) records every kernel of the process,
+MLX's included. Runs --steps decode steps of a Llama-3-8B-shaped model at --context tokens
+under the profiler, for KVCache and tiered, and prints per method: kernels per step, summed
+kernel time per step, and the kernels by total time.
+
+    python bench/device_kernel_profile.py --model llama3-8b-2l --context 131072
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+
+import common  # noqa: F401  (tiered before mlx)
+import mlx.core as mx
+from decode_speed import build_model, kv_caches, seed_kv, tiered_caches, time_decode
+
+
+def profile(model, cache, steps: int):
+    import torch
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    torch.cuda.init()
+    y = mx.array([[1]])
+    with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            y = mx.argmax(model(y, cache=cache)[:, -1], axis=-1)[:, None]
+            mx.eval(y)
+    kern = collections.defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA":
+            k = kern[ev.name[:90]]
+            k[0] += 1
+            k[1] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+    return kern
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama3-8b-2l", choices=["llama3-8b-2l", "llama3-8b"])
+    ap.add_argument("--context", type=int, default=131072)
+    ap.add_argument("--budget", type=float, default=0.125)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--top", type=int, default=45)
+    ap.add_argument("--methods", nargs="+", default=["KVCache", "tiered"])
+    args = ap.parse_args()
+    model, _ = build_model(args.model, mx.float16)
+    seed = seed_kv(model, None, 2048)
+    for method in args.methods:
+        if method == "KVCache":
+            cache = kv_caches(seed, args.context)
+        else:
+            cache = tiered_caches(model, seed, args.context, args.budget,
+                                  dict(calibration_tokens=2048))
+        ms, _, _ = time_decode(model, cache, 6, 3)
+        kern = profile(model, cache, args.steps)
+        n = sum(c for c, _ in kern.values()) / args.steps
+        t = sum(us for _, us in kern.values()) / args.steps / 1e3
+        print(f"\n== {method} {args.model} {args.context}: {ms:.2f} ms/token wall; "
+              f"{n:.0f} kernels/step, {t:.2f} ms kernel time/step", flush=True)
+        rows = sorted(kern.items(), key=lambda kv: -kv[1][1])[: args.top]
+        for name, (c, us) in rows:
+            print(f"{us / args.steps / 1e3:8.3f} ms {c / args.steps:6.1f}x  {name}")
+        if hasattr(cache, "close"):
+            cache.close()
+        del cache
+
+
+if __name__ == "__main__":
+    main()

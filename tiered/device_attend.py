@@ -1,0 +1,272 @@
+"""The offloaded and resident attention of one device decode step in three launches (CUDA).
+
+Issue 24 measured (bench/device_kernel_profile.py, H200, 128k) that the step's time went to
+~120 kernel launches per layer, most of them small MLX ops, rather than to the bytes moved.
+This module replaces the gather of keys and values, the two exact partials and their merge
+(with sinks and the step's statistics) by:
+
+- :func:`gather_kv`: one launch reads the selected chunks' keys and values from the host
+  pages (the two tensors on two grid rows) and says which tokens are attended;
+- :func:`attend`: a split-K decode attention over the resident set and the gathered rows,
+  every query head of a kv head in one block (flash-decoding), then one block per query head
+  merges the splits, applies the sink and writes the output in the query dtype, with the
+  resident share of the mass and the attended-token count for the statistics.
+
+Splits never straddle the two sets, so the merge also yields the resident set's own
+log-sum-exp. The MLX references are :func:`attend_ops` (tests compare the two).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .device_decode import CHUNK, DeviceTables, _mx_dtype
+
+_GATHER_KV = r"""
+    // grid.y selects the tensor (0 keys, 1 values); one thread per 16-byte word of its out
+    // (H, CAPC, C, ROW bytes). ok (H, CAPC * C) written from the keys' row: the token is
+    // selected, on the host pages and not resident; other rows are zeros (not read).
+    const bool isv = blockIdx.y == 1;
+    const uint32_t ROWB = isv ? ROWV : ROWK;
+    const uint32_t WPR = ROWB / 16, WPC = WPR * C;
+    const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (tid >= (uint64_t)H * CAPC * WPC) return;
+    const uint32_t h = tid / (CAPC * WPC);
+    const uint32_t rem = tid % (CAPC * WPC);
+    const uint32_t slot = rem / WPC, w = rem % WPC;
+    uint4 val = make_uint4(0u, 0u, 0u, 0u);
+    const bool selected = (int)slot < count[h];
+    const int64_t t = selected ? (int64_t)idx[h * CAPC + slot] * C + w / WPR : -1;
+    const bool attended =
+        selected && t < n_host[0] && !flags[(uint64_t)h * flags_shape[1] + t];
+    if (!isv && w % WPR == 0) ok[(uint64_t)h * CAPC * C + slot * C + w / WPR] = attended;
+    if (attended) {
+        const int64_t pp = pages[t / P];
+        const uint32_t ppb = isv ? PPBV : PPBK;
+        const uint64_t base = isv ? addrs_v[pp / ppb] : addrs_k[pp / ppb];
+        const uint64_t off = (((uint64_t)(pp % ppb) * H + h) * P + t % P) * ROWB
+                             + (uint64_t)(w % WPR) * 16;
+        val = *reinterpret_cast<const uint4*>(base + off);
+    }
+    if (isv) reinterpret_cast<uint4*>(vout)[tid] = val;
+    else reinterpret_cast<uint4*>(kout)[tid] = val;
+"""
+
+_SPLITS = r"""
+    // dims = [NRES, SPLIT, NS, NSR] (runtime). Block b: kv head h = b / NS, split s = b % NS;
+    // splits [0, NSR) cover the NRES resident
+    // slots, [NSR, NS) the NGAT gathered rows, SPLIT tokens each. NW warps stride the split's
+    // tokens; a lane holds D / 32 consecutive dims of each of the REP query heads. Outputs
+    // per (block, query head of h): the running max pm, the sum pl of exp(score - pm) and
+    // po = sum exp(score - pm) v (not normalized), and the attended tokens cnt.
+    constexpr int NW = 4, E = D / 32;
+    const int NRES = dims[0], SPLIT = dims[1], NS = dims[2], NSR = dims[3];
+    const int b = blockIdx.x, h = b / NS, s = b % NS;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const bool res = s < NSR;
+    const int len = res ? NRES : NGAT;
+    const int lo = (res ? s : s - NSR) * SPLIT;
+    const int hi = min(lo + SPLIT, len);
+    float qv[REP][E], m[REP], l[REP], acc[REP][E];
+    for (int r = 0; r < REP; ++r) {
+        m[r] = -INFINITY; l[r] = 0.f;
+        for (int e = 0; e < E; ++e) {
+            qv[r][e] = q[(uint64_t)(h * REP + r) * D + lane * E + e];
+            acc[r][e] = 0.f;
+        }
+    }
+    int seen = 0;
+    for (int j = lo + warp; j < hi; j += NW) {
+        const bool valid = res ? rtok[(uint64_t)h * NRES + j] >= 0 : ok[(uint64_t)h * NGAT + j];
+        if (!valid) continue;
+        ++seen;
+        const uint64_t row = ((uint64_t)h * len + j) * D + lane * E;
+        float kf[E], vf[E];
+        for (int e = 0; e < E; ++e) {
+            kf[e] = res ? static_cast<float>(rk[row + e]) : static_cast<float>(gk[row + e]);
+            vf[e] = res ? static_cast<float>(rv[row + e]) : static_cast<float>(gv[row + e]);
+        }
+        for (int r = 0; r < REP; ++r) {
+            float sc = 0.f;
+            for (int e = 0; e < E; ++e) sc += qv[r][e] * kf[e];
+            for (int o = 16; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
+            const float mn = fmaxf(m[r], sc);
+            const float c = expf(m[r] - mn), p = expf(sc - mn);
+            l[r] = l[r] * c + p;
+            for (int e = 0; e < E; ++e) acc[r][e] = acc[r][e] * c + p * vf[e];
+            m[r] = mn;
+        }
+    }
+    __shared__ float sm[NW][REP], sl[NW][REP], sa[NW][REP][D];
+    __shared__ int sn[NW];
+    if (lane == 0) {
+        sn[warp] = seen;
+        for (int r = 0; r < REP; ++r) { sm[warp][r] = m[r]; sl[warp][r] = l[r]; }
+    }
+    for (int r = 0; r < REP; ++r)
+        for (int e = 0; e < E; ++e) sa[warp][r][lane * E + e] = acc[r][e];
+    __syncthreads();
+    for (int i = threadIdx.x; i < REP * D; i += NW * 32) {
+        const int r = i / D, e = i % D;
+        float M = -INFINITY;
+        for (int w = 0; w < NW; ++w) M = fmaxf(M, sm[w][r]);
+        float L = 0.f, O = 0.f;
+        if (M > -INFINITY) {
+            for (int w = 0; w < NW; ++w) {
+                const float c = expf(sm[w][r] - M);
+                L += sl[w][r] * c;
+                O += sa[w][r][e] * c;
+            }
+        }
+        const uint64_t at = (uint64_t)b * REP + r;
+        po[at * D + e] = O;
+        if (e == 0) {
+            pm[at] = M; pl[at] = L;
+            cnt[at] = sn[0] + sn[1] + sn[2] + sn[3];
+        }
+    }
+"""
+
+_MERGE = r"""
+    // One block of D threads per query head qh: merge its kv head's NS splits (the first
+    // NSR resident), apply the sink, write the output in the query dtype and the stats
+    // [attended tokens (gathered + resident), resident share of the mass].
+    const int NS = dims[2], NSR = dims[3];
+    const int qh = blockIdx.x, h = qh / REP, r = qh % REP, e = threadIdx.x;
+    float M = -INFINITY, Mr = -INFINITY;
+    for (int s = 0; s < NS; ++s) {
+        const float mm = pm[(uint64_t)(h * NS + s) * REP + r];
+        M = fmaxf(M, mm);
+        if (s < NSR) Mr = fmaxf(Mr, mm);
+    }
+    float L = 0.f, Lr = 0.f, O = 0.f;
+    int ng = 0;
+    for (int s = 0; s < NS; ++s) {
+        const uint64_t at = (uint64_t)(h * NS + s) * REP + r;
+        if (s >= NSR) ng += cnt[at];
+        const float mm = pm[at];
+        if (mm == -INFINITY) continue;
+        const float c = expf(mm - M);
+        L += pl[at] * c;
+        O += po[at * D + e] * c;
+        if (s < NSR) Lr += pl[at] * expf(mm - Mr);
+    }
+    const float lse = L > 0.f ? M + logf(L) : 0.f;  // 0 when nothing is attended (as _combine)
+    float o = L > 0.f ? O / L : 0.f;
+    if (HAS_SINK) o *= 1.f / (1.f + expf(sink[qh] - lse));
+    out[(uint64_t)qh * D + e] = static_cast<OutT>(o);
+    if (e == 0) {
+        stats[qh * 2] = (float)ng;
+        stats[qh * 2 + 1] = Lr > 0.f ? expf(Mr + logf(Lr) - lse) : 0.f;
+    }
+"""
+
+_kernels: dict = {}
+
+
+def _kernel(name: str):
+    if name not in _kernels:
+        spec = {
+            "gather_kv": (["idx", "count", "pages", "addrs_k", "addrs_v", "flags", "n_host"],
+                          ["kout", "vout", "ok"], _GATHER_KV),
+            "splits": (["q", "rk", "rv", "rtok", "gk", "gv", "ok", "dims"],
+                       ["pm", "pl", "po", "cnt"], _SPLITS),
+            "merge": (["pm", "pl", "po", "cnt", "sink", "dims"], ["out", "stats"], _MERGE),
+        }[name]
+        _kernels[name] = mx.fast.cuda_kernel(name=f"tiered_{name}", input_names=spec[0],
+                                             output_names=spec[1], source=spec[2])
+    return _kernels[name]
+
+
+def gather_kv(tables: DeviceTables, host, idx: mx.array, count: mx.array, flags: mx.array):
+    """Keys and values (H, CAPC * CHUNK, d) of the selected chunks, read in place from the
+    host pages in one launch, and which tokens are attended (see device_decode.gather_chunks,
+    which reads one tensor)."""
+    H, capc = idx.shape
+    kt, vt = host.keys, host.values
+    kdt, vdt = _mx_dtype(kt.dtype), _mx_dtype(vt.dtype)
+    rowk, rowv = kt.head_dim * kdt.size, vt.head_dim * vdt.size
+    words = H * capc * CHUNK * max(rowk, rowv) // 16
+    kout, vout, ok = _kernel("gather_kv")(
+        inputs=[idx, count, tables.pages(host), tables.addrs(kt), tables.addrs(vt), flags,
+                mx.array([host.length], mx.int32)],
+        output_shapes=[(H, capc * CHUNK, kt.head_dim), (H, capc * CHUNK, vt.head_dim),
+                       (H, capc * CHUNK)],
+        output_dtypes=[kdt, vdt, mx.bool_],
+        grid=(-(-words // 256) * 256, 2, 1), threadgroup=(256, 1, 1),
+        template=[("H", H), ("CAPC", capc), ("C", CHUNK), ("P", host.page_size),
+                  ("PPBK", kt.pages_per_block), ("PPBV", vt.pages_per_block),
+                  ("ROWK", rowk), ("ROWV", rowv)])
+    return kout, vout, ok
+
+
+def _split(R: int, T: int, H: int) -> int:
+    """Tokens per split: about two blocks of splits per multiprocessor (132 on an H200)."""
+    per_head = max(1, 264 // H)
+    return max(64, -(-((R + T) // per_head) // 64) * 64)
+
+
+_ZEROS: dict = {}
+
+
+def _zeros(n: int) -> mx.array:
+    """A kept float32 array of n zeros (the absent sink; a fresh one would be a launch)."""
+    if n not in _ZEROS:
+        _ZEROS[n] = mx.zeros((n,), mx.float32)
+        mx.eval(_ZEROS[n])
+    return _ZEROS[n]
+
+
+def attend(q, rk, rv, rtok, gk, gv, ok, sinks, out_dtype):
+    """Softmax attention of q (Hq, D) float32 (scaled) over the resident set (rk, rv
+    (H, R, D), slot empty where rtok (H, R) < 0) and the gathered rows (gk, gv (H, T, D),
+    attended where ok (H, T)), with an optional sink logit per query head. Returns
+    (o (Hq, D) in out_dtype, stats (Hq, 2) float32: [gathered tokens attended, resident share
+    of the mass])."""
+    Hq, D = q.shape
+    H, R, _ = rk.shape
+    T = gk.shape[1]
+    rep = Hq // H
+    split = _split(R, T, H)
+    nsr, nsg = -(-R // split), max(1, -(-T // split))
+    ns = nsr + nsg
+    # The resident slots grow with the context (each refresh may change R): R and the split
+    # plan are runtime values, so a refresh compiles nothing.
+    dims = mx.array([R, split, ns, nsr], mx.int32)
+    tmpl = [("H", H), ("REP", rep), ("D", D), ("NGAT", T)]
+    pm, pl, po, cnt = _kernel("splits")(
+        inputs=[q, rk, rv, rtok, gk, gv, ok, dims],
+        output_shapes=[(H * ns, rep), (H * ns, rep), (H * ns, rep, D), (H * ns, rep)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32, mx.int32],
+        grid=(H * ns * 128, 1, 1), threadgroup=(128, 1, 1), template=tmpl)
+    sink = _zeros(Hq) if sinks is None else mx.array(sinks).astype(mx.float32).reshape(Hq)
+    out, stats = _kernel("merge")(
+        inputs=[pm, pl, po, cnt, sink, dims], output_shapes=[(Hq, D), (Hq, 2)],
+        output_dtypes=[out_dtype, mx.float32], grid=(Hq * D, 1, 1), threadgroup=(D, 1, 1),
+        template=tmpl + [("HAS_SINK", sinks is not None), ("OutT", out_dtype)])
+    return out, stats
+
+
+def attend_ops(q, rk, rv, rtok, gk, gv, ok, sinks, out_dtype):
+    """:func:`attend` with MLX ops (the reference)."""
+    Hq, D = q.shape
+    H = rk.shape[0]
+    rep = Hq // H
+    qh = q.reshape(H, rep, D)
+
+    def partial(k, v, mask):
+        s = (qh @ k.astype(mx.float32).swapaxes(-1, -2))
+        s = mx.where(mask[:, None, :], s, -mx.inf)
+        lse = mx.logsumexp(s, axis=-1)
+        p = mx.exp(s - mx.where(mx.isfinite(lse), lse, 0)[..., None])
+        return (p @ v.astype(mx.float32)).reshape(Hq, D), lse.reshape(Hq)
+
+    o_r, lse_r = partial(rk, rv, rtok >= 0)
+    o_g, lse_g = partial(gk, gv, ok)
+    lse = mx.logaddexp(lse_r, lse_g)
+    lse = mx.where(mx.isfinite(lse), lse, 0)
+    o = o_r * mx.exp(lse_r - lse)[:, None] + o_g * mx.exp(lse_g - lse)[:, None]
+    if sinks is not None:
+        o = o * mx.sigmoid(lse - mx.array(sinks).astype(mx.float32).reshape(Hq))[:, None]
+    count = mx.repeat(ok.sum(axis=1), rep).astype(mx.float32)
+    return o.astype(out_dtype), mx.stack([count, mx.exp(lse_r - lse)], axis=1)

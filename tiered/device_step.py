@@ -1,0 +1,96 @@
+"""One decode step of a compressed layer on the accelerator, as one lazy graph (issue 24).
+
+start -> score -> select -> offloaded + resident partials -> merge -> policy update, with no
+host round trip (tiered.device_decode says how the host pages are reached in place):
+
+1. write-behind: tokens leaving the recent ring go to their host pages (a device kernel);
+2. scores: every token's from the compressed keys, the resident tokens' replaced by their
+   exact scores (the layer's ``_select_device``);
+3. chunk logits: one kernel gives each 8-token chunk's logit and exclusion for the tau rule,
+   and each chunk's log-sum-exp over all tokens (the softmax total for the H2O update);
+4. selection: the tau-cumulative rule over chunks (cap and floor in chunks);
+5. attention: with exact rescoring, :mod:`tiered.device_attend` gathers the selected chunks'
+   keys and values in one launch and attends over them and the resident set in two more
+   (sink and statistics included); with approximate rescoring the gathered tokens take their
+   code scores and MLX ops do the partials and the merge;
+6. policy: the H2O accumulators take the step's probabilities; every ``refresh_every`` steps
+   the resident set is rebuilt (the layer's ``_step_done``).
+
+Nothing waits for the device until mlx-lm reads the token; each layer's graph is handed to the
+device (``mx.async_eval``) as soon as it is queued, so the host queues layer l + 1 while the
+device runs layer l.
+"""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+
+from . import device_attend, metal
+from .device_decode import CHUNK, DeviceTables, chunk_logits, chunk_token_ids, flush, gather_chunks
+
+ASYNC_EVAL = True  # hand each layer to the device as soon as it is queued (bench compares)
+
+
+def decode(layer, queries, scale, sinks, tables: DeviceTables):
+    """One query (1, Hq, 1, d) of a compressed layer; returns (1, Hq, 1, dv), lazy."""
+    marks = [("", time.perf_counter())]
+    cfg, parent, H, n = layer.config, layer.parent, layer.H, layer.n
+    host = parent.host
+    writes = flush(parent, tables, n - layer.W_eff)
+    Hq, d = queries.shape[1], queries.shape[3]
+    rep = Hq // H
+    q = queries[0, :, 0, :].astype(mx.float32) * scale
+    qh = q.reshape(H, rep, d)
+    s_r = layer._resident_scores(qh)
+    z, _ = layer._select_device(q, s_r, Hq, rep, select=False)
+    n_host = host.length
+    zc, excl, za = chunk_logits(z, layer.flags, n_host, rep, n)
+    cap, floor = layer._cap(n)
+    capc = max(1, cap // CHUNK)
+    idx, count = metal.tau_select(zc, zc.shape[1], excl, cfg.tau, capc,
+                                  min(capc, -(-floor // CHUNK)))
+    if cfg.rescore == "exact":
+        keys, vals, ok = device_attend.gather_kv(tables, host, idx, count, layer.flags)
+        o, stats = device_attend.attend(q, layer.res_k, layer.res_v, layer.res_tok, keys, vals,
+                                        ok, sinks, queries.dtype)
+        mean_count, mass = stats[:, 0].mean(), stats[:, 1].mean()
+    else:
+        o, mean_count, mass = _approx_partials(layer, qh, z, s_r, idx, count, sinks, tables)
+    if layer._update:
+        layer.journal.record(n, "step", (n, q, rep, layer.steps))
+        if layer.acc is not None:
+            lse = mx.logsumexp(za, axis=1)  # the softmax total over the n tokens
+            layer.acc = metal.acc_update(layer.acc, z, lse, tables.ones(Hq), n, rep,
+                                         cfg.ema_alpha)
+            writes.append(layer.acc)
+    marks.append(("build", time.perf_counter()))
+    out = layer._end_step(queries, o, mass, mean_count, marks)
+    out = mx.depends(out, writes) if writes else out
+    # The device starts on this layer while Python queues the next one: a token's graph is
+    # otherwise built for every layer before any of it runs (host time then adds to device
+    # time instead of hiding under it).
+    if ASYNC_EVAL:
+        mx.async_eval(out)
+    return out
+
+
+def _approx_partials(layer, qh, z, s_r, idx, count, sinks, tables):
+    """Approximate rescoring: the gathered tokens' code scores, MLX-op partials and merge.
+    Returns (o (Hq, dv), mean attended count, resident share of the mass), lazy."""
+    host = layer.parent.host
+    H, rep = qh.shape[0], qh.shape[1]
+    Hq = H * rep
+    vals, ok = gather_chunks(tables, host, host.values, idx, count, layer.flags)
+    tok = chunk_token_ids(idx)
+    zt = z.reshape(H, rep, -1)
+    s_c = mx.take_along_axis(zt, mx.broadcast_to(tok[:, None, :], (H, rep, tok.shape[1])),
+                             axis=2)
+    s_c = mx.where(ok[:, None, :], s_c, -mx.inf)
+    o_c, lse_c = layer._resident_partial(s_c, vals)
+    o_r, lse_r = layer._resident_partial(s_r)
+    lse_r = lse_r.reshape(Hq)
+    o, lse = layer._combine(o_r.reshape(Hq, -1), lse_r, o_c.reshape(Hq, -1),
+                            lse_c.reshape(Hq), sinks, Hq)
+    return o, ok.sum() / H, mx.exp(lse_r - lse).mean()
