@@ -18,11 +18,29 @@ import numpy as np
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
+def run_commit() -> str:
+    """The commit this run's code is at: ``git describe`` of the checkout (``-dirty`` with
+    uncommitted changes to tracked files), else ``$TIERED_COMMIT`` (set it where the tree is a
+    copy without .git, as on the accelerator machine), else "unknown"."""
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        r = subprocess.run(["git", "-C", here, "describe", "--always", "--dirty", "--abbrev=7"],
+                           capture_output=True, text=True, timeout=10)
+        if r.returncode == 0 and r.stdout.strip():
+            return r.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.environ.get("TIERED_COMMIT") or "unknown"
+
+
 def machine() -> dict:
     """Machine, versions and the exact command line, for every result file."""
     from tiered.cli import info_dict
 
     info = info_dict()
+    info["commit"] = run_commit()
     info["command"] = " ".join(shlex.quote(a) for a in [os.path.basename(sys.executable)] + sys.argv)
     info["date"] = time.strftime("%Y-%m-%d %H:%M:%S")
     info["processor"] = platform.processor() or platform.machine()
@@ -30,7 +48,14 @@ def machine() -> dict:
 
 
 def write_results(name: str, data: dict, markdown: str) -> tuple[str, str]:
+    """results/<name>.json and .md, each naming the commit the run used (first in the JSON; a
+    line under the Markdown's title)."""
     os.makedirs(RESULTS, exist_ok=True)
+    commit = (data.get("machine") or {}).get("commit") or run_commit()
+    data = {"commit": commit, **data}
+    title, _, rest = markdown.partition("\n")
+    markdown = (f"{title}\n\nCommit: {commit}.\n\n{rest.lstrip()}" if title.startswith("# ")
+                else f"Commit: {commit}.\n\n{markdown}")
     jpath = os.path.join(RESULTS, f"{name}.json")
     mpath = os.path.join(RESULTS, f"{name}.md")
     with open(jpath, "w") as f:

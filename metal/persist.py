@@ -2,7 +2,7 @@
 
 The four selection launches of :func:`tiered.metal.tau.tau_select` each pay a launch's fixed
 latency (ramp-up, a tail, a drained pipeline): at 128k tokens on an H100 the keys and
-compaction passes took about as long as at 64k (``bench/results/select_variants_h100_fused.txt``).
+compaction passes took about as long as at 64k (``bench/results/select_variants_h100.txt``).
 ``tau_persist.h`` runs the same passes as phases of one kernel: its threadgroups take units of
 work (a kv head's chunk in one phase) from a counter in order, and a unit waits until the
 phase before it is done. :func:`codebook_select` puts the codebook scoring
@@ -45,9 +45,9 @@ THREADS = 512
 MIN_CHUNK = 1024  # fewest tokens per threadgroup (a round of its threads)
 # Rows of at most this many tokens take the persistent kernel. H100, Llama-3-8B shape (32
 # query heads), selection device ms, persistent / separate launches: with the kernel's first
-# version (grid-wide barriers; bench/results/kernels_cuda_h100_persist_b.md, _1m.md) 16k
+# version (grid-wide barriers; runs committed in fa7f9db, docs/kernels.md) 16k
 # 0.050 / 0.070, 128k 0.082 / 0.099, 1M 0.419 / 0.358 (there the passes' wider grids win);
-# with units taken in order (kernels_cuda_h100_persist_c.md) 128k 0.089 / 0.104.
+# with units taken in order (bench/results/kernels_cuda_h100.md) 128k 0.089 / 0.104.
 MAX_TOKENS = 131072
 WORK_BYTES = 128 * 1024  # the mass histograms of one round: HR heads x NB bins x 8 bytes
 STAMPS = 5  # globaltimer stamps at the phase ends (bench/kernels.py reports them)

@@ -151,12 +151,12 @@ SELECT_THREADS = {"metal": 256, "cuda": 1024}
 # Threadgroups per pass when n is large: one wave on the H100. The CUDA passes need more than
 # 32 registers per thread at 1024 threads, so one threadgroup fits an SM; at 128k tokens, 256
 # threadgroups (two waves on 132 SMs) took 0.111 ms of device time for the selection, 128 took
-# 0.069 (bench/results/select_variants_h100_fill.txt).
+# 0.069 (select_variants run committed in 09cd281, docs/kernels.md).
 SELECT_GROUPS = 128
 SELECT_CHUNKS = 32  # most chunks per kv head in passes 2 and 3
 # Rows of at most this many tokens take passes 1 and 1b in one launch, one threadgroup per
 # query head (tau_hist_theta.h); longer rows split pass 1 across threadgroups. H100, 32 query
-# heads, selection device ms in one launch / two (bench/results/select_variants_h100_fused.txt):
+# heads, selection device ms in one launch / two (bench/results/select_variants_h100.txt):
 # 64k 0.068 / 0.082, 128k 0.100-0.104 / 0.104, 256k 0.151 / 0.131.
 SELECT_FUSED_TOKENS = 131072
 SELECT_FUSED_LOADS = 16  # scores per thread whose loads are issued together in that launch
