@@ -132,9 +132,9 @@ class ExactPhase:
                             self._colmass, rep)
         # All or nothing: a failure (disk tier full, non-finite K/V) leaves the layer exact.
         if plan.codec == "none":
-            from .h2o import H2OLayer
+            from .h2o_baseline import H2OBaselineLayer
 
-            compressed = H2OLayer.from_exact(self, plan, keys, values, seed)
+            compressed = H2OBaselineLayer.from_exact(self, plan, keys, values, seed)
         else:
             self._to_host(keys, values)
             try:

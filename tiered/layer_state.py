@@ -156,9 +156,9 @@ def _restore(layer, st, context=None):
 
 def _restore_compressed(layer, comp: dict, host_state):
     if comp.get("kind") == "h2o":
-        from .h2o import H2OLayer
+        from .h2o_baseline import H2OBaselineLayer
 
-        layer.compressed = H2OLayer.from_state(layer, comp)
+        layer.compressed = H2OBaselineLayer.from_state(layer, comp)
     else:
         from .compressed import CompressedLayer
 
