@@ -28,12 +28,14 @@ from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from tiered.cpu import HostStore
 
-from . import contract, layer_state
+from . import cache_list, contract, layer_state
+from .cache_list import TieredCacheList  # noqa: F401  (it lived here: old imports keep working)
 from .cache_protocol import CacheProtocol
 from .config import TieredConfig
 from .context import SharedContext
 from .exact_phase import ExactPhase
 from .host_tier import HostTier
+from .integration import is_installed, loadable
 from .stats import LayerStats
 
 log = logging.getLogger("tiered")
@@ -51,6 +53,7 @@ def _check_kv(name: str, x: Any) -> None:
         raise ValueError(f"Invalid dtype of {name}: expected a floating dtype, got {x.dtype}")
 
 
+@loadable  # tiered.install() registers it where mlx-lm's load_prompt_cache looks
 class TieredCache(ExactPhase, HostTier, CacheProtocol, _BaseCache):
     """Tiered KV cache of one attention layer (see module docstring)."""
 
@@ -361,8 +364,6 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, _BaseCache):
             self.compress(None, self._scale)
 
     def _require_routing(self):
-        from .integration import is_installed
-
         if not is_installed():
             raise RuntimeError(
                 "this TieredCache holds compressed keys, so attention must be routed to it: call "
@@ -417,14 +418,6 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, _BaseCache):
     def for_model(cls, model, gpu_budget: float | int | str = 0.125, *, install: bool = True,
                   tokenizer=None, **config):
         """One cache per layer of ``model``: see :func:`tiered.cache_list.for_model`."""
-        from .cache_list import for_model
+        return cache_list.for_model(cls, model, gpu_budget, install=install, tokenizer=tokenizer,
+                                    **config)
 
-        return for_model(cls, model, gpu_budget, install=install, tokenizer=tokenizer, **config)
-
-
-def __getattr__(name):  # TieredCacheList moved to tiered.cache_list; old imports keep working
-    if name == "TieredCacheList":
-        from .cache_list import TieredCacheList
-
-        return TieredCacheList
-    raise AttributeError(name)

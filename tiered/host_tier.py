@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 
 from tiered.cpu import HostStore
+from tiered.cpu.disk import disk_room
 
 from . import device_decode, ops
 
@@ -130,8 +131,6 @@ class HostTier:
         ctx = self.context
         if ctx.host_budget.limit is None:
             return  # no host budget: no disk tier
-        from .cpu.disk import disk_room
-
         need = self._host_bytes_for(L)
         if need == 0:
             return

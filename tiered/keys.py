@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from tiered import metal
+from tiered.codecs import encode_mx, random_rotation
 from tiered.cpu import kernels as K
 
 
@@ -68,8 +69,6 @@ class CodebookKeys:
             k32 = np.ascontiguousarray(_np(keys.astype(mx.float32)))
             self._codes_np[:, n0 : n0 + L] = K.codebook_encode(k32, self._codebook_np)
         else:
-            from tiered.codecs import encode_mx
-
             self.codes[:, n0 : n0 + L] = encode_mx(keys[None].astype(mx.float32), self.codebook)
 
     def scores(self, q: mx.array, n: int, rep: int, q_np: np.ndarray | None = None):
@@ -109,8 +108,6 @@ class AffineKeys:
 
     def __init__(self, H: int, d: int, bits: int, group_size: int, rotate: bool, seed: int,
                  step: int, dtype):
-        from tiered.codecs import random_rotation
-
         self.H, self.d, self.bits, self.group_size, self.step = H, d, bits, group_size, step
         self.dtype = dtype
         self.rotation = mx.array(random_rotation(d, seed)) if rotate else None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .integration import is_tiered
+
 
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -27,12 +29,10 @@ def _ranges(ids) -> str:
 
 def report_dict(caches) -> dict:
     """Figures of a list of caches (``TieredCache.for_model`` output, or a loaded one)."""
-    from .cache import TieredCache
-
-    layers = [c for c in caches if isinstance(c, TieredCache)]
+    layers = [c for c in caches if is_tiered(c)]
     per_tier = {"accelerator": 0, "transient": 0, "host": 0, "disk": 0, "bookkeeping": 0}
     for c in caches:
-        if isinstance(c, TieredCache):
+        if is_tiered(c):
             for k, v in c.tier_bytes().items():
                 per_tier[k] = per_tier.get(k, 0) + v
         else:
