@@ -21,6 +21,7 @@ from .context import SharedContext
 from .contract import mla_reason
 from .cpu.disk import disk_room
 from .integration import is_tiered
+from .report import tier_totals
 
 log = logging.getLogger("tiered")
 
@@ -230,11 +231,5 @@ class TieredCacheList(list):
                 f"(budget {self.config.gpu_budget}, method {self.config.method}); kept: {kept}")
 
     def tier_bytes(self) -> dict:
-        total = {"accelerator": 0, "transient": 0, "host": 0, "disk": 0, "bookkeeping": 0}
-        for c in self:
-            if hasattr(c, "tier_bytes"):
-                for k, v in c.tier_bytes().items():
-                    total[k] += v
-            else:
-                total["accelerator"] += getattr(c, "nbytes", 0)
-        return total
+        """Bytes per tier over every layer (see :func:`tiered.report.tier_totals`)."""
+        return tier_totals(self)
