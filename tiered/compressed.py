@@ -34,9 +34,9 @@ from . import device_decode, ops, undo
 from .chunked import ChunkAttention
 from .compressed_state import CompressedState
 from .decode_paths import DecodePaths
-from .keys import AffineKeys, CodebookKeys, _capacity, _np
+from .keys import AffineKeys, CodebookKeys
 from .lookahead import Lookahead
-from .planner import Plan
+from .planner import Plan, capacity
 from .resident import ResidentSet
 
 
@@ -89,8 +89,8 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
                 acc[:, :n] = self.acc[:, :n]
         mx.eval(flags, *([acc] if acc is not None else []))
         self.flags, self.acc = flags, acc
-        self._flags_np = _np(flags) if self.numpy_path else None
-        self._acc_np = _np(acc) if self.numpy_path and acc is not None else None
+        self._flags_np = ops.numpy_view(flags) if self.numpy_path else None
+        self._acc_np = ops.numpy_view(acc) if self.numpy_path and acc is not None else None
 
     @property
     def capacity(self) -> int:
@@ -128,7 +128,7 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         ``chunk`` tokens are a prompt chunk still to be attended (block-wise); the chunk before
         them becomes the local block."""
         n = keys.shape[2]
-        cap = _capacity(n, plan.step)
+        cap = capacity(n, plan.step)
         store = make_key_store(parent, plan, codebook, cap)
         self = cls(parent, plan, store, cap)
         self.scale = scale
@@ -166,7 +166,7 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         # The host write can fail (disk tier full): it goes first, so a failure changes nothing
         self.parent._write_behind(keys, values)
         if n0 + L > self.capacity:
-            self._alloc(_capacity(n0 + L, self.plan.step), n0)
+            self._alloc(capacity(n0 + L, self.plan.step), n0)
         with ops.kernel_threads(self.config.kernel_threads if L == 1 else 1 << 16):
             self.keys.append(keys[0], n0)
         self.n = n0 + L  # new tokens' accumulators start at 0 (fresh buffers are zeroed)

@@ -39,6 +39,15 @@ def parse_bytes(value: Any, name: str) -> int:
     return n
 
 
+def format_bytes(n: float) -> str:
+    """12 -> '12 B', 1536 -> '1.5 KiB', ... (binary units; without the space it parses back)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
 MIN_BYTES_INT = 1 << 20  # a plain int of at least 1 MiB can only mean bytes
 
 

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from .planner import MIN_HEAVY, BudgetError, Geometry, Plan, _fmt_bytes, make_plan
+from .config import format_bytes
+from .planner import MIN_HEAVY, BudgetError, Geometry, Plan, make_plan
 
 MAX_TOKENS = 1 << 24  # lengths searched for a fraction's compression threshold
 STABLE_SPAN = 1024  # lengths past the threshold that must all fit (buffers grow in blocks of 256)
@@ -116,8 +117,8 @@ def refusal(geometry: Geometry, config, n: int) -> str:
             smallest, label = need, f"the {plan.method} layout ({plan.describe_codec()})"
     frac = smallest / max(geometry.full_bytes(n), 1)
     return (f"gpu_budget {config.gpu_budget!r} cannot hold {n} tokens in any layout: the "
-            f"smallest budget that works at this length is {_fmt_bytes(smallest)} "
-            f"(gpu_budget='{_fmt_bytes(smallest).replace(' ', '')}', {frac:.4f} of the full "
+            f"smallest budget that works at this length is {format_bytes(smallest)} "
+            f"(gpu_budget='{format_bytes(smallest).replace(' ', '')}', {frac:.4f} of the full "
             f"cache), with {label}")
 
 

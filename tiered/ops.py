@@ -31,6 +31,12 @@ def numpy_path(config) -> bool:
     return config.kernels == "numba"
 
 
+def numpy_view(a: mx.array) -> np.ndarray:
+    """Zero-copy numpy view of an evaluated MLX array (CPU memory)."""
+    mx.eval(a)
+    return np.array(a, copy=False)
+
+
 @contextlib.contextmanager
 def kernel_threads(n: int):
     """Numba threads for the parallel kernels called inside (thread-local, restored after)."""

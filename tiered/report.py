@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .config import format_bytes
 from .integration import is_tiered
 
 
@@ -76,14 +77,6 @@ def tier_totals(caches) -> dict:
         else:
             total["accelerator"] += int(getattr(c, "nbytes", 0) or 0)
     return total
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def _ranges(ids) -> str:
@@ -164,20 +157,20 @@ def report(caches) -> str:
     lines = [
         f"tiered cache: {d['tiered_layers']} of {d['layers']} layers tiered, "
         f"{d['tokens']} tokens, phase {'/'.join(d['phases']) or 'empty'}",
-        f"  accelerator {_fmt_bytes(b['accelerator'])}"
+        f"  accelerator {format_bytes(b['accelerator'])}"
         + (" (exact: what mlx-lm's KVCache holds)" if d["phases"] == ["exact"] else
            f" ({100 * d['accelerator_fraction']:.1f}% of the full cache "
-           f"{_fmt_bytes(d['full_cache_bytes'])})" if d["accelerator_fraction"] is not None else "")
-        + f" | host {_fmt_bytes(b['host'])} | disk {_fmt_bytes(b['disk'])}",
+           f"{format_bytes(d['full_cache_bytes'])})" if d["accelerator_fraction"] is not None else "")
+        + f" | host {format_bytes(b['host'])} | disk {format_bytes(b['disk'])}",
     ]
     if "budget_bytes" in d and "compressed" in d["phases"]:
         ok = b["accelerator"] <= d["budget_bytes"]
-        lines.append(f"  budget {_fmt_bytes(d['budget_bytes'])}: {'within' if ok else 'OVER'}")
+        lines.append(f"  budget {format_bytes(d['budget_bytes'])}: {'within' if ok else 'OVER'}")
     if d["peak_transient_accelerator_bytes"]:
         lines.append(f"  prefill transient peak (accelerator) "
-                     f"{_fmt_bytes(d['peak_transient_accelerator_bytes'])}")
+                     f"{format_bytes(d['peak_transient_accelerator_bytes'])}")
     if d["bytes"].get("bookkeeping"):
-        lines.append(f"  H2O seed statistics {_fmt_bytes(d['bytes']['bookkeeping'])} (the last "
+        lines.append(f"  H2O seed statistics {format_bytes(d['bytes']['bookkeeping'])} (the last "
                      "queries and the prompt's attention per key, kept near compression only)")
     for note, ids in d.get("layouts", {}).items():
         which = "all tiered layers" if len(ids) == d["tiered_layers"] else f"layers {_ranges(ids)}"
