@@ -161,7 +161,7 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
             plan = self.compressed.plan
             if plan.codec == "none":
                 return  # eviction: the resident set never grows past the budget
-            plan.check(n, self.config.refresh_every + 1)
+            plan.check(n, self.config.heavy.horizon)
         else:
             self.context.layout_at(self, n)  # raises BudgetError when nothing fits
 

@@ -281,15 +281,15 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         return o, lse
 
     def _cap(self, n: int) -> tuple[int, int]:
-        cfg = self.config
-        cap = cfg.max_selected if isinstance(cfg.max_selected, int) else max(
-            1, int(cfg.max_selected * n))
+        """(cap, floor) of this step's selection, in tokens per kv head, at n live tokens."""
+        selection = self.config.selection
+        cap = selection.cap(n)
         if self.lookahead and self.plan.keep_values_resident:
             # The buffer (a selection and its successors) takes at most half of the resident
             # slots the budget allows: the selection is capped to fit it.
-            r = self.plan.check(n, horizon=cfg.refresh_every + 1)
+            r = self.plan.check(n, horizon=self.config.heavy.horizon)
             cap = max(1, min(cap, (r // 2 - 1) // 2))
-        return cap, min(cfg.min_selected, cap)
+        return cap, min(selection.min_selected, cap)
 
     def _step_done(self, mean_count: float, resident_mass):
         """What every decode step ends with: its stats, and every ``refresh_every`` steps the

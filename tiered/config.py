@@ -10,6 +10,8 @@ from typing import Any
 
 from tiered.cpu import HOST_DTYPES
 
+from .option_groups import OptionGroups
+
 METHODS = ("tiered", "hcattention", "h2o")
 KEY_CODECS = ("auto", "codebook", "affine")
 RESCORE = ("approx", "exact")
@@ -112,7 +114,7 @@ def default_cache_dir() -> str:
 
 
 @dataclass
-class TieredConfig:
+class TieredConfig(OptionGroups):
     """Options of a tiered KV cache.
 
     gpu_budget: accelerator bytes for the whole cache, as a fraction in (0, 1] of what mlx-lm's
@@ -122,6 +124,10 @@ class TieredConfig:
     method: "tiered" (codes + resident H2O set + host values), "hcattention" (codes, tau
         selection, approximate weights, every value on the host), "h2o" (resident set only;
         everything else is evicted permanently, no host tier).
+
+    The other options, grouped by the idea they serve, are also read as read-only views:
+    ``config.selection.tau``, ``config.heavy.refresh_every``, ``config.host.page_size``...
+    (see :mod:`tiered.option_groups`).
     """
 
     gpu_budget: float | int | str = 0.125

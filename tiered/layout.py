@@ -31,11 +31,6 @@ MAX_TOKENS = 1 << 24  # lengths searched for a fraction's compression threshold
 STABLE_SPAN = 1024  # lengths past the threshold that must all fit (buffers grow in blocks of 256)
 
 
-def horizon(config) -> int:
-    """Tokens appended before the resident set is sized again (buffers are paid for ahead)."""
-    return config.refresh_every + 1
-
-
 def _hcattention_layout(geometry: Geometry, config, n: int) -> Plan:
     cfg = dataclasses.replace(config, method="hcattention", key_codec="auto",
                               codebook_groups=None, lookahead=False)
@@ -49,7 +44,7 @@ def _eviction_layout(geometry: Geometry, config, n: int) -> Plan:
                 step=config.step, sinks=config.sinks, recent=config.recent, min_heavy=0,
                 why="no compressed layout with a host tier fits: H2O eviction (tokens leaving "
                 "the resident set are gone)")
-    plan.check(n, horizon(config))
+    plan.check(n, config.heavy.horizon)
     return plan
 
 
@@ -78,7 +73,7 @@ def compressed_plan(geometry: Geometry, config, n: int) -> Plan | None:
         except BudgetError:
             continue
         try:
-            plan.check(n, horizon(config))
+            plan.check(n, config.heavy.horizon)
         except BudgetError:
             continue
         return plan
@@ -112,7 +107,7 @@ def refusal(geometry: Geometry, config, n: int) -> str:
             # make_plan refuses: measure the layout it would have picked at any budget
             plan = make_plan(geometry, dataclasses.replace(config, gpu_budget=1.0),
                              reference_tokens=n)
-        need = plan.smallest_bytes(n, horizon(config))
+        need = plan.smallest_bytes(n, config.heavy.horizon)
         if need < smallest:
             smallest, label = need, f"the {plan.method} layout ({plan.describe_codec()})"
     frac = smallest / max(geometry.full_bytes(n), 1)
