@@ -33,31 +33,20 @@ class AffineBench:
     backend: str
 
 
-def bench_affine_scores(
-    q: mx.array,
-    wq: mx.array,
-    scales: mx.array,
-    biases: mx.array,
-    n: int,
-    *,
-    rep: int,
-    group_size: int,
-    bits: int,
-    iters: int = 20,
-    warmup: int = 3,
-) -> AffineBench:
+def bench_affine_scores(*inputs, iters: int = 20, warmup: int = 3, **shape) -> AffineBench:
     """Time the kernel and ``mx.quantized_matmul`` on these inputs (each call evaluated and
     synchronised) and report which is faster; ``use_kernel`` is what to pass to
-    :func:`tiered.metal.affine_scores` from then on. Costs (iters + warmup) calls of each path.
+    :func:`tiered.metal.affine_scores` from then on. ``inputs`` (q, wq, scales, biases, n) and
+    ``shape`` (rep, group_size, bits): as ``affine_scores`` takes them. Costs (iters + warmup)
+    calls of each path.
     """
-    kw = dict(rep=rep, group_size=group_size, bits=bits)
-    mx.eval(q, wq, scales, biases)
-    ops_s = timed(lambda: affine_scores(q, wq, scales, biases, n, use_kernel=False, **kw),
+    mx.eval(*inputs[:4])
+    ops_s = timed(lambda: affine_scores(*inputs, use_kernel=False, **shape),
                   reps=iters, warmup=warmup)
     backend = accelerator()
     if backend == "cpu":  # no kernel here: the reference is the only path
         return AffineBench(ops_s, None, False, backend)
-    kernel_s = timed(lambda: affine_scores(q, wq, scales, biases, n, use_kernel=True, **kw),
+    kernel_s = timed(lambda: affine_scores(*inputs, use_kernel=True, **shape),
                      reps=iters, warmup=warmup)
     return AffineBench(ops_s, kernel_s, kernel_s < ops_s, backend)
 

@@ -35,6 +35,8 @@ def test_views_are_read_only_and_not_options():
     cfg = TieredConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.selection.tau = 0.5
+    with pytest.raises(AttributeError, match="read-only view: set the options it holds"):
+        cfg.selection = None
     assert set(GROUPS).isdisjoint(cfg.to_dict())
     with pytest.raises(ValueError, match="selection"):
         TieredConfig.from_kwargs(selection=None)

@@ -57,6 +57,17 @@ def _candidates(geometry: Geometry, config, n: int):
         yield lambda: _eviction_layout(geometry, config, n)
 
 
+def _plans_at_any_budget(geometry: Geometry, config, n: int):
+    """The plans of :func:`_candidates`; where the budget refuses one, the layout make_plan
+    would have picked at any budget (to measure what it needs)."""
+    for make in _candidates(geometry, config, n):
+        try:
+            yield make()
+        except BudgetError:
+            yield make_plan(geometry, dataclasses.replace(config, gpu_budget=1.0),
+                            reference_tokens=n)
+
+
 def exact_fits(geometry: Geometry, config, n: int) -> bool:
     """Whether the exact layout of n tokens is within the budget (absolute budgets), or is
     the layout the budget asks for (fractions >= 1)."""
@@ -100,13 +111,7 @@ def refusal(geometry: Geometry, config, n: int) -> str:
     """Why no layout holds n tokens, with the smallest budget that would."""
     smallest = geometry.full_bytes(n)
     label = "the exact cache"
-    for make in _candidates(geometry, config, n):
-        try:
-            plan = make()
-        except BudgetError:
-            # make_plan refuses: measure the layout it would have picked at any budget
-            plan = make_plan(geometry, dataclasses.replace(config, gpu_budget=1.0),
-                             reference_tokens=n)
+    for plan in _plans_at_any_budget(geometry, config, n):
         need = plan.smallest_bytes(n, config.heavy.horizon)
         if need < smallest:
             smallest, label = need, f"the {plan.method} layout ({plan.describe_codec()})"
@@ -152,15 +157,8 @@ def check_fraction(geometry: Geometry, config) -> None:
         return
     if compressed_plan(geometry, config, MAX_TOKENS) is not None:
         return
-    best = None
-    for make in _candidates(geometry, config, MAX_TOKENS):
-        try:
-            plan = make()
-        except BudgetError:
-            plan = make_plan(geometry, dataclasses.replace(config, gpu_budget=1.0),
-                             reference_tokens=MAX_TOKENS)
-        frac = plan.smallest_bytes(MAX_TOKENS) / geometry.full_bytes(MAX_TOKENS)
-        best = frac if best is None else min(best, frac)
+    best = min((plan.smallest_bytes(MAX_TOKENS) / geometry.full_bytes(MAX_TOKENS)
+                for plan in _plans_at_any_budget(geometry, config, MAX_TOKENS)), default=None)
     raise BudgetError(
         f"gpu_budget {config.gpu_budget!r} is below what any compressed layout needs at any "
         f"length for this model with method {config.method!r}: the smallest fraction that works "

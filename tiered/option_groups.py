@@ -127,51 +127,39 @@ class DecodeOptions:
     workers: int
 
 
-GROUPS = {
-    "selection": SelectionOptions,
-    "heavy": HeavyOptions,
-    "resident": ResidentOptions,
-    "codec": CodecOptions,
-    "host": HostOptions,
-    "prefill": PrefillOptions,
-    "decode": DecodeOptions,
-}
-UNGROUPED = ("gpu_budget", "method", "step", "seed")
-
-
 def view(config, cls):
     """``cls`` built from the options of ``config`` that bear its field names."""
     return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
 
 
+class Group:
+    """A read-only attribute: the view ``cls`` of the config it is read from."""
+
+    def __init__(self, cls):
+        self.cls = cls
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, config, owner=None):
+        return self if config is None else view(config, self.cls)
+
+    def __set__(self, config, value):
+        raise AttributeError(f"config.{self.name} is a read-only view: set the options it "
+                             f"holds ({', '.join(f.name for f in dataclasses.fields(self.cls))})")
+
+
 class OptionGroups:
     """The grouped views of :class:`tiered.config.TieredConfig` (see the module docstring)."""
 
-    @property
-    def selection(self) -> SelectionOptions:
-        return view(self, SelectionOptions)
+    selection = Group(SelectionOptions)
+    heavy = Group(HeavyOptions)
+    resident = Group(ResidentOptions)
+    codec = Group(CodecOptions)  # not "keys": an object with ``keys`` passes for a mapping
+    host = Group(HostOptions)
+    prefill = Group(PrefillOptions)
+    decode = Group(DecodeOptions)
 
-    @property
-    def heavy(self) -> HeavyOptions:
-        return view(self, HeavyOptions)
 
-    @property
-    def resident(self) -> ResidentOptions:
-        return view(self, ResidentOptions)
-
-    @property
-    def codec(self) -> CodecOptions:
-        # "codec", not "keys": an object with a ``keys`` attribute passes for a mapping
-        return view(self, CodecOptions)
-
-    @property
-    def host(self) -> HostOptions:
-        return view(self, HostOptions)
-
-    @property
-    def prefill(self) -> PrefillOptions:
-        return view(self, PrefillOptions)
-
-    @property
-    def decode(self) -> DecodeOptions:
-        return view(self, DecodeOptions)
+GROUPS = {name: g.cls for name, g in vars(OptionGroups).items() if isinstance(g, Group)}
+UNGROUPED = ("gpu_budget", "method", "step", "seed")
