@@ -77,7 +77,11 @@ def _jsonable(x):
 
 def figure(ncols: int = 1, *, size=(6, 4)):
     """(fig, axes) of a headless matplotlib figure; axes is an array when ncols > 1."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        raise SystemExit("the benchmark plots need matplotlib: pip install 'tiered[bench]' "
+                         "(in a checkout: pip install -e '.[bench]')") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

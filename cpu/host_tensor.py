@@ -10,6 +10,8 @@ import tempfile
 import mlx.core as mx
 import numpy as np
 
+from .disk import DiskTierError, PageFile
+
 HOST_DTYPES = ("float16", "float32", "int8")
 
 _MX = {"float16": mx.float16, "float32": mx.float32, "int8": mx.int8}
@@ -99,8 +101,6 @@ class HostTensor:
         self._adopt_disk(fill, sfill)
 
     def _files(self):
-        from .disk import PageFile
-
         if self.disk is None:
             d = self.disk_dir or tempfile.gettempdir()
             self.disk = PageFile(d, self.name, self.block_shape, _NP[self.dtype])
@@ -110,8 +110,6 @@ class HostTensor:
         return self.disk, self.scale_disk
 
     def _adopt_disk(self, data: np.ndarray, scales: np.ndarray | None, at: int | None = None):
-        from .disk import DiskTierError
-
         disk, sdisk = self._files()
         need = disk.stride + (sdisk.stride if sdisk is not None else 0)
         if self.disk_budget is not None and not self.disk_budget.reserve(need):
@@ -247,8 +245,6 @@ class HostTensor:
     def restore(self, st: dict, name: str, disk_dir, budget) -> None:
         """Blocks from a store's state: disk-tier blocks adopted (copied at load, see
         :meth:`PageFile.adopt`), RAM blocks copied into memory this tensor owns."""
-        from .disk import PageFile
-
         disk = json.loads(st[name + "_disk"]) if name + "_disk" in st else None
         if disk is not None:
             work = disk_dir or tempfile.gettempdir()

@@ -25,6 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from .host_tensor import _MX, _NP, HOST_DTYPES, HostTensor
+from .paged_rows import copy_rows
 
 
 @dataclass
@@ -236,8 +237,6 @@ class HostStore:
         zeros) in the storage dtype: float16 and float32 rows are copied as stored, with no
         conversion; int8 rows come dequantized, as float32."""
         self.settle()
-        from .paged_rows import copy_rows
-
         tensor = self._tensor(kind)
         tokens = np.asarray(tokens)
         if tokens.ndim != 2 or tokens.shape[0] != self.n_kv_heads:

@@ -8,13 +8,12 @@ Importing this package builds nothing; kernels are compiled on first use.
 """
 
 from ._build import accelerator, device_floats, device_ints
-from .affine import AffineBench, affine_scores, affine_scores_ops, bench_affine_scores
+from .affine import affine_scores, affine_scores_ops
 from .codebook import codebook_lut, codebook_scores, codebook_scores_ops
 from .h2o import acc_update, acc_update_ops
 from .tau import Selection, tau_select, tau_threshold, tau_threshold_ops
 
 __all__ = [
-    "AffineBench",
     "acc_update",
     "acc_update_ops",
     "Selection",
@@ -23,7 +22,6 @@ __all__ = [
     "device_ints",
     "affine_scores",
     "affine_scores_ops",
-    "bench_affine_scores",
     "codebook_lut",
     "codebook_scores",
     "codebook_scores_ops",

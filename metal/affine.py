@@ -2,14 +2,11 @@
 
 Three layers: :func:`_make_affine_kernel`, :func:`affine_scores_ops` (``mx.quantized_matmul``,
 the reference and the CPU path) and :func:`affine_scores`. Which of kernel and
-``quantized_matmul`` is faster depends on the GPU and the sizes, so :func:`bench_affine_scores`
+``quantized_matmul`` is faster depends on the GPU and the sizes: ``bench/affine_choice.py``
 times both on the caller's shapes and says which to keep (pass its ``use_kernel`` back).
 """
 
 from __future__ import annotations
-
-import time
-from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -138,7 +135,7 @@ def affine_scores(
     use_kernel: None chooses by :func:`prefer_kernel` (the kernel on CUDA for long contexts,
     else ``mx.quantized_matmul``); True runs the Metal or CUDA kernel (``ValueError`` on the CPU
     backend); False always runs ``quantized_matmul``. To keep whichever is faster on this
-    machine, time both once with :func:`bench_affine_scores` and pass its ``use_kernel``.
+    machine, time both once (``bench/affine_choice.py``) and pass the winner's ``use_kernel``.
     The kernel reads each token's packed row and scales once for all rep query heads, one
     launch for all kv heads, straight from the (H, n_cap, ...) buffers (no slice copy).
     """
@@ -154,56 +151,3 @@ def affine_scores(
         q.astype(mx.float32), wq, scales, biases, n, rep=rep, group_size=group_size, bits=bits
     )
     return launch(AFFINE_SPEC, backend, plan)[0]
-
-
-@dataclass(frozen=True)
-class AffineBench:
-    """Median seconds per call of each path on one set of shapes, and which to keep."""
-
-    ops_s: float
-    kernel_s: float | None  # None: no kernel on this backend
-    use_kernel: bool
-    backend: str
-
-
-def _median_seconds(fn, iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        mx.eval(fn())
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2]
-
-
-def bench_affine_scores(
-    q: mx.array,
-    wq: mx.array,
-    scales: mx.array,
-    biases: mx.array,
-    n: int,
-    *,
-    rep: int,
-    group_size: int,
-    bits: int,
-    iters: int = 20,
-    warmup: int = 3,
-) -> AffineBench:
-    """Time the kernel and ``mx.quantized_matmul`` on these inputs (each call evaluated and
-    synchronised) and report which is faster; ``use_kernel`` is what to pass to
-    :func:`affine_scores` from then on. Costs (iters + warmup) calls of each path.
-    """
-    kw = dict(rep=rep, group_size=group_size, bits=bits)
-    mx.eval(q, wq, scales, biases)
-    ops_s = _median_seconds(
-        lambda: affine_scores(q, wq, scales, biases, n, use_kernel=False, **kw), iters, warmup
-    )
-    backend = resolve_backend(None, "affine_scores")
-    if backend is None:
-        return AffineBench(ops_s, None, False, "cpu")
-    kernel_s = _median_seconds(
-        lambda: affine_scores(q, wq, scales, biases, n, use_kernel=True, **kw), iters, warmup
-    )
-    return AffineBench(ops_s, kernel_s, kernel_s < ops_s, backend)

@@ -8,6 +8,7 @@ them (NaN centroids, NaN scales, NaN scores), so a read past the end cannot pass
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -19,7 +20,6 @@ from tiered.metal import (
     accelerator,
     affine_scores,
     affine_scores_ops,
-    bench_affine_scores,
     codebook_scores,
     codebook_scores_ops,
     tau_select,
@@ -260,7 +260,11 @@ def test_affine_ops_matches_numpy(d, bits, group_size, dtype, rep, n):
     assert_scores_close(z, expected, mag, TOL[mx.float32])
 
 
-def test_affine_bench_hook_reports_a_choice():
+def test_affine_bench_hook_reports_a_choice(monkeypatch):
+    """bench/affine_choice.py (benchmark code, outside the package) times both paths."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
+    from affine_choice import bench_affine_scores
+
     q, wq, scales, biases = make_affine_case(
         h=2, rep=4, d=128, n=256, n_cap=300, group_size=64, bits=4, dtype=mx.float16
     )

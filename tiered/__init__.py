@@ -15,14 +15,14 @@ from ._platform import BLAS, preload_blas
 
 preload_blas()
 
+from . import cache_list  # noqa: E402
 from .cache import TieredCache  # noqa: E402
 from .cache_list import TieredCacheList  # noqa: E402
 from .config import TieredConfig  # noqa: E402
 from .integration import install, installed, uninstall  # noqa: E402
 from .model import load  # noqa: E402
 from .report import report, report_dict  # noqa: E402
-
-__version__ = "0.1.0"
+from .version import __version__  # noqa: E402
 
 
 def load_prompt_cache(path: str, return_metadata: bool = False):
@@ -32,12 +32,10 @@ def load_prompt_cache(path: str, return_metadata: bool = False):
     (a list, as mlx-lm's loader returns)."""
     from mlx_lm.models.cache import load_prompt_cache as _load
 
-    from .cache_list import relink
-
     install()
     loaded = _load(path, return_metadata=return_metadata)
     caches, meta = loaded if return_metadata else (loaded, None)
-    caches = relink(caches)
+    caches = cache_list.relink(caches)
     return (caches, meta) if return_metadata else caches
 
 

@@ -18,6 +18,8 @@ import os
 import sys
 import warnings
 
+from ._blas_rebind import rebind
+
 # Candidates in order of preference. 64-bit-integer builds (libopenblas64) are excluded on
 # purpose: their cblas_* symbols take int64 sizes and would corrupt MLX's calls.
 _LINUX_CANDIDATES = (
@@ -94,8 +96,6 @@ def _warn(message: str) -> None:
 
 def _rebind_loaded() -> BlasState:
     """mlx.core came first: its BLAS calls are bound already; rebind them (tiered._blas_rebind)."""
-    from ._blas_rebind import rebind
-
     errors = []
     for path in _candidates():
         try:

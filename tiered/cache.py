@@ -15,12 +15,16 @@ Phases of a layer:
   once the layout pays: its K/V go to the host pages in one pass.
 
 ``report()`` says per layer which phase it is in and why (``layout_note``).
+
+The class is assembled by topic: the exact phase and the move to compression
+(:mod:`tiered.exact_phase`), the host tier (:mod:`tiered.host_tier`), the rest of mlx-lm's
+protocol (:mod:`tiered.cache_protocol`), what the tiers hold (:class:`tiered.report.LayerReport`);
+what ``update_and_fetch`` and attention must look like is :mod:`tiered.contract`.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -28,30 +32,22 @@ from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from tiered.cpu import HostStore
 
-from . import contract, layer_state
+from . import cache_list, contract, layer_state
+from .cache_list import TieredCacheList  # noqa: F401  (it lived here: old imports keep working)
 from .cache_protocol import CacheProtocol
 from .config import TieredConfig
 from .context import SharedContext
 from .exact_phase import ExactPhase
 from .host_tier import HostTier
+from .integration import is_installed, loadable
+from .report import LayerReport
 from .stats import LayerStats
 
 log = logging.getLogger("tiered")
 
 
-def _check_kv(name: str, x: Any) -> None:
-    if not isinstance(x, mx.array):
-        raise ValueError(f"Invalid {name}: expected an mlx.core.array, got {type(x).__name__}")
-    if x.ndim != 4:
-        raise ValueError(
-            f"Invalid shape of {name}: expected (batch, kv_heads, tokens, head_dim), "
-            f"got {tuple(x.shape)}"
-        )
-    if not mx.issubdtype(x.dtype, mx.floating):
-        raise ValueError(f"Invalid dtype of {name}: expected a floating dtype, got {x.dtype}")
-
-
-class TieredCache(ExactPhase, HostTier, CacheProtocol, _BaseCache):
+@loadable  # tiered.install() registers it where mlx-lm's load_prompt_cache looks
+class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
     """Tiered KV cache of one attention layer (see module docstring)."""
 
     @property
@@ -106,7 +102,7 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, _BaseCache):
         Invalid input, and an absolute budget no layout meets, raise before anything changes.
         """
         self._require_open()
-        self._validate(keys, values)
+        contract.check_update(keys, values, self._geometry)
         L, before, first = keys.shape[2], self.offset, self._geometry is None
         try:
             if self.phase == "compressed":
@@ -155,30 +151,6 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, _BaseCache):
         return (self.host.lazy_tokens("keys").astype(dtype)[None],
                 self.host.lazy_tokens("values").astype(dtype)[None])
 
-    def _validate(self, keys, values):
-        _check_kv("keys", keys)
-        _check_kv("values", values)
-        if keys.shape[:3] != values.shape[:3]:
-            raise ValueError(
-                f"Invalid shape of values: expected {tuple(keys.shape[:3])} + (head_dim,) to "
-                f"match keys, got {tuple(values.shape)}"
-            )
-        if keys.dtype != values.dtype:
-            raise ValueError(f"Invalid dtype of values: {values.dtype} differs from keys {keys.dtype}")
-        if keys.shape[2] == 0:
-            raise ValueError("Invalid shape of keys: zero tokens")
-        if self._geometry is not None:
-            B, H, dk, dv, dtype = self._geometry
-            got = (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3])
-            if got != (B, H, dk, dv):
-                raise ValueError(
-                    f"Invalid shape of keys/values: this cache holds batch={B}, kv_heads={H}, "
-                    f"head_dim={dk}/{dv}; got keys {tuple(keys.shape)}, values "
-                    f"{tuple(values.shape)}"
-                )
-            if keys.dtype != dtype:
-                raise ValueError(f"Invalid dtype of keys: this cache holds {dtype}, got {keys.dtype}")
-
     def _check_room(self, L: int):
         """An absolute budget: some layout must hold offset + L tokens (BudgetError before the
         step otherwise; fractions always have the exact layout to fall back on)."""
@@ -189,7 +161,7 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, _BaseCache):
             plan = self.compressed.plan
             if plan.codec == "none":
                 return  # eviction: the resident set never grows past the budget
-            plan.check(n, self.config.refresh_every + 1)
+            plan.check(n, self.config.heavy.horizon)
         else:
             self.context.layout_at(self, n)  # raises BudgetError when nothing fits
 
@@ -249,7 +221,6 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, _BaseCache):
         """Accelerator-tier bytes of this layer (what mlx-lm's cache accounting sees)."""
         return self.tier_bytes()["accelerator"]
 
-
     # ---- attention -------------------------------------------------------------------------
     def attention(self, queries, keys, values, *, scale, mask, sinks=None):
         """Attention for this layer; ``keys``/``values`` are what update_and_fetch returned
@@ -304,54 +275,7 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, _BaseCache):
             self._obs = self._colmass = None
             log.warning("tiered: layer %d stays exact (full cache): %s", self.layer, why)
 
-    def tier_bytes(self) -> dict:
-        """Bytes per tier, measured from the arrays this layer holds. ``transient``: the part of
-        "accelerator" that only prefill holds (the exact window of a compressing cache, or the
-        block-wise anchor + local blocks); bounded, reported apart from the steady state.
-        ``bookkeeping``: host bytes of the H2O seed statistics kept near compression."""
-        acc = transient = 0
-        if self.phase == "exact":
-            if self.keys is not None:
-                acc = self.keys.nbytes + self.values.nbytes
-                transient = 0 if (self.config.exact or self.exact_reason) else acc
-        else:
-            acc = self.compressed.nbytes
-            transient = getattr(self.compressed, "prefill_bytes", 0)
-        host = self.host.nbytes if self.host is not None else 0
-        disk = self.host.disk_bytes if self.host is not None else 0
-        book = (0 if self._colmass is None else self._colmass.nbytes) + (
-            0 if self._obs is None else self._obs.nbytes)
-        return {"accelerator": acc, "transient": transient, "host": host, "disk": disk,
-                "bookkeeping": book}
-
-    def full_cache_bytes(self) -> int:
-        """Bytes mlx-lm's KVCache would hold for this layer's tokens (the budget reference)."""
-        if self._geometry is None:
-            return 0
-        B, H, dk, dv, dtype = self._geometry
-        return B * H * (dk + dv) * dtype.size * self.offset
-
-    @property
-    def layout_note(self) -> str:
-        """Which layout this layer is in, and why (for report())."""
-        if self.phase == "compressed":
-            plan = self.compressed.plan
-            return plan.why or f"compressed ({plan.method})"
-        if self.config.exact:
-            return "exact: gpu_budget 1.0"
-        if self.exact_reason:
-            return f"exact: {self.exact_reason}"
-        if self._geometry is None:
-            return "empty"
-        t = self.context.threshold(self)
-        if self.config.budget_fraction is None:
-            return (f"exact: the full cache fits gpu_budget {self.config.gpu_budget} up to "
-                    f"{t - 1} tokens" if t else "exact")
-        if t is None:
-            return "exact: no compressed layout meets this budget at any length"
-        return (f"exact: below {t} tokens no compressed layout meets gpu_budget "
-                f"{self.config.gpu_budget} (codes and codebooks cost more than they save)")
-
+    # ---- life cycle ------------------------------------------------------------------------
     def settle(self):
         """Compress now if this layer would at its next step (before a save: the saved tiers
         are then codes and host pages, not the exact K/V)."""
@@ -361,8 +285,6 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, _BaseCache):
             self.compress(None, self._scale)
 
     def _require_routing(self):
-        from .integration import is_installed
-
         if not is_installed():
             raise RuntimeError(
                 "this TieredCache holds compressed keys, so attention must be routed to it: call "
@@ -417,14 +339,6 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, _BaseCache):
     def for_model(cls, model, gpu_budget: float | int | str = 0.125, *, install: bool = True,
                   tokenizer=None, **config):
         """One cache per layer of ``model``: see :func:`tiered.cache_list.for_model`."""
-        from .cache_list import for_model
+        return cache_list.for_model(cls, model, gpu_budget, install=install, tokenizer=tokenizer,
+                                    **config)
 
-        return for_model(cls, model, gpu_budget, install=install, tokenizer=tokenizer, **config)
-
-
-def __getattr__(name):  # TieredCacheList moved to tiered.cache_list; old imports keep working
-    if name == "TieredCacheList":
-        from .cache_list import TieredCacheList
-
-        return TieredCacheList
-    raise AttributeError(name)

@@ -15,9 +15,13 @@ import sys
 
 from mlx_lm.models.cache import KVCache
 
+from . import integration, persist
 from .config import TieredConfig
 from .context import SharedContext
 from .contract import mla_reason
+from .cpu.disk import disk_room
+from .integration import is_tiered
+from .report import tier_totals
 
 log = logging.getLogger("tiered")
 
@@ -64,11 +68,8 @@ def for_model(cls, model, gpu_budget=0.125, *, install: bool = True, tokenizer=N
     """
     layers = _check_model(model)
     cfg = TieredConfig.from_kwargs(gpu_budget=gpu_budget, **config)
-    from .integration import install as do_install
-    from .integration import is_routed
-
     if install:
-        do_install()
+        integration.install()
     base = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in layers]
     reused = _reused_whole(model, len(base))
     tiered, kept, reasons = [], [], {}
@@ -76,7 +77,7 @@ def for_model(cls, model, gpu_budget=0.125, *, install: bool = True, tokenizer=N
         layer = layers[i] if i < len(layers) else None
         if type(c) is not KVCache:
             reasons[i] = type(c).__name__
-        elif layer is not None and not _layer_is_routable(layer, is_routed, install):
+        elif layer is not None and not _layer_is_routable(layer, integration.is_routed, install):
             reasons[i] = "KVCache (attention not routable)"
         elif layer is not None and mla_reason(layer):
             reasons[i] = f"KVCache ({mla_reason(layer)})"
@@ -87,8 +88,6 @@ def for_model(cls, model, gpu_budget=0.125, *, install: bool = True, tokenizer=N
     context = SharedContext(cfg, layers=len(tiered), model=model)
     context.check_budget()
     if tiered and not cfg.exact and (cfg.host_budget is not None or cfg.disk_budget is not None):
-        from .cpu.disk import disk_room
-
         disk_room(cfg.disk_dir, cfg.disk_budget or 0)  # writable, and room for its budget
     if cfg.calibration != "self" and not cfg.exact and tiered:
         context.calibrate_from_text(model, tokenizer or getattr(model, "tiered_tokenizer", None),
@@ -114,9 +113,7 @@ def relink(caches, context=None, *, config=None, kept=None) -> "TieredCacheList"
     TieredCacheList whose tiered layers share ``context`` (a new one from the first layer's
     config when None): the plan, the CPU workers and the host budget are the model's again.
     ``config``: the options the layers run with from now on (a load's runtime overrides)."""
-    from .cache import TieredCache
-
-    tiered = [i for i, c in enumerate(caches) if isinstance(c, TieredCache)]
+    tiered = [i for i, c in enumerate(caches) if is_tiered(c)]
     kept = kept if kept is not None else [
         (i, type(c).__name__) for i, c in enumerate(caches) if i not in tiered]
     if not tiered:
@@ -158,9 +155,7 @@ class TieredCacheList(list):
         return self.context.get_scheduler() if self.context is not None else None
 
     def _tiered(self):
-        from .cache import TieredCache
-
-        return [c for c in self if isinstance(c, TieredCache)]
+        return [c for c in self if is_tiered(c)]
 
     def __deepcopy__(self, memo):
         caches = [copy.deepcopy(c, memo) for c in self]
@@ -182,11 +177,9 @@ class TieredCacheList(list):
             ctx.codebook_memo = self.context.codebook_memo  # same document: same codebooks
             ctx.codebooks = self.context.codebooks
         ctx.check_budget()
-        from .cache import TieredCache
-
         caches = []
         for c in self:
-            if isinstance(c, TieredCache):
+            if is_tiered(c):
                 caches.append(c.fork(cfg, ctx))
             else:
                 caches.append(type(c).from_state(c.state) if not c.empty() else type(c)())
@@ -200,24 +193,20 @@ class TieredCacheList(list):
 
     def save(self, directory: str, model) -> str:
         """Persist this cache (after prefill) to ``directory``: ask again without re-reading."""
-        from .persist import save
-
-        return save(self, directory, model)
+        return persist.save(self, directory, model)
 
     @classmethod
     def load(cls, directory: str, model, **expect) -> "TieredCacheList":
         """A cache saved with :meth:`save`; refuses another model or other options."""
-        from .persist import load
-
-        return load(directory, model, expect_config=expect or None)
+        loaded = persist.load(directory, model, expect_config=expect or None)
+        return relink(loaded.caches, loaded.context, config=loaded.config,
+                      kept=loaded.kept_layers)
 
     def to_kvcache(self) -> list:
         """mlx-lm ``KVCache`` layers holding this exact-phase cache's keys and values."""
-        from .cache import TieredCache
-
         out = []
         for c in self:
-            if isinstance(c, TieredCache):
+            if is_tiered(c):
                 if c.phase != "exact":
                     raise ValueError("to_kvcache needs a cache still in its exact phase")
                 kv = KVCache()
@@ -242,11 +231,5 @@ class TieredCacheList(list):
                 f"(budget {self.config.gpu_budget}, method {self.config.method}); kept: {kept}")
 
     def tier_bytes(self) -> dict:
-        total = {"accelerator": 0, "transient": 0, "host": 0, "disk": 0, "bookkeeping": 0}
-        for c in self:
-            if hasattr(c, "tier_bytes"):
-                for k, v in c.tier_bytes().items():
-                    total[k] += v
-            else:
-                total["accelerator"] += getattr(c, "nbytes", 0)
-        return total
+        """Bytes per tier over every layer (see :func:`tiered.report.tier_totals`)."""
+        return tier_totals(self)

@@ -11,6 +11,9 @@ import time
 
 import tiered
 
+from . import persist, prefill, tasks
+from .config import TieredConfig
+
 DESCRIPTION = """\
 Read a long document with an MLX language model through a tiered KV cache and answer a
 question about it (tiered run), or show the backend, BLAS and versions in use (tiered info).
@@ -46,11 +49,9 @@ class Progress:
 
 
 def _demo_document(tokenizer, n_tokens: int, seed: int | None):
-    from .tasks import passkey
-
     rng = random.Random(seed)
     depth = round(rng.uniform(0.05, 0.95), 2)
-    sample = passkey(tokenizer, n_tokens, depth, seed=rng.randrange(1 << 30))
+    sample = tasks.passkey(tokenizer, n_tokens, depth, seed=rng.randrange(1 << 30))
     return sample
 
 
@@ -126,9 +127,6 @@ def _options(args) -> dict:
 def _check_inputs(args):
     """Everything that can be checked before the model loads (seconds saved on a typo).
     Returns the document's text (or None) and the options."""
-    from . import persist
-    from .config import TieredConfig
-
     if (args.document is not None or args.load_cache) and not args.question:
         raise UsageError("--question is required with --document or --load-cache")
     if args.load_cache and args.document:
@@ -150,8 +148,6 @@ def _check_inputs(args):
 
 def cmd_run(args) -> int:
     document, options = _check_inputs(args)
-    from .prefill import prefill
-
     t0 = time.perf_counter()
     model, tokenizer = tiered.load(args.model)
     print(f"model: {getattr(model, 'tiered_name', args.model)} loaded in "
@@ -178,13 +174,11 @@ def cmd_run(args) -> int:
                                               chat=not args.no_chat)
             options.setdefault("gpu_budget", 0.125)
             if args.save_cache:  # the room for the save, before the prefill it would save
-                from . import persist
-
                 persist.check_save_target(args.save_cache, persist.estimate_save_bytes(
                     model, len(prefix)))
             cache = tiered.TieredCache.for_model(model, tokenizer=tokenizer, **options)
-            prefill_stats = prefill(model, cache, prefix, chunk=args.prefill_step,
-                                    progress=Progress("prefill"))
+            prefill_stats = prefill.prefill(model, cache, prefix, chunk=args.prefill_step,
+                                            progress=Progress("prefill"))
             if args.save_cache:
                 cache.save(args.save_cache, model)
                 print(f"cache saved to {args.save_cache}", file=sys.stderr)
@@ -201,8 +195,6 @@ def cmd_run(args) -> int:
 
 def _answer(args, model, tokenizer, cache, suffix, expected, prefill_stats) -> int:
     import mlx_lm
-
-    from .prefill import peak_rss_bytes
 
     if args.max_tokens is None:
         args.max_tokens = 10 if expected is not None else 32
@@ -228,12 +220,11 @@ def _answer(args, model, tokenizer, cache, suffix, expected, prefill_stats) -> i
         print(f"prefill: {prefill_stats['tokens_per_s']:,.1f} tok/s "
               f"({prefill_stats['seconds']:.1f}s)", end=" | ")
     print(f"decode: {last.generation_tps:,.2f} tok/s | peak host RSS "
-          f"{peak_rss_bytes() / 2**30:.2f} GiB | peak MLX memory {last.peak_memory:.2f} GB")
+          f"{prefill.peak_rss_bytes() / 2**30:.2f} GiB | peak MLX memory "
+          f"{last.peak_memory:.2f} GB")
     print(tiered.report(cache))
     if expected is not None:
-        from .tasks import is_correct
-
-        ok = is_correct(expected, answer)
+        ok = tasks.is_correct(expected, answer)
         print(f"pass key {expected}: {'found' if ok else 'NOT found'}")
     if args.json:
         rep.update(answer=answer, generation_tokens=last.generation_tokens,

@@ -34,9 +34,9 @@ from . import device_decode, device_step, ops, undo
 from .chunked import ChunkAttention
 from .compressed_state import CompressedState
 from .decode_paths import DecodePaths
-from .keys import AffineKeys, CodebookKeys, _capacity, _np
+from .keys import AffineKeys, CodebookKeys
 from .lookahead import Lookahead
-from .planner import Plan
+from .planner import Plan, capacity
 from .resident import ResidentSet
 
 
@@ -89,8 +89,8 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
                 acc[:, :n] = self.acc[:, :n]
         mx.eval(flags, *([acc] if acc is not None else []))
         self.flags, self.acc = flags, acc
-        self._flags_np = _np(flags) if self.numpy_path else None
-        self._acc_np = _np(acc) if self.numpy_path and acc is not None else None
+        self._flags_np = ops.numpy_view(flags) if self.numpy_path else None
+        self._acc_np = ops.numpy_view(acc) if self.numpy_path and acc is not None else None
 
     @property
     def capacity(self) -> int:
@@ -128,7 +128,7 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         ``chunk`` tokens are a prompt chunk still to be attended (block-wise); the chunk before
         them becomes the local block."""
         n = keys.shape[2]
-        cap = _capacity(n, plan.step)
+        cap = capacity(n, plan.step)
         store = make_key_store(parent, plan, codebook, cap)
         self = cls(parent, plan, store, cap)
         self.scale = scale
@@ -166,7 +166,7 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         # The host write can fail (disk tier full): it goes first, so a failure changes nothing
         self.parent._write_behind(keys, values)
         if n0 + L > self.capacity:
-            self._alloc(_capacity(n0 + L, self.plan.step), n0)
+            self._alloc(capacity(n0 + L, self.plan.step), n0)
         with ops.kernel_threads(self.config.kernel_threads if L == 1 else 1 << 16):
             self.keys.append(keys[0], n0)
         self.n = n0 + L  # new tokens' accumulators start at 0 (fresh buffers are zeroed)
@@ -281,15 +281,15 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         return o, lse
 
     def _cap(self, n: int) -> tuple[int, int]:
-        cfg = self.config
-        cap = cfg.max_selected if isinstance(cfg.max_selected, int) else max(
-            1, int(cfg.max_selected * n))
+        """(cap, floor) of this step's selection, in tokens per kv head, at n live tokens."""
+        selection = self.config.selection
+        cap = selection.cap(n)
         if self.lookahead and self.plan.keep_values_resident:
             # The buffer (a selection and its successors) takes at most half of the resident
             # slots the budget allows: the selection is capped to fit it.
-            r = self.plan.check(n, horizon=cfg.refresh_every + 1)
+            r = self.plan.check(n, horizon=self.config.heavy.horizon)
             cap = max(1, min(cap, (r // 2 - 1) // 2))
-        return cap, min(cfg.min_selected, cap)
+        return cap, min(selection.min_selected, cap)
 
     def _step_done(self, mean_count: float, resident_mass):
         """What every decode step ends with: its stats, and every ``refresh_every`` steps the

@@ -7,7 +7,8 @@ import mlx.core as mx
 import numpy as np
 
 from . import ops, undo
-from .keys import AffineKeys, CodebookKeys, _capacity
+from .keys import AffineKeys, CodebookKeys
+from .planner import capacity
 
 
 class CompressedState:
@@ -101,7 +102,7 @@ class CompressedState:
     def from_state(cls, parent, st):
         plan = parent.context.adopt_plan(st["plan"])
         n = int(st["n"])
-        cap = _capacity(n, plan.step)
+        cap = capacity(n, plan.step)
         B, H, dk, dv, dtype = parent._geometry
         ks = st["keys"]
         if ks["kind"] == "affine":

@@ -10,6 +10,8 @@ from typing import Any
 
 from tiered.cpu import HOST_DTYPES
 
+from .option_groups import OptionGroups
+
 METHODS = ("tiered", "hcattention", "h2o")
 KEY_CODECS = ("auto", "codebook", "affine")
 RESCORE = ("approx", "exact")
@@ -37,6 +39,15 @@ def parse_bytes(value: Any, name: str) -> int:
     if n <= 0:
         raise ValueError(f"Invalid {name}: {value!r} (must be > 0 bytes)")
     return n
+
+
+def format_bytes(n: float) -> str:
+    """12 -> '12 B', 1536 -> '1.5 KiB', ... (binary units; without the space it parses back)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 MIN_BYTES_INT = 1 << 20  # a plain int of at least 1 MiB can only mean bytes
@@ -103,7 +114,7 @@ def default_cache_dir() -> str:
 
 
 @dataclass
-class TieredConfig:
+class TieredConfig(OptionGroups):
     """Options of a tiered KV cache.
 
     gpu_budget: accelerator bytes for the whole cache, as a fraction in (0, 1] of what mlx-lm's
@@ -113,6 +124,10 @@ class TieredConfig:
     method: "tiered" (codes + resident H2O set + host values), "hcattention" (codes, tau
         selection, approximate weights, every value on the host), "h2o" (resident set only;
         everything else is evicted permanently, no host tier).
+
+    The other options, grouped by the idea they serve, are also read as read-only views:
+    ``config.selection.tau``, ``config.heavy.refresh_every``, ``config.host.page_size``...
+    (see :mod:`tiered.option_groups`).
     """
 
     gpu_budget: float | int | str = 0.125

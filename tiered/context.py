@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import weakref
 
@@ -9,7 +10,11 @@ import mlx.core as mx
 import numpy as np
 
 from . import layout
+from .codecs import (CalibrationKey, calibrate, load_calibration, model_fingerprint,
+                     save_calibration, train_codebook)
+from .cpu.disk import HostBudget
 from .planner import Geometry, Plan, make_plan
+from .scheduler import Scheduler
 
 
 def model_geometry(model, tiered_layers: int) -> Geometry | None:
@@ -81,8 +86,6 @@ class SharedContext:
         # layer index -> its compressed layer (lookahead decoding); weak: no cycle through the
         # context keeps a dropped cache (and its scheduler threads) alive
         self._lookahead = weakref.WeakValueDictionary()
-        from tiered.cpu.disk import HostBudget
-
         self._threshold = None  # (length,) once computed
         self._caches = None  # weakref to the TieredCacheList (abort_step)
         self.host_budget = HostBudget(config.host_budget)
@@ -210,11 +213,6 @@ class SharedContext:
         Cached in ``config.cache_dir`` under a key of (model fingerprint, geometry, codec
         parameters, the text's sha256); a corrupt or mismatched cache file is a ValueError
         naming it (delete the file to calibrate again)."""
-        import hashlib
-
-        from .codecs import CalibrationKey, calibrate, load_calibration, model_fingerprint
-        from .codecs import save_calibration
-
         cfg = self.config
         if self.model_geometry is None:
             raise ValueError("calibration from a text file needs the model's geometry (args)")
@@ -249,10 +247,6 @@ class SharedContext:
         """This layer's codebook: from the calibration file, or trained on its own first keys."""
         if self.codebooks is not None and layer.layer in self.codebooks:
             return self.codebooks[layer.layer]
-        from .codecs import train_codebook
-
-        import hashlib
-
         plan = self.plan
         n = min(keys.shape[2], self.config.calibration_tokens)
         sample = np.ascontiguousarray(np.array(keys[0, :, :n, :].astype(mx.float32)))
@@ -268,8 +262,6 @@ class SharedContext:
 
     # ---- workers ---------------------------------------------------------------------------
     def get_scheduler(self):
-        from tiered.scheduler import Scheduler
-
         with self._lock:
             if self._scheduler is None or self._scheduler.closed:
                 self._scheduler = Scheduler(self.config.workers)

@@ -13,12 +13,56 @@ with the keys and values it stored: ``attention(queries, keys, values)`` receive
   the scores as an additive mask. Nothing the cache stored is a key of that attention, so such
   a layer keeps the model's own cache (:func:`mla_reason`), and any layer whose attention breaks
   the contract at run time stays exact (:func:`violation`).
+
+What ``update_and_fetch`` accepts is checked first (:func:`check_update`): keys and values of
+one geometry, the one the cache already holds.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 import numpy as np
+
+
+def _check_kv(name: str, x: Any) -> None:
+    if not isinstance(x, mx.array):
+        raise ValueError(f"Invalid {name}: expected an mlx.core.array, got {type(x).__name__}")
+    if x.ndim != 4:
+        raise ValueError(
+            f"Invalid shape of {name}: expected (batch, kv_heads, tokens, head_dim), "
+            f"got {tuple(x.shape)}"
+        )
+    if not mx.issubdtype(x.dtype, mx.floating):
+        raise ValueError(f"Invalid dtype of {name}: expected a floating dtype, got {x.dtype}")
+
+
+def check_update(keys, values, geometry) -> None:
+    """ValueError naming what is wrong unless ``keys``/``values`` (B, H, L, d) can be appended
+    to a cache holding ``geometry`` (B, H, dk, dv, dtype; None: an empty cache takes any)."""
+    _check_kv("keys", keys)
+    _check_kv("values", values)
+    if keys.shape[:3] != values.shape[:3]:
+        raise ValueError(
+            f"Invalid shape of values: expected {tuple(keys.shape[:3])} + (head_dim,) to "
+            f"match keys, got {tuple(values.shape)}"
+        )
+    if keys.dtype != values.dtype:
+        raise ValueError(f"Invalid dtype of values: {values.dtype} differs from keys {keys.dtype}")
+    if keys.shape[2] == 0:
+        raise ValueError("Invalid shape of keys: zero tokens")
+    if geometry is not None:
+        B, H, dk, dv, dtype = geometry
+        got = (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3])
+        if got != (B, H, dk, dv):
+            raise ValueError(
+                f"Invalid shape of keys/values: this cache holds batch={B}, kv_heads={H}, "
+                f"head_dim={dk}/{dv}; got keys {tuple(keys.shape)}, values "
+                f"{tuple(values.shape)}"
+            )
+        if keys.dtype != dtype:
+            raise ValueError(f"Invalid dtype of keys: this cache holds {dtype}, got {keys.dtype}")
 
 
 def mla_reason(layer) -> str | None:

@@ -10,6 +10,8 @@ import mlx.core as mx
 import numpy as np
 
 from . import ops
+from .compressed import CompressedLayer
+from .h2o_baseline import H2OBaselineLayer
 
 log = logging.getLogger("tiered")
 
@@ -115,8 +117,6 @@ class ExactPhase:
 
         queries: this step's queries (or None: the observed ones seed the resident set);
         chunk > 1: the last ``chunk`` tokens are a prompt chunk still to be attended."""
-        from .compressed import CompressedLayer
-
         keys, values = self._exact_view()
         self.stats.peak_transient_bytes = max(self.stats.peak_transient_bytes,
                                               self.keys.nbytes + self.values.nbytes)
@@ -132,9 +132,7 @@ class ExactPhase:
                             self._colmass, rep)
         # All or nothing: a failure (disk tier full, non-finite K/V) leaves the layer exact.
         if plan.codec == "none":
-            from .h2o import H2OLayer
-
-            compressed = H2OLayer.from_exact(self, plan, keys, values, seed)
+            compressed = H2OBaselineLayer.from_exact(self, plan, keys, values, seed)
         else:
             self._to_host(keys, values)
             try:

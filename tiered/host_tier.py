@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 
 from tiered.cpu import HostStore
+from tiered.cpu.disk import disk_room
 
 from . import device_decode, ops
 
@@ -69,13 +70,13 @@ class HostTier:
         """Host pages for this layer; blocks sized to the tokens it holds now (a power of two
         of pages, up to 16): a short context does not take 16 pages per layer."""
         B, H, dk, dv, _ = self._geometry
-        cfg = self.config
-        pages = max(1, -(-n // cfg.page_size))
+        host = self.config.host
+        pages = max(1, -(-n // host.page_size))
         ppb = min(MAX_PAGES_PER_BLOCK, 1 << (pages - 1).bit_length())
         return HostStore(
-            H, dk, value_dim=dv, page_size=cfg.page_size, dtype=cfg.host_dtype,
-            keys=cfg.host_keys, batch=B, pages_per_block=ppb, budget=self.context.host_budget,
-            disk_dir=cfg.disk_dir, disk_budget=self.context.disk_budget,
+            H, dk, value_dim=dv, page_size=host.page_size, dtype=host.host_dtype,
+            keys=host.host_keys, batch=B, pages_per_block=ppb, budget=self.context.host_budget,
+            disk_dir=host.disk_dir, disk_budget=self.context.disk_budget,
             name=f"layer{self.layer}",
         )
 
@@ -130,8 +131,6 @@ class HostTier:
         ctx = self.context
         if ctx.host_budget.limit is None:
             return  # no host budget: no disk tier
-        from .cpu.disk import disk_room
-
         need = self._host_bytes_for(L)
         if need == 0:
             return

@@ -2,10 +2,15 @@
 
 Every mlx-lm model module does ``from .base import scaled_dot_product_attention`` and calls it
 with the layer's cache. :func:`install` rebinds that name, in every loaded ``mlx_lm.models.*``
-module, to a router that sends calls whose cache is a ``TieredCache`` to the cache's own
-attention and every other call to mlx-lm's original function, unchanged. It also registers
-``TieredCache`` where ``mlx_lm.models.cache.load_prompt_cache`` looks classes up.
-:func:`uninstall` restores everything. Nothing happens at import time.
+module, to a router that sends calls whose cache is a tiered layer (:func:`is_tiered`: told by
+what it has, as mlx-lm's ``base.py`` tells a quantized cache by its ``bits``) to the cache's own
+attention and every other call to mlx-lm's original function, unchanged. It also registers the
+classes marked :func:`loadable` (``TieredCache``) where
+``mlx_lm.models.cache.load_prompt_cache`` looks classes up by name. :func:`uninstall` restores
+everything. Nothing happens at import time.
+
+This module imports nothing of tiered: the cache classes import it (the routing check before a
+layer compresses), not the other way round.
 """
 
 from __future__ import annotations
@@ -17,19 +22,28 @@ import threading
 _NAME = "scaled_dot_product_attention"
 _lock = threading.RLock()
 _patched: dict[str, object] = {}  # module name -> original function
-_registered = False
+_loadable: dict[str, type] = {}  # classes install() makes known to load_prompt_cache, by name
+_registered: dict[str, type] = {}  # those it registered (uninstall removes them)
 
 
-def _cache_class():
-    from .cache import TieredCache
+def loadable(cls: type) -> type:
+    """Class decorator: :func:`install` registers ``cls`` in ``mlx_lm.models.cache`` under its
+    name, where ``load_prompt_cache`` finds the classes of a saved cache."""
+    _loadable[cls.__name__] = cls
+    return cls
 
-    return TieredCache
+
+def is_tiered(cache) -> bool:
+    """Whether ``cache`` is a tiered layer: it answers attention itself (``attention``) and
+    reports what its tiers hold (``tier_bytes``). Every other cache (mlx-lm's KVCache,
+    RotatingKVCache, ArraysCache, ...) is attended by mlx-lm."""
+    return hasattr(cache, "tier_bytes") and hasattr(cache, "attention")
 
 
 def routed_scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None,
                                         **kwargs):
     """Drop-in for ``mlx_lm.models.base.scaled_dot_product_attention``."""
-    if isinstance(cache, _cache_class()):
+    if is_tiered(cache):
         if kwargs:
             raise TypeError(f"TieredCache attention got unsupported arguments {sorted(kwargs)}")
         return cache.attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
@@ -54,7 +68,6 @@ def install() -> list[str]:
     Modules imported after this call (a model architecture loaded later) are routed by calling
     ``install()`` again; ``TieredCache.for_model`` does so for the model it is given.
     """
-    global _registered
     import mlx_lm.models.base as base
     import mlx_lm.models.cache as mlx_cache
 
@@ -65,15 +78,15 @@ def install() -> list[str]:
             if current is original and name not in _patched:
                 _patched[name] = current
                 setattr(mod, _NAME, routed_scaled_dot_product_attention)
-        if not _registered:
-            mlx_cache.TieredCache = _cache_class()
-            _registered = True
+        for name, cls in _loadable.items():
+            if name not in _registered:
+                setattr(mlx_cache, name, cls)
+                _registered[name] = cls
         return sorted(_patched)
 
 
 def uninstall() -> None:
     """Restore mlx-lm exactly as it was before :func:`install`."""
-    global _registered
     with _lock:
         original = _patched.get("mlx_lm.models.base")
         if original is not None:
@@ -85,9 +98,10 @@ def uninstall() -> None:
         if _registered:
             import mlx_lm.models.cache as mlx_cache
 
-            if getattr(mlx_cache, "TieredCache", None) is _cache_class():
-                del mlx_cache.TieredCache
-            _registered = False
+            for name, cls in _registered.items():
+                if getattr(mlx_cache, name, None) is cls:
+                    delattr(mlx_cache, name)
+            _registered.clear()
 
 
 def is_installed() -> bool:

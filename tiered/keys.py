@@ -17,16 +17,11 @@ import mlx.core as mx
 import numpy as np
 
 from tiered import metal
+from tiered.codecs import encode_mx, random_rotation
 from tiered.cpu import kernels as K
 
-
-def _np(a: mx.array) -> np.ndarray:
-    """Zero-copy numpy view of an evaluated MLX array (CPU memory)."""
-    mx.eval(a)
-    return np.array(a, copy=False)
-
-
-from .planner import capacity as _capacity  # noqa: E402  (one growth rule for all buffers)
+from .ops import numpy_view
+from .planner import capacity  # one growth rule for all buffers
 
 
 class CodebookKeys:
@@ -61,15 +56,13 @@ class CodebookKeys:
         g = d // ds
         if self.codes is None:
             self.g = g
-            self._alloc(g, max(self._capacity0, _capacity(n0 + L, self.step)))
+            self._alloc(g, max(self._capacity0, capacity(n0 + L, self.step)))
         elif n0 + L > self.capacity:
-            self._alloc(g, _capacity(n0 + L, self.step), self.codes, n0)
+            self._alloc(g, capacity(n0 + L, self.step), self.codes, n0)
         if self.numpy_path:
-            k32 = np.ascontiguousarray(_np(keys.astype(mx.float32)))
+            k32 = np.ascontiguousarray(numpy_view(keys.astype(mx.float32)))
             self._codes_np[:, n0 : n0 + L] = K.codebook_encode(k32, self._codebook_np)
         else:
-            from tiered.codecs import encode_mx
-
             self.codes[:, n0 : n0 + L] = encode_mx(keys[None].astype(mx.float32), self.codebook)
 
     def scores(self, q: mx.array, n: int, rep: int, q_np: np.ndarray | None = None):
@@ -93,9 +86,9 @@ class CodebookKeys:
     def from_state(cls, st: dict, H: int, step: int, numpy_path: bool) -> "CodebookKeys":
         codes = st["codes"]
         n = codes.shape[1]
-        self = cls(H, np.array(st["codebook"]), _capacity(n, step), step, numpy_path=numpy_path)
+        self = cls(H, np.array(st["codebook"]), capacity(n, step), step, numpy_path=numpy_path)
         self.g = codes.shape[2]
-        self._alloc(self.g, _capacity(n, step))
+        self._alloc(self.g, capacity(n, step))
         if n:
             if self.numpy_path:
                 self._codes_np[:, :n] = np.array(codes)
@@ -109,8 +102,6 @@ class AffineKeys:
 
     def __init__(self, H: int, d: int, bits: int, group_size: int, rotate: bool, seed: int,
                  step: int, dtype):
-        from tiered.codecs import random_rotation
-
         self.H, self.d, self.bits, self.group_size, self.step = H, d, bits, group_size, step
         self.dtype = dtype
         self.rotation = mx.array(random_rotation(d, seed)) if rotate else None
@@ -137,7 +128,7 @@ class AffineKeys:
     def append(self, keys: mx.array, n0: int):
         L = keys.shape[1]
         if self.wq is None or n0 + L > self.capacity:
-            self._alloc(_capacity(n0 + L, self.step), n0)
+            self._alloc(capacity(n0 + L, self.step), n0)
         k = self._rotate(keys).astype(self.dtype)
         wq, sc, bi = mx.quantize(k, group_size=self.group_size, bits=self.bits)
         self.wq[:, n0 : n0 + L] = wq
@@ -175,7 +166,7 @@ class AffineKeys:
         if "rotation" in st:
             self.rotation = st["rotation"]
         n = st["wq"].shape[1]
-        self._alloc(_capacity(n, step))
+        self._alloc(capacity(n, step))
         if n:
             self.wq[:, :n], self.scales[:, :n], self.biases[:, :n] = st["wq"], st["scales"], st["biases"]
         mx.eval(self.wq, self.scales, self.biases)

@@ -24,6 +24,10 @@ import numpy as np
 from tiered.cpu import HostStore
 
 from . import state_checks as checks
+from .compressed import CompressedLayer
+from .config import TieredConfig
+from .context import SharedContext
+from .h2o_baseline import H2OBaselineLayer
 from .snapshot import SnapshotError
 
 FORMAT = 2
@@ -90,9 +94,6 @@ def restore(layer, st, context=None):
 
 
 def _restore(layer, st, context=None):
-    from .config import TieredConfig
-    from .context import SharedContext
-
     if isinstance(st, dict):
         return _restore_v1(layer, st, context)
     # mlx-lm's save drops an empty dict (it flattens to nothing): (keys, values, meta) loads
@@ -156,12 +157,8 @@ def _restore(layer, st, context=None):
 
 def _restore_compressed(layer, comp: dict, host_state):
     if comp.get("kind") == "h2o":
-        from .h2o import H2OLayer
-
-        layer.compressed = H2OLayer.from_state(layer, comp)
+        layer.compressed = H2OBaselineLayer.from_state(layer, comp)
     else:
-        from .compressed import CompressedLayer
-
         layer.host = HostStore.from_state(host_state, budget=layer.context.host_budget,
                                           disk_dir=layer.config.disk_dir,
                                           disk_budget=layer.context.disk_budget)
@@ -171,9 +168,6 @@ def _restore_compressed(layer, comp: dict, host_state):
 
 def _restore_v1(layer, st: dict, context=None):
     """tiered 0.1's dict state (version 1)."""
-    from .config import TieredConfig
-    from .context import SharedContext
-
     if st.get("version") != 1:
         raise ValueError("Invalid TieredCache state: not written by this version of tiered "
                          f"(version {st.get('version')!r}; this tiered reads 1 and 2)")

@@ -24,15 +24,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from .planner import MIN_HEAVY, BudgetError, Geometry, Plan, _fmt_bytes, make_plan
+from .config import format_bytes
+from .planner import MIN_HEAVY, BudgetError, Geometry, Plan, make_plan
 
 MAX_TOKENS = 1 << 24  # lengths searched for a fraction's compression threshold
 STABLE_SPAN = 1024  # lengths past the threshold that must all fit (buffers grow in blocks of 256)
-
-
-def horizon(config) -> int:
-    """Tokens appended before the resident set is sized again (buffers are paid for ahead)."""
-    return config.refresh_every + 1
 
 
 def _hcattention_layout(geometry: Geometry, config, n: int) -> Plan:
@@ -48,7 +44,7 @@ def _eviction_layout(geometry: Geometry, config, n: int) -> Plan:
                 step=config.step, sinks=config.sinks, recent=config.recent, min_heavy=0,
                 why="no compressed layout with a host tier fits: H2O eviction (tokens leaving "
                 "the resident set are gone)")
-    plan.check(n, horizon(config))
+    plan.check(n, config.heavy.horizon)
     return plan
 
 
@@ -59,6 +55,17 @@ def _candidates(geometry: Geometry, config, n: int):
         yield lambda: _hcattention_layout(geometry, config, n)
     if config.budget_fraction is None and config.method != "h2o":
         yield lambda: _eviction_layout(geometry, config, n)
+
+
+def _plans_at_any_budget(geometry: Geometry, config, n: int):
+    """The plans of :func:`_candidates`; where the budget refuses one, the layout make_plan
+    would have picked at any budget (to measure what it needs)."""
+    for make in _candidates(geometry, config, n):
+        try:
+            yield make()
+        except BudgetError:
+            yield make_plan(geometry, dataclasses.replace(config, gpu_budget=1.0),
+                            reference_tokens=n)
 
 
 def exact_fits(geometry: Geometry, config, n: int) -> bool:
@@ -77,7 +84,7 @@ def compressed_plan(geometry: Geometry, config, n: int) -> Plan | None:
         except BudgetError:
             continue
         try:
-            plan.check(n, horizon(config))
+            plan.check(n, config.heavy.horizon)
         except BudgetError:
             continue
         return plan
@@ -104,20 +111,14 @@ def refusal(geometry: Geometry, config, n: int) -> str:
     """Why no layout holds n tokens, with the smallest budget that would."""
     smallest = geometry.full_bytes(n)
     label = "the exact cache"
-    for make in _candidates(geometry, config, n):
-        try:
-            plan = make()
-        except BudgetError:
-            # make_plan refuses: measure the layout it would have picked at any budget
-            plan = make_plan(geometry, dataclasses.replace(config, gpu_budget=1.0),
-                             reference_tokens=n)
-        need = plan.smallest_bytes(n, horizon(config))
+    for plan in _plans_at_any_budget(geometry, config, n):
+        need = plan.smallest_bytes(n, config.heavy.horizon)
         if need < smallest:
             smallest, label = need, f"the {plan.method} layout ({plan.describe_codec()})"
     frac = smallest / max(geometry.full_bytes(n), 1)
     return (f"gpu_budget {config.gpu_budget!r} cannot hold {n} tokens in any layout: the "
-            f"smallest budget that works at this length is {_fmt_bytes(smallest)} "
-            f"(gpu_budget='{_fmt_bytes(smallest).replace(' ', '')}', {frac:.4f} of the full "
+            f"smallest budget that works at this length is {format_bytes(smallest)} "
+            f"(gpu_budget='{format_bytes(smallest).replace(' ', '')}', {frac:.4f} of the full "
             f"cache), with {label}")
 
 
@@ -156,15 +157,8 @@ def check_fraction(geometry: Geometry, config) -> None:
         return
     if compressed_plan(geometry, config, MAX_TOKENS) is not None:
         return
-    best = None
-    for make in _candidates(geometry, config, MAX_TOKENS):
-        try:
-            plan = make()
-        except BudgetError:
-            plan = make_plan(geometry, dataclasses.replace(config, gpu_budget=1.0),
-                             reference_tokens=MAX_TOKENS)
-        frac = plan.smallest_bytes(MAX_TOKENS) / geometry.full_bytes(MAX_TOKENS)
-        best = frac if best is None else min(best, frac)
+    best = min((plan.smallest_bytes(MAX_TOKENS) / geometry.full_bytes(MAX_TOKENS)
+                for plan in _plans_at_any_budget(geometry, config, MAX_TOKENS)), default=None)
     raise BudgetError(
         f"gpu_budget {config.gpu_budget!r} is below what any compressed layout needs at any "
         f"length for this model with method {config.method!r}: the smallest fraction that works "

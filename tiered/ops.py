@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from tiered.cpu import kernels as K
+from tiered.cpu.attention import causal_attention
 from tiered.cpu.h2o import acc_update  # noqa: F401  (re-exported)
 from tiered.scheduler import split_heads
 
@@ -28,6 +29,12 @@ def numpy_path(config) -> bool:
     if config.kernels == "auto":
         return on_cpu_backend()
     return config.kernels == "numba"
+
+
+def numpy_view(a: mx.array) -> np.ndarray:
+    """Zero-copy numpy view of an evaluated MLX array (CPU memory)."""
+    mx.eval(a)
+    return np.array(a, copy=False)
 
 
 @contextlib.contextmanager
@@ -62,8 +69,6 @@ def exact_attention(queries, keys, values, *, scale, mask, sinks=None, fast=Fals
     # float16 / bfloat16 graph stays lazy (MLX's CPU lacks some half kernels, e.g. GatherMM)
     if (fast and L > 1 and sinks is None and on_cpu_backend() and queries.shape[0] == 1
             and causal and queries.dtype == mx.float32):
-        from tiered.cpu.attention import causal_attention
-
         q = np.array(queries[0].astype(mx.float32))
         k = np.array(keys[0].astype(mx.float32))
         v = np.array(values[0].astype(mx.float32))

@@ -14,14 +14,22 @@ Loading refuses a damaged or swapped file (checksums), a cache made for another 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
+from typing import NamedTuple
 
 import mlx.core as mx
+import mlx_lm.models.cache as mlx_cache
+from mlx.utils import tree_flatten
 
-from . import snapshot
+from . import layer_state, snapshot
+from .codecs import model_fingerprint
+from .config import TieredConfig
+from .context import SharedContext, model_geometry
+from .cpu.disk import PAGES_SOURCE, DiskTierError, check_directory
+from .integration import install, is_tiered
 from .snapshot import SnapshotError
+from .version import __version__
 
 FORMAT = "tiered.cache"
 VERSION = 2
@@ -33,8 +41,6 @@ RUNTIME_OPTIONS = ("host_budget", "disk_dir", "disk_budget", "workers", "kernel_
 def check_save_target(directory: str, need_bytes: int = 0) -> str:
     """A directory a save can write (created if needed) with ``need_bytes`` free, or a
     ValueError naming it: before the work whose result would be saved."""
-    from .cpu.disk import DiskTierError, check_directory
-
     try:
         directory = check_directory(directory)
     except DiskTierError as e:
@@ -83,8 +89,6 @@ def estimate_save_bytes(model, n_tokens: int) -> int:
         getattr(args, "hidden_size", 0) // max(getattr(args, "num_attention_heads", 1) or 1, 1))
     layers = len(getattr(model, "layers", ()))
     try:
-        from mlx.utils import tree_flatten
-
         dtype_bytes = next(v.dtype.size for _, v in tree_flatten(model.parameters())
                            if v.dtype in (mx.float32, mx.float16, mx.bfloat16))
     except StopIteration:
@@ -95,14 +99,10 @@ def estimate_save_bytes(model, n_tokens: int) -> int:
 
 def saved_bytes(caches) -> int:
     """Bytes a save of ``caches`` writes (state arrays and page files), for the space check."""
-    from mlx.utils import tree_flatten
-
-    from .cache import TieredCache
-
     total = 0
     for c in caches:
         total += sum(getattr(a, "nbytes", 0) for _, a in tree_flatten(c.state))
-        if isinstance(c, TieredCache) and c.host is not None:
+        if is_tiered(c) and c.host is not None:
             total += c.host.disk_bytes
     return total
 
@@ -110,15 +110,9 @@ def saved_bytes(caches) -> int:
 def save(caches, directory: str, model) -> str:
     """Write ``caches`` (a TieredCacheList) to ``directory`` as a new snapshot; returns the
     directory. Atomic: a failed save leaves the previous snapshot as it was."""
-    from mlx_lm.models.cache import save_prompt_cache
-
-    from . import __version__
-    from .cache import TieredCache
-    from .codecs import model_fingerprint
-
     directory = check_save_target(directory)
     caches.settle()  # save the tiers a decode step would use: codes and host pages
-    layers = [c for c in caches if isinstance(c, TieredCache)]
+    layers = [c for c in caches if is_tiered(c)]
     for c in layers:
         c._require_open()
         c._flush()
@@ -137,7 +131,7 @@ def save(caches, directory: str, model) -> str:
                     f.copy_to(os.path.join(directory, pages, f.name))
         cache_name = f"cache-{sid}.safetensors"
         names.append(cache_name)
-        save_prompt_cache(os.path.join(directory, cache_name), caches,
+        mlx_cache.save_prompt_cache(os.path.join(directory, cache_name), caches,
                           metadata={"tiered_snapshot": sid})
         meta = {
             "format": FORMAT, "version": VERSION, "tiered": __version__,
@@ -161,8 +155,6 @@ def save(caches, directory: str, model) -> str:
 
 
 def _config_for_load(meta: dict, directory: str, overrides: dict | None):
-    from .config import TieredConfig
-
     try:
         saved = TieredConfig.from_kwargs(**meta["config"])
     except (TypeError, ValueError) as e:
@@ -179,19 +171,20 @@ def _config_for_load(meta: dict, directory: str, overrides: dict | None):
     return wanted
 
 
-def load(directory: str, model, *, expect_config: dict | None = None):
-    """A TieredCacheList from ``directory``. ValueError if the snapshot is damaged, was made
-    for another model, or (``expect_config``) with other layout options; runtime options in
+class Loaded(NamedTuple):
+    """What :func:`load` read: the caches, one per layer as mlx-lm's loader made them, and
+    what their tiered layers share from now on (``TieredCacheList.load`` links them)."""
+
+    caches: list
+    context: SharedContext
+    config: TieredConfig
+    kept_layers: list[tuple[int, str]]
+
+
+def load(directory: str, model, *, expect_config: dict | None = None) -> Loaded:
+    """The caches saved in ``directory``. ValueError if the snapshot is damaged, was made for
+    another model, or (``expect_config``) with other layout options; runtime options in
     ``expect_config`` (RUNTIME_OPTIONS) replace the saved ones."""
-    from mlx_lm.models.cache import load_prompt_cache
-
-    from . import layer_state
-    from .cache_list import relink
-    from .codecs import model_fingerprint
-    from .context import SharedContext, model_geometry
-    from .cpu.disk import PAGES_SOURCE
-    from .integration import install
-
     meta = check_saved(directory)
     fp = model_fingerprint(model)
     if meta["model"] != fp:
@@ -204,7 +197,7 @@ def load(directory: str, model, *, expect_config: dict | None = None):
     token = PAGES_SOURCE.set(pages)
     expect = layer_state.EXPECTED.set({"geometry": geo, "config": config})
     try:
-        caches = load_prompt_cache(snapshot.resolve(directory, meta["cache"]))
+        caches = mlx_cache.load_prompt_cache(snapshot.resolve(directory, meta["cache"]))
     except SnapshotError:
         raise
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError, OverflowError) as e:
@@ -213,12 +206,9 @@ def load(directory: str, model, *, expect_config: dict | None = None):
         PAGES_SOURCE.reset(token)
         layer_state.EXPECTED.reset(expect)
     n_layers = len(getattr(model, "layers", []))
-    from .cache import TieredCache
-
-    tiered = [i for i, c in enumerate(caches) if isinstance(c, TieredCache)]
+    tiered = [i for i, c in enumerate(caches) if is_tiered(c)]
     if tiered != meta["tiered_layers"] or (n_layers and len(caches) != n_layers):
         raise SnapshotError(f"the cache in {directory!r} holds {len(caches)} layers "
                             f"(tiered {tiered}), this model has {n_layers}")
     ctx = SharedContext(config, layers=len(tiered), model=model)
-    return relink(caches, ctx, config=config,
-                  kept=[tuple(x) for x in meta["kept_layers"]])
+    return Loaded(caches, ctx, config, [tuple(x) for x in meta["kept_layers"]])

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .config import format_bytes
+
 CODE_GROUP_CHOICES = (4, 8, 16)  # dims per codebook group, most accurate first
 MIN_HEAVY = 16  # a resident set must hold at least this many heavy hitters to be worth it
 MIN_RECENT = 16  # the recent window shrinks to this for short documents before a refusal
@@ -175,7 +177,7 @@ class Plan:
         return (
             f"gpu_budget {self.budget!r} cannot hold {n} tokens with method {self.method!r} "
             f"(codec {self.describe_codec()}): the smallest budget that works at this length is "
-            f"{_fmt_bytes(smallest)} ({where})"
+            f"{format_bytes(smallest)} ({where})"
         )
 
     def describe_codec(self) -> str:
@@ -218,14 +220,6 @@ def capacity(n: int, step: int) -> int:
 
 
 _capacity = capacity
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def make_plan(geometry: Geometry, config, *, reference_tokens: int = 4096) -> Plan:

@@ -1,16 +1,82 @@
-"""report(cache): what each tier holds, measured from the arrays, and what selection did."""
+"""report(cache): what each tier holds, measured from the arrays, and what selection did.
+
+:class:`LayerReport` measures one TieredCache layer (its methods are the cache's);
+:func:`report_dict` and :func:`report` add up the layers of a model's cache."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from .config import format_bytes
+from .integration import is_tiered
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
+
+TIERS = ("accelerator", "transient", "host", "disk", "bookkeeping")
+
+
+class LayerReport:
+    """Methods of :class:`tiered.cache.TieredCache` (see the module docstring)."""
+
+    def tier_bytes(self) -> dict:
+        """Bytes per tier, measured from the arrays this layer holds. ``transient``: the part of
+        "accelerator" that only prefill holds (the exact window of a compressing cache, or the
+        block-wise anchor + local blocks); bounded, reported apart from the steady state.
+        ``bookkeeping``: host bytes of the H2O seed statistics kept near compression."""
+        acc = transient = 0
+        if self.phase == "exact":
+            if self.keys is not None:
+                acc = self.keys.nbytes + self.values.nbytes
+                transient = 0 if (self.config.exact or self.exact_reason) else acc
+        else:
+            acc = self.compressed.nbytes
+            transient = getattr(self.compressed, "prefill_bytes", 0)
+        host = self.host.nbytes if self.host is not None else 0
+        disk = self.host.disk_bytes if self.host is not None else 0
+        book = (0 if self._colmass is None else self._colmass.nbytes) + (
+            0 if self._obs is None else self._obs.nbytes)
+        return {"accelerator": acc, "transient": transient, "host": host, "disk": disk,
+                "bookkeeping": book}
+
+    def full_cache_bytes(self) -> int:
+        """Bytes mlx-lm's KVCache would hold for this layer's tokens (the budget reference)."""
+        if self._geometry is None:
+            return 0
+        B, H, dk, dv, dtype = self._geometry
+        return B * H * (dk + dv) * dtype.size * self.offset
+
+    @property
+    def layout_note(self) -> str:
+        """Which layout this layer is in, and why (for report())."""
+        if self.phase == "compressed":
+            plan = self.compressed.plan
+            return plan.why or f"compressed ({plan.method})"
+        if self.config.exact:
+            return "exact: gpu_budget 1.0"
+        if self.exact_reason:
+            return f"exact: {self.exact_reason}"
+        if self._geometry is None:
+            return "empty"
+        t = self.context.threshold(self)
+        if self.config.budget_fraction is None:
+            return (f"exact: the full cache fits gpu_budget {self.config.gpu_budget} up to "
+                    f"{t - 1} tokens" if t else "exact")
+        if t is None:
+            return "exact: no compressed layout meets this budget at any length"
+        return (f"exact: below {t} tokens no compressed layout meets gpu_budget "
+                f"{self.config.gpu_budget} (codes and codebooks cost more than they save)")
+
+
+def tier_totals(caches) -> dict:
+    """Bytes per tier of a list of caches: a tiered layer's :meth:`LayerReport.tier_bytes`,
+    any other cache's ``nbytes`` (mlx-lm's caches) counted on the accelerator."""
+    total = dict.fromkeys(TIERS, 0)
+    for c in caches:
+        if is_tiered(c):
+            for k, v in c.tier_bytes().items():
+                total[k] += v
+        else:
+            total["accelerator"] += int(getattr(c, "nbytes", 0) or 0)
+    return total
 
 
 def _ranges(ids) -> str:
@@ -27,16 +93,8 @@ def _ranges(ids) -> str:
 
 def report_dict(caches) -> dict:
     """Figures of a list of caches (``TieredCache.for_model`` output, or a loaded one)."""
-    from .cache import TieredCache
-
-    layers = [c for c in caches if isinstance(c, TieredCache)]
-    per_tier = {"accelerator": 0, "transient": 0, "host": 0, "disk": 0, "bookkeeping": 0}
-    for c in caches:
-        if isinstance(c, TieredCache):
-            for k, v in c.tier_bytes().items():
-                per_tier[k] = per_tier.get(k, 0) + v
-        else:
-            per_tier["accelerator"] += int(getattr(c, "nbytes", 0) or 0)
+    layers = [c for c in caches if is_tiered(c)]
+    per_tier = tier_totals(caches)
     tokens = max((c.offset for c in layers), default=0)
     full = sum(c.full_cache_bytes() for c in layers)
     out = {
@@ -99,20 +157,20 @@ def report(caches) -> str:
     lines = [
         f"tiered cache: {d['tiered_layers']} of {d['layers']} layers tiered, "
         f"{d['tokens']} tokens, phase {'/'.join(d['phases']) or 'empty'}",
-        f"  accelerator {_fmt_bytes(b['accelerator'])}"
+        f"  accelerator {format_bytes(b['accelerator'])}"
         + (" (exact: what mlx-lm's KVCache holds)" if d["phases"] == ["exact"] else
            f" ({100 * d['accelerator_fraction']:.1f}% of the full cache "
-           f"{_fmt_bytes(d['full_cache_bytes'])})" if d["accelerator_fraction"] is not None else "")
-        + f" | host {_fmt_bytes(b['host'])} | disk {_fmt_bytes(b['disk'])}",
+           f"{format_bytes(d['full_cache_bytes'])})" if d["accelerator_fraction"] is not None else "")
+        + f" | host {format_bytes(b['host'])} | disk {format_bytes(b['disk'])}",
     ]
     if "budget_bytes" in d and "compressed" in d["phases"]:
         ok = b["accelerator"] <= d["budget_bytes"]
-        lines.append(f"  budget {_fmt_bytes(d['budget_bytes'])}: {'within' if ok else 'OVER'}")
+        lines.append(f"  budget {format_bytes(d['budget_bytes'])}: {'within' if ok else 'OVER'}")
     if d["peak_transient_accelerator_bytes"]:
         lines.append(f"  prefill transient peak (accelerator) "
-                     f"{_fmt_bytes(d['peak_transient_accelerator_bytes'])}")
+                     f"{format_bytes(d['peak_transient_accelerator_bytes'])}")
     if d["bytes"].get("bookkeeping"):
-        lines.append(f"  H2O seed statistics {_fmt_bytes(d['bytes']['bookkeeping'])} (the last "
+        lines.append(f"  H2O seed statistics {format_bytes(d['bytes']['bookkeeping'])} (the last "
                      "queries and the prompt's attention per key, kept near compression only)")
     for note, ids in d.get("layouts", {}).items():
         which = "all tiered layers" if len(ids) == d["tiered_layers"] else f"layers {_ranges(ids)}"

@@ -18,9 +18,10 @@ class ResidentSet:
         """Resident slots per head at n tokens (sinks + ring + heavy)."""
         if not self.plan.keep_values_resident:
             return min(self.W, n)
-        r = self.plan.check(n, horizon=self.config.refresh_every + 1)
+        horizon = self.config.heavy.horizon
+        r = self.plan.check(n, horizon=horizon)
         if self.lookahead:  # the spill buffer's slots cost what resident slots cost
-            spill = self._spill_size(n + self.config.refresh_every + 1)
+            spill = self._spill_size(n + horizon)
             need = min(self.plan.minimum_resident(), n)
             if r - spill < need:
                 raise BudgetError(

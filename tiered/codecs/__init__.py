@@ -1,7 +1,8 @@
 """Key codecs: how keys are kept compressed on the accelerator.
 
-- :mod:`.codebook`: product quantization (HCAttention): codes ``(H, n, g)`` over a k-means
-  codebook ``(H, Gc, c, d // g)``; approximate scores through a per-query lookup table.
+- :mod:`.pq`: product quantization (HCAttention): codes ``(H, n, g)`` over a codebook
+  ``(H, Gc, c, d // g)``; approximate scores through a per-query lookup table.
+- :mod:`.codebook`: training that codebook (k-means) and the codec object of a layer.
 - :mod:`.affine`: ``mx.quantize`` of (optionally randomly rotated) keys, scored packed with
   ``mx.quantized_matmul`` (TurboQuant on MLX, KIVI).
 - :mod:`.calibration`: train every layer's codebook and cache them on disk per model and config.
@@ -17,17 +18,8 @@ from .calibration import (
     model_fingerprint,
     save_calibration,
 )
-from .codebook import (
-    DEFAULT_MAX_POINTS,
-    CodebookCodec,
-    code_dtype,
-    decode,
-    decode_mx,
-    encode,
-    encode_mx,
-    lut_scores,
-    train_codebook,
-)
+from .codebook import DEFAULT_MAX_POINTS, CodebookCodec, train_codebook
+from .pq import code_dtype, decode, decode_mx, encode, encode_mx, lut_scores
 
 __all__ = [
     "AFFINE_BITS",

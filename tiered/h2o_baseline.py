@@ -21,7 +21,9 @@ from . import ops
 from .planner import Plan
 
 
-class H2OLayer:
+class H2OBaselineLayer:
+    """The compressed phase of a layer under method "h2o" (see the module docstring)."""
+
     def __init__(self, parent, plan: Plan):
         self.parent, self.plan, self.config = parent, plan, parent.config
         B, H, dk, dv, dtype = parent._geometry
