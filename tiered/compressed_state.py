@@ -32,9 +32,8 @@ class CompressedState:
         mx.eval(q, s_r)
         z = self._scores_with_resident(q, np.array(q), s_r, rep)
         cap, floor = self._cap(self.n)
-        _, _, m, ssum, _ = ops.select(z, self._flags_np[:, : self.n], self.config.tau, cap,
-                                      floor, rep)
-        return z, m, ssum
+        sel = ops.select(z, self.n, self._flags_np, self.config.tau, cap, floor)
+        return z, sel.m, sel.s
 
     def _scores_with_resident(self, q, q_np, s_r, rep):
         """numpy scores (Hq, n) from the codes, the resident tokens' replaced by their exact

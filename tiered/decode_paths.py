@@ -75,7 +75,8 @@ class DecodePaths:
         q_np = np.array(q)
         z = self._scores_with_resident(q, q_np, s_r, rep)
         cap, floor = self._cap(n)
-        idx, count, m, ssum, _ = ops.select(z, self._flags_np[:, :n], cfg.tau, cap, floor, rep)
+        sel = ops.select(z, n, self._flags_np, cfg.tau, cap, floor)
+        idx, count = sel.idx, sel.count
         marks.append(("select", time.perf_counter()))
         self._check_pages(idx, count)
         handle = ops.submit_gather(self.parent.scheduler, self.parent.layer, q_np, z, idx, count,
@@ -87,7 +88,7 @@ class DecodePaths:
         if self._update:
             self.journal.record(n, "step", (n, q, rep, self.steps))
             if self._acc_np is not None:
-                ops.acc_update(self._acc_np, z, m, ssum, rep, n, cfg.ema_alpha)
+                ops.acc_update(self._acc_np, z, sel.m, sel.s, rep, n, cfg.ema_alpha)
         marks.append(("resident", time.perf_counter()))
         o_c, lse_c = ops.wait_gather(handle, marks[-1][1] - t_acc)
         marks.append(("wait", time.perf_counter()))

@@ -149,9 +149,10 @@ def observed_weights(obs_q: mx.array, keys: mx.array, scale: float,
 
 
 # ---- selection and the host partial --------------------------------------------------------------
-def select(z, flags, tau, cap, floor, rep):
-    sel = K.tau_select(z, flags, tau, cap, floor)
-    return sel.idx, sel.count, sel.m, sel.s, sel.mass
+def select(z, n, exclude, tau, cap, floor):
+    """The CPU's tau_select (arguments in the order :mod:`tiered.primitives` gives) with its
+    statistics: a :class:`tiered.primitives.Selection` of numpy arrays."""
+    return K.tau_select(z, n, exclude, tau, cap, floor, with_stats=True)
 
 
 def spill_changes(idx, count, res_tok, n, spill_tok):
