@@ -13,6 +13,7 @@ import numpy as np
 from tiered import metal
 
 from . import ops
+from .primitives import merge_partials
 
 
 class DecodePaths:
@@ -39,10 +40,11 @@ class DecodePaths:
 
     def _finish(self, queries, o_r, lse_r, o_c, lse_c, count, sinks, t0):
         Hq = queries.shape[1]
-        o, lse = ops.merge(o_r, lse_r, o_c, lse_c)
         if sinks is not None:
-            o, lse = ops.merge(o, lse, np.zeros_like(o), np.array(sinks, np.float32).reshape(Hq))
-        resident_mass = float(np.mean(np.exp(lse_r - ops.logaddexp(lse_r, lse_c))))
+            sinks = np.array(sinks, np.float32).reshape(Hq)
+        o, lse = merge_partials(o_r, lse_r, o_c, lse_c, sinks)
+        with np.errstate(invalid="ignore"):  # both partials empty: NaN, as before
+            resident_mass = float(np.mean(np.exp(lse_r - lse)))
         if self._update:
             self._step_done(float(np.mean(count)), resident_mass)
         self.parent.stats.last_step_s = time.perf_counter() - t0
@@ -121,14 +123,11 @@ class DecodePaths:
         return z, sel
 
     def _combine(self, o_r, lse_r, o_c, lse_c, sinks, Hq: int):
-        """Exact merge of two partials (Hq, dv) / (Hq,) on the device, and the sink logit."""
-        lse = mx.logaddexp(lse_r, lse_c)
-        lse = mx.where(mx.isfinite(lse), lse, 0)
-        o = o_r * mx.exp(lse_r - lse)[:, None] + o_c * mx.exp(lse_c - lse)[:, None]
-        if sinks is not None:  # a learned sink logit per head joins the softmax with no value
-            s_sink = mx.array(sinks).astype(mx.float32).reshape(Hq)
-            o = o * mx.sigmoid(lse - s_sink)[:, None]
-        return o, lse
+        """:func:`tiered.primitives.merge_partials` of two partials (Hq, dv) / (Hq,) on the
+        device, with the model's sink logits (any array or None) as (Hq,) float32."""
+        if sinks is not None:
+            sinks = mx.array(sinks).astype(mx.float32).reshape(Hq)
+        return merge_partials(o_r, lse_r, o_c, lse_c, sinks)
 
     def _end_step(self, queries, o, resident_mass, mean_count, marks):
         """Stats, the periodic H2O refresh, and the output (1, Hq, 1, dv) in the query dtype.

@@ -198,10 +198,3 @@ def _gather_job(q, z, idx, count, rep, args, rescore_exact, z_by_slot, o, lse, h
     K.gather_partial(q, z, idx, count, rep, page_ids, page_size, ppb, va, vsa, vcode, dv, ka,
                      ksa, kcode, d, rescore_exact, o, lse, kv_heads=heads, z_by_slot=z_by_slot)
 
-
-def merge(o1, lse1, o2, lse2):
-    return K.merge_partials(o1, lse1, o2, lse2)
-
-
-def logaddexp(a, b):
-    return np.logaddexp(a, b)

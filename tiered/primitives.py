@@ -6,11 +6,19 @@
   the same :class:`Selection`::
 
       tau_select(z, n, exclude, tau, cap, floor=0, *, cap_alloc=None, with_stats=False, ...)
+
+- **merging attention partials** (:func:`merge_partials`): one function for numpy and MLX
+  arrays (the CPU path merges numpy partials, the accelerator paths MLX ones), sinks included.
+
+``tests/test_primitive_contracts.py`` runs every implementation on the same inputs.
 """
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
+
+import mlx.core as mx
+import numpy as np
 
 
 class Selection(NamedTuple):
@@ -63,3 +71,39 @@ def check_select_args(z_shape: tuple, n: int, exclude, tau: float, cap: int, flo
     if cap_alloc < cap:
         raise ValueError(f"Invalid cap_alloc: {cap_alloc!r} (expected >= {cap})")
     return cap, cap_alloc
+
+
+def merge_partials(o1, lse1, o2, lse2, sinks=None):
+    """Exact merge of two attention partials over disjoint token sets (flash-decoding), with a
+    sink logit per head if given.
+
+    o1, o2 (..., dv): normalized partial outputs; lse1, lse2 (...): their log-sum-exp (-inf for
+    an empty set); sinks (...) or None: a learned logit per head that joins the softmax with no
+    value (attention sinks, as gpt-oss has them), so it only scales the output down.
+    Returns (o (..., dv), lse (...)): the attention output over both sets (and the sink), and
+    the log-sum-exp of the tokens (the sink is no token: it is left out, so exp(lse1 - lse) is
+    the share of set 1 among the tokens). Both sets empty: o = 0, lse = -inf. A NaN in either
+    partial comes out as NaN (a NaN lse does not read as empty), and so does an lse of +inf.
+
+    MLX arrays give MLX arrays (lazy, the caller's stream); numpy arrays give numpy arrays
+    (float32 in, float32 out; numpy's floating-point warnings are off inside).
+    """
+    if any(isinstance(a, mx.array) for a in (o1, lse1, o2, lse2)):
+        return _merge(mx, o1, lse1, o2, lse2, sinks)
+    lse1, lse2 = np.asarray(lse1), np.asarray(lse2)
+    with np.errstate(all="ignore"):
+        o, lse = _merge(np, o1, lse1, o2, lse2, None if sinks is None else np.asarray(sinks))
+    return o.astype(np.result_type(o1, o2)), lse.astype(np.result_type(lse1, lse2))
+
+
+def _merge(xp, o1, lse1, o2, lse2, sinks):
+    """merge_partials with xp the array module (mx or np): the same operations for both."""
+    m = xp.maximum(lse1, lse2)
+    m = xp.where(xp.isfinite(m), m, 0.0)  # both -inf: weights exp(-inf) = 0, no NaN
+    w1, w2 = xp.exp(lse1 - m), xp.exp(lse2 - m)
+    total = w1 + w2
+    lse = m + xp.log(total)
+    den = total if sinks is None else total + xp.exp(sinks - m)
+    o = (w1[..., None] * o1 + w2[..., None] * o2) / den[..., None]
+    # Nothing to attend: 0. A NaN total (a NaN lse) keeps its NaN output.
+    return xp.where(den[..., None] == 0, 0.0, o), lse
