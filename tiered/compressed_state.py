@@ -102,7 +102,8 @@ class CompressedState:
         plan = parent.context.adopt_plan(st["plan"])
         n = int(st["n"])
         cap = capacity(n, plan.step)
-        B, H, dk, dv, dtype = parent._geometry
+        g = parent._geometry
+        H, dk, dtype = g.kv_heads, g.k_dim, g.dtype
         ks = st["keys"]
         if ks["kind"] == "affine":
             store = AffineKeys.from_state(ks, H, dk, plan.affine_bits, plan.affine_group_size,
