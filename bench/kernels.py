@@ -32,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from tiered import metal
-from tiered.metal import persist
+from tiered.metal import persistent
 
 H, REP, D = 8, 4, 128
 HQ = H * REP
@@ -268,10 +268,10 @@ def bench_size(n: int, reps: int, bw: float, backend: str, batch: int) -> list[d
         HQ * n * 4, rel_err(th1, th2))
     exclude = mx.zeros((H, n), mx.bool_)
     mx.eval(exclude)
-    persistent = backend == "cuda" and persist.plan_grid(n, H, REP) is not None
-    row("tau select (threshold + cap 2048)" + (", one persistent launch" if persistent else ""),
+    one_launch = backend == "cuda" and persistent.plan_grid(n, H, REP) is not None
+    row("tau select (threshold + cap 2048)" + (", one persistent launch" if one_launch else ""),
         lambda: metal.tau_select(z, n, exclude, 0.9, 2048, 32), HQ * n * 4)
-    if persistent:
+    if one_launch:
         with passes_only():
             row("tau select (threshold + cap 2048), separate launches",
                 lambda: metal.tau_select(z, n, exclude, 0.9, 2048, 32), HQ * n * 4)
@@ -289,8 +289,8 @@ def bench_size(n: int, reps: int, bw: float, backend: str, batch: int) -> list[d
             HQ * n * 4 + 2 * H * n * 4, rel_err(got, ref))
 
     def fused():
-        return persist.codebook_select(q, codebook, codes_sets(), n, exclude, 0.9, 2048, 32,
-                                       rep=REP)[1].sel
+        return persistent.codebook_select(q, codebook, codes_sets(), n, exclude, 0.9, 2048, 32,
+                                          rep=REP)[1].sel
 
     def chain():
         if backend == "cpu":
@@ -310,14 +310,14 @@ def bench_size(n: int, reps: int, bw: float, backend: str, batch: int) -> list[d
                kv.nbytes + vv.nbytes)
     if backend != "cpu":
         breakdown(row, q, codebook, codes, n, exclude, backend)
-    one = persistent and persist.codebook_select(q, codebook, codes, n, exclude, 0.9, 2048, 32,
-                                                 rep=REP) is not None
+    one = one_launch and persistent.codebook_select(q, codebook, codes, n, exclude, 0.9, 2048,
+                                                    32, rep=REP) is not None
     chains = []
     if one:
         chains.append(row("scores + selection (one persistent launch: codebook_select, cap "
                           "2048)", fused))
         phase_rows(rows, q, codebook, codes, n, exclude, reps)
-    if persistent:
+    if one_launch:
         chains.append(row("scores + selection (codebook kernel + persistent selection, cap "
                           "2048)", chain))
         with passes_only():
@@ -401,8 +401,8 @@ def phase_rows(rows, q, codebook, codes, n, exclude, reps):
     one before (the first: from the first unit's start) to the end of its last unit."""
     spans = []
     for _ in range(reps):
-        res = persist.codebook_select(q, codebook, codes, n, exclude, 0.9, 2048, 32, rep=REP,
-                                      stamps=True)[1]
+        res = persistent.codebook_select(q, codebook, codes, n, exclude, 0.9, 2048, 32,
+                                         rep=REP, stamps=True)[1]
         mx.eval(res.stamps, res.status)
         if res.status.item() != 0:
             raise RuntimeError("a persistent launch's wait timed out")
@@ -416,7 +416,7 @@ def phase_rows(rows, q, codebook, codes, n, exclude, reps):
 def breakdown(row, q, codebook, codes, n, exclude, backend):
     """Each launch of the scores + selection chain alone, and an empty custom kernel (the
     per-launch floor), so the chain's time can be attributed."""
-    from tiered.metal import tau as tm
+    from tiered.metal import select_passes as tm
     from tiered.metal._build import launch
 
     z, zmax, _ = metal.codebook.codebook_scores_and_max(q, codebook, codes, n, rep=REP,

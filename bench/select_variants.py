@@ -24,7 +24,8 @@ from kernels import device_profile, timed, variant_args
 import mlx.core as mx
 import numpy as np
 
-from tiered.metal import tau as tm
+from tiered import metal
+from tiered.metal import select_passes as tm
 from tiered.metal.codebook import codebook_scores_and_max
 
 H, HQ, D, G, C = 8, 32, 128, 32, 256
@@ -72,10 +73,10 @@ def main(argv=None):
                 tm.SELECT_FUSED_LOADS = loads
 
                 def call(z=z, n=n, exclude=exclude, zmax=zmax):
-                    return tm.tau_select(z, n, exclude, 0.9, 2048, 32, with_stats=True,
+                    return metal.tau_select(z, n, exclude, 0.9, 2048, 32, with_stats=True,
                                          zmax=zmax).idx
 
-                sel = tm.tau_select(z, n, exclude, 0.9, 2048, 32, with_stats=True, zmax=zmax)
+                sel = metal.tau_select(z, n, exclude, 0.9, 2048, 32, with_stats=True, zmax=zmax)
                 got = (np.asarray(sel.idx), np.asarray(sel.count))
                 first = got if first is None else first
                 same = all(np.array_equal(a, b) for a, b in zip(got, first))

@@ -1,5 +1,6 @@
-"""Gather + partial attention from the paged host store (Numba), the merge of two partials,
-and the CPU prefill's causal softmax (see :mod:`tiered.cpu.kernels` for the notation)."""
+"""Gather + partial attention from the paged host store (Numba), and the CPU prefill's causal
+softmax (see :mod:`tiered.cpu.kernels` for the notation). The partial this returns merges with
+others through :func:`tiered.primitives.merge_partials`."""
 
 from __future__ import annotations
 
@@ -286,27 +287,6 @@ def host_store_args(store, b=0):
             DTYPE_CODES[v.dtype], store.value_dim,
             _EMPTY_ADDRS if k is None else k.addrs, _EMPTY_ADDRS if k is None else k.scale_addrs,
             1 if k is None else DTYPE_CODES[k.dtype], store.head_dim)
-
-
-def merge_partials(o1, lse1, o2, lse2):
-    """Exact merge of two softmax partials over disjoint token sets (flash-decoding).
-
-    o*: (..., dv) normalized partial outputs; lse*: (...) their log-sum-exp (-inf for an empty
-    set). Returns (o, lse) of the union; o = 0 and lse = -inf when both are empty. A NaN in
-    either partial (a NaN query gives a NaN resident partial) comes out as NaN, without a
-    warning: numpy's floating-point warnings are off here.
-    """
-    lse1, lse2 = np.asarray(lse1), np.asarray(lse2)
-    with np.errstate(all="ignore"):
-        m = np.maximum(lse1, lse2)
-        m = np.where(np.isfinite(m), m, 0.0)  # both -inf: weights exp(-inf) = 0, no NaN
-        w1, w2 = np.exp(lse1 - m), np.exp(lse2 - m)
-        total = w1 + w2
-        lse = (m + np.log(total)).astype(np.result_type(lse1, lse2))
-        o = (w1[..., None] * o1 + w2[..., None] * o2) / total[..., None]
-    # Both empty: 0. A NaN total (a NaN lse) keeps its NaN output rather than reading as empty.
-    o = np.where(total[..., None] == 0, 0.0, o).astype(np.result_type(o1, o2))
-    return o, lse
 
 
 # ---- (d) causal softmax for the CPU prefill -------------------------------------------------

@@ -1,4 +1,6 @@
 """Numba kernels of the CPU tier: codebook scores, tau-cumulative selection, paged gather.
+(The merge of attention partials is one function for numpy and MLX arrays:
+:func:`tiered.primitives.merge_partials`.)
 
 Notation: ``H`` kv heads, ``Hq`` query heads, ``rep = Hq // H`` (query head ``qh`` reads kv head
 ``qh // rep``), ``d`` key head_dim, ``dv`` value head_dim, ``n`` live tokens, ``g`` codebook
@@ -19,4 +21,4 @@ from .kernel_base import DTYPE_CODES, F16_TO_F32, fast_exp, fast_exp64
 from .codebook_kernels import codebook_lut, codebook_scores, codebook_encode
 from .select import Selection, tau_select
 from .paged_rows import PREFETCH_ROWS, copy_rows, spill_changes
-from .gather import gather_partial, host_store_args, merge_partials
+from .gather import gather_partial, host_store_args

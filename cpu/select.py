@@ -5,10 +5,11 @@ non-finite scores count for nothing (see :mod:`tiered.cpu.kernels` for the notat
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import numpy as np
 from numba import prange
+
+from tiered.primitives import Selection, check_select_args
 
 from ._numba import kernel
 from .kernel_base import (_AVAILABLE, _EXCLUDED, _EXP_CHUNK, _IN_UNION, _MASS_SPAN, _NBINS,
@@ -272,25 +273,15 @@ def _tau_select(z, n, exclude, tau, cap, floor, idx, count, m_out, s_out, mass_o
             mass_out[h] = acc
 
 
-class Selection(NamedTuple):
-    """Result of :func:`tau_select`.
+def tau_select(z, n, exclude, tau, cap, floor=0, *, cap_alloc=None, with_stats=False,
+               out=None):
+    """tau-cumulative selection of offloaded tokens, one union per kv head: the arguments and
+    result of :func:`tiered.metal.tau_select` (:mod:`tiered.primitives`), on numpy arrays.
 
-    idx: (H, cap_alloc) int32 selected offloaded tokens of each kv head, ascending, -1 past
-    count; count: (H,) int32; m: (Hq,) float32 max score; s: (Hq,) float32 sum of
-    exp(z - m) over all n tokens; mass: (Hq,) float32 softmax mass of the selected tokens.
-    Over finite scores only: a head without one has m = -inf, s = 0, mass = 0.
-    """
-
-    idx: np.ndarray
-    count: np.ndarray
-    m: np.ndarray
-    s: np.ndarray
-    mass: np.ndarray
-
-
-def tau_select(z, exclude, tau, cap, floor=0, *, n=None, n_kv_heads=None, cap_alloc=None,
-               out=None) -> Selection:
-    """tau-cumulative selection of offloaded tokens, one union per kv head.
+    z (Hq, >= n) float32 scores, columns >= n never read; n live tokens; exclude (H, >= n)
+    bool/uint8, nonzero: never select (names H); tau in (0, 1]; cap >= 1; floor >= 0;
+    cap_alloc: columns of idx (default max(cap, floor)); out: a previous Selection to reuse its
+    buffers. Returns (idx, count), or with_stats=True the :class:`Selection` (theta None).
 
     Per query head h: p = softmax(z[h, :n]); S_h = {j : p_j >= theta_h}, theta_h the largest t
     with sum_{p_j >= t} p_j >= tau (ties at theta all in; tau = 1 takes every token). Per kv
@@ -301,43 +292,20 @@ def tau_select(z, exclude, tau, cap, floor=0, *, n=None, n_kv_heads=None, cap_al
     Non-finite scores (NaN, +-inf) are absent: the selection is that of the same scores without
     them (a head's non-finite score of a token counts for nothing; a token without a finite
     score in any head of its group is never selected); a kv head without a finite score
-    selects nothing. Any values, no crash or hang.
-
-    z: (Hq, >= n) float32 scores; exclude: (H, >= n) bool/uint8, or None (then pass
-    n_kv_heads); tau in (0, 1]; cap >= 1; floor >= 0; cap_alloc: columns of idx (default
-    max(cap, floor)); out: a previous Selection to reuse its buffers. O(n) per head (histogram
-    passes, no full sort).
+    selects nothing. Any values, no crash or hang. O(n) per head (histogram passes, no full
+    sort).
     """
+    cap, cap_alloc = check_select_args(z.shape, int(n), exclude, tau, cap, floor, cap_alloc)
     _check("z", z, (None, None), (np.dtype(np.float32),))
-    Hq = z.shape[0]
-    n = z.shape[1] if n is None else int(n)
-    if not 0 <= n <= z.shape[1]:
-        raise ValueError(f"Invalid n: {n} (z holds {z.shape[1]} tokens)")
-    if exclude is None:
-        if n_kv_heads is None:
-            raise ValueError("tau_select needs exclude or n_kv_heads")
-        H = int(n_kv_heads)
-        exclude = np.zeros((H, 0), np.uint8)
-    else:
-        _check("exclude", exclude, (None, None), (np.dtype(np.bool_), np.dtype(np.uint8)))
-        H = exclude.shape[0]
-        if exclude.shape[1] < n:
-            raise ValueError(f"Invalid shape of exclude: expected (H, >= {n}), got {exclude.shape}")
-        exclude = np.ascontiguousarray(exclude).view(np.uint8)
-    if H < 1 or Hq % H:
-        raise ValueError(f"Invalid shape of z: {Hq} query heads is not a multiple of H = {H}")
-    if not 0.0 < tau <= 1.0:
-        raise ValueError(f"Invalid tau: {tau} (expected 0 < tau <= 1)")
-    if int(cap) < 1 or int(floor) < 0:
-        raise ValueError(f"Invalid cap/floor: cap={cap} (>= 1), floor={floor} (>= 0)")
-    cap, floor = int(cap), int(floor)
-    need = max(cap, floor)
+    _check("exclude", exclude, (None, None), (np.dtype(np.bool_), np.dtype(np.uint8)))
+    n, floor = int(n), int(floor)
+    H, Hq = exclude.shape[0], z.shape[0]
+    exclude = np.ascontiguousarray(exclude).view(np.uint8)
     if out is None:
-        cap_alloc = need if cap_alloc is None else int(cap_alloc)
         out = Selection(np.empty((H, cap_alloc), np.int32), np.empty(H, np.int32),
                         *(np.empty(Hq, np.float32) for _ in range(3)))
-    if out.idx.ndim != 2 or out.idx.shape[1] < need:
-        raise ValueError(f"Invalid shape of idx: expected (H, >= {need}), got {out.idx.shape}")
+    if out.idx.ndim != 2 or out.idx.shape[1] < cap:
+        raise ValueError(f"Invalid shape of idx: expected (H, >= {cap}), got {out.idx.shape}")
     _check_out("idx", out.idx, (H, None), np.int32)
     _check_out("count", out.count, (H,), np.int32)
     for name in ("m", "s", "mass"):
@@ -346,6 +314,7 @@ def tau_select(z, exclude, tau, cap, floor=0, *, n=None, n_kv_heads=None, cap_al
         out.idx[:] = -1
         out.count[:] = 0
         out.m[:], out.s[:], out.mass[:] = -np.inf, 0.0, 0.0
-        return out
-    _tau_select(np.ascontiguousarray(z), n, exclude, float(tau), cap, floor, *out)
-    return out
+    else:
+        _tau_select(np.ascontiguousarray(z), n, exclude, float(tau), cap, floor, out.idx,
+                    out.count, out.m, out.s, out.mass)
+    return out if with_stats else (out.idx, out.count)

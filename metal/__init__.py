@@ -7,11 +7,14 @@ kernel where the default device has one and the reference elsewhere (the CPU bac
 Importing this package builds nothing; kernels are compiled on first use.
 """
 
+from tiered.primitives import Selection
+
 from ._build import accelerator, device_floats, device_ints
 from .affine import affine_scores, affine_scores_ops
 from .codebook import codebook_lut, codebook_scores, codebook_scores_ops
 from .h2o import acc_update, acc_update_ops
-from .tau import Selection, tau_select, tau_threshold, tau_threshold_ops
+from .tau import tau_select, tau_select_ops
+from .threshold import tau_threshold, tau_threshold_ops
 
 __all__ = [
     "acc_update",
@@ -26,6 +29,7 @@ __all__ = [
     "codebook_scores",
     "codebook_scores_ops",
     "tau_select",
+    "tau_select_ops",
     "tau_threshold",
     "tau_threshold_ops",
 ]

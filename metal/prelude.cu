@@ -36,9 +36,9 @@
 #define TQ_ATOMIC_STORE(ptr, i, v) ((ptr)[(i)] = (v))
 #define TQ_INF __int_as_float(0x7f800000)
 
-// 64-bit sums for deterministic histograms (see select_common.h, tq_mass_fixed): integer adds
+// 64-bit sums for deterministic histograms (see select_mass.h, tq_mass_fixed): integer adds
 // commute exactly, so atomics give the same sums whatever order the threads arrive in. Shared
-// sums are uint32 (lo, hi) pairs (select_common.h's tq_shared_*_u64, common to both backends):
+// sums are uint32 (lo, hi) pairs (select_mass.h's tq_shared_*_u64, common to both backends):
 // on sm_90 a 64-bit shared atomicAdd compiles to a compare-and-swap loop
 // (ATOMS.CAST.SPIN.64), two 32-bit adds to native ones.
 typedef unsigned long long tq_u64;

@@ -44,10 +44,10 @@
 #define TQ_ATOMIC_LOAD(ptr, i) atomic_load_explicit(&(ptr)[(i)], memory_order_relaxed)
 #define TQ_ATOMIC_STORE(ptr, i, v) atomic_store_explicit(&(ptr)[(i)], (v), memory_order_relaxed)
 
-// 64-bit sums for deterministic histograms (see select_common.h, tq_mass_fixed): integer adds
+// 64-bit sums for deterministic histograms (see select_mass.h, tq_mass_fixed): integer adds
 // commute exactly, so atomics give the same sums whatever order the threads arrive in. Metal
 // has no 64-bit atomic add: a shared sum is a (lo, hi) pair of atomic_uint, added to by
-// select_common.h's tq_shared_add_u64, common to both backends.
+// select_mass.h's tq_shared_add_u64, common to both backends.
 typedef ulong tq_u64;
 
 inline float tq_exp(float x) {

@@ -1,5 +1,5 @@
 // Selection pass 3 of 3: the capped set per kv head, its indices and softmax mass (the work:
-// select_common.h, tq_compact_chunk).
+// select_rank.h, tq_compact_chunk).
 //
 //   k = min(clamp(kept, floor, cap), allowed). Tokens rank by class (kept first), then by
 //   lmax bin (pass 2); the boundary bin is where the ranked count reaches k. Every token

@@ -5,8 +5,8 @@
 //   from z itself where a block maximum is NaN or +inf, tq_row_max),
 //   hist[qh, c, b] = sum of exp(z_j - m) over the tokens j of chunk c with (m - z_j) / w in
 //   [b, b + 1), w = span / NB; bin NB - 1 also takes everything below m - span (a non-finite
-//   z_j adds nothing: select_common.h). Sums in fixed
-//   point (tq_mass_fixed, select_common.h): the same in every run.
+//   z_j adds nothing: select_mass.h). Sums in fixed
+//   point (tq_mass_fixed, select_mass.h): the same in every run.
 //
 // Each threadgroup writes every bin of its own row, so the launch needs no zero fill and no
 // atomics on global memory (pass 1b sums the rows).

@@ -1,6 +1,6 @@
 // Selection pass 2 of 3: per token of a kv head whether any of its REP query heads keeps it
 // (pass 1b's thresholds), its max-over-heads log-probability, and this chunk's count
-// histograms of that log-probability by class (the work: select_common.h, tq_keys_chunk).
+// histograms of that log-probability by class (the work: select_rank.h, tq_keys_chunk).
 //
 //   keep_j = any head with z >= theta; lmax_j = max over heads of (z - m - log s) <= 0;
 //   class: 2 kept, 1 allowed but not kept, 0 excluded; lbin = bin of lmax on

@@ -27,12 +27,13 @@ from tiered.metal import (
     tau_threshold_ops,
 )
 from tiered.metal.codebook import codebook_scores_and_max
-from tiered.metal.tau import BINS, PASSES, SPAN, select_bin_widths
+from tiered.metal.select_passes import select_bin_widths
+from tiered.metal.threshold import BINS, PASSES, SPAN
 
 # Relative tolerance by the dtype the arithmetic runs in (all outputs here are float32).
 TOL = {mx.float32: 1e-5, mx.float16: 1e-3, mx.bfloat16: 1e-2}
 KERNEL_TOL = 1e-4  # kernel vs reference, fp32 (different summation order)
-# The kernel's threshold may sit this far (logits) below the exact one (see tau.py).
+# The kernel's threshold may sit this far (logits) below the exact one (see threshold.py).
 THETA_SLACK = 2.0 * SPAN / BINS**PASSES
 
 needs_accel = pytest.mark.skipif(
@@ -536,7 +537,7 @@ def test_tau_select_kernel_one_launch_thresholds_equal_two(monkeypatch, n, rep):
     """Passes 1 and 1b in one launch (rows of up to SELECT_FUSED_TOKENS tokens) and in two
     (pass 1 split across threadgroups) sum the same fixed-point masses: the selections and
     their statistics are identical, bit for bit."""
-    import tiered.metal.tau as tm
+    import tiered.metal.select_passes as tm
 
     h = 2
     z = make_scores(h * rep, n, n + 5, seed=n + 1)

@@ -7,6 +7,7 @@ import pytest
 
 from tiered.cpu import HostStore
 from tiered.cpu import kernels as K
+from tiered.primitives import merge_partials
 
 SIZES = (1, 31, 33, 257, 4099)
 
@@ -213,7 +214,7 @@ def test_tau_select_distributions(n, rep, kind):
     z = _scores(kind, H * rep, n, rng)
     exclude = rng.random((H, n)) < 0.2
     for tau in (0.5, 0.9):
-        sel = K.tau_select(z, exclude, tau, cap=n, floor=0)
+        sel = K.tau_select(z, n, exclude, tau, cap=n, floor=0, with_stats=True)
         _check_selection(sel, z, exclude, tau, n, 0)
 
 
@@ -228,7 +229,7 @@ def test_tau_select_cap_floor(kind, tau, cap, floor):
     z = _scores(kind, H * rep, n, rng)
     exclude = np.zeros((H, n), bool)
     exclude[1, rng.integers(0, n, 500)] = True
-    sel = K.tau_select(z, exclude, tau, cap, floor)
+    sel = K.tau_select(z, n, exclude, tau, cap, floor, with_stats=True)
     _check_selection(sel, z, exclude, tau, cap, floor)
     if tau == 1.0:
         assert (sel.count == n - exclude.sum(1)).all()
@@ -239,21 +240,23 @@ def test_tau_select_edge_cases():
     H, rep, n = 2, 4, 257
     z = _scores("normal", H * rep, n, rng)
     # everything resident on the accelerator: nothing offloaded, statistics still over all n
-    sel = K.tau_select(z, np.ones((H, n), bool), 0.9, 64, 16)
+    sel = K.tau_select(z, n, np.ones((H, n), bool), 0.9, 64, 16, with_stats=True)
     assert (sel.count == 0).all() and (sel.idx == -1).all() and (sel.mass == 0).all()
     _check_selection(sel, z, np.ones((H, n), bool), 0.9, 64, 16)
-    # no exclusion given at all; buffers reused through out=
-    sel2 = K.tau_select(z, None, 0.9, 64, 16, n_kv_heads=H, out=sel)
+    # nothing excluded; buffers reused through out=
+    none = np.zeros((H, n), bool)
+    sel2 = K.tau_select(z, n, none, 0.9, 64, 16, out=sel, with_stats=True)
+    assert sel2.idx is sel.idx
     _check_selection(sel2, z, np.zeros((H, n), bool), 0.9, 64, 16)
     # one token; only the first n of wider buffers are read
     wide = np.concatenate([z, np.full((H * rep, 9), 1e4, np.float32)], 1)
     ex = (rng.random((H, n + 9)) < 0.3).astype(np.uint8) * 255  # any nonzero byte excludes
-    sel3 = K.tau_select(wide, ex, 0.8, 32, n=n, cap_alloc=40)
+    sel3 = K.tau_select(wide, n, ex, 0.8, 32, cap_alloc=40, with_stats=True)
     assert sel3.idx.shape == (H, 40)
     _check_selection(sel3, z, ex[:, :n] != 0, 0.8, 32, 0)
-    sel4 = K.tau_select(z[:, :1], None, 0.5, 1, n_kv_heads=H)
+    sel4 = K.tau_select(z[:, :1], 1, none, 0.5, 1, with_stats=True)
     assert (sel4.count == 1).all() and np.allclose(sel4.mass, 1.0)
-    sel5 = K.tau_select(z, None, 0.5, 4, n=0, n_kv_heads=H)  # nothing live yet
+    sel5 = K.tau_select(z, 0, none, 0.5, 4, with_stats=True)  # nothing live yet
     assert (sel5.count == 0).all() and (sel5.idx == -1).all() and np.isneginf(sel5.m).all()
 
 
@@ -262,7 +265,7 @@ def test_tau_select_large_n():
     H, rep, n = 3, 3, 65536
     z = (rng.standard_normal((H * rep, n)) * 2).astype(np.float32)
     exclude = rng.random((H, n)) < 0.05
-    sel = K.tau_select(z, exclude, 0.9, 8192, 32)
+    sel = K.tau_select(z, n, exclude, 0.9, 8192, 32, with_stats=True)
     _check_selection(sel, z, exclude, 0.9, 8192, 32)
 
 
@@ -277,7 +280,7 @@ def test_parallel_kernels_from_threads():
 
     def job(T):
         z = K.codebook_scores(P, n, T, rep)
-        return z, K.tau_select(z, exclude, 0.9, 512, 16)
+        return z, K.tau_select(z, n, exclude, 0.9, 512, 16, with_stats=True)
 
     with ThreadPoolExecutor(3) as pool:
         results = list(pool.map(job, Ts * 2))
@@ -289,13 +292,17 @@ def test_parallel_kernels_from_threads():
 def test_tau_select_validation():
     z = np.zeros((6, 10), np.float32)
     with pytest.raises(ValueError, match="Invalid tau"):
-        K.tau_select(z, None, 0.0, 4, n_kv_heads=2)
+        K.tau_select(z, 10, np.zeros((2, 10), bool), 0.0, 4)
     with pytest.raises(ValueError, match="multiple"):
-        K.tau_select(z, np.zeros((4, 10), bool), 0.5, 4)
+        K.tau_select(z, 10, np.zeros((4, 10), bool), 0.5, 4)
     with pytest.raises(ValueError, match="Invalid shape of exclude"):
-        K.tau_select(z, np.zeros((2, 5), bool), 0.5, 4)
+        K.tau_select(z, 10, np.zeros((2, 5), bool), 0.5, 4)
     with pytest.raises(ValueError, match="Invalid dtype of z"):
-        K.tau_select(z.astype(np.float64), None, 0.5, 4, n_kv_heads=2)
+        K.tau_select(z.astype(np.float64), 10, np.zeros((2, 10), bool), 0.5, 4)
+    with pytest.raises(ValueError, match="Invalid exclude"):
+        K.tau_select(z, 10, None, 0.5, 4)
+    with pytest.raises(ValueError, match="Invalid n"):
+        K.tau_select(z, 11, np.zeros((2, 11), bool), 0.5, 4)
 
 
 # ---- (c) gather + partial attention -------------------------------------------------------------
@@ -467,7 +474,7 @@ def test_merge_partials_equals_union(split, dtype):
             idx[k, :mine.size] = mine
             count[k] = mine.size
         parts.append(_run_partial(store, 0, q, z, idx, count, rep, True))
-    o, lse = K.merge_partials(*parts[0], *parts[1])
+    o, lse = merge_partials(*parts[0], *parts[1])
     for qh in range(H * rep):
         k = qh // rep
         tok = union[k, :counts[k]]

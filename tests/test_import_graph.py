@@ -26,12 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH_ONLY = ("matplotlib",)  # the "bench" extra of pyproject.toml
 
 # Edges left out of the check until their owner removes the cycle. Each entry must say why.
-ALLOWED_EDGES: dict[tuple[str, str], str] = {
-    # TEMPORARY (issue 23): metal/tau.py imports metal/persist.py inside tau_select (persist
-    # imports tau's constants and Selection); the metal owner is renaming and restructuring
-    # metal/persist.py. Remove this entry when that lands: the test must pass without it.
-    ("tiered.metal.tau", "tiered.metal.persist"): "metal/tau.py <-> metal/persist.py",
-}
+ALLOWED_EDGES: dict[tuple[str, str], str] = {}
 
 
 def _toml_packages(text: str) -> tuple[list[str], dict[str, str]]:

@@ -13,6 +13,8 @@ fail.
 
 from __future__ import annotations
 
+import contextlib
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -30,7 +32,7 @@ from test_accel_kernels import (
     np_affine_scores,
     np_codebook_scores,
 )
-from tiered.metal import affine, codebook, h2o, tau
+from tiered.metal import affine, codebook, h2o, select_passes, tau, threshold
 from tiered.metal._build import METAL_SHARED_BYTES
 
 pytestmark = pytest.mark.skipif(
@@ -42,7 +44,7 @@ SIZES = [31, 33, 4099]
 # The selection passes also at SELECT_FUSED_TOKENS, the longest row Metal selects with one
 # launch of passes 1 and 1b: chunks of 4096 tokens, so pass 3 scans all 8 warps of a
 # threadgroup, in two rounds.
-SELECT_SIZES = SIZES + [tau.SELECT_FUSED_TOKENS]
+SELECT_SIZES = SIZES + [select_passes.SELECT_FUSED_TOKENS]
 REPS = [1, 4, 8]
 DIMS = [64, 128]
 H = 2  # kv heads
@@ -76,13 +78,44 @@ class MetalOnCpu:
         return [mx.array(o) for o in run.outputs]
 
 
+# The modules of tiered.metal that pick a backend (resolve_backend) or launch a kernel (launch).
+KERNEL_MODULES = (affine, codebook, h2o, threshold, tau, select_passes)
+
+
+def _metal_dispatch(backend: MetalOnCpu):
+    """(module, name, value) of every replacement that sends tiered.metal's kernels to backend."""
+    def resolve(use_kernel, name):
+        return None if use_kernel is False else "metal"
+
+    return [(module, name, value) for module in KERNEL_MODULES
+            for name, value in (("launch", backend.launch), ("resolve_backend", resolve))
+            if hasattr(module, name)]
+
+
+@contextlib.contextmanager
+def metal_on_cpu(fused_tokens: int | None = None):
+    """tiered.metal dispatching to Metal, its launches run by the executor (a MetalOnCpu,
+    yielded); fused_tokens replaces select_passes.SELECT_FUSED_TOKENS (0: passes 1 and 1b in
+    two launches). For code outside a test function (a child process); tests take the fixture."""
+    backend = MetalOnCpu()
+    swaps = _metal_dispatch(backend)
+    if fused_tokens is not None:
+        swaps.append((select_passes, "SELECT_FUSED_TOKENS", fused_tokens))
+    saved = [(module, name, getattr(module, name)) for module, name, _ in swaps]
+    for module, name, value in swaps:
+        setattr(module, name, value)
+    try:
+        yield backend
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
 @pytest.fixture
 def metal(monkeypatch):
     backend = MetalOnCpu()
-    for module in (affine, codebook, h2o, tau):
-        monkeypatch.setattr(module, "launch", backend.launch)
-        monkeypatch.setattr(module, "resolve_backend",
-                            lambda use_kernel, name: None if use_kernel is False else "metal")
+    for module, name, value in _metal_dispatch(backend):
+        monkeypatch.setattr(module, name, value)
     return backend
 
 
@@ -155,7 +188,7 @@ def test_affine_scores(metal, n, rep, d, bits, group_size, dtype):
 # ----------------------------------------------------------------------------- selection
 def check_threshold(n, rep, tau_):
     z = make_scores(H * rep, n, n + 5, seed=n + rep)
-    assert_kernel_threshold(z, n, tau_, *tau.tau_threshold(z, n, tau_, use_kernel=True))
+    assert_kernel_threshold(z, n, tau_, *threshold.tau_threshold(z, n, tau_, use_kernel=True))
 
 
 @pytest.mark.parametrize("tau_", [0.5, 0.9, 1.0])
@@ -163,7 +196,7 @@ def check_threshold(n, rep, tau_):
 @pytest.mark.parametrize("n", SELECT_SIZES)
 def test_tau_threshold(metal, n, rep, tau_):
     check_threshold(n, rep, tau_)
-    assert [name for name, *_ in metal.launches] == [tau.TAU_SPEC.name]
+    assert [name for name, *_ in metal.launches] == [threshold.TAU_SPEC.name]
 
 
 # (cap, floor, tau, exclude dtype): the cap cutting through the kept set, a floor above it.
@@ -192,7 +225,8 @@ def test_tau_select_one_launch_thresholds(metal, n, rep, cap, floor, tau_, ex_dt
     SELECT_FUSED_TOKENS tokens), then tau_keys.h and tau_compact.h."""
     check_selection(n, rep, cap, floor, tau_, ex_dtype)
     names = [name for name, *_ in metal.launches]
-    assert names == [tau.HIST_THETA_SPEC.name, tau.KEYS_SPEC.name, tau.COMPACT_SPEC.name]
+    assert names == [select_passes.HIST_THETA_SPEC.name, select_passes.KEYS_SPEC.name,
+                     select_passes.COMPACT_SPEC.name]
 
 
 @pytest.mark.parametrize("rep", REPS)
@@ -203,12 +237,12 @@ def test_tau_select_two_launch_thresholds(metal, monkeypatch, n, rep):
     selection bit for bit (the same fixed-point sums)."""
     args = (n, rep) + SELECTIONS[0]
     one = check_selection(*args)
-    monkeypatch.setattr(tau, "SELECT_FUSED_TOKENS", 0)
+    monkeypatch.setattr(select_passes, "SELECT_FUSED_TOKENS", 0)
     metal.launches.clear()
     two = check_selection(*args)
     names = [name for name, *_ in metal.launches]
-    assert names == [tau.HIST_SPEC.name, tau.THETA_SPEC.name, tau.KEYS_SPEC.name,
-                     tau.COMPACT_SPEC.name]
+    assert names == [select_passes.HIST_SPEC.name, select_passes.THETA_SPEC.name,
+                     select_passes.KEYS_SPEC.name, select_passes.COMPACT_SPEC.name]
     for field in ("idx", "count", "m", "s", "theta", "mass"):
         np.testing.assert_array_equal(np.asarray(getattr(one, field)),
                                       np.asarray(getattr(two, field)), err_msg=field)
@@ -232,13 +266,13 @@ def test_acc_update(metal, n, rep):
 
 # ----------------------------------------------------------------------------- schedules
 def test_selection_is_the_same_in_every_schedule(metal):
-    """The passes' sums that decide the selection are order-independent (select_common.h):
+    """The passes' sums that decide the selection are order-independent (select_mass.h):
     the threads of each threadgroup run in other orders (and threadgroups on other workers),
     and every output is the same, bit for bit."""
     runs = []
     for seed in (0, 1, 2):
         metal.seed = seed
-        runs.append(select(tau.SELECT_FUSED_TOKENS, 4, *SELECTIONS[1])[2])
+        runs.append(select(select_passes.SELECT_FUSED_TOKENS, 4, *SELECTIONS[1])[2])
     for other in runs[1:]:
         for field in ("idx", "count", "m", "s", "theta", "mass"):
             np.testing.assert_array_equal(np.asarray(getattr(runs[0], field)),
@@ -261,7 +295,8 @@ PLANTS = {
     "tq_block_scan: a warp's total from lane 30": (
         "if (lane == TQ_SIMD - 1) {\n      red[warp * R + r] = inc;",
         "if (lane == TQ_SIMD - 2) {\n      red[warp * R + r] = inc;",
-        lambda: check_selection(tau.SELECT_FUSED_TOKENS, 4, 100000, 0, 0.99, mx.bool_),
+        lambda: check_selection(select_passes.SELECT_FUSED_TOKENS, 4, 100000, 0, 0.99,
+                                mx.bool_),
     ),
     "tq_boundary: the running sum from lane k + 1": (
         "tq_warp_max(lane == k ? inc - part : -TQ_INF)",

@@ -22,14 +22,15 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tiered.metal import persist
+from tiered.metal import persistent
 from tiered.metal._build import KernelSpec
 from tiered.metal.affine import AFFINE_SPEC, affine_launch
 from tiered.metal.codebook import CODEBOOK_SPEC, codebook_launch
 from tiered.metal.h2o import ACC_SPEC, acc_launch
-from tiered.metal.tau import (COMPACT_SPEC, HIST_SPEC, HIST_THETA_SPEC, KEYS_SPEC, LMAX_BINS,
-                              TAU_SPEC, THETA_SPEC, hist_theta_launch, rank_launches,
-                              tau_launch, threshold_launches)
+from tiered.metal.select_passes import (COMPACT_SPEC, HIST_SPEC, HIST_THETA_SPEC, KEYS_SPEC,
+                                        LMAX_BINS, THETA_SPEC, hist_theta_launch, rank_launches,
+                                        threshold_launches)
+from tiered.metal.threshold import TAU_SPEC, tau_launch
 
 from metal_wrap import METAL_TYPES, metal_source
 
@@ -197,18 +198,19 @@ def _plans(backend: str):
         plan = affine_launch(q, wq, sc, sc, 33, rep=rep, group_size=gs, bits=bits)
         out.append((f"affine-d{d}-b{bits}-gs{gs}-{sdt}", AFFINE_SPEC, plan))
     out.append(("tau", TAU_SPEC, tau_launch(mx.zeros((8, 40)), 33, 0.9, backend=backend)))
-    if backend == "cuda":  # the persistent kernels exist for CUDA only (persist.py)
+    if backend == "cuda":  # the persistent kernels exist for CUDA only (persistent.py)
         for rep, hr, ex_dtype in [(4, 4, mx.bool_), (3, 3, mx.uint8), (8, 4, mx.bool_)]:
             z, ex = mx.zeros((2 * rep, 40)), mx.zeros((2, 40), dtype=ex_dtype)
-            grid = persist.Grid(chunk=17, blocks=2, hr=hr, smem=131072, groups=3)
-            out.append((f"tau-persist-rep{rep}", persist.PERSIST_SPEC, persist._select_launch(
-                [z, mx.zeros((2 * rep, 3))], [("REP", rep)], grid, 33, 2, rep, 40, 3, ex, 0.9,
-                16, 4, 16, stamps=rep == 4)))
+            grid = persistent.Grid(chunk=17, blocks=2, hr=hr, smem=131072, groups=3)
+            out.append((f"tau-persistent-rep{rep}", persistent.PERSISTENT_SPEC,
+                        persistent._select_launch(
+                            [z, mx.zeros((2 * rep, 3))], [("REP", rep)], grid, 33, 2, rep, 40, 3,
+                            ex, 0.9, 16, 4, 16, stamps=rep == 4)))
         for g, rep, half in [(16, 4, True), (8, 4, False), (16, 3, True)]:  # tables <= 48 KB
             q, cb = mx.zeros((2 * rep, g * 4)), mx.zeros((2, 1, 256, 4))
-            grid = persist.Grid(chunk=17, blocks=2, hr=rep, smem=131072, groups=3)
+            grid = persistent.Grid(chunk=17, blocks=2, hr=rep, smem=131072, groups=3)
             out.append((f"codebook-select-g{g}-rep{rep}" + ("-half" if half else ""),
-                        persist.FUSED_SPEC, persist.fused_plan(
+                        persistent.FUSED_SPEC, persistent.fused_plan(
                             q, cb, _codes(2, 40, g, mx.uint8), 33, mx.zeros((2, 40), mx.bool_),
                             0.9, 16, 4, 16, rep=rep, lut_half=half, grid=grid)))
     for rep, ex_dtype in [(4, mx.bool_), (1, mx.uint8), (8, mx.bool_)]:

@@ -297,7 +297,7 @@ def merge_cases():
     +inf lse; as rows of one call (dv = 2)."""
     import warnings
 
-    from tiered.cpu import kernels as K
+    from tiered.primitives import merge_partials
 
     inf, nan = np.inf, np.nan
     o1 = np.array([[0, 0], [1, 2], [1, 2], [nan, 1], [1, 1]], np.float32)
@@ -306,7 +306,7 @@ def merge_cases():
     lse2 = np.array([-inf, 1.0, 1.0, 0.5, 0.0], np.float32)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # numpy's floating-point warnings must not escape
-        return K.merge_partials(o1, lse1, o2, lse2)
+        return merge_partials(o1, lse1, o2, lse2)
 
 
 def test_merge_partials(child):

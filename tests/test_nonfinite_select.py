@@ -5,7 +5,7 @@ hangs.
 Implementations: the Numba kernel (tiered.cpu), the MLX-ops reference, and the Metal kernels on
 the CPU executor (tests/metal_exec) with passes 1 and 1b in one launch or two, with MLX's block
 maxima (a NaN or +inf among them makes the kernels re-read the row) or finite ones. The
-persistent CUDA kernel shares its passes' bodies (select_common.h) and cannot run here. The
+persistent CUDA kernel shares its passes' bodies (select_*.h) and cannot run here. The
 threshold alone (tau_threshold: the sorting reference, and its own kernel tau_threshold.h on the
 executor) gives the statistics and threshold of each row's finite scores.
 
@@ -20,8 +20,6 @@ for tau = 1 the other head keeps the token anyway). Each case runs in a child pr
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import numpy as np
 import pytest
@@ -90,33 +88,15 @@ def finite_block_max(z, block=ZMAX_BLOCK):
 
 
 # ---- the implementations (run in the child) ----------------------------------------------------
-@contextlib.contextmanager
-def metal_on_cpu(fused_tokens=None):
-    """tiered.metal.tau dispatching to Metal, its launches run by the CPU executor."""
-    from test_metal_exec_kernels import MetalOnCpu
-
-    from tiered.metal import tau
-
-    backend = MetalOnCpu()
-    saved = tau.launch, tau.resolve_backend, tau.SELECT_FUSED_TOKENS
-    tau.launch = backend.launch
-    tau.resolve_backend = lambda use_kernel, name: None if use_kernel is False else "metal"
-    if fused_tokens is not None:
-        tau.SELECT_FUSED_TOKENS = fused_tokens
-    try:
-        yield backend
-    finally:
-        tau.launch, tau.resolve_backend, tau.SELECT_FUSED_TOKENS = saved
-
-
 def run_select(impl, z, exclude, tau_, cap, floor):
     """The selection of impl as numpy arrays: idx, count, m, s, mass (and theta, Metal)."""
     if impl == "numba":
         from tiered.cpu import kernels as K
 
-        sel = K.tau_select(z, exclude, tau_, cap, floor)
-        return dict(sel._asdict())
+        sel = K.tau_select(z, z.shape[1], exclude, tau_, cap, floor, with_stats=True)
+        return {k: v for k, v in sel._asdict().items() if v is not None}
     import mlx.core as mx
+    from test_metal_exec_kernels import metal_on_cpu
 
     from tiered.metal import tau
 
@@ -171,14 +151,15 @@ def run_threshold(impl, z, tau_):
     """(m, s, theta) of tau_threshold: the sorting reference ("mlx-ops") or tau_threshold.h
     ("metal", on the executor), as numpy arrays."""
     import mlx.core as mx
+    from test_metal_exec_kernels import metal_on_cpu
 
-    from tiered.metal import tau
+    from tiered.metal import threshold
 
     if impl == "mlx-ops":
-        out = tau.tau_threshold(mx.array(z), z.shape[1], tau_, use_kernel=False)
+        out = threshold.tau_threshold(mx.array(z), z.shape[1], tau_, use_kernel=False)
     else:
         with metal_on_cpu():
-            out = tau.tau_threshold(mx.array(z), z.shape[1], tau_, use_kernel=True)
+            out = threshold.tau_threshold(mx.array(z), z.shape[1], tau_, use_kernel=True)
             mx.eval(*out)
     return tuple(np.array(a) for a in out)
 

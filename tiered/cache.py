@@ -38,6 +38,7 @@ from .cache_protocol import CacheProtocol
 from .config import TieredConfig
 from .context import SharedContext
 from .exact_phase import ExactPhase
+from .geometry import Geometry
 from .host_tier import HostTier
 from .integration import is_installed, loadable
 from .report import LayerReport
@@ -82,7 +83,7 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
         self.host: HostStore | None = None
         self._pending: list[tuple[mx.array, mx.array]] = []  # write-behind queue
         self._pending_tokens = 0
-        self._geometry = None  # (B, H, dk, dv, dtype)
+        self._geometry: Geometry | None = None  # set by the first keys
         self.compressed = None  # tiered.compressed.CompressedLayer once compressed
         self._obs = None  # the last queries before compression (they seed the heavy hitters)
         self._colmass = None  # attention mass per key over the prompt (H2O seed)
@@ -116,8 +117,7 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
                 if not self.config.exact and self.exact_reason is None:
                     self._require_routing()  # it may compress at any step: attention must reach it
                 if first:
-                    self._geometry = (keys.shape[0], keys.shape[1], keys.shape[3],
-                                      values.shape[3], keys.dtype)
+                    self._geometry = Geometry.of_tensors(keys, values)
                 self._check_room(L)
                 self._preflight(L)
                 out = self._append_exact(keys, values)
@@ -147,7 +147,7 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
             raise ValueError(f"layer {self.layer} evicts tokens (method 'h2o'): its full keys "
                              "and values no longer exist")
         self._flush()
-        _, _, _, _, dtype = self._geometry
+        dtype = self._geometry.dtype
         return (self.host.lazy_tokens("keys").astype(dtype)[None],
                 self.host.lazy_tokens("values").astype(dtype)[None])
 
@@ -261,15 +261,15 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
         if self.exact_reason is not None or self.config.exact:
             return
         why = contract.violation(queries, keys, values, mask, self._returned)
-        if why is None and keys.shape[1] != self._geometry[1]:
+        if why is None and keys.shape[1] != self._geometry.kv_heads:
             perm = contract.head_order(keys, new[0], queries.shape[1])
             if perm is None:
                 why = (f"attention reads {keys.shape[1]} key heads that are not copies of the "
-                       f"{self._geometry[1]} stored ones")
+                       f"{self._geometry.kv_heads} stored ones")
             elif self.head_perm is None:
                 self.head_perm = perm
-        if why is None and self._geometry[0] != 1:
-            why = f"batch of {self._geometry[0]} sequences: compression serves one"
+        if why is None and self._geometry.batch != 1:
+            why = f"batch of {self._geometry.batch} sequences: compression serves one"
         if why is not None:
             self.exact_reason = why
             self._obs = self._colmass = None

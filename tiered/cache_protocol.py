@@ -54,7 +54,7 @@ class CacheProtocol:
                 views.append(c)
                 continue
             c._require_open()
-            if c._geometry is not None and (c.phase != "exact" or c._geometry[0] != 1):
+            if c._geometry is not None and (c.phase != "exact" or c._geometry.batch != 1):
                 raise ValueError(
                     f"layer {c.layer} holds {c.offset} tokens compressed: batched generation "
                     "(BatchGenerator) merges caches, which only exact-phase TieredCaches "
@@ -65,7 +65,7 @@ class CacheProtocol:
 
     def extract(self, idx: int):
         """The cache of sequence ``idx`` (a TieredCache holds one: idx 0, an independent copy)."""
-        B = 1 if self._geometry is None else self._geometry[0]
+        B = 1 if self._geometry is None else self._geometry.batch
         if B != 1 or idx != 0:
             raise ValueError(f"Invalid idx {idx}: this TieredCache holds {B} sequence(s); "
                              "extract works on single-sequence caches (idx 0)")

@@ -45,8 +45,8 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         self.parent = parent
         self.config = parent.config
         self.plan = plan
-        B, H, dk, dv, dtype = parent._geometry
-        self.H, self.dk, self.dv, self.dtype = H, dk, dv, dtype
+        g = parent._geometry
+        self.H, self.dk, self.dv, self.dtype = g.kv_heads, g.k_dim, g.v_dim, g.dtype
         self.numpy_path = ops.numpy_path(self.config)
         self.keys = keys_store
         self.n = 0  # live tokens
@@ -301,7 +301,8 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
 
 
 def make_key_store(parent, plan: Plan, codebook, capacity: int):
-    B, H, dk, dv, dtype = parent._geometry
+    g = parent._geometry
+    H, dk, dtype = g.kv_heads, g.k_dim, g.dtype
     if plan.codec == "affine":
         return AffineKeys(H, dk, plan.affine_bits, plan.affine_group_size, parent.config.rotate,
                           parent.config.seed + parent.layer, plan.step, dtype)

@@ -32,9 +32,8 @@ class CompressedState:
         mx.eval(q, s_r)
         z = self._scores_with_resident(q, np.array(q), s_r, rep)
         cap, floor = self._cap(self.n)
-        _, _, m, ssum, _ = ops.select(z, self._flags_np[:, : self.n], self.config.tau, cap,
-                                      floor, rep)
-        return z, m, ssum
+        sel = ops.select(z, self.n, self._flags_np, self.config.tau, cap, floor)
+        return z, sel.m, sel.s
 
     def _scores_with_resident(self, q, q_np, s_r, rep):
         """numpy scores (Hq, n) from the codes, the resident tokens' replaced by their exact
@@ -103,7 +102,8 @@ class CompressedState:
         plan = parent.context.adopt_plan(st["plan"])
         n = int(st["n"])
         cap = capacity(n, plan.step)
-        B, H, dk, dv, dtype = parent._geometry
+        g = parent._geometry
+        H, dk, dtype = g.kv_heads, g.k_dim, g.dtype
         ks = st["keys"]
         if ks["kind"] == "affine":
             store = AffineKeys.from_state(ks, H, dk, plan.affine_bits, plan.affine_group_size,

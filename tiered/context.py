@@ -13,7 +13,8 @@ from . import layout
 from .codecs import (CalibrationKey, calibrate, load_calibration, model_fingerprint,
                      save_calibration, train_codebook)
 from .cpu.disk import HostBudget
-from .planner import Geometry, Plan, make_plan
+from .geometry import Geometry
+from .planner import Plan, make_plan
 from .scheduler import Scheduler
 
 
@@ -138,12 +139,12 @@ class SharedContext:
     def geometry_for(self, layer) -> Geometry:
         """The budget's geometry from a layer's real keys (its batch counts as heads: the
         exact layout of B sequences holds B times the bytes)."""
-        B, H, dk, dv, dtype = layer._geometry
+        g = layer._geometry
         if self.model_geometry is not None and self.q_heads is None:
             q = self.model_geometry.q_heads
         else:
-            q = self.q_heads or H
-        return Geometry(self.layers, H * B, q * B, dk, dv, dtype.size)
+            q = self.q_heads or g.kv_heads
+        return g.for_budget(self.layers, q)
 
     def check_budget(self):
         """Refuse, before any work, a budget no length can meet (model geometry known)."""

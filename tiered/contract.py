@@ -40,7 +40,8 @@ def _check_kv(name: str, x: Any) -> None:
 
 def check_update(keys, values, geometry) -> None:
     """ValueError naming what is wrong unless ``keys``/``values`` (B, H, L, d) can be appended
-    to a cache holding ``geometry`` (B, H, dk, dv, dtype; None: an empty cache takes any)."""
+    to a cache holding ``geometry`` (a :class:`tiered.geometry.Geometry`; None: an empty cache
+    takes any)."""
     _check_kv("keys", keys)
     _check_kv("values", values)
     if keys.shape[:3] != values.shape[:3]:
@@ -52,17 +53,18 @@ def check_update(keys, values, geometry) -> None:
         raise ValueError(f"Invalid dtype of values: {values.dtype} differs from keys {keys.dtype}")
     if keys.shape[2] == 0:
         raise ValueError("Invalid shape of keys: zero tokens")
-    if geometry is not None:
-        B, H, dk, dv, dtype = geometry
+    g = geometry
+    if g is not None:
         got = (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3])
-        if got != (B, H, dk, dv):
+        if got != (g.batch, g.kv_heads, g.k_dim, g.v_dim):
             raise ValueError(
-                f"Invalid shape of keys/values: this cache holds batch={B}, kv_heads={H}, "
-                f"head_dim={dk}/{dv}; got keys {tuple(keys.shape)}, values "
-                f"{tuple(values.shape)}"
+                f"Invalid shape of keys/values: this cache holds batch={g.batch}, "
+                f"kv_heads={g.kv_heads}, head_dim={g.k_dim}/{g.v_dim}; got keys "
+                f"{tuple(keys.shape)}, values {tuple(values.shape)}"
             )
-        if keys.dtype != dtype:
-            raise ValueError(f"Invalid dtype of keys: this cache holds {dtype}, got {keys.dtype}")
+        if keys.dtype != g.dtype:
+            raise ValueError(f"Invalid dtype of keys: this cache holds {g.dtype}, got "
+                             f"{keys.dtype}")
 
 
 def mla_reason(layer) -> str | None:

@@ -13,6 +13,7 @@ import numpy as np
 from tiered import metal
 
 from . import ops
+from .primitives import merge_partials
 
 
 class DecodePaths:
@@ -39,10 +40,11 @@ class DecodePaths:
 
     def _finish(self, queries, o_r, lse_r, o_c, lse_c, count, sinks, t0):
         Hq = queries.shape[1]
-        o, lse = ops.merge(o_r, lse_r, o_c, lse_c)
         if sinks is not None:
-            o, lse = ops.merge(o, lse, np.zeros_like(o), np.array(sinks, np.float32).reshape(Hq))
-        resident_mass = float(np.mean(np.exp(lse_r - ops.logaddexp(lse_r, lse_c))))
+            sinks = np.array(sinks, np.float32).reshape(Hq)
+        o, lse = merge_partials(o_r, lse_r, o_c, lse_c, sinks)
+        with np.errstate(invalid="ignore"):  # both partials empty: NaN, as before
+            resident_mass = float(np.mean(np.exp(lse_r - lse)))
         if self._update:
             self._step_done(float(np.mean(count)), resident_mass)
         self.parent.stats.last_step_s = time.perf_counter() - t0
@@ -75,7 +77,8 @@ class DecodePaths:
         q_np = np.array(q)
         z = self._scores_with_resident(q, q_np, s_r, rep)
         cap, floor = self._cap(n)
-        idx, count, m, ssum, _ = ops.select(z, self._flags_np[:, :n], cfg.tau, cap, floor, rep)
+        sel = ops.select(z, n, self._flags_np, cfg.tau, cap, floor)
+        idx, count = sel.idx, sel.count
         marks.append(("select", time.perf_counter()))
         self._check_pages(idx, count)
         handle = ops.submit_gather(self.parent.scheduler, self.parent.layer, q_np, z, idx, count,
@@ -87,7 +90,7 @@ class DecodePaths:
         if self._update:
             self.journal.record(n, "step", (n, q, rep, self.steps))
             if self._acc_np is not None:
-                ops.acc_update(self._acc_np, z, m, ssum, rep, n, cfg.ema_alpha)
+                ops.acc_update(self._acc_np, z, sel.m, sel.s, rep, n, cfg.ema_alpha)
         marks.append(("resident", time.perf_counter()))
         o_c, lse_c = ops.wait_gather(handle, marks[-1][1] - t_acc)
         marks.append(("wait", time.perf_counter()))
@@ -120,14 +123,11 @@ class DecodePaths:
         return z, sel
 
     def _combine(self, o_r, lse_r, o_c, lse_c, sinks, Hq: int):
-        """Exact merge of two partials (Hq, dv) / (Hq,) on the device, and the sink logit."""
-        lse = mx.logaddexp(lse_r, lse_c)
-        lse = mx.where(mx.isfinite(lse), lse, 0)
-        o = o_r * mx.exp(lse_r - lse)[:, None] + o_c * mx.exp(lse_c - lse)[:, None]
-        if sinks is not None:  # a learned sink logit per head joins the softmax with no value
-            s_sink = mx.array(sinks).astype(mx.float32).reshape(Hq)
-            o = o * mx.sigmoid(lse - s_sink)[:, None]
-        return o, lse
+        """:func:`tiered.primitives.merge_partials` of two partials (Hq, dv) / (Hq,) on the
+        device, with the model's sink logits (any array or None) as (Hq,) float32."""
+        if sinks is not None:
+            sinks = mx.array(sinks).astype(mx.float32).reshape(Hq)
+        return merge_partials(o_r, lse_r, o_c, lse_c, sinks)
 
     def _end_step(self, queries, o, resident_mass, mean_count, marks):
         """Stats, the periodic H2O refresh, and the output (1, Hq, 1, dv) in the query dtype.

@@ -21,6 +21,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .device_decode import CHUNK, DeviceTables, _mx_dtype
+from .primitives import merge_partials
 
 _GATHER_KV = r"""
     // grid.y selects the tensor (0 keys, 1 values); one thread per 16-byte word of its out
@@ -151,7 +152,7 @@ _MERGE = r"""
         O += po[at * D + e] * c;
         if (s < NSR) Lr += pl[at] * expf(mm - Mr);
     }
-    const float lse = L > 0.f ? M + logf(L) : 0.f;  // 0 when nothing is attended (as _combine)
+    const float lse = L > 0.f ? M + logf(L) : 0.f;  // 0 when nothing is attended (unused then)
     float o = L > 0.f ? O / L : 0.f;
     if (HAS_SINK) o *= 1.f / (1.f + expf(sink[qh] - lse));
     out[(uint64_t)qh * D + e] = static_cast<OutT>(o);
@@ -248,7 +249,8 @@ def attend(q, rk, rv, rtok, gk, gv, ok, sinks, out_dtype):
 
 
 def attend_ops(q, rk, rv, rtok, gk, gv, ok, sinks, out_dtype):
-    """:func:`attend` with MLX ops (the reference)."""
+    """:func:`attend` with MLX ops (the reference): two exact partials and
+    :func:`tiered.primitives.merge_partials`."""
     Hq, D = q.shape
     H = rk.shape[0]
     rep = Hq // H
@@ -263,10 +265,8 @@ def attend_ops(q, rk, rv, rtok, gk, gv, ok, sinks, out_dtype):
 
     o_r, lse_r = partial(rk, rv, rtok >= 0)
     o_g, lse_g = partial(gk, gv, ok)
-    lse = mx.logaddexp(lse_r, lse_g)
-    lse = mx.where(mx.isfinite(lse), lse, 0)
-    o = o_r * mx.exp(lse_r - lse)[:, None] + o_g * mx.exp(lse_g - lse)[:, None]
-    if sinks is not None:
-        o = o * mx.sigmoid(lse - mx.array(sinks).astype(mx.float32).reshape(Hq))[:, None]
+    sink = None if sinks is None else mx.array(sinks).astype(mx.float32).reshape(Hq)
+    o, lse = merge_partials(o_r, lse_r, o_g, lse_g, sink)
     count = mx.repeat(ok.sum(axis=1), rep).astype(mx.float32)
-    return o.astype(out_dtype), mx.stack([count, mx.exp(lse_r - lse)], axis=1)
+    share = mx.where(lse_r > -mx.inf, mx.exp(lse_r - lse), 0.0)  # as the kernel: 0 if none
+    return o.astype(out_dtype), mx.stack([count, share], axis=1)

@@ -26,8 +26,8 @@ class H2OBaselineLayer:
 
     def __init__(self, parent, plan: Plan):
         self.parent, self.plan, self.config = parent, plan, parent.config
-        B, H, dk, dv, dtype = parent._geometry
-        self.H, self.dk, self.dv, self.dtype = H, dk, dv, dtype
+        g = parent._geometry
+        self.H, self.dk, self.dv, self.dtype = g.kv_heads, g.k_dim, g.v_dim, g.dtype
         self.S, self.W = plan.sinks, plan.recent
         self.n = 0  # tokens seen (the RoPE position of the next one)
         self.steps = 0

@@ -69,13 +69,14 @@ class HostTier:
     def _new_host(self, n: int = 0) -> HostStore:
         """Host pages for this layer; blocks sized to the tokens it holds now (a power of two
         of pages, up to 16): a short context does not take 16 pages per layer."""
-        B, H, dk, dv, _ = self._geometry
+        g = self._geometry
         host = self.config.host
         pages = max(1, -(-n // host.page_size))
         ppb = min(MAX_PAGES_PER_BLOCK, 1 << (pages - 1).bit_length())
         return HostStore(
-            H, dk, value_dim=dv, page_size=host.page_size, dtype=host.host_dtype,
-            keys=host.host_keys, batch=B, pages_per_block=ppb, budget=self.context.host_budget,
+            g.kv_heads, g.k_dim, value_dim=g.v_dim, page_size=host.page_size,
+            dtype=host.host_dtype, keys=host.host_keys, batch=g.batch, pages_per_block=ppb,
+            budget=self.context.host_budget,
             disk_dir=host.disk_dir, disk_budget=self.context.disk_budget,
             name=f"layer{self.layer}",
         )

@@ -27,6 +27,7 @@ from . import state_checks as checks
 from .compressed import CompressedLayer
 from .config import TieredConfig
 from .context import SharedContext
+from .geometry import Geometry
 from .h2o_baseline import H2OBaselineLayer
 from .snapshot import SnapshotError
 
@@ -38,10 +39,18 @@ EXPECTED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("tiered_e
 
 
 def _geometry_json(layer):
+    """A layer's geometry as the state stores it: [B, H, dk, dv, dtype name] (or None)."""
     if layer._geometry is None:
         return None
-    B, H, dk, dv, dtype = layer._geometry
-    return [B, H, dk, dv, str(dtype).split(".")[-1]]
+    g = layer._geometry
+    return [g.batch, g.kv_heads, g.k_dim, g.v_dim, str(g.dtype).split(".")[-1]]
+
+
+def _geometry_of(stored) -> Geometry:
+    """The layer geometry of a state's [B, H, dk, dv, dtype name] (checked before)."""
+    B, H, dk, dv, name = stored
+    dtype = getattr(mx, name)
+    return Geometry(1, int(H), None, int(dk), int(dv), dtype.size, batch=int(B), dtype=dtype)
 
 
 def meta_of(layer) -> str:
@@ -124,9 +133,8 @@ def _restore(layer, st, context=None):
         layer._returned = tuple(tuple(s) for s in meta["returned"])
     if meta["geometry"] is None:
         return layer
-    B, H, dk, dv, dtype = meta["geometry"]
-    dtype = getattr(mx, dtype)
-    layer._geometry = (int(B), int(H), int(dk), int(dv), dtype)
+    layer._geometry = _geometry_of(meta["geometry"])
+    dtype = layer._geometry.dtype
     arrays = arrays or {}
     checks.need(isinstance(arrays, dict), "arrays is not a mapping")
     if meta["phase"] == "exact":
@@ -176,9 +184,8 @@ def _restore_v1(layer, st: dict, context=None):
     layer.__init__(config, layer=int(st["layer"]), context=ctx)
     if "geometry" not in st:
         return layer
-    B, H, dk, dv, dtype = st["geometry"]
-    dtype = getattr(mx, dtype)
-    layer._geometry = (int(B), int(H), int(dk), int(dv), dtype)
+    layer._geometry = _geometry_of(st["geometry"])
+    dtype = layer._geometry.dtype
     if st["phase"] == "exact":
         layer._append_exact(st["keys"].astype(dtype), st["values"].astype(dtype))
         layer._obs = st.get("obs")

@@ -25,7 +25,8 @@ from __future__ import annotations
 import dataclasses
 
 from .config import format_bytes
-from .planner import MIN_HEAVY, BudgetError, Geometry, Plan, make_plan
+from .geometry import Geometry
+from .planner import MIN_HEAVY, BudgetError, Plan, make_plan
 
 MAX_TOKENS = 1 << 24  # lengths searched for a fraction's compression threshold
 STABLE_SPAN = 1024  # lengths past the threshold that must all fit (buffers grow in blocks of 256)

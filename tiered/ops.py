@@ -149,9 +149,10 @@ def observed_weights(obs_q: mx.array, keys: mx.array, scale: float,
 
 
 # ---- selection and the host partial --------------------------------------------------------------
-def select(z, flags, tau, cap, floor, rep):
-    sel = K.tau_select(z, flags, tau, cap, floor)
-    return sel.idx, sel.count, sel.m, sel.s, sel.mass
+def select(z, n, exclude, tau, cap, floor):
+    """The CPU's tau_select (arguments in the order :mod:`tiered.primitives` gives) with its
+    statistics: a :class:`tiered.primitives.Selection` of numpy arrays."""
+    return K.tau_select(z, n, exclude, tau, cap, floor, with_stats=True)
 
 
 def spill_changes(idx, count, res_tok, n, spill_tok):
@@ -197,10 +198,3 @@ def _gather_job(q, z, idx, count, rep, args, rescore_exact, z_by_slot, o, lse, h
     K.gather_partial(q, z, idx, count, rep, page_ids, page_size, ppb, va, vsa, vcode, dv, ka,
                      ksa, kcode, d, rescore_exact, o, lse, kv_heads=heads, z_by_slot=z_by_slot)
 
-
-def merge(o1, lse1, o2, lse2):
-    return K.merge_partials(o1, lse1, o2, lse2)
-
-
-def logaddexp(a, b):
-    return np.logaddexp(a, b)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import format_bytes
+from .geometry import Geometry
 
 CODE_GROUP_CHOICES = (4, 8, 16)  # dims per codebook group, most accurate first
 MIN_HEAVY = 16  # a resident set must hold at least this many heavy hitters to be worth it
@@ -26,23 +27,6 @@ MIN_RECENT = 16  # the recent window shrinks to this for short documents before 
 
 class BudgetError(ValueError):
     """The budget cannot be met; the message says the smallest budget that works."""
-
-
-@dataclass(frozen=True)
-class Geometry:
-    layers: int  # tiered layers
-    kv_heads: int
-    q_heads: int
-    k_dim: int
-    v_dim: int
-    dtype_bytes: int
-
-    @property
-    def full_token_head_bytes(self) -> int:
-        return (self.k_dim + self.v_dim) * self.dtype_bytes
-
-    def full_bytes(self, n: int) -> int:
-        return self.layers * self.kv_heads * n * self.full_token_head_bytes
 
 
 @dataclass

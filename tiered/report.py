@@ -41,8 +41,7 @@ class LayerReport:
         """Bytes mlx-lm's KVCache would hold for this layer's tokens (the budget reference)."""
         if self._geometry is None:
             return 0
-        B, H, dk, dv, dtype = self._geometry
-        return B * H * (dk + dv) * dtype.size * self.offset
+        return self._geometry.full_bytes(self.offset)
 
     @property
     def layout_note(self) -> str:

@@ -73,9 +73,9 @@ def meta(m: dict, expected: dict | None) -> None:
 
 
 def exact(k, v, geometry, offset: int) -> None:
-    B, H, dk, dv, _ = geometry
-    array(k, "keys", (B, H, offset, dk), FLOAT_DTYPES)
-    array(v, "values", (B, H, offset, dv), FLOAT_DTYPES)
+    g = geometry
+    array(k, "keys", (g.batch, g.kv_heads, offset, g.k_dim), FLOAT_DTYPES)
+    array(v, "values", (g.batch, g.kv_heads, offset, g.v_dim), FLOAT_DTYPES)
 
 
 def plan(text) -> dict:
@@ -94,7 +94,8 @@ def plan(text) -> dict:
 
 
 def compressed(comp: dict, geometry) -> None:
-    B, H, dk, dv, _ = geometry
+    """A compressed layer's state, against the layer's :class:`tiered.geometry.Geometry`."""
+    H, dk, dv = geometry.kv_heads, geometry.k_dim, geometry.v_dim
     need(isinstance(comp, dict), "compressed state is not a mapping")
     p = plan(comp.get("plan"))
     n = integer(comp.get("n"), "n")
@@ -138,7 +139,7 @@ def compressed(comp: dict, geometry) -> None:
 
 def host(st: dict, geometry) -> None:
     """A HostStore state (tiered.cpu.pages)."""
-    B, H, dk, dv, _ = geometry
+    B, H, dk, dv = geometry.batch, geometry.kv_heads, geometry.k_dim, geometry.v_dim
     need(isinstance(st, dict) and isinstance(st.get("meta"), list) and len(st["meta"]) == 10,
          "host state")
     mH, md, mdv, P, dtype, has_keys, batch, ppb, length, next_page = st["meta"]

@@ -1,16 +1,16 @@
 """The selection in one launch of persistent threadgroups, alone or fused with codebook scoring.
 
-The four selection launches of :func:`tiered.metal.tau.tau_select` each pay a launch's fixed
-latency (ramp-up, a tail, a drained pipeline): at 128k tokens on an H100 the keys and
-compaction passes took about as long as at 64k (``bench/results/select_variants_h100.txt``).
-``tau_persist.h`` runs the same passes as phases of one kernel: its threadgroups take units of
-work (a kv head's chunk in one phase) from a counter in order, and a unit waits until the
-phase before it is done. :func:`codebook_select` puts the codebook scoring
-(``codebook_scores.h``) in front of them in the same launch. Results equal the separate
-passes' (fixed-point sums, integer counts); only the float sum of the selected mass follows
-this kernel's chunks.
+The selection passes of :mod:`.select_passes` (the path of :func:`tiered.metal.tau.tau_select`
+without this one) each pay a launch's fixed latency (ramp-up, a tail, a drained pipeline): at
+128k tokens on an H100 the keys and compaction passes took about as long as at 64k
+(``bench/results/select_variants_h100.txt``). ``tau_persistent.h`` runs the same passes
+as phases of one kernel: its threadgroups take units of work (a kv head's chunk in one phase)
+from a counter in order, and a unit waits until the phase before it is done.
+:func:`codebook_select` puts the codebook scoring (``codebook_scores.h``) in front of them in
+the same launch. Results equal the separate passes' (fixed-point sums, integer counts); only
+the float sum of the selected mass follows this kernel's chunks.
 
-CUDA only (persist_cuda.h: Metal lacks the 64-bit atomics). Units are taken in order, so a
+CUDA only (persistent_cuda.h: Metal lacks the 64-bit atomics). Units are taken in order, so a
 waiting unit waits only for units that running threadgroups hold: no assumption about how
 many threadgroups the GPU runs at once, and launches side by side (MLX's CUDA graphs run
 independent nodes concurrently) cannot deadlock. A wait that still lasts after a second sets
@@ -35,8 +35,10 @@ from ._build import (
     launch,
     shared_memory_limit,
 )
+from tiered.primitives import Selection, check_select_args
+
 from .codebook import CODEBOOK_SPEC, codebook_launch, static_shared
-from .tau import LMAX_BINS, SELECT_BINS, SPAN_L, SPAN_T, Selection, tau_select_args
+from .select_passes import LMAX_BINS, SELECT_BINS, SPAN_L, SPAN_T
 
 # Threads per threadgroup. At 1024, MLX's NVRTC build of the kernel needed more than the 64
 # registers per thread that an SM has for them (H100: "too many resources requested for
@@ -53,14 +55,15 @@ WORK_BYTES = 128 * 1024  # the mass histograms of one round: HR heads x NB bins 
 STAMPS = 5  # globaltimer stamps at the phase ends (bench/kernels.py reports them)
 _SELECT_OUTPUTS = ("m_out", "s_out", "theta_out", "idx", "count", "mass", "hist", "code",
                    "lhist", "counts", "status", "stamps")
-_HEADERS = ("reduce_common.h", "select_common.h", "persist_cuda.h")
-PERSIST_SPEC = KernelSpec(
-    name="tiered_tau_persist", body="tau_persist.h",
+_HEADERS = ("reduce_common.h", "select_boundary.h", "select_mass.h", "select_rank.h",
+            "persistent_cuda.h")
+PERSISTENT_SPEC = KernelSpec(
+    name="tiered_tau_persistent", body="tau_persistent.h",
     input_names=("z", "zmax", "exclude", "sync", "sparams", "sfparams"),
     output_names=_SELECT_OUTPUTS, headers=_HEADERS,
 )
 FUSED_SPEC = KernelSpec(
-    name="tiered_codebook_select", body="tau_persist.h", inner=CODEBOOK_SPEC.body,
+    name="tiered_codebook_select", body="tau_persistent.h", inner=CODEBOOK_SPEC.body,
     input_names=CODEBOOK_SPEC.input_names + ("exclude", "sync", "sparams", "sfparams"),
     output_names=CODEBOOK_SPEC.output_names + _SELECT_OUTPUTS,
     headers=("scale_common.h",) + _HEADERS,
@@ -116,7 +119,7 @@ def plan_grid(n: int, h: int, rep: int, *, table_bytes: int = 0, static_bytes: i
     return Grid(chunk, blocks, hr, smem, min(sms, h * blocks))
 
 
-class PersistResult(NamedTuple):
+class PersistentResult(NamedTuple):
     """A persistent launch's selection, its status (0: no wait timed out) and its phase
     stamps (globaltimer nanoseconds: the first unit's start, then the end of each phase's last
     unit)."""
@@ -153,22 +156,22 @@ def _select_launch(inputs, template, grid: Grid, n, h, rep, n_total, m_cols, exc
     )
 
 
-def _result(outs) -> PersistResult:
+def _result(outs) -> PersistentResult:
     m, s, theta, idx, count, mass = outs[:6]
     status, stamps = outs[10], outs[11]
     sel = Selection(idx.view(mx.int32), count, m, s, mass.sum(axis=1), theta)
-    return PersistResult(sel, status, stamps)
+    return PersistentResult(sel, status, stamps)
 
 
 def tau_select_persistent(z, n, exclude, tau, cap, floor, cap_alloc, *, zmax, grid: Grid,
-                          stamps: bool = False) -> PersistResult:
+                          stamps: bool = False) -> PersistentResult:
     """The selection of :func:`tiered.metal.tau.tau_select` (arguments checked there) in one
     persistent launch on CUDA; ``grid`` from :func:`plan_grid`."""
     h = exclude.shape[0]
     plan = _select_launch([z, zmax], [("REP", z.shape[0] // h)], grid, n, h,
                           z.shape[0] // h, z.shape[1], zmax.shape[1], exclude, tau, cap,
                           floor, cap_alloc, stamps=stamps)
-    return _result(launch(PERSIST_SPEC, "cuda", plan))
+    return _result(launch(PERSISTENT_SPEC, "cuda", plan))
 
 
 def fused_plan(q, codebook, codes, n, exclude, tau, cap, floor, cap_alloc, *, rep,
@@ -202,13 +205,14 @@ def codebook_select(q, codebook, codes, n, exclude, tau, cap, floor=0, *, rep, c
     select with :func:`tiered.metal.tau.tau_select`, which give the same result).
 
     Arguments as those two functions take them (q (Hq, d), codebook (H, Gc, c, ds), codes
-    (H, n_cap, g) uint8/uint16, exclude (H, >= n)). Returns (z (Hq, n) float32, PersistResult).
+    (H, n_cap, g) uint8/uint16, exclude (H, >= n)). Returns (z (Hq, n) float32,
+    PersistentResult).
     Applies up to MAX_TOKENS tokens, where all rep heads of a kv head share one
     shared-memory table (the codebook kernel's own tiling) and the persistent grid fits this
     device. Measured on an H100 it was no faster than the codebook kernel followed by the
     persistent selection (bench/kernels.py); it stays for the benchmark's phase timings.
     """
-    cap, cap_alloc = tau_select_args(q.shape[0], n, exclude, tau, cap, floor, cap_alloc)
+    cap, cap_alloc = check_select_args((q.shape[0], n), n, exclude, tau, cap, floor, cap_alloc)
     if n > MAX_TOKENS:
         return None
     plan = fused_plan(q, codebook, codes, n, exclude, tau, cap, floor, cap_alloc, rep=rep,

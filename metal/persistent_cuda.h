@@ -1,5 +1,5 @@
-// Waiting between threadgroups for the persistent selection kernel (tau_persist.h); CUDA only
-// (goes into that kernel's header).
+// Waiting between threadgroups for the persistent selection kernel (tau_persistent.h); CUDA
+// only (goes into that kernel's header).
 //
 // The kernel's threadgroups take units of work from a counter, in order: every unit of phase
 // 0, then of phase 1, and so on. A unit of phase p waits until every unit of phase p - 1 is

@@ -1,4 +1,4 @@
-// The whole selection in one launch (CUDA only: persist_cuda.h says why): the passes of
+// The whole selection in one launch (CUDA only: persistent_cuda.h says why): the passes of
 // tau_hist.h / tau_theta.h, tau_keys.h and tau_compact.h as phases of one kernel. Same sums,
 // same thresholds, same selection as the separate passes (the masses are fixed-point, the
 // counts integers); only the float sum of the selected mass per chunk follows this kernel's
@@ -16,7 +16,7 @@
 //            (tq_keys_chunk): codes, class histograms and counts
 //   phase 3  pass 3 on the chunk (tq_compact_chunk): indices in ascending order, masses
 //
-// Inputs (names as in persist.py):
+// Inputs (names as in persistent.py):
 //   z        float    (Hq, N)   scores (the fused kernel: its own output), first n columns
 //   zmax     float    (Hq, M)   maxima of blocks of z (any partition of the n columns)
 //   exclude  ET       (H, E)    nonzero: never select
@@ -35,7 +35,7 @@
 //                               of each phase's last unit
 // Template constants: NB, NL, REP, ET, HR (query heads per histogram round, divides REP),
 // STAMPS (0: stamps is a 1-element placeholder; 1: 5 stamps).
-// Grid: any number of threadgroups (persist.py: one per SM) of persist.THREADS threads.
+// Grid: any number of threadgroups (persistent.py: one per SM) of persistent.THREADS threads.
 // Dynamic shared memory: at least max(HR * NB * 8, REP * NB * 4, 4 * NL * 4) bytes.
 {
 const int n = sparams[0];
