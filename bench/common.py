@@ -19,11 +19,13 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def run_commit() -> str:
-    """The commit this run's code is at: ``git describe`` of the checkout (``-dirty`` with
-    uncommitted changes to tracked files), else ``$TIERED_COMMIT`` (set it where the tree is a
-    copy without .git, as on the accelerator machine), else "unknown"."""
+    """The commit this run's code is at: ``$TIERED_COMMIT`` when set (the accelerator machine
+    runs a copy of the tree whose .git, if any, is not the copy's commit), else ``git describe``
+    of the checkout (``-dirty`` with uncommitted changes to tracked files), else "unknown"."""
     import subprocess
 
+    if os.environ.get("TIERED_COMMIT"):
+        return os.environ["TIERED_COMMIT"]
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         r = subprocess.run(["git", "-C", here, "describe", "--always", "--dirty", "--abbrev=7"],
@@ -32,7 +34,7 @@ def run_commit() -> str:
             return r.stdout.strip()
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("TIERED_COMMIT") or "unknown"
+    return "unknown"
 
 
 def machine() -> dict:
