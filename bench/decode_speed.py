@@ -38,6 +38,14 @@ LLAMA3_8B = dict(model_type="llama", hidden_size=4096, num_hidden_layers=32,
                  tie_word_embeddings=False, max_position_embeddings=131072)
 
 
+def device_profile_args(ap, steps: int):
+    """The arguments the device profilers share (one Llama-3-8B-shaped model, one context)."""
+    ap.add_argument("--model", default="llama3-8b-2l", choices=["llama3-8b-2l", "llama3-8b"])
+    ap.add_argument("--context", type=int, default=131072)
+    ap.add_argument("--budget", type=float, default=0.125)
+    ap.add_argument("--steps", type=int, default=steps)
+
+
 def build_model(name: str, dtype):
     if name == "embedded":
         model, tok = tiered.load()

@@ -15,7 +15,7 @@ import time
 import common  # noqa: F401  (tiered before mlx)
 import mlx.core as mx
 import numpy as np
-from decode_speed import build_model, kv_caches, seed_kv, tiered_caches, time_decode
+from decode_speed import build_model, device_profile_args, kv_caches, seed_kv, tiered_caches, time_decode
 
 
 def split_times(model, cache, steps):
@@ -36,10 +36,7 @@ def split_times(model, cache, steps):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="llama3-8b-2l", choices=["llama3-8b-2l", "llama3-8b"])
-    ap.add_argument("--context", type=int, default=131072)
-    ap.add_argument("--budget", type=float, default=0.125)
-    ap.add_argument("--steps", type=int, default=10)
+    device_profile_args(ap, 10)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--sort", default="tottime", help="pstats key (tottime, cumulative)")
     args = ap.parse_args()

@@ -15,7 +15,7 @@ import collections
 
 import common  # noqa: F401  (tiered before mlx)
 import mlx.core as mx
-from decode_speed import build_model, kv_caches, seed_kv, tiered_caches, time_decode
+from decode_speed import build_model, device_profile_args, kv_caches, seed_kv, tiered_caches, time_decode
 
 
 def profile(model, cache, steps: int):
@@ -39,10 +39,7 @@ def profile(model, cache, steps: int):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="llama3-8b-2l", choices=["llama3-8b-2l", "llama3-8b"])
-    ap.add_argument("--context", type=int, default=131072)
-    ap.add_argument("--budget", type=float, default=0.125)
-    ap.add_argument("--steps", type=int, default=4)
+    device_profile_args(ap, 4)
     ap.add_argument("--top", type=int, default=45)
     ap.add_argument("--methods", nargs="+", default=["KVCache", "tiered"])
     args = ap.parse_args()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .device_decode import CHUNK, DeviceTables, _mx_dtype
+from .device_decode import CHUNK, CHUNK_WORD, DeviceTables, host_mx_dtype
 from .primitives import merge_partials
 
 _GATHER_KV = r"""
@@ -29,26 +29,11 @@ _GATHER_KV = r"""
     // selected, on the host pages and not resident; other rows are zeros (not read).
     const bool isv = blockIdx.y == 1;
     const uint32_t ROWB = isv ? ROWV : ROWK;
-    const uint32_t WPR = ROWB / 16, WPC = WPR * C;
+    const uint32_t WPR = ROWB / 16, WPC = WPR * C, ppb = isv ? PPBV : PPBK;
+    const bool write_ok = !isv;
+    const uint64_t* addrs_t = isv ? addrs_v : addrs_k;
     const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (tid >= (uint64_t)H * CAPC * WPC) return;
-    const uint32_t h = tid / (CAPC * WPC);
-    const uint32_t rem = tid % (CAPC * WPC);
-    const uint32_t slot = rem / WPC, w = rem % WPC;
-    uint4 val = make_uint4(0u, 0u, 0u, 0u);
-    const bool selected = (int)slot < count[h];
-    const int64_t t = selected ? (int64_t)idx[h * CAPC + slot] * C + w / WPR : -1;
-    const bool attended =
-        selected && t < n_host[0] && !flags[(uint64_t)h * flags_shape[1] + t];
-    if (!isv && w % WPR == 0) ok[(uint64_t)h * CAPC * C + slot * C + w / WPR] = attended;
-    if (attended) {
-        const int64_t pp = pages[t / P];
-        const uint32_t ppb = isv ? PPBV : PPBK;
-        const uint64_t base = isv ? addrs_v[pp / ppb] : addrs_k[pp / ppb];
-        const uint64_t off = (((uint64_t)(pp % ppb) * H + h) * P + t % P) * ROWB
-                             + (uint64_t)(w % WPR) * 16;
-        val = *reinterpret_cast<const uint4*>(base + off);
-    }
+""" + CHUNK_WORD + r"""
     if (isv) reinterpret_cast<uint4*>(vout)[tid] = val;
     else reinterpret_cast<uint4*>(kout)[tid] = val;
 """
@@ -185,7 +170,7 @@ def gather_kv(tables: DeviceTables, host, idx: mx.array, count: mx.array, flags:
     which reads one tensor)."""
     H, capc = idx.shape
     kt, vt = host.keys, host.values
-    kdt, vdt = _mx_dtype(kt.dtype), _mx_dtype(vt.dtype)
+    kdt, vdt = host_mx_dtype(kt.dtype), host_mx_dtype(vt.dtype)
     rowk, rowv = kt.head_dim * kdt.size, vt.head_dim * vdt.size
     words = H * capc * CHUNK * max(rowk, rowv) // 16
     kout, vout, ok = _kernel("gather_kv")(

@@ -31,13 +31,11 @@ NO_BAD = np.iinfo(np.int32).max  # the door's lazy flag: no non-finite position 
 
 CHUNK = 8  # tokens per selected chunk (Quest / ShadowKV use 8-16)
 
-_GATHER = r"""
-    // One thread per 16-byte word of out (H, CAPC, C, ROW_BYTES): chunk idx[h, slot] of
-    // kv head h, read from its host page; slots past count[h] read nothing (zeros). ok
-    // (H, CAPC * C): the token is selected, on the host pages and not resident (flags).
-    const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    constexpr uint32_t WPR = ROW_BYTES / 16;
-    constexpr uint32_t WPC = WPR * C;
+# The body both gather kernels share (this one and device_attend's keys + values): given tid,
+# ROWB (bytes per row), WPR / WPC (16-byte words per row / chunk), ppb (pages per block),
+# addrs_t (the tensor's block addresses) and write_ok, it sets val to the word, zero where the
+# token is not attended, and writes ok.
+CHUNK_WORD = r"""
     if (tid >= (uint64_t)H * CAPC * WPC) return;
     const uint32_t h = tid / (CAPC * WPC);
     const uint32_t rem = tid % (CAPC * WPC);
@@ -47,14 +45,24 @@ _GATHER = r"""
     const int64_t t = selected ? (int64_t)idx[h * CAPC + slot] * C + w / WPR : -1;
     const bool attended =
         selected && t < n_host[0] && !flags[(uint64_t)h * flags_shape[1] + t];
-    if (w % WPR == 0) ok[(uint64_t)h * CAPC * C + slot * C + w / WPR] = attended;
+    if (write_ok && w % WPR == 0) ok[(uint64_t)h * CAPC * C + slot * C + w / WPR] = attended;
     if (attended) {  // others stay zero (rows past the host pages were never written)
         const int64_t pp = pages[t / P];
-        const uint64_t base = addrs[pp / PPB];
-        const uint64_t off = (((uint64_t)(pp % PPB) * H + h) * P + t % P) * ROW_BYTES
+        const uint64_t off = (((uint64_t)(pp % ppb) * H + h) * P + t % P) * ROWB
                              + (uint64_t)(w % WPR) * 16;
-        val = *reinterpret_cast<const uint4*>(base + off);
+        val = *reinterpret_cast<const uint4*>(addrs_t[pp / ppb] + off);
     }
+"""
+
+_GATHER = r"""
+    // One thread per 16-byte word of out (H, CAPC, C, ROW_BYTES): chunk idx[h, slot] of
+    // kv head h, read from its host page; slots past count[h] read nothing (zeros). ok
+    // (H, CAPC * C): the token is selected, on the host pages and not resident (flags).
+    const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    constexpr uint32_t ROWB = ROW_BYTES, WPR = ROWB / 16, WPC = WPR * C, ppb = PPB;
+    constexpr bool write_ok = true;
+    const uint64_t* addrs_t = addrs;
+""" + CHUNK_WORD + r"""
     reinterpret_cast<uint4*>(out)[tid] = val;
 """
 
@@ -209,7 +217,7 @@ def write_tokens(tables: DeviceTables, host, keys: mx.array, values: mx.array) -
     for tensor, x in ((host.values, values), (host.keys, keys)):
         if tensor is None:
             continue
-        x = x[0].astype(_mx_dtype(tensor.dtype))
+        x = x[0].astype(host_mx_dtype(tensor.dtype))
         row = x.shape[-1] * x.dtype.size
         (done,) = _kernel("write")(
             inputs=[x, page, slot, tables.addrs(tensor)], output_shapes=[(1,)],
@@ -228,7 +236,7 @@ def gather_chunks(tables: DeviceTables, host, tensor, idx: mx.array, count: mx.a
     host pages, not resident. Rows of tokens not attended are zeros (not read)."""
     H, capc = idx.shape
     d = tensor.head_dim
-    dtype = _mx_dtype(tensor.dtype)
+    dtype = host_mx_dtype(tensor.dtype)
     row = d * dtype.size
     n_host = mx.array([host.length], mx.int32)
     out, ok = _kernel("gather")(
@@ -295,7 +303,8 @@ def chunk_tokens(idx: mx.array, count: mx.array, flags: mx.array, n_host: int):
     return tok, ok & ~resident.astype(mx.bool_)
 
 
-def _mx_dtype(name: str):
+def host_mx_dtype(name: str):
+    """The MLX dtype of host pages stored as ``name`` (float16 / float32)."""
     return {"float16": mx.float16, "float32": mx.float32}[name]
 
 
