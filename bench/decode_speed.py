@@ -112,7 +112,7 @@ def tiered_caches(model, seed, n, budget, options):
                                          **options)
     for c, (k, v) in zip(cache, seed):
         c.update_and_fetch(tile(k, n), tile(v, n))
-        c._flush()
+        c.flush()
     mx.eval([c.state for c in cache])
     return cache
 
@@ -156,7 +156,7 @@ def attention_bytes(method: str, cache, n: int, geo) -> dict:
             continue
         codes = layer.keys.nbytes  # codes (+codebook) read once
         scores = Hq * n * 4 * 3  # exported scores: written, read by selection, read by H2O
-        h2o = 0 if layer.acc is None else H * n * 4 * 2 + H * n  # accumulator r/w + flags
+        h2o = 0 if layer.heavy is None else H * n * 4 * 2 + H * n  # accumulator r/w + flags
         resident = layer.res_k.nbytes + layer.res_v.nbytes
         per_row = (d * (2 if c.config.rescore == "exact" else 1)) * 2  # fp16 host rows
         if layer.spill_k is not None and layer.spill_moves:  # lookahead: only moved rows

@@ -92,7 +92,7 @@ def main():
     m = z[:, :n].max(axis=1)
     s = mx.exp(z[:, :n] - m[:, None]).sum(axis=1)
     rows["softmax stats"] = lambda: mx.exp(z[:, :n] - z[:, :n].max(axis=1)[:, None]).sum(axis=1)
-    rows["H2O update"] = lambda: metal.acc_update(L.acc, z, m, s, n, rep, L.config.ema_alpha)
+    rows["H2O update"] = lambda: L.heavy.update(z, m, s, n, rep)
     print(f"selected chunks per head: {np.array(count).tolist()} (cap {capc})")
     for name, f in rows.items():
         print(f"{name:40s} {timed(f, args.reps):8.3f} ms", flush=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .gather import _causal_softmax_rows
+from .gather import causal_softmax_rows
 
 # Largest score buffer (rep * block * n float32) before the query block is shrunk to fit.
 MAX_SCRATCH_BYTES = 256 * 2**20
@@ -78,7 +78,7 @@ def causal_attention(q, k, v, scale, *, block=512, column_mass=None):
             np.multiply(q[heads, i0 : i0 + b], np.float32(scale), out=qb.reshape(rep, b, d))
             S = scores[: rep * b * ncols].reshape(rep * b, ncols)
             np.matmul(qb, k[kh, :ncols].T, out=S)
-            _causal_softmax_rows(S, b, past + i0, inv_sum[: rep * b])
+            causal_softmax_rows(S, b, past + i0, inv_sum[: rep * b])
             if column_mass is not None:  # sum_r p[r, :] = inv_sum @ exp-scores
                 column_mass[kh, :ncols] += inv_sum[: rep * b] @ S
             ob = obuf[: rep * b]

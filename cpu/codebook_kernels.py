@@ -7,7 +7,7 @@ import numpy as np
 from numba import prange
 
 from ._numba import kernel
-from .kernel_base import _ENCODE_BLOCK, _SCORE_BLOCK, _check, _check_out
+from .kernel_base import ENCODE_BLOCK, SCORE_BLOCK, check_array, check_out
 
 
 # ---- (a) codebook scores --------------------------------------------------------------------
@@ -34,12 +34,12 @@ def _codebook_lut(q, C, rep, out):
 )
 def _codebook_scores(P, n, T, rep, out):
     H, g = P.shape[0], P.shape[2]
-    for b in prange((n + _SCORE_BLOCK - 1) // _SCORE_BLOCK):
-        j1 = min(n, (b + 1) * _SCORE_BLOCK)
+    for b in prange((n + SCORE_BLOCK - 1) // SCORE_BLOCK):
+        j1 = min(n, (b + 1) * SCORE_BLOCK)
         # Tokens outer, heads inner: a row of codes is loaded once and reused from L1 by the
         # rep query heads of its kv head.
         for k in range(H):
-            for j in range(b * _SCORE_BLOCK, j1):
+            for j in range(b * SCORE_BLOCK, j1):
                 for r in range(rep):
                     h = k * rep + r
                     acc = np.float32(0.0)
@@ -68,10 +68,10 @@ def _codebook_encode(x, C, out):
                 for e in range(ds):
                     Ct[k, gi, e, j] = C[k, gi, j, e]
                     norms[k, gi, j] += C[k, gi, j, e] * C[k, gi, j, e]
-    n_tasks = (H * L + _ENCODE_BLOCK - 1) // _ENCODE_BLOCK
+    n_tasks = (H * L + ENCODE_BLOCK - 1) // ENCODE_BLOCK
     dist = np.empty((n_tasks, c), np.float32)
     for b in prange(n_tasks):
-        for t in range(b * _ENCODE_BLOCK, min(H * L, (b + 1) * _ENCODE_BLOCK)):
+        for t in range(b * ENCODE_BLOCK, min(H * L, (b + 1) * ENCODE_BLOCK)):
             k, l = t // L, t % L
             for i in range(g):
                 gi = 0 if Gc == 1 else i
@@ -89,7 +89,7 @@ def _codebook_encode(x, C, out):
 
 
 def _codebook_geometry(C, d):
-    _check("C", C, (None, None, None, None), (np.dtype(np.float32),))
+    check_array("C", C, (None, None, None, None), (np.dtype(np.float32),))
     H, Gc, c, ds = C.shape
     if ds == 0 or d % ds:
         raise ValueError(f"Invalid shape of C: sub-dim {ds} does not divide head_dim {d}")
@@ -105,12 +105,12 @@ def codebook_lut(q, C, rep, out=None):
     q: (Hq, d) float32, already scaled; C: (H, Gc, c, ds) float32 codebook, Gc = 1 (shared) or
     g = d // ds (per group); out: optional (Hq, g, c) float32. Returns out.
     """
-    _check("q", q, (None, None), (np.dtype(np.float32),))
+    check_array("q", q, (None, None), (np.dtype(np.float32),))
     H, g, c = _codebook_geometry(C, q.shape[1])
-    _check("q", q, (H * rep, g * C.shape[3]))
+    check_array("q", q, (H * rep, g * C.shape[3]))
     if out is None:
         out = np.empty((H * rep, g, c), np.float32)
-    _check_out("out", out, (H * rep, g, c), np.float32)
+    check_out("out", out, (H * rep, g, c), np.float32)
     _codebook_lut(np.ascontiguousarray(q), np.ascontiguousarray(C), int(rep), out)
     return out
 
@@ -122,14 +122,14 @@ def codebook_scores(P, n, T, rep, out=None):
     :func:`codebook_lut`; out: optional (Hq, >= n) float32, C-contiguous (only [:, :n] is
     written). Returns out. Codes must be < c (not checked: an index past c reads garbage).
     """
-    _check("P", P, (None, None, None), (np.dtype(np.uint8), np.dtype(np.uint16)))
+    check_array("P", P, (None, None, None), (np.dtype(np.uint8), np.dtype(np.uint16)))
     H, n_cap, g = P.shape
-    _check("T", T, (H * rep, g, None), (np.dtype(np.float32),))
+    check_array("T", T, (H * rep, g, None), (np.dtype(np.float32),))
     if not 0 <= n <= n_cap:
         raise ValueError(f"Invalid n: {n} (the codes hold {n_cap} tokens)")
     if out is None:
         out = np.empty((H * rep, n), np.float32)
-    _check_out("out", out, (H * rep, None), np.float32)
+    check_out("out", out, (H * rep, None), np.float32)
     if out.shape[1] < n:
         raise ValueError(f"Invalid shape of out: expected (Hq, >= {n}), got {out.shape}")
     _codebook_scores(np.ascontiguousarray(P), int(n), np.ascontiguousarray(T), int(rep), out)
@@ -142,12 +142,12 @@ def codebook_encode(x, C, out=None):
     x: (H, L, d) float32 keys; C: (H, Gc, c, ds) float32; out: optional (H, L, g) uint8
     (c <= 256) or uint16 codes. Returns out.
     """
-    _check("x", x, (None, None, None), (np.dtype(np.float32),))
+    check_array("x", x, (None, None, None), (np.dtype(np.float32),))
     H, g, c = _codebook_geometry(C, x.shape[2])
-    _check("x", x, (H, None, g * C.shape[3]))
+    check_array("x", x, (H, None, g * C.shape[3]))
     if out is None:
         out = np.empty((H, x.shape[1], g), np.uint8 if c <= 256 else np.uint16)
-    _check_out("out", out, (H, x.shape[1], g), out.dtype)
+    check_out("out", out, (H, x.shape[1], g), out.dtype)
     if out.dtype not in (np.uint8, np.uint16) or (out.dtype == np.uint8 and c > 256):
         raise ValueError(f"Invalid dtype of out: {out.dtype} cannot hold {c} codes")
     _codebook_encode(np.ascontiguousarray(x), np.ascontiguousarray(C), out)

@@ -10,20 +10,20 @@ import numpy as np
 from numba import prange
 
 from ._numba import NATIVE_HALF, kernel
-from .kernel_base import (DTYPE_CODES, F16_TO_F32, _FLOAT16_NATIVE, _INF32, _c32, _check,
-                          _check_out, _row_max, fast_exp)
-from .paged_rows import (PREFETCH_ROWS, _check_pages, _load_row, _locate_rows, _log2_exact,
-                         _prefetch_row)
+from .kernel_base import (DTYPE_CODES, F16_TO_F32, FLOAT16_NATIVE, INF32, c32, check_array,
+                          check_out, row_max, fast_exp)
+from .paged_rows import (PREFETCH_ROWS, check_pages, load_row, locate_rows, log2_exact,
+                         prefetch_row)
 
 
 @kernel(inf_safe=True, inline=True)
 def _exact_logits(q, k, cnt, rep, addrs, scale_addrs, code, d, blk, rows, f16, row, w):
     """w[r, t] = q[k*rep + r] . key of the t-th selected token of kv head k (at blk[t],
-    rows[t]: _locate_rows); each key row is decoded once."""
+    rows[t]: locate_rows); each key row is decoded once."""
     for t in range(cnt):
         if t + PREFETCH_ROWS < cnt:
-            _prefetch_row(addrs, code, d, blk[t + PREFETCH_ROWS], rows[t + PREFETCH_ROWS])
-        _load_row(addrs, scale_addrs, code, d, blk[t], rows[t], f16, row)
+            prefetch_row(addrs, code, d, blk[t + PREFETCH_ROWS], rows[t + PREFETCH_ROWS])
+        load_row(addrs, scale_addrs, code, d, blk[t], rows[t], f16, row)
         for r in range(rep):
             acc = np.float32(0.0)
             for e in range(d):
@@ -40,8 +40,8 @@ def _weighted_values(cnt, rep, addrs, scale_addrs, code, dv, blk, rows, f16, row
     acc[: rep * dv] = 0.0
     for t in range(cnt):
         if t + PREFETCH_ROWS < cnt:
-            _prefetch_row(addrs, code, dv, blk[t + PREFETCH_ROWS], rows[t + PREFETCH_ROWS])
-        _load_row(addrs, scale_addrs, code, dv, blk[t], rows[t], f16, row)
+            prefetch_row(addrs, code, dv, blk[t + PREFETCH_ROWS], rows[t + PREFETCH_ROWS])
+        load_row(addrs, scale_addrs, code, dv, blk[t], rows[t], f16, row)
         for r in range(rep):
             p = w[r, t]
             for e in range(dv):
@@ -58,7 +58,7 @@ def _without_dropped(cnt, rep, addrs, scale_addrs, code, dv, blk, rows, f16, row
     for r in range(rep):
         finite = True
         for e in range(dv):
-            finite = finite and abs(acc[r * dv + e]) < _INF32
+            finite = finite and abs(acc[r * dv + e]) < INF32
         drops = False
         for t in range(cnt):
             drops = drops or w[r, t] == 0.0
@@ -68,7 +68,7 @@ def _without_dropped(cnt, rep, addrs, scale_addrs, code, dv, blk, rows, f16, row
         for t in range(cnt):
             p = w[r, t]
             if p != 0.0:
-                _load_row(addrs, scale_addrs, code, dv, blk[t], rows[t], f16, row)
+                load_row(addrs, scale_addrs, code, dv, blk[t], rows[t], f16, row)
                 for e in range(dv):
                     acc[r * dv + e] += p * row[e]
 
@@ -106,7 +106,7 @@ def _gather_partial(q, z, idx, count, rep, page_ids, page_size, ppb, val_addrs,
     n_blocks = val_addrs.shape[0]
     if rescore_exact:
         n_blocks = min(n_blocks, key_addrs.shape[0])
-    _check_pages(idx, count, kv_start, kv_stop, n_tokens, page_ids, ppb, n_blocks)
+    check_pages(idx, count, kv_start, kv_stop, n_tokens, page_ids, ppb, n_blocks)
     cmax = 0
     for k in range(kv_start, kv_stop):
         cmax = max(cmax, count[k])
@@ -116,12 +116,12 @@ def _gather_partial(q, z, idx, count, rep, page_ids, page_size, ppb, val_addrs,
     blk = np.empty(cmax, np.int64)
     rows = np.empty(cmax, np.int64)
     H = idx.shape[0]
-    shifts = (_log2_exact(page_size), _log2_exact(ppb))
+    shifts = (log2_exact(page_size), log2_exact(ppb))
     for k in range(kv_start, kv_stop):
         cnt = count[k]
         h0 = k * rep
-        _locate_rows(page_ids, page_size, ppb, shifts, H, k, idx, cnt, blk, rows)
-        # Pass 1: logits of the rep heads. Literal dtype codes: see _load_row.
+        locate_rows(page_ids, page_size, ppb, shifts, H, k, idx, cnt, blk, rows)
+        # Pass 1: logits of the rep heads. Literal dtype codes: see load_row.
         if not rescore_exact and z_by_slot:
             for t in range(cnt):
                 for r in range(rep):
@@ -130,8 +130,8 @@ def _gather_partial(q, z, idx, count, rep, page_ids, page_size, ppb, val_addrs,
             for t in range(cnt):
                 for r in range(rep):
                     w[r, t] = z[h0 + r, idx[k, t]]
-        elif NATIVE_HALF and key_code == _FLOAT16_NATIVE:
-            _exact_logits(q, k, cnt, rep, key_addrs, key_scale_addrs, _FLOAT16_NATIVE, d, blk,
+        elif NATIVE_HALF and key_code == FLOAT16_NATIVE:
+            _exact_logits(q, k, cnt, rep, key_addrs, key_scale_addrs, FLOAT16_NATIVE, d, blk,
                           rows, f16, row, w)
         elif key_code == 0:
             _exact_logits(q, k, cnt, rep, key_addrs, key_scale_addrs, 0, d, blk, rows, f16,
@@ -148,27 +148,27 @@ def _gather_partial(q, z, idx, count, rep, page_ids, page_size, ppb, val_addrs,
         # per logit there measured 45% slower per layer with exact rescoring).
         dropped = 0
         for r in range(rep):
-            mx = -_INF32
+            mx = -INF32
             bad = 0
             for t in range(cnt):
                 v = w[r, t]
-                mx = max(mx, v)  # skips NaN (see _row_max)
-                bad += 0 if abs(v) < _INF32 else 1
+                mx = max(mx, v)  # skips NaN (see row_max)
+                bad += 0 if abs(v) < INF32 else 1
             if bad > 0:  # rare: the max of the finite logits only
-                mx = -_INF32
+                mx = -INF32
                 for t in range(cnt):
                     v = w[r, t]
-                    mx = max(mx, v if v < _INF32 else -_INF32)
+                    mx = max(mx, v if v < INF32 else -INF32)
             total = 0.0
-            if mx > -_INF32 and bad == 0:
+            if mx > -INF32 and bad == 0:
                 for t in range(cnt):
                     p = fast_exp(w[r, t] - mx)
                     w[r, t] = p
                     total += p
-            elif mx > -_INF32:  # weight 0 for the non-finite logits
+            elif mx > -INF32:  # weight 0 for the non-finite logits
                 for t in range(cnt):
                     v = w[r, t]
-                    p = fast_exp(v - mx) if abs(v) < _INF32 else np.float32(0.0)
+                    p = fast_exp(v - mx) if abs(v) < INF32 else np.float32(0.0)
                     w[r, t] = p
                     total += p
             dropped += bad
@@ -188,8 +188,8 @@ def _gather_partial(q, z, idx, count, rep, page_ids, page_size, ppb, val_addrs,
         if dropped > 0:
             cnt = _weighted_only(w, blk, rows, rep, cnt)
         # Pass 2: each value row is decoded once and accumulated into all rep heads.
-        if NATIVE_HALF and val_code == _FLOAT16_NATIVE:
-            _weighted_values(cnt, rep, val_addrs, val_scale_addrs, _FLOAT16_NATIVE, dv,
+        if NATIVE_HALF and val_code == FLOAT16_NATIVE:
+            _weighted_values(cnt, rep, val_addrs, val_scale_addrs, FLOAT16_NATIVE, dv,
                              blk, rows, f16, row, w, acc, dropped > 0)
         elif val_code == 0:
             _weighted_values(cnt, rep, val_addrs, val_scale_addrs, 0, dv, blk, rows, f16,
@@ -235,15 +235,15 @@ def gather_partial(q, z, idx, count, rep, page_ids, page_size, pages_per_block, 
     z_by_slot: z is (Hq, >= cap) indexed by selection slot (z[qh, t] weighs idx[k, t]) rather
     than by token id: an accelerator hands over only the scores of the selected tokens.
     """
-    _check("idx", idx, (None, None), (np.dtype(np.int32),))
+    check_array("idx", idx, (None, None), (np.dtype(np.int32),))
     H = idx.shape[0]
     Hq = H * int(rep)
-    _check("count", count, (H,), (np.dtype(np.int32),))
+    check_array("count", count, (H,), (np.dtype(np.int32),))
     if z is None and rescore_exact:
         z = np.zeros((Hq, 0), np.float32)
-    _check("z", z, (Hq, None), (np.dtype(np.float32),))
-    _check_out("o_out", o_out, (Hq, int(dv)), np.float32)
-    _check_out("lse_out", lse_out, (Hq,), np.float32)
+    check_array("z", z, (Hq, None), (np.dtype(np.float32),))
+    check_out("o_out", o_out, (Hq, int(dv)), np.float32)
+    check_out("lse_out", lse_out, (Hq,), np.float32)
     start, stop = (0, H) if kv_heads is None else (int(kv_heads[0]), int(kv_heads[1]))
     if not 0 <= start <= stop <= H:
         raise ValueError(f"Invalid kv_heads: {kv_heads} (H = {H})")
@@ -256,7 +256,7 @@ def gather_partial(q, z, idx, count, rep, page_ids, page_size, pages_per_block, 
                                            and val_scale_addrs.size < val_addrs.size):
         raise ValueError(f"Invalid val_dtype_code {val_dtype_code} (or int8 without scales)")
     if rescore_exact:
-        _check("q", q, (Hq, int(d)), (np.dtype(np.float32),))
+        check_array("q", q, (Hq, int(d)), (np.dtype(np.float32),))
         key_addrs = np.asarray(key_addrs, np.int64)
         key_scale_addrs = _EMPTY_ADDRS if key_scale_addrs is None else np.asarray(
             key_scale_addrs, np.int64)
@@ -267,10 +267,10 @@ def gather_partial(q, z, idx, count, rep, page_ids, page_size, pages_per_block, 
         q = _NO_QUERIES  # not read without rescoring
         key_addrs = key_scale_addrs = _EMPTY_ADDRS
         key_dtype_code = 1
-    half = _FLOAT16_NATIVE if native_half and NATIVE_HALF else 0
+    half = FLOAT16_NATIVE if native_half and NATIVE_HALF else 0
     val_dtype_code = half if val_dtype_code == 0 else val_dtype_code
     key_dtype_code = half if key_dtype_code == 0 else key_dtype_code
-    _gather_partial(_c32(q), z, idx, count, int(rep), np.asarray(page_ids, np.int64),
+    _gather_partial(c32(q), z, idx, count, int(rep), np.asarray(page_ids, np.int64),
                     int(page_size), int(pages_per_block), val_addrs, val_scale_addrs,
                     int(val_dtype_code), int(dv), key_addrs, key_scale_addrs, int(key_dtype_code),
                     int(d), bool(rescore_exact), bool(z_by_slot), F16_TO_F32, start, stop, o_out,
@@ -291,13 +291,13 @@ def host_store_args(store, b=0):
 
 # ---- (d) causal softmax for the CPU prefill -------------------------------------------------
 @kernel("void(float32[:, ::1], int64, int64, float32[::1])", parallel=True)
-def _causal_softmax_rows(S, block_rows, first_visible, inv_sum):
+def causal_softmax_rows(S, block_rows, first_visible, inv_sum):
     """In place: row r sees columns [0, first_visible + r % block_rows] (inclusive); there
     S <- exp(S - max), beyond it 0. inv_sum[r] = 1 / sum of the row (normalize after P @ V)."""
     ncols = S.shape[1]
     for r in prange(S.shape[0]):
         vis = min(ncols, first_visible + r % block_rows + 1)
-        mx = _row_max(S[r], vis)
+        mx = row_max(S[r], vis)
         acc = np.float32(0.0)
         for j in range(vis):
             e = fast_exp(S[r, j] - mx)

@@ -14,15 +14,15 @@ from .disk import DiskTierError, PageFile
 
 HOST_DTYPES = ("float16", "float32", "int8")
 
-_MX = {"float16": mx.float16, "float32": mx.float32, "int8": mx.int8}
-_NP = {"float16": np.float16, "float32": np.float32, "int8": np.int8}
+MX_DTYPES = {"float16": mx.float16, "float32": mx.float32, "int8": mx.int8}
+NP_DTYPES = {"float16": np.float16, "float32": np.float32, "int8": np.int8}
 
 
 
 def _alloc_block(shape, dtype: str):
     # Unwritten slots hold NaN (int8: 0, with NaN scales) so a read past the end shows up.
     fill = 0 if dtype == "int8" else float("nan")
-    arr = mx.full(shape, fill, dtype=_MX[dtype], stream=mx.cpu)
+    arr = mx.full(shape, fill, dtype=MX_DTYPES[dtype], stream=mx.cpu)
     mx.eval(arr)
     return arr
 
@@ -76,7 +76,7 @@ class HostTensor:
 
     @property
     def block_bytes(self) -> int:
-        n = int(np.prod(self.block_shape)) * np.dtype(_NP[self.dtype]).itemsize
+        n = int(np.prod(self.block_shape)) * np.dtype(NP_DTYPES[self.dtype]).itemsize
         if self.dtype == "int8":
             n += int(np.prod(self.block_shape[:-1])) * 4
         return n
@@ -95,15 +95,15 @@ class HostTensor:
                 self._adopt(_alloc_block(self.block_shape, self.dtype), None)
                 return
         # No RAM block of ours to give back: the new block starts on disk.
-        fill = np.zeros(self.block_shape, _NP[self.dtype]) if self.dtype == "int8" else np.full(
-            self.block_shape, np.nan, _NP[self.dtype])
+        fill = np.zeros(self.block_shape, NP_DTYPES[self.dtype]) if self.dtype == "int8" else np.full(
+            self.block_shape, np.nan, NP_DTYPES[self.dtype])
         sfill = np.full(self.block_shape[:-1], np.nan, np.float32) if self.dtype == "int8" else None
         self._adopt_disk(fill, sfill)
 
     def _files(self):
         if self.disk is None:
             d = self.disk_dir or tempfile.gettempdir()
-            self.disk = PageFile(d, self.name, self.block_shape, _NP[self.dtype])
+            self.disk = PageFile(d, self.name, self.block_shape, NP_DTYPES[self.dtype])
             if self.dtype == "int8":
                 self.scale_disk = PageFile(d, self.name + "-scales", self.block_shape[:-1],
                                            np.float32)
@@ -174,7 +174,7 @@ class HostTensor:
             q, scale = data, None
         d = self.disk_index[blk]
         if d >= 0:  # a page of a block on disk (a freed page reused): rewrite it there
-            self.disk.write_page(d, slot, start, q.astype(_NP[self.dtype]))
+            self.disk.write_page(d, slot, start, q.astype(NP_DTYPES[self.dtype]))
             if scale is not None:
                 self.scale_disk.write_page(d, slot, start, scale)
             return

@@ -12,21 +12,21 @@ from ._numba import NATIVE_HALF, int32_bits_as_float32, int64_bits_as_float64, k
 DTYPE_CODES = {"float16": 0, "float32": 1, "int8": 2}
 # Internal: float16 decoded by the hardware instead of F16_TO_F32 (2x faster gathers where
 # NATIVE_HALF; gather_partial switches to it by itself).
-_FLOAT16_NATIVE = 3
+FLOAT16_NATIVE = 3
 # float16 bits -> float32 value; Numba has no float16, so fp16 pages are read as uint16.
 F16_TO_F32 = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
 
-_SCORE_BLOCK = 1024  # tokens per parallel task of the score kernel (16 KB of codes at g = 16)
-_ENCODE_BLOCK = 64  # keys per parallel task of the encoder
-_NBINS = 2048  # histogram bins per refinement pass of the threshold search
-_SMALL = 32  # candidates below which the threshold search sorts instead of binning
-_EXP_CHUNK = 256  # scores per vectorized exp batch of the selection
-_MASS_SPAN = 100.0  # logits further below the max than this carry < e^-100 of the mass
-# Token flags of the selection (per kv head); _NO_FLAG matches no token.
-_EXCLUDED, _IN_UNION, _AVAILABLE, _NO_FLAG = 0, 1, 2, 3
+SCORE_BLOCK = 1024  # tokens per parallel task of the score kernel (16 KB of codes at g = 16)
+ENCODE_BLOCK = 64  # keys per parallel task of the encoder
+NBINS = 2048  # histogram bins per refinement pass of the threshold search
+SMALL = 32  # candidates below which the threshold search sorts instead of binning
+EXP_CHUNK = 256  # scores per vectorized exp batch of the selection
+MASS_SPAN = 100.0  # logits further below the max than this carry < e^-100 of the mass
+# Token flags of the selection (per kv head); NO_FLAG matches no token.
+EXCLUDED, IN_UNION, AVAILABLE, NO_FLAG = 0, 1, 2, 3
 
 
-def _check(name, x, shape, dtypes=None):
+def check_array(name, x, shape, dtypes=None):
     """Raise ValueError unless x is an ndarray of ``shape`` (None = any) and one of ``dtypes``."""
     if not isinstance(x, np.ndarray) or x.ndim != len(shape) or any(
         e is not None and e != s for e, s in zip(shape, x.shape)
@@ -38,13 +38,13 @@ def _check(name, x, shape, dtypes=None):
         raise ValueError(f"Invalid dtype of {name}: expected one of {dtypes}, got {x.dtype}")
 
 
-def _check_out(name, x, shape, dtype):
-    _check(name, x, shape, (np.dtype(dtype),))
+def check_out(name, x, shape, dtype):
+    check_array(name, x, shape, (np.dtype(dtype),))
     if not x.flags.c_contiguous or not x.flags.writeable:
         raise ValueError(f"Invalid {name}: must be a writable C-contiguous array")
 
 
-def _c32(x):
+def c32(x):
     return np.ascontiguousarray(x, dtype=np.float32)
 
 
@@ -104,16 +104,16 @@ def fast_exp64(x):
 # selection: never selected, no softmax mass. NaN costs nothing: max(a, b) is
 # select(b > a, b, a), which skips a NaN b, fast_exp64(NaN) is 0, and NaN >= theta is false. A
 # row holding +-inf (the reductions below return it) is read from a copy where they are NaN
-# (_nan_for_inf): per-element guards in the hot loops measured 15-20% slower.
-_INF32 = np.float32(np.inf)
+# (nan_for_inf): per-element guards in the hot loops measured 15-20% slower.
+INF32 = np.float32(np.inf)
 
 
 @kernel("float32(float32[::1], int64)", inf_safe=True)
-def _row_max(row, n):
+def row_max(row, n):
     """max of the non-NaN values of row[:n] (-inf if none; +inf if the row holds it). Eight
     independent maxima: LLVM does not vectorize a float max reduction (it would need no-NaN),
     and the dependency chain alone costs 2x."""
-    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = -_INF32
+    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = -INF32
     j = 0
     while j + 8 <= n:
         m0 = max(m0, row[j])
@@ -132,10 +132,10 @@ def _row_max(row, n):
 
 
 @kernel("float32(float32[::1], int64)", inf_safe=True)
-def _row_min(row, n):
+def row_min(row, n):
     """min of the non-NaN values of row[:n] (+inf if none; -inf if the row holds it), as
-    _row_max."""
-    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = _INF32
+    row_max."""
+    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = INF32
     j = 0
     while j + 8 <= n:
         m0 = min(m0, row[j])
@@ -154,11 +154,11 @@ def _row_min(row, n):
 
 
 @kernel(inf_safe=True)
-def _nan_for_inf(z, n):
+def nan_for_inf(z, n):
     """A copy of z[:, :n] with +-inf as NaN (the selection's view of a row holding them)."""
     out = np.empty((z.shape[0], n), np.float32)
     for h in range(z.shape[0]):
         for j in range(n):
             v = z[h, j]
-            out[h, j] = v if abs(v) < _INF32 else np.nan
+            out[h, j] = v if abs(v) < INF32 else np.nan
     return out

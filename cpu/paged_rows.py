@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 
 from ._numba import address_as_pointer, half_bits_as_float32, kernel, prefetch_address
-from .kernel_base import _FLOAT16_NATIVE, _check, _check_out
+from .kernel_base import FLOAT16_NATIVE, check_array, check_out
 
 
 @kernel(inf_safe=True)
-def _check_pages(idx, count, kv_start, kv_stop, n_tokens, page_ids, ppb, n_blocks):
+def check_pages(idx, count, kv_start, kv_stop, n_tokens, page_ids, ppb, n_blocks):
     """Raise IndexError unless every selected token is one of n_tokens and every page id lies
     in the n_blocks allocated blocks: the kernels below read raw addresses unchecked."""
     for lp in range(page_ids.shape[0]):
@@ -29,7 +29,7 @@ def _check_pages(idx, count, kv_start, kv_stop, n_tokens, page_ids, ppb, n_block
 
 # ---- (c) gather + partial attention from the paged host store ------------------------------
 @kernel(inline=True)
-def _log2_exact(x):
+def log2_exact(x):
     """log2(x) for a power of two x >= 1, else -1."""
     if x < 1 or (x & (x - 1)) != 0:
         return -1
@@ -43,7 +43,7 @@ def _log2_exact(x):
 def _row_location(page_ids, page_size, ppb, shifts, H, k, j):
     """(block, row) of token j of kv head k: the row's index within its block, counted in
     rows of one head (block shape (ppb, H, page_size, dim)). shifts: (log2 page_size,
-    log2 ppb) from _log2_exact, or a -1 for sizes that are not powers of two. A 64-bit
+    log2 ppb) from log2_exact, or a -1 for sizes that are not powers of two. A 64-bit
     division costs tens of cycles, most of a gathered row's arithmetic; shifts do not."""
     if shifts[0] >= 0 and shifts[1] >= 0:
         lp = j >> shifts[0]
@@ -57,7 +57,7 @@ def _row_location(page_ids, page_size, ppb, shifts, H, k, j):
 
 
 @kernel(inf_safe=True, inline=True)
-def _locate_rows(page_ids, page_size, ppb, shifts, H, k, idx, cnt, blk, row):
+def locate_rows(page_ids, page_size, ppb, shifts, H, k, idx, cnt, blk, row):
     """blk[t], row[t] = _row_location of token idx[k, t], t < cnt: computed once per token for
     the key and the value pass and their prefetches."""
     for t in range(cnt):
@@ -65,17 +65,17 @@ def _locate_rows(page_ids, page_size, ppb, shifts, H, k, idx, cnt, blk, row):
 
 
 @kernel(inf_safe=True, inline=True)
-def _load_row(addrs, scale_addrs, code, dim, blk, row, f16, out):
+def load_row(addrs, scale_addrs, code, dim, blk, row, f16, out):
     """Decode row ``row`` of block ``blk`` (see _row_location) into out (dim,) float32.
 
     Inlined with a literal code, so only one decode loop remains and it vectorizes (a runtime
     code measured 2x slower per row). No bounds checks here (they cost 25% per row): the
-    caller checks tokens and page ids once (_check_pages)."""
+    caller checks tokens and page ids once (check_pages)."""
     if code == 0:
         p16 = address_as_pointer(addrs[blk] + 2 * row * dim, np.uint16)
         for e in range(dim):
             out[e] = f16[p16[e]]
-    elif code == _FLOAT16_NATIVE:
+    elif code == FLOAT16_NATIVE:
         p16 = address_as_pointer(addrs[blk] + 2 * row * dim, np.uint16)
         for e in range(dim):
             out[e] = half_bits_as_float32(p16[e])
@@ -96,7 +96,7 @@ PREFETCH_ROWS = 8
 
 
 @kernel(inf_safe=True, inline=True)
-def _prefetch_row(addrs, code, dim, blk, row):
+def prefetch_row(addrs, code, dim, blk, row):
     """Request the cache lines of row ``row`` of block ``blk`` (no load, no fault)."""
     width = 4 if code == 1 else (1 if code == 2 else 2)
     start = addrs[blk] + width * row * dim
@@ -108,10 +108,10 @@ def _prefetch_row(addrs, code, dim, blk, row):
         inf_safe=True)
 def _copy_rows(addrs, page_ids, page_size, ppb, tokens, out):
     """out[h, i] = the stored bytes of token tokens[h, i]'s row of kv head h (zeros for a
-    negative token). The caller checks tokens and page ids (as _check_pages does)."""
+    negative token). The caller checks tokens and page ids (as check_pages does)."""
     H = tokens.shape[0]
     width = out.shape[2]
-    shifts = (_log2_exact(page_size), _log2_exact(ppb))
+    shifts = (log2_exact(page_size), log2_exact(ppb))
     for h in range(H):
         for i in range(tokens.shape[1]):
             j = tokens[h, i]
@@ -133,7 +133,7 @@ def copy_rows(addrs, page_ids, page_size, pages_per_block, tokens, row_bytes):
     page_ids = np.asarray(page_ids, np.int64)
     addrs = np.asarray(addrs, np.int64)
     valid = np.ascontiguousarray(tokens[tokens >= 0].reshape(1, -1))
-    _check_pages(valid, np.array([valid.shape[1]], np.int32), 0, 1,
+    check_pages(valid, np.array([valid.shape[1]], np.int32), 0, 1,
                  page_ids.shape[0] * int(page_size), page_ids, int(pages_per_block), len(addrs))
     out = np.empty(tokens.shape + (int(row_bytes),), np.uint8)
     _copy_rows(addrs, page_ids, int(page_size), int(pages_per_block), tokens, out)
@@ -206,11 +206,11 @@ def spill_changes(idx, count, res_tok, n, spill_tok, *, shift=True):
     ones are emptied. Updates ``spill_tok`` in place and returns ``(slots, toks)`` (H, M) int32:
     the changed slots and their new tokens (-1: emptied), padded with slot C (a slot past the
     buffer) and token -1."""
-    _check("idx", idx, (None, None), (np.dtype(np.int32),))
+    check_array("idx", idx, (None, None), (np.dtype(np.int32),))
     H = idx.shape[0]
-    _check("count", count, (H,), (np.dtype(np.int32),))
-    _check("res_tok", res_tok, (H, None), (np.dtype(np.int32),))
-    _check_out("spill_tok", spill_tok, (H, None), np.int32)
+    check_array("count", count, (H,), (np.dtype(np.int32),))
+    check_array("res_tok", res_tok, (H, None), (np.dtype(np.int32),))
+    check_out("spill_tok", spill_tok, (H, None), np.int32)
     if count.min(initial=0) < 0 or count.max(initial=0) > idx.shape[1]:
         raise ValueError(f"Invalid count: {count} (idx has {idx.shape[1]} columns)")
     C = spill_tok.shape[1]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .host_tensor import _MX, _NP, HOST_DTYPES, HostTensor
+from .host_tensor import MX_DTYPES, NP_DTYPES, HOST_DTYPES, HostTensor
 from .paged_rows import copy_rows
 
 
@@ -122,11 +122,11 @@ class HostStore:
     def append(self, values: np.ndarray, keys: np.ndarray | None = None):
         """Append tokens. values/keys: (B, H, L, d) arrays (float16 or float32)."""
         self.settle()
-        self._check(values, "values", self.value_dim)
+        self.check_array(values, "values", self.value_dim)
         if self.keys is not None:
             if keys is None:
                 raise ValueError("this HostStore keeps keys: append() needs keys")
-            self._check(keys, "keys", self.head_dim)
+            self.check_array(keys, "keys", self.head_dim)
             if keys.shape[2] != values.shape[2]:
                 raise ValueError(
                     f"Invalid shape of keys: {keys.shape[2]} tokens, values have {values.shape[2]}"
@@ -178,7 +178,7 @@ class HostStore:
         blocks = -(-max(0, over) // self.values.pages_per_block)
         return blocks * sum(t.block_bytes for t in self.tensors)
 
-    def _check(self, x, name, dim):
+    def check_array(self, x, name, dim):
         expected = (self.batch, self.n_kv_heads, None, dim)
         if x.ndim != 4 or any(e is not None and e != s for e, s in zip(expected, x.shape)):
             raise ValueError(
@@ -250,7 +250,7 @@ class HostStore:
                 keep = tokens[h] >= 0
                 out[h, keep] = self.gather(kind, b, h, tokens[h, keep])
             return out
-        dt = np.dtype(_NP[tensor.dtype])
+        dt = np.dtype(NP_DTYPES[tensor.dtype])
         raw = copy_rows(tensor.addrs, self.logical_pages(b), self.page_size,
                         tensor.pages_per_block, tokens, tensor.head_dim * dt.itemsize)
         return raw.view(dt).reshape(tokens.shape + (tensor.head_dim,))
@@ -263,7 +263,7 @@ class HostStore:
         tensor = self._tensor(kind)
         H, P, d = self.n_kv_heads, self.page_size, tensor.head_dim
         if self.length == 0:
-            return mx.zeros((H, 0, d), _MX[tensor.dtype] if tensor.dtype != "int8" else mx.float32)
+            return mx.zeros((H, 0, d), MX_DTYPES[tensor.dtype] if tensor.dtype != "int8" else mx.float32)
 
         def block(i, scales=False):
             arr = (tensor.scale_blocks if scales else tensor.blocks)[i]
@@ -346,7 +346,7 @@ class HostStore:
     @property
     def used_bytes(self) -> int:
         per_token = sum(
-            self.n_kv_heads * t.head_dim * np.dtype(_NP[t.dtype]).itemsize
+            self.n_kv_heads * t.head_dim * np.dtype(NP_DTYPES[t.dtype]).itemsize
             + (self.n_kv_heads * 4 if t.dtype == "int8" else 0)
             for t in self.tensors
         )

@@ -12,8 +12,8 @@ from numba import prange
 from tiered.primitives import Selection, check_select_args
 
 from ._numba import kernel
-from .kernel_base import (_AVAILABLE, _EXCLUDED, _EXP_CHUNK, _IN_UNION, _MASS_SPAN, _NBINS,
-                          _NO_FLAG, _SMALL, _check, _check_out, _nan_for_inf, _row_max, _row_min,
+from .kernel_base import (AVAILABLE, EXCLUDED, EXP_CHUNK, IN_UNION, MASS_SPAN, NBINS,
+                          NO_FLAG, SMALL, check_array, check_out, nan_for_inf, row_max, row_min,
                           fast_exp64)
 
 
@@ -44,9 +44,9 @@ def _refine_threshold(vals, mref, cand, nc, above, target, weighted, hist):
             hi = max(hi, x)
         if lo == hi:
             return hi
-        lo_bin = max(lo, hi - _MASS_SPAN) if weighted else lo
+        lo_bin = max(lo, hi - MASS_SPAN) if weighted else lo
         scale = nbins / (hi - lo_bin)
-        if nc <= _SMALL or not scale < 1e300:
+        if nc <= SMALL or not scale < 1e300:
             break
         hist[:] = 0.0
         for t in range(nc):
@@ -85,7 +85,7 @@ def _tau_threshold(row, n, mx, lo, tau, hist, cand, ebuf):
     row[:n] span [lo, mx] (finite); NaN counts for nothing and is never a candidate."""
     chunk = ebuf.shape[0]
     nbins = hist.shape[0]
-    lo_bin = max(lo, mx - _MASS_SPAN)  # the tail below holds < n e^-100 of the mass
+    lo_bin = max(lo, mx - MASS_SPAN)  # the tail below holds < n e^-100 of the mass
     scale = nbins / (mx - lo_bin) if mx > lo_bin else 0.0
     hist[:] = 0.0
     s = 0.0
@@ -130,8 +130,8 @@ def _head_threshold(row, n, tau, hist, cand, ebuf):
     ok is False, and nothing computed, for a row holding +-inf (the caller reads it again with
     NaN for them). A row without a finite score: m = -inf, s = 0, theta = +inf, lse = -inf,
     it selects nothing (an empty partial)."""
-    mx = np.float64(_row_max(row, n))
-    lo = np.float64(_row_min(row, n))
+    mx = np.float64(row_max(row, n))
+    lo = np.float64(row_min(row, n))
     if mx == np.inf or lo == -np.inf:
         return False, mx, 0.0, np.inf, -np.inf
     if mx == -np.inf:
@@ -204,14 +204,14 @@ def _select_kv_head(z, n, exclude, theta, lse, k, limit, floor, flags, keys, can
         keep = (0 if exclude[k, j] else 1) if has_exclude else 1
         n_union += keep * member[j]
         n_free += keep * (1 - member[j])
-        # 1 -> _IN_UNION, 0 -> _AVAILABLE, excluded -> _EXCLUDED (branch-free)
+        # 1 -> IN_UNION, 0 -> AVAILABLE, excluded -> EXCLUDED (branch-free)
         member[j] = keep * (2 - member[j])
     if n_union > limit:  # keep the limit best of U_k (each has a finite score: a finite key)
-        m = _rank_candidates(z, lse, rep, k, n, flags, _IN_UNION, keys, cand)
+        m = _rank_candidates(z, lse, rep, k, n, flags, IN_UNION, keys, cand)
         v = _refine_threshold(keys[k], 0.0, cand, m, 0.0, float(limit), False, hist)
-        return _emit(k, n, flags, keys, _NO_FLAG, _IN_UNION, v, limit, idx)
+        return _emit(k, n, flags, keys, NO_FLAG, IN_UNION, v, limit, idx)
     if n_union < floor and n_free > 0:  # all of U_k and the best available up to floor
-        m = _rank_candidates(z, lse, rep, k, n, flags, _AVAILABLE, keys, cand)
+        m = _rank_candidates(z, lse, rep, k, n, flags, AVAILABLE, keys, cand)
         kept = 0
         for t in range(m):  # a token NaN in every head (key -inf) is absent; here, not in
             # _rank_candidates: a test per token there measured 5-10% slower
@@ -219,13 +219,13 @@ def _select_kv_head(z, n, exclude, theta, lse, k, limit, floor, flags, keys, can
                 cand[kept] = cand[t]
                 kept += 1
             else:
-                flags[k, cand[t]] = _EXCLUDED
+                flags[k, cand[t]] = EXCLUDED
         m = kept
         need = min(floor - n_union, m)
         if need > 0:
             v = _refine_threshold(keys[k], 0.0, cand, m, 0.0, float(need), False, hist)
-            return _emit(k, n, flags, keys, _IN_UNION, _AVAILABLE, v, need, idx)
-    return _emit(k, n, flags, keys, _IN_UNION, _NO_FLAG, 0.0, 0, idx)
+            return _emit(k, n, flags, keys, IN_UNION, AVAILABLE, v, need, idx)
+    return _emit(k, n, flags, keys, IN_UNION, NO_FLAG, 0.0, 0, idx)
 
 
 @kernel(
@@ -240,12 +240,12 @@ def _tau_select(z, n, exclude, tau, cap, floor, idx, count, m_out, s_out, mass_o
     rows = max(Hq, H)
     # per-task scratch, allocated before the parallel loops
     cand = np.empty((rows, n), np.int32)
-    hist = np.empty((rows, _NBINS), np.float64)
-    ebuf = np.empty((rows, _EXP_CHUNK), np.float64)
+    hist = np.empty((rows, NBINS), np.float64)
+    ebuf = np.empty((rows, EXP_CHUNK), np.float64)
     theta = np.empty(Hq, np.float32)  # S_h = {j : z[h, j] >= theta[h]}
     lse = np.empty(Hq, np.float64)
     keys = np.empty((H, n), np.float64)  # max_h log p_hj, filled for ranked candidates only
-    flags = np.empty((H, n), np.uint8)  # _EXCLUDED, _IN_UNION or _AVAILABLE per token
+    flags = np.empty((H, n), np.uint8)  # EXCLUDED, IN_UNION or AVAILABLE per token
 
     redo = np.zeros(Hq, np.bool_)
     for h in prange(Hq):
@@ -253,7 +253,7 @@ def _tau_select(z, n, exclude, tau, cap, floor, idx, count, m_out, s_out, mass_o
         redo[h] = not ok
         m_out[h], s_out[h], theta[h], lse[h] = mx, s, th, ls
     if redo.any():  # rare: rows holding +-inf, read again from a copy where they are NaN
-        z = _nan_for_inf(z, n)
+        z = nan_for_inf(z, n)
         for h in prange(Hq):
             if redo[h]:
                 ok, mx, s, th, ls = _head_threshold(z[h], n, tau, hist[h], cand[h], ebuf[h])
@@ -296,8 +296,8 @@ def tau_select(z, n, exclude, tau, cap, floor=0, *, cap_alloc=None, with_stats=F
     sort).
     """
     cap, cap_alloc = check_select_args(z.shape, int(n), exclude, tau, cap, floor, cap_alloc)
-    _check("z", z, (None, None), (np.dtype(np.float32),))
-    _check("exclude", exclude, (None, None), (np.dtype(np.bool_), np.dtype(np.uint8)))
+    check_array("z", z, (None, None), (np.dtype(np.float32),))
+    check_array("exclude", exclude, (None, None), (np.dtype(np.bool_), np.dtype(np.uint8)))
     n, floor = int(n), int(floor)
     H, Hq = exclude.shape[0], z.shape[0]
     exclude = np.ascontiguousarray(exclude).view(np.uint8)
@@ -306,10 +306,10 @@ def tau_select(z, n, exclude, tau, cap, floor=0, *, cap_alloc=None, with_stats=F
                         *(np.empty(Hq, np.float32) for _ in range(3)))
     if out.idx.ndim != 2 or out.idx.shape[1] < cap:
         raise ValueError(f"Invalid shape of idx: expected (H, >= {cap}), got {out.idx.shape}")
-    _check_out("idx", out.idx, (H, None), np.int32)
-    _check_out("count", out.count, (H,), np.int32)
+    check_out("idx", out.idx, (H, None), np.int32)
+    check_out("count", out.count, (H,), np.int32)
     for name in ("m", "s", "mass"):
-        _check_out(name, getattr(out, name), (Hq,), np.float32)
+        check_out(name, getattr(out, name), (Hq,), np.float32)
     if n == 0:  # nothing live: empty selection, softmax statistics of an empty set
         out.idx[:] = -1
         out.count[:] = 0

@@ -27,7 +27,7 @@ def small():
 
 def _kvcache_bytes(cache_layer, n: int) -> int:
     """What mlx-lm's KVCache holds for n tokens: capacity in steps of 256."""
-    return cache_layer._geometry.full_bytes(256 * -(-n // 256))
+    return cache_layer.geometry.full_bytes(256 * -(-n // 256))
 
 
 def check_length(model, tok, length: int, budget, seed: int = 0):

@@ -115,6 +115,30 @@ def test_attend_kernel_matches_ops(R, T, rep, d, sinks, dtype):
 
 @pytest.mark.accelerator
 @needs_cuda
+@pytest.mark.parametrize("R,rep,d,dtype", [(300, 4, 128, "float16"), (4096, 4, 128, "float16"),
+                                           (37, 3, 64, "float32"), (1, 1, 64, "float32")])
+def test_resident_scores_kernel_matches_ops(R, rep, d, dtype):
+    """The step's start in one launch equals MLX ops: the scaled query, the resident set's
+    exact scores (-inf on empty slots) and the columns they replace (n for empty slots)."""
+    from tiered.device_attend import resident_scores, resident_scores_ops
+    rng = np.random.default_rng(R + rep)
+    H, n, scale = 2, 10 * R + 7, 0.125
+    dt = getattr(mx, dtype)
+    queries = mx.array(rng.normal(size=(1, H * rep, 1, d)).astype(np.float32)).astype(dt)
+    rk = mx.array(rng.normal(size=(H, R, d)).astype(np.float32)).astype(dt)
+    rtok = rng.choice(n, size=(H, R)).astype(np.int32)
+    rtok[rng.random((H, R)) < 0.2] = -1
+    args = (queries, scale, rk, mx.array(rtok), n)
+    got, ref = resident_scores(*args), resident_scores_ops(*args)
+    tol = 1e-3 if dtype == "float16" else 1e-5
+    for a, b in zip(got, ref):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=tol, atol=tol)
+    assert np.isneginf(np.array(got[1])[np.repeat(rtok, rep, axis=0) < 0]).all()
+
+
+@pytest.mark.accelerator
+@needs_cuda
 @pytest.mark.parametrize("rescore", ["exact", "approx"])
 def test_all_chunks_selected_decodes_as_kvcache(rescore):
     model = make_small_model("llama-gqa-d64", layers=3, seed=7)

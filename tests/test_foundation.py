@@ -136,7 +136,7 @@ def test_exact_mode_holds_no_host_copy_and_compression_moves_every_token(embedde
     k, v = np.array(k[0]), np.array(v[0])
     model(mx.array([[42]]), cache=cache)
     assert layer.phase == "compressed"
-    layer._flush()
+    layer.flush()
     n = k.shape[1]
     np.testing.assert_array_equal(layer.host.read("values")[:, :n], v)
     np.testing.assert_array_equal(layer.host.read("keys")[:, :n], k)

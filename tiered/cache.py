@@ -83,7 +83,7 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
         self.host: HostStore | None = None
         self._pending: list[tuple[mx.array, mx.array]] = []  # write-behind queue
         self._pending_tokens = 0
-        self._geometry: Geometry | None = None  # set by the first keys
+        self.geometry: Geometry | None = None  # set by the first keys
         self.compressed = None  # tiered.compressed.CompressedLayer once compressed
         self._obs = None  # the last queries before compression (they seed the heavy hitters)
         self._colmass = None  # attention mass per key over the prompt (H2O seed)
@@ -103,8 +103,8 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
         Invalid input, and an absolute budget no layout meets, raise before anything changes.
         """
         self._require_open()
-        contract.check_update(keys, values, self._geometry)
-        L, before, first = keys.shape[2], self.offset, self._geometry is None
+        contract.check_update(keys, values, self.geometry)
+        L, before, first = keys.shape[2], self.offset, self.geometry is None
         try:
             if self.phase == "compressed":
                 self._require_routing()
@@ -117,13 +117,13 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
                 if not self.config.exact and self.exact_reason is None:
                     self._require_routing()  # it may compress at any step: attention must reach it
                 if first:
-                    self._geometry = Geometry.of_tensors(keys, values)
+                    self.geometry = Geometry.of_tensors(keys, values)
                 self._check_room(L)
                 self._preflight(L)
                 out = self._append_exact(keys, values)
         except BaseException:
             if first and self.offset == before:
-                self._geometry = None
+                self.geometry = None
             self.context.abort_step(self, before, L)  # the step is applied whole or not at all
             raise
         # attention reads the new tokens once (contract check, compression of a chunk); the
@@ -139,15 +139,15 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
         Compressed phase: a lazy view of the host pages (nothing is read unless evaluated;
         attention routed to this cache ignores it)."""
         self._require_open()
-        if self._geometry is None:
+        if self.geometry is None:
             return None, None
         if self.phase == "exact":
             return self._exact_view()
         if self.host is None:
             raise ValueError(f"layer {self.layer} evicts tokens (method 'h2o'): its full keys "
                              "and values no longer exist")
-        self._flush()
-        dtype = self._geometry.dtype
+        self.flush()
+        dtype = self.geometry.dtype
         return (self.host.lazy_tokens("keys").astype(dtype)[None],
                 self.host.lazy_tokens("values").astype(dtype)[None])
 
@@ -214,7 +214,7 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
         return create_attention_mask(*args, offset=self.offset, **kwargs)
 
     def empty(self) -> bool:
-        return self._geometry is None
+        return self.geometry is None
 
     @property
     def nbytes(self) -> int:
@@ -261,15 +261,15 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
         if self.exact_reason is not None or self.config.exact:
             return
         why = contract.violation(queries, keys, values, mask, self._returned)
-        if why is None and keys.shape[1] != self._geometry.kv_heads:
+        if why is None and keys.shape[1] != self.geometry.kv_heads:
             perm = contract.head_order(keys, new[0], queries.shape[1])
             if perm is None:
                 why = (f"attention reads {keys.shape[1]} key heads that are not copies of the "
-                       f"{self._geometry.kv_heads} stored ones")
+                       f"{self.geometry.kv_heads} stored ones")
             elif self.head_perm is None:
                 self.head_perm = perm
-        if why is None and self._geometry.batch != 1:
-            why = f"batch of {self._geometry.batch} sequences: compression serves one"
+        if why is None and self.geometry.batch != 1:
+            why = f"batch of {self.geometry.batch} sequences: compression serves one"
         if why is not None:
             self.exact_reason = why
             self._obs = self._colmass = None
@@ -279,7 +279,7 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
     def settle(self):
         """Compress now if this layer would at its next step (before a save: the saved tiers
         are then codes and host pages, not the exact K/V)."""
-        if (self.phase == "exact" and self._geometry is not None and self._scale is not None
+        if (self.phase == "exact" and self.geometry is not None and self._scale is not None
                 and not self.closed and self._wants_compression(1)):
             self._require_routing()
             self.compress(None, self._scale)
@@ -302,9 +302,9 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
             self.compressed.spill_join()
         if self.host is not None:
             self.host.close()
-        geometry = self._geometry
+        geometry = self.geometry
         self._reset_storage()
-        self._geometry = geometry
+        self.geometry = geometry
         self.offset = 0
 
     def close(self):
@@ -318,9 +318,9 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
         if self.phase != "exact":
             raise ValueError("only a cache still in its exact phase can be forked")
         other = TieredCache(config, layer=self.layer, context=context)
-        if self._geometry is None:
+        if self.geometry is None:
             return other
-        other._geometry = self._geometry
+        other.geometry = self.geometry
         k, v = self._exact_view()
         other.keys, other.values = k[..., :, :], v[..., :, :]  # new array objects
         other.offset = self.offset

@@ -19,7 +19,7 @@ class CacheProtocol:
         one (the result is mlx-lm's ``QuantizedKVCache``, which is no longer tiered: a warning
         says so); a compressed layer is refused, with the options that do the same job."""
         self._require_open()
-        if self._geometry is not None and self.phase != "exact":
+        if self.geometry is not None and self.phase != "exact":
             raise ValueError(
                 f"kv_bits={bits}: layer {self.layer} is compressed ({self.offset} tokens); a "
                 "TieredCache quantizes through its own options, not mlx-lm's QuantizedKVCache: "
@@ -36,7 +36,7 @@ class CacheProtocol:
         from mlx_lm.models.cache import KVCache
 
         kv = KVCache()
-        if self._geometry is not None:
+        if self.geometry is not None:
             kv.keys, kv.values = self._exact_view()
             kv.offset = self.offset
         return kv
@@ -54,7 +54,7 @@ class CacheProtocol:
                 views.append(c)
                 continue
             c._require_open()
-            if c._geometry is not None and (c.phase != "exact" or c._geometry.batch != 1):
+            if c.geometry is not None and (c.phase != "exact" or c.geometry.batch != 1):
                 raise ValueError(
                     f"layer {c.layer} holds {c.offset} tokens compressed: batched generation "
                     "(BatchGenerator) merges caches, which only exact-phase TieredCaches "
@@ -65,7 +65,7 @@ class CacheProtocol:
 
     def extract(self, idx: int):
         """The cache of sequence ``idx`` (a TieredCache holds one: idx 0, an independent copy)."""
-        B = 1 if self._geometry is None else self._geometry.batch
+        B = 1 if self.geometry is None else self.geometry.batch
         if B != 1 or idx != 0:
             raise ValueError(f"Invalid idx {idx}: this TieredCache holds {B} sequence(s); "
                              "extract works on single-sequence caches (idx 0)")

@@ -3,7 +3,7 @@
 Accelerator tier (MLX arrays, ``(H, capacity, ...)``, grown in steps):
 
 - compressed keys of every live token (:mod:`tiered.keys`: codebook codes or affine);
-- ``acc`` (H, cap) fp32: H2O accumulator (EMA of softmax weight, averaged over the GQA group);
+- ``heavy``: the H2O accumulators (:class:`tiered.heavy.HeavyHitters`), or None;
 - ``flags`` (H, cap) uint8: 1 where a token is resident;
 - the resident set ``res_k``/``res_v`` (H, R, d) in the model dtype and ``res_tok`` (H, R)
   int32: slots ``[0, S)`` sinks, ``[S, S+W)`` a ring of the W most recent tokens, ``[S+W, R)``
@@ -34,6 +34,7 @@ from . import device_decode, device_step, ops, undo
 from .chunked import ChunkAttention
 from .compressed_state import CompressedState
 from .decode_paths import DecodePaths
+from .heavy import HeavyHitters
 from .keys import AffineKeys, CodebookKeys
 from .lookahead import Lookahead
 from .planner import Plan, capacity
@@ -45,7 +46,7 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         self.parent = parent
         self.config = parent.config
         self.plan = plan
-        g = parent._geometry
+        g = parent.geometry
         self.H, self.dk, self.dv, self.dtype = g.kv_heads, g.k_dim, g.v_dim, g.dtype
         self.numpy_path = ops.numpy_path(self.config)
         self.keys = keys_store
@@ -54,7 +55,7 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         self.scale = None
         self.S, self.W = plan.sinks, plan.recent
         self.S_eff = self.W_eff = 0
-        self.acc = self.flags = None
+        self.flags = self.heavy = None
         self._alloc(capacity)
         self.res_k = self.res_v = self.res_tok = None
         self._res_tok_np = None
@@ -82,15 +83,15 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
     def _alloc(self, capacity: int, n: int = 0):
         H = self.H
         flags = mx.zeros((H, capacity), mx.uint8)
-        acc = mx.zeros((H, capacity), mx.float32) if self.plan.use_h2o else None
         if self.flags is not None and n:
             flags[:, :n] = self.flags[:, :n]
-            if acc is not None:
-                acc[:, :n] = self.acc[:, :n]
-        mx.eval(flags, *([acc] if acc is not None else []))
-        self.flags, self.acc = flags, acc
+        mx.eval(flags)
+        self.flags = flags
         self._flags_np = ops.numpy_view(flags) if self.numpy_path else None
-        self._acc_np = ops.numpy_view(acc) if self.numpy_path and acc is not None else None
+        if self.heavy is not None:
+            self.heavy.grow(capacity, n)
+        elif self.plan.use_h2o:
+            self.heavy = HeavyHitters(H, capacity, self.config.ema_alpha, self.numpy_path)
 
     @property
     def capacity(self) -> int:
@@ -105,8 +106,8 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
     @property
     def nbytes(self) -> int:
         arrays = [self.flags]
-        if self.acc is not None:
-            arrays.append(self.acc)
+        if self.heavy is not None:
+            arrays.append(self.heavy.acc)
         if self.res_k is not None:
             arrays += [self.res_k, self.res_v, self.res_tok]
         if self.spill_k is not None:
@@ -114,11 +115,6 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         arrays += [a for a in (self.anchor_k, self.anchor_v, self.local_k, self.local_v)
                    if a is not None]
         return sum(a.nbytes for a in arrays) + self.keys.nbytes
-
-    def _acc_host(self) -> np.ndarray:
-        if self._acc_np is not None:
-            return self._acc_np
-        return np.array(self.acc[:, : self.n])
 
     # ---- construction from the exact phase -------------------------------------------------
     @classmethod
@@ -136,12 +132,8 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         self.n = n
         self.journal = undo.Journal(n, parent.config.undo_tokens)
         # Heavy hitters seeded from the prefill's attention (tiered.ops.h2o_seed).
-        if self.acc is not None and seed is not None:
-            w = seed
-            if self.numpy_path:
-                self._acc_np[:, :n] = w
-            else:
-                self.acc[:, :n] = mx.array(w)
+        if self.heavy is not None and seed is not None:
+            self.heavy.set(0, seed)
         self._rebuild_resident(keys[0], values[0])
         A = min(parent.config.anchor_tokens, n)
         if A and chunk > 1:
@@ -164,16 +156,14 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         L = keys.shape[2]
         n0 = self.n
         # The host write can fail (disk tier full): it goes first, so a failure changes nothing
-        self.parent._write_behind(keys, values)
+        self.parent.write_behind(keys, values)
         if n0 + L > self.capacity:
             self._alloc(capacity(n0 + L, self.plan.step), n0)
         with ops.kernel_threads(self.config.kernel_threads if L == 1 else 1 << 16):
             self.keys.append(keys[0], n0)
         self.n = n0 + L  # new tokens' accumulators start at 0 (fresh buffers are zeroed)
-        if self.acc is not None and not self.numpy_path:
-            self.acc[:, n0 : n0 + L] = 0.0
-        elif self._acc_np is not None:
-            self._acc_np[:, n0 : n0 + L] = 0.0
+        if self.heavy is not None:
+            self.heavy.clear(n0, L)
         self._ring_insert(keys[0], values[0], n0)
         return keys, values
 
@@ -251,7 +241,7 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
             self._tables = None
             return None
         if getattr(self, "_tables", None) is None:
-            self.parent._flush()  # what the CPU path queued, on the host before the device writes
+            self.parent.flush()  # what the CPU path queued, on the host before the device writes
             self._tables = device_decode.DeviceTables()
         return self._tables
 
@@ -296,12 +286,12 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         H2O refresh (promote / demote heavy hitters)."""
         self.steps += 1
         self.parent.stats.record_step(mean_count, self.n, resident_mass)
-        if self.acc is not None and self.steps % self.config.refresh_every == 0:
+        if self.heavy is not None and self.steps % self.config.refresh_every == 0:
             self._rebuild_resident(journal=True)
 
 
 def make_key_store(parent, plan: Plan, codebook, capacity: int):
-    g = parent._geometry
+    g = parent.geometry
     H, dk, dtype = g.kv_heads, g.k_dim, g.dtype
     if plan.codec == "affine":
         return AffineKeys(H, dk, plan.affine_bits, plan.affine_group_size, parent.config.rotate,

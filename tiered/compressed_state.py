@@ -57,7 +57,7 @@ class CompressedState:
         n_trim = min(n_trim, self.n)
         target = self.n - n_trim
         self._spill_reset()  # the spill may hold trimmed tokens: the next update drops them
-        self.parent._drop_pending_after(target)
+        self.parent.drop_pending_after(target)
         exact = undo.undo(self, target)
         self.n = target
         self.parent.host.truncate(min(target, self.parent.host.length))
@@ -88,8 +88,8 @@ class CompressedState:
             "res_tok": self.res_tok,
             "layout": [self.S_eff, self.W_eff],
         }
-        if self.acc is not None:
-            st["acc"] = self.acc[:, :n]
+        if self.heavy is not None:
+            st["acc"] = self.heavy.acc[:, :n]
         if self.anchor_k is not None:  # block-wise prefill in progress: its blocks travel too
             st["anchor"] = [self.anchor_k, self.anchor_v]
         if self.local_k is not None:
@@ -102,7 +102,7 @@ class CompressedState:
         plan = parent.context.adopt_plan(st["plan"])
         n = int(st["n"])
         cap = capacity(n, plan.step)
-        g = parent._geometry
+        g = parent.geometry
         H, dk, dtype = g.kv_heads, g.k_dim, g.dtype
         ks = st["keys"]
         if ks["kind"] == "affine":
@@ -116,12 +116,10 @@ class CompressedState:
         self.scale = None if st["scale"] < 0 else float(st["scale"])
         if self.numpy_path:
             self._flags_np[:, :n] = np.array(st["flags"])
-            if self._acc_np is not None and "acc" in st:
-                self._acc_np[:, :n] = np.array(st["acc"])
         else:
             self.flags[:, :n] = st["flags"]
-            if self.acc is not None and "acc" in st:
-                self.acc[:, :n] = st["acc"]
+        if self.heavy is not None and "acc" in st:
+            self.heavy.set(0, st["acc"])
         self.S_eff, self.W_eff = (int(x) for x in st["layout"])
         self._set_resident(mx.array(st["res_k"]), mx.array(st["res_v"]),
                            np.array(st["res_tok"]).astype(np.int32))

@@ -139,7 +139,7 @@ class SharedContext:
     def geometry_for(self, layer) -> Geometry:
         """The budget's geometry from a layer's real keys (its batch counts as heads: the
         exact layout of B sequences holds B times the bytes)."""
-        g = layer._geometry
+        g = layer.geometry
         if self.model_geometry is not None and self.q_heads is None:
             q = self.model_geometry.q_heads
         else:

@@ -30,9 +30,9 @@ class DecodePaths:
         """Read ahead the disk pages of the tokens the policy is likely to select next: the
         highest accumulators outside the resident set (off the critical path, on a worker)."""
         host = self.parent.host
-        if host is None or not host.disk_bytes or self._acc_np is None:
+        if host is None or not host.disk_bytes or self.heavy is None or not self.numpy_path:
             return
-        acc = self._acc_np[:, : self.n]
+        acc = self.heavy.host(self.n)
         k = min(256, self.n)
         top = np.argpartition(-acc, k - 1, axis=1)[:, :k]
         b = self.parent.scheduler.batch(self.parent.layer)
@@ -62,7 +62,7 @@ class DecodePaths:
         H, n = self.H, self.n
         Hq, d = queries.shape[1], queries.shape[3]
         rep = Hq // H
-        self.parent._flush_until(n - self.W_eff)
+        self.parent.flush_until(n - self.W_eff)
         q = queries[0, :, 0, :].astype(mx.float32) * scale
         return Hq, rep, q, self._resident_scores(q.reshape(H, rep, d))
 
@@ -89,8 +89,8 @@ class DecodePaths:
         mx.eval(o_r, lse_r)
         if self._update:
             self.journal.record(n, "step", (n, q, rep, self.steps))
-            if self._acc_np is not None:
-                ops.acc_update(self._acc_np, z, sel.m, sel.s, rep, n, cfg.ema_alpha)
+            if self.heavy is not None:
+                self.heavy.update(z, sel.m, sel.s, n, rep)
         marks.append(("resident", time.perf_counter()))
         o_c, lse_c = ops.wait_gather(handle, marks[-1][1] - t_acc)
         marks.append(("wait", time.perf_counter()))
@@ -183,9 +183,8 @@ class DecodePaths:
         lazy = [o_r, lse_r]
         if self._update:
             self.journal.record(self.n, "step", (self.n, q, rep, self.steps))
-        if self.acc is not None and self._update:  # one kernel pass on a GPU (metal/h2o_acc.h)
-            self.acc = metal.acc_update(self.acc, z, sel.m, sel.s, self.n, rep, cfg.ema_alpha)
-            lazy.append(self.acc)
+        if self.heavy is not None and self._update:  # one kernel pass (metal/h2o_acc.h)
+            lazy.append(self.heavy.update(z, sel.m, sel.s, self.n, rep))
         mx.async_eval(*lazy)  # the device works while the CPU gathers
         marks.append(("resident", time.perf_counter()))  # launching it (runs on asynchronously)
         o_c, lse_c = ops.wait_gather(handle, marks[-1][1] - t_acc)

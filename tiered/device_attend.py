@@ -21,6 +21,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .device_decode import CHUNK, CHUNK_WORD, DeviceTables, host_mx_dtype
+from .metal import device_floats, device_ints
 from .primitives import merge_partials
 
 _GATHER_KV = r"""
@@ -147,6 +148,40 @@ _MERGE = r"""
     }
 """
 
+_RESIDENT = r"""
+    // One warp per resident slot (h, r): the REP query heads of kv head h, scaled to float32
+    // (written by the warps of slot 0), against the slot's key: s (Hq, R) the exact score,
+    // -inf for an empty slot (token < 0), and cols (Hq, R) the token it replaces in the
+    // codebook scores (nn[0], a spare column, for an empty slot).
+    const uint64_t gid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const uint32_t R = rk_shape[1], lane = gid % 32;
+    const uint64_t warp = gid / 32;
+    if (warp >= (uint64_t)H * R) return;
+    const uint32_t h = warp / R, r = warp % R;
+    const float sc = scale[0];
+    const int tok = rtok[(uint64_t)h * R + r];
+    const auto* kr = rk + ((uint64_t)h * R + r) * D;
+    float acc[REP];
+    for (int j = 0; j < REP; ++j) acc[j] = 0.f;
+    for (int e = lane; e < D; e += 32) {
+        const float kv = (float)kr[e];
+        for (int j = 0; j < REP; ++j) {
+            const float qv = (float)queries[(h * REP + j) * D + e] * sc;
+            acc[j] += qv * kv;
+            if (r == 0) qout[(h * REP + j) * D + e] = qv;
+        }
+    }
+    for (int j = 0; j < REP; ++j)
+        for (int o = 16; o > 0; o >>= 1) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
+    if (lane < REP) {
+        float v = acc[0];
+        for (int j = 1; j < REP; ++j) if (j == (int)lane) v = acc[j];
+        const uint64_t at = (uint64_t)(h * REP + lane) * R + r;
+        s[at] = tok >= 0 ? v : -INFINITY;
+        cols[at] = tok >= 0 ? tok : nn[0];
+    }
+"""
+
 _kernels: dict = {}
 
 
@@ -158,10 +193,37 @@ def _kernel(name: str):
             "splits": (["q", "rk", "rv", "rtok", "gk", "gv", "ok", "dims"],
                        ["pm", "pl", "po", "cnt"], _SPLITS),
             "merge": (["pm", "pl", "po", "cnt", "sink", "dims"], ["out", "stats"], _MERGE),
+            "resident": (["queries", "scale", "rk", "rtok", "nn"], ["qout", "s", "cols"],
+                         _RESIDENT),
         }[name]
         _kernels[name] = mx.fast.cuda_kernel(name=f"tiered_{name}", input_names=spec[0],
                                              output_names=spec[1], source=spec[2])
     return _kernels[name]
+
+
+def resident_scores(queries, scale: float, rk, rtok, n: int):
+    """The step's start in one launch: queries (1, Hq, 1, D) in any float dtype, scaled to
+    q (Hq, D) float32; the resident set's exact scores s (Hq, R) float32 (-inf on empty
+    slots); cols (Hq, R) int32, the token each score replaces in the codebook scores (n for
+    an empty slot: a spare column). :func:`resident_scores_ops` is the MLX reference."""
+    Hq, D = queries.shape[1], queries.shape[3]
+    H, R = rtok.shape
+    return _kernel("resident")(
+        inputs=[queries, device_floats(scale), rk, rtok, device_ints(n)],
+        output_shapes=[(Hq, D), (Hq, R), (Hq, R)],
+        output_dtypes=[mx.float32, mx.float32, mx.int32],
+        grid=(H * R * 32, 1, 1), threadgroup=(256, 1, 1),
+        template=[("H", H), ("REP", Hq // H), ("D", D)])
+
+
+def resident_scores_ops(queries, scale: float, rk, rtok, n: int):
+    """:func:`resident_scores` with MLX ops, in float32."""
+    Hq, D = queries.shape[1], queries.shape[3]
+    H, R = rtok.shape
+    q = queries[0, :, 0, :].astype(mx.float32) * scale
+    s = (q.reshape(H, Hq // H, D) @ rk.astype(mx.float32).swapaxes(-1, -2)).reshape(Hq, R)
+    tok = mx.repeat(rtok, Hq // H, axis=0)
+    return q, mx.where(tok >= 0, s, -mx.inf), mx.where(tok >= 0, tok, n)
 
 
 def gather_kv(tables: DeviceTables, host, idx: mx.array, count: mx.array, flags: mx.array):
@@ -175,7 +237,7 @@ def gather_kv(tables: DeviceTables, host, idx: mx.array, count: mx.array, flags:
     words = H * capc * CHUNK * max(rowk, rowv) // 16
     kout, vout, ok = _kernel("gather_kv")(
         inputs=[idx, count, tables.pages(host), tables.addrs(kt), tables.addrs(vt), flags,
-                mx.array([host.length], mx.int32)],
+                device_ints(host.length)],
         output_shapes=[(H, capc * CHUNK, kt.head_dim), (H, capc * CHUNK, vt.head_dim),
                        (H, capc * CHUNK)],
         output_dtypes=[kdt, vdt, mx.bool_],
@@ -218,7 +280,7 @@ def attend(q, rk, rv, rtok, gk, gv, ok, sinks, out_dtype):
     ns = nsr + nsg
     # The resident slots grow with the context (each refresh may change R): R and the split
     # plan are runtime values, so a refresh compiles nothing.
-    dims = mx.array([R, split, ns, nsr], mx.int32)
+    dims = device_ints(R, split, ns, nsr)  # kept: the same in every layer
     tmpl = [("H", H), ("REP", rep), ("D", D), ("NGAT", T)]
     pm, pl, po, cnt = _kernel("splits")(
         inputs=[q, rk, rv, rtok, gk, gv, ok, dims],

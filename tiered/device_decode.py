@@ -26,10 +26,12 @@ import mlx.core as mx
 import numpy as np
 
 from . import uva
+from .metal import device_ints
 
 NO_BAD = np.iinfo(np.int32).max  # the door's lazy flag: no non-finite position seen
 
 CHUNK = 8  # tokens per selected chunk (Quest / ShadowKV use 8-16)
+SMALL_WRITE = 16  # tokens a write takes its page and slot ids for from the kept arrays
 
 # The body both gather kernels share (this one and device_attend's keys + values): given tid,
 # ROWB (bytes per row), WPR / WPC (16-byte words per row / chunk), ppb (pages per block),
@@ -189,9 +191,16 @@ class DeviceTables:
 
     def ones(self, n: int) -> mx.array:
         """A kept float32 array of n ones (a fresh one per step would be a launch)."""
-        got = self._ones.get(n)
+        return self._filled((n,), 1.0)
+
+    def zeros(self, *shape: int) -> mx.array:
+        """A kept float32 array of zeros."""
+        return self._filled(shape, 0.0)
+
+    def _filled(self, shape: tuple, value: float) -> mx.array:
+        got = self._ones.get((shape, value))
         if got is None:
-            got = self._ones[n] = mx.ones((n,), mx.float32)
+            got = self._ones[(shape, value)] = mx.full(shape, value, mx.float32)
             mx.eval(got)
         return got
 
@@ -211,8 +220,12 @@ def write_tokens(tables: DeviceTables, host, keys: mx.array, values: mx.array) -
     host.reserve(L)
     pages_np = host.logical_pages(0)
     t = np.arange(start, start + L)
-    page = mx.array(pages_np[t // host.page_size].astype(np.int64))
-    slot = mx.array((t % host.page_size).astype(np.int32))
+    page, slot = pages_np[t // host.page_size], t % host.page_size
+    # A decode step's token ids are the same in every layer: kept device arrays, not fresh
+    # ones (see metal._build.device_ints); a prompt's many tokens take fresh ones.
+    fresh = L > SMALL_WRITE
+    page = mx.array(page.astype(np.int32)) if fresh else device_ints(*page)
+    slot = mx.array(slot.astype(np.int32)) if fresh else device_ints(*slot)
     out = []
     for tensor, x in ((host.values, values), (host.keys, keys)):
         if tensor is None:
@@ -238,7 +251,7 @@ def gather_chunks(tables: DeviceTables, host, tensor, idx: mx.array, count: mx.a
     d = tensor.head_dim
     dtype = host_mx_dtype(tensor.dtype)
     row = d * dtype.size
-    n_host = mx.array([host.length], mx.int32)
+    n_host = device_ints(host.length)
     out, ok = _kernel("gather")(
         inputs=[idx, count, tables.pages(host), tables.addrs(tensor), flags, n_host],
         output_shapes=[(H, capc * CHUNK, d), (H, capc * CHUNK)],
@@ -256,7 +269,7 @@ def chunk_logits(z: mx.array, flags: mx.array, n_host: int, rep: int, n: int | N
     n = n_host if n is None else n
     nc, na = -(-n_host // CHUNK), -(-n // CHUNK)
     zc, excl, za = _kernel("chunks")(
-        inputs=[z, flags, mx.array([n_host, n], mx.int32)],
+        inputs=[z, flags, device_ints(n_host, n)],
         output_shapes=[(Hq, nc), (Hq // rep, nc), (Hq, na)],
         output_dtypes=[mx.float32, mx.bool_, mx.float32],
         grid=(Hq * na, 1, 1), threadgroup=(256, 1, 1),
@@ -306,22 +319,3 @@ def chunk_tokens(idx: mx.array, count: mx.array, flags: mx.array, n_host: int):
 def host_mx_dtype(name: str):
     """The MLX dtype of host pages stored as ``name`` (float16 / float32)."""
     return {"float16": mx.float16, "float32": mx.float32}[name]
-
-
-def flush(parent, tables: DeviceTables, upto: int) -> list:
-    """Write-behind on the device: queued tokens go to the host pages until the pages hold
-    ``upto`` tokens (whole queue entries; the current step's own tokens stay queued while
-    the ring holds them). The door's finiteness checks fold into one lazy flag, read when the
-    CPU next reads the pages. Returns the writes' outputs."""
-    host = parent.host
-    writes = []
-    while parent._pending and host.length < upto:
-        k, v = parent._pending.pop(0)
-        parent._pending_tokens -= v.shape[2]
-        writes += write_tokens(tables, host, k, v)
-    checks, parent._finite_checks = parent._finite_checks, []
-    for start, _, ok in checks:  # the first bad position so far, lazily
-        bad = mx.where(ok, NO_BAD, start)
-        parent._finite_bad = bad if parent._finite_bad is None else mx.minimum(
-            parent._finite_bad, bad)
-    return writes

@@ -4,8 +4,9 @@ start -> score -> select -> offloaded + resident partials -> merge -> policy upd
 host round trip (tiered.device_decode says how the host pages are reached in place):
 
 1. write-behind: tokens leaving the recent ring go to their host pages (a device kernel);
-2. scores: every token's from the compressed keys, the resident tokens' replaced by their
-   exact scores (the layer's ``_select_device``);
+2. scores: the query scaled and the resident set's exact scores in one launch
+   (:func:`tiered.device_attend.resident_scores`), every token's from the compressed keys,
+   the resident tokens' replaced by their exact scores;
 3. chunk logits: one kernel gives each 8-token chunk's logit and exclusion for the tau rule,
    and each chunk's log-sum-exp over all tokens (the softmax total for the H2O update);
 4. selection: the tau-cumulative rule over chunks (cap and floor in chunks);
@@ -28,7 +29,8 @@ import time
 import mlx.core as mx
 
 from . import device_attend, metal
-from .device_decode import CHUNK, DeviceTables, chunk_logits, chunk_token_ids, flush, gather_chunks
+from .device_decode import CHUNK, DeviceTables, chunk_logits, chunk_token_ids, gather_chunks
+from .stats import Column
 
 ASYNC_EVAL = True  # hand each layer to the device as soon as it is queued (bench compares)
 
@@ -38,13 +40,14 @@ def decode(layer, queries, scale, sinks, tables: DeviceTables):
     marks = [("", time.perf_counter())]
     cfg, parent, H, n = layer.config, layer.parent, layer.H, layer.n
     host = parent.host
-    writes = flush(parent, tables, n - layer.W_eff)
-    Hq, d = queries.shape[1], queries.shape[3]
+    writes = parent.flush_on_device(tables, n - layer.W_eff)
+    Hq = queries.shape[1]
     rep = Hq // H
-    q = queries[0, :, 0, :].astype(mx.float32) * scale
-    qh = q.reshape(H, rep, d)
-    s_r = layer._resident_scores(qh)
-    z, _ = layer._select_device(q, s_r, Hq, rep, select=False)
+    q, s_r, cols = device_attend.resident_scores(queries, scale, layer.res_k, layer.res_tok, n)
+    # every token's codebook score, the resident tokens' replaced by their exact ones (empty
+    # slots write the spare column n, which nothing reads)
+    z = layer.keys.scores(q, n, rep)
+    z = mx.put_along_axis(mx.concatenate([z, tables.zeros(Hq, 1)], axis=1), cols, s_r, axis=1)
     n_host = host.length
     zc, excl, za = chunk_logits(z, layer.flags, n_host, rep, n)
     cap, floor = layer._cap(n)
@@ -55,16 +58,15 @@ def decode(layer, queries, scale, sinks, tables: DeviceTables):
         keys, vals, ok = device_attend.gather_kv(tables, host, idx, count, layer.flags)
         o, stats = device_attend.attend(q, layer.res_k, layer.res_v, layer.res_tok, keys, vals,
                                         ok, sinks, queries.dtype)
-        mean_count, mass = stats[:, 0].mean(), stats[:, 1].mean()
+        mean_count, mass = Column(stats, 0), Column(stats, 1)  # reduced when read
     else:
-        o, mean_count, mass = _approx_partials(layer, qh, z, s_r, idx, count, sinks, tables)
+        o, mean_count, mass = _approx_partials(layer, q.reshape(H, rep, -1), z,
+                                               s_r.reshape(H, rep, -1), idx, count, sinks, tables)
     if layer._update:
         layer.journal.record(n, "step", (n, q, rep, layer.steps))
-        if layer.acc is not None:
+        if layer.heavy is not None:
             lse = mx.logsumexp(za, axis=1)  # the softmax total over the n tokens
-            layer.acc = metal.acc_update(layer.acc, z, lse, tables.ones(Hq), n, rep,
-                                         cfg.ema_alpha)
-            writes.append(layer.acc)
+            writes.append(layer.heavy.update(z, lse, tables.ones(Hq), n, rep))
     marks.append(("build", time.perf_counter()))
     out = layer._end_step(queries, o, mass, mean_count, marks)
     out = mx.depends(out, writes) if writes else out

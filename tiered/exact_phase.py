@@ -57,7 +57,7 @@ class ExactPhase:
         """Whether an exact layer holding n tokens (this step's L included) compresses now:
         at a decode step, or a prompt beyond prefill_window (or the absolute budget), once a
         compressed layout holds n tokens within the budget."""
-        if self.config.exact or self.exact_reason is not None or self._geometry.batch != 1:
+        if self.config.exact or self.exact_reason is not None or self.geometry.batch != 1:
             return False
         absolute = self.config.budget_fraction is None
         full = self.context.geometry_for(self).full_bytes(n) / max(self.context.layers, 1)
@@ -69,7 +69,7 @@ class ExactPhase:
     def _bookkeeping(self, n: int) -> bool:
         """Whether to record what the H2O seed needs (the last queries, the prompt's attention
         mass): only when this layer may compress within the observation window."""
-        if self.config.exact or self.exact_reason is not None or self._geometry.batch != 1:
+        if self.config.exact or self.exact_reason is not None or self.geometry.batch != 1:
             return False
         t = self.context.threshold(self)
         return t is not None and n + self._obs_window() >= t
@@ -94,7 +94,7 @@ class ExactPhase:
 
     def _column_mass(self, n: int):
         """The exported per-key attention mass buffer (H, >= n)."""
-        H = self._geometry.kv_heads
+        H = self.geometry.kv_heads
         if self._colmass is None or self._colmass.shape[1] < n:
             grown = np.zeros((H, max(n, 2 * (0 if self._colmass is None else
                                              self._colmass.shape[1]))), np.float32)
@@ -126,8 +126,8 @@ class ExactPhase:
         obs = self._obs
         if obs is None or obs.shape[2] == 0:
             obs = None if queries is None else queries[..., -self.config.recent:, :]
-        Hq = obs.shape[1] if obs is not None else self._geometry.kv_heads
-        rep = Hq // self._geometry.kv_heads
+        Hq = obs.shape[1] if obs is not None else self.geometry.kv_heads
+        rep = Hq // self.geometry.kv_heads
         seed = ops.h2o_seed(obs[0] if obs is not None else None, keys[0], scale,
                             self._colmass, rep)
         # All or nothing: a failure (disk tier full, non-finite K/V) leaves the layer exact.

@@ -26,7 +26,7 @@ class H2OBaselineLayer:
 
     def __init__(self, parent, plan: Plan):
         self.parent, self.plan, self.config = parent, plan, parent.config
-        g = parent._geometry
+        g = parent.geometry
         self.H, self.dk, self.dv, self.dtype = g.kv_heads, g.k_dim, g.v_dim, g.dtype
         self.S, self.W = plan.sinks, plan.recent
         self.n = 0  # tokens seen (the RoPE position of the next one)

@@ -54,22 +54,39 @@ class HostTier:
             raise ValueError(self._non_finite(bad.item(), 1))
 
     # ---- tiers -----------------------------------------------------------------------------
-    def _write_behind(self, keys, values):
+    def write_behind(self, keys, values):
         """Queue new tokens for the host pages; flushed once they are surely evaluated."""
         self._pending.append((keys, values))
         self._pending_tokens += keys.shape[2]
         if self._pending_tokens >= self.config.page_size:
-            self._flush()
+            self.flush()
 
-    def _flush_until(self, n: int):
+    def flush_until(self, n: int):
         """Make sure tokens [0, n) are on the host (older ones than the recent ring)."""
         if self.host is None or self.host.length < n:
-            self._flush()
+            self.flush()
+
+    def flush_on_device(self, tables, upto: int) -> list:
+        """Write-behind on the device (tiered.device_decode): queued tokens go to the host
+        pages until the pages hold ``upto`` tokens (whole queue entries; the current step's
+        own tokens stay queued while the ring holds them). The door's finiteness checks fold
+        into one lazy flag, read when the CPU next reads the pages. Returns the writes."""
+        writes = []
+        while self._pending and self.host.length < upto:
+            k, v = self._pending.pop(0)
+            self._pending_tokens -= v.shape[2]
+            writes += device_decode.write_tokens(tables, self.host, k, v)
+        checks, self._finite_checks = self._finite_checks, []
+        for start, _, ok in checks:  # the first bad position so far, lazily
+            bad = mx.where(ok, device_decode.NO_BAD, start)
+            self._finite_bad = bad if self._finite_bad is None else mx.minimum(
+                self._finite_bad, bad)
+        return writes
 
     def _new_host(self, n: int = 0) -> HostStore:
         """Host pages for this layer; blocks sized to the tokens it holds now (a power of two
         of pages, up to 16): a short context does not take 16 pages per layer."""
-        g = self._geometry
+        g = self.geometry
         host = self.config.host
         pages = max(1, -(-n // host.page_size))
         ppb = min(MAX_PAGES_PER_BLOCK, 1 << (pages - 1).bit_length())
@@ -81,7 +98,7 @@ class HostTier:
             name=f"layer{self.layer}",
         )
 
-    def _flush(self):
+    def flush(self):
         """The write-behind queue into the host pages, all or nothing (a full disk tier leaves
         the queue and the pages as they were)."""
         if not self._pending:
@@ -100,7 +117,7 @@ class HostTier:
         self._pending.clear()
         self._pending_tokens = 0
 
-    def _drop_pending_after(self, n: int) -> None:
+    def drop_pending_after(self, n: int) -> None:
         """Trim the write-behind queue and the host pages to the first n tokens."""
         host_len = self.host.length if self.host is not None else 0
         keep = max(0, n - host_len)

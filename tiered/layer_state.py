@@ -40,9 +40,9 @@ EXPECTED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("tiered_e
 
 def _geometry_json(layer):
     """A layer's geometry as the state stores it: [B, H, dk, dv, dtype name] (or None)."""
-    if layer._geometry is None:
+    if layer.geometry is None:
         return None
-    g = layer._geometry
+    g = layer.geometry
     return [g.batch, g.kv_heads, g.k_dim, g.v_dim, str(g.dtype).split(".")[-1]]
 
 
@@ -72,7 +72,7 @@ def meta_of(layer) -> str:
 
 def state_of(layer):
     arrays = {}
-    if layer._geometry is None:
+    if layer.geometry is None:
         return None, None, meta_of(layer), arrays
     if layer.phase == "exact":
         k, v = layer._exact_view() if layer.keys is not None else (None, None)
@@ -81,7 +81,7 @@ def state_of(layer):
         if layer._colmass is not None:
             arrays["colmass"] = mx.array(layer._colmass[:, : layer.offset])
         return k, v, meta_of(layer), arrays
-    layer._flush()
+    layer.flush()
     comp = layer.compressed.state()
     k, v = comp.pop("res_k"), comp.pop("res_v")
     arrays["compressed"] = comp
@@ -133,14 +133,14 @@ def _restore(layer, st, context=None):
         layer._returned = tuple(tuple(s) for s in meta["returned"])
     if meta["geometry"] is None:
         return layer
-    layer._geometry = _geometry_of(meta["geometry"])
-    dtype = layer._geometry.dtype
+    layer.geometry = _geometry_of(meta["geometry"])
+    dtype = layer.geometry.dtype
     arrays = arrays or {}
     checks.need(isinstance(arrays, dict), "arrays is not a mapping")
     if meta["phase"] == "exact":
         if int(meta["offset"]) == 0 and k is None:
             return layer
-        checks.exact(k, v, layer._geometry, int(meta["offset"]))
+        checks.exact(k, v, layer.geometry, int(meta["offset"]))
         if int(meta["offset"]) == 0:
             return layer
         layer._append_exact(k.astype(dtype), v.astype(dtype))
@@ -150,9 +150,9 @@ def _restore(layer, st, context=None):
     else:
         checks.need(isinstance(arrays.get("compressed"), dict), "compressed state missing")
         comp = dict(arrays["compressed"], res_k=k, res_v=v)
-        checks.compressed(comp, layer._geometry)
+        checks.compressed(comp, layer.geometry)
         if comp.get("kind") != "h2o":
-            checks.host(arrays.get("host"), layer._geometry)
+            checks.host(arrays.get("host"), layer.geometry)
             checks.need(int(arrays["host"]["meta"][8]) == int(comp["n"]),
                         "host pages and codes hold different token counts")
         layer.offset = int(meta["offset"])
@@ -184,8 +184,8 @@ def _restore_v1(layer, st: dict, context=None):
     layer.__init__(config, layer=int(st["layer"]), context=ctx)
     if "geometry" not in st:
         return layer
-    layer._geometry = _geometry_of(st["geometry"])
-    dtype = layer._geometry.dtype
+    layer.geometry = _geometry_of(st["geometry"])
+    dtype = layer.geometry.dtype
     if st["phase"] == "exact":
         layer._append_exact(st["keys"].astype(dtype), st["values"].astype(dtype))
         layer._obs = st.get("obs")

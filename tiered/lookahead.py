@@ -9,7 +9,6 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from tiered import metal
 
 from . import ops
 
@@ -37,7 +36,6 @@ class Lookahead:
         until the next step reads it."""
         t0 = time.perf_counter()
         marks = [("", t0)]
-        cfg = self.config
         H, d = self.H, queries.shape[3]
         count = self._spill_finish()
         nxt = self.parent.context.next_lookahead_layer(self.parent.layer)
@@ -55,9 +53,8 @@ class Lookahead:
                                lse_s.reshape(Hq), sinks, Hq)
         lazy = [o, self._pending]
         self.journal.record(self.n, "step", (self.n, q, rep, self.steps))
-        if self.acc is not None:
-            self.acc = metal.acc_update(self.acc, z, sel.m, sel.s, self.n, rep, cfg.ema_alpha)
-            lazy.append(self.acc)
+        if self.heavy is not None:
+            lazy.append(self.heavy.update(z, sel.m, sel.s, self.n, rep))
         mx.async_eval(*lazy)
         marks.append(("build", time.perf_counter()))
         return self._end_step(queries, o, mx.exp(lse_r - lse).mean(), float(np.mean(count)),
@@ -80,7 +77,7 @@ class Lookahead:
             idx, count = flat[:-H].reshape(H, -1), flat[-H:]
         else:
             idx, count = pend
-        self.parent._flush_until(self.n - self.W_eff)  # the rows the worker reads
+        self.parent.flush_until(self.n - self.W_eff)  # the rows the worker reads
         size = self._spill_size(self.n)
         if self.spill_k is None or self.spill_k.shape[1] < size:
             self._grow_spill(size)

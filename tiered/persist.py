@@ -115,7 +115,7 @@ def save(caches, directory: str, model) -> str:
     layers = [c for c in caches if is_tiered(c)]
     for c in layers:
         c._require_open()
-        c._flush()
+        c.flush()
     check_save_target(directory, saved_bytes(caches))
     sid = snapshot.new_id()
     names: list[str] = []

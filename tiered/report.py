@@ -39,9 +39,9 @@ class LayerReport:
 
     def full_cache_bytes(self) -> int:
         """Bytes mlx-lm's KVCache would hold for this layer's tokens (the budget reference)."""
-        if self._geometry is None:
+        if self.geometry is None:
             return 0
-        return self._geometry.full_bytes(self.offset)
+        return self.geometry.full_bytes(self.offset)
 
     @property
     def layout_note(self) -> str:
@@ -53,7 +53,7 @@ class LayerReport:
             return "exact: gpu_budget 1.0"
         if self.exact_reason:
             return f"exact: {self.exact_reason}"
-        if self._geometry is None:
+        if self.geometry is None:
             return "empty"
         t = self.context.threshold(self)
         if self.config.budget_fraction is None:

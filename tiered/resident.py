@@ -38,29 +38,18 @@ class ResidentSet:
 
     def _choose_heavy(self, count: int, n: int, S: int, W: int) -> np.ndarray:
         """(H, count) token ids of the top accumulators outside sinks and the recent ring."""
-        H = self.H
-        out = np.full((H, count), -1, np.int32)
         lo, hi = min(S, n), max(n - W, 0)
-        if count <= 0 or hi <= lo:
-            return out
-        acc = self._acc_host()[:, lo:hi]
+        allowed = None
         host = self.parent.host
-        if self.res_tok is not None and (host is None or host.keys is None):
+        if hi > lo and self.res_tok is not None and (host is None or host.keys is None):
             # No full keys on the host: only tokens whose K/V are on the accelerator (the
             # resident set, the recent ring) can be heavy hitters. Eviction, as in H2O.
-            allowed = np.zeros_like(acc, dtype=bool)
-            for h in range(H):
+            allowed = np.zeros((self.H, hi - lo), dtype=bool)
+            for h in range(self.H):
                 t = self._res_tok_np[h]
                 t = t[(t >= lo) & (t < hi)] - lo
                 allowed[h, t] = True
-            acc = np.where(allowed, acc, -np.inf)
-        k = min(count, hi - lo)
-        top = np.argpartition(-acc, k - 1, axis=1)[:, :k] if k < hi - lo else np.tile(
-            np.arange(hi - lo), (H, 1))
-        picked = np.take_along_axis(acc, top, axis=1)
-        top = np.where(np.isfinite(picked), top + lo, -1)
-        out[:, :k] = np.sort(top, axis=1)
-        return out
+        return self.heavy.top(count, lo, hi, allowed)
 
     def _rebuild_resident(self, keys: mx.array | None = None, values: mx.array | None = None,
                           journal: bool = False):
@@ -69,7 +58,7 @@ class ResidentSet:
         ``journal``: record what it replaces (a refresh; see tiered.undo)."""
         n, H = self.n, self.H
         if keys is None:
-            self.parent._flush()  # tokens leaving the ring are read back from the host
+            self.parent.flush()  # tokens leaving the ring are read back from the host
         R = self._resident_layout(n)
         if self.plan.keep_values_resident:
             S, W = min(self.S, n), min(self.plan.recent_window(R), n)
@@ -80,7 +69,7 @@ class ResidentSet:
             ring[:, t % W] = t
         sinks = np.tile(np.arange(S, dtype=np.int32), (H, 1))
         heavy_n = max(R - S - W, 0)
-        heavy = self._choose_heavy(heavy_n, n, S, W) if self.acc is not None else np.full(
+        heavy = self._choose_heavy(heavy_n, n, S, W) if self.heavy is not None else np.full(
             (H, heavy_n), -1, np.int32)
         tok = np.concatenate([sinks, ring, heavy], axis=1).astype(np.int32)
         if journal:

@@ -8,6 +8,19 @@ import mlx.core as mx
 import numpy as np
 
 
+class Column:
+    """The mean of one column of a lazy (rows, columns) device array, read when converted with
+    ``float()`` (a device step's statistics: no reduction queued per step)."""
+
+    __slots__ = ("array", "col")
+
+    def __init__(self, array: mx.array, col: int):
+        self.array, self.col = array, col
+
+    def __float__(self) -> float:
+        return float(np.asarray(self.array[:, self.col]).mean())
+
+
 @dataclass
 class LayerStats:
     decode_steps: int = 0
@@ -25,7 +38,7 @@ class LayerStats:
     def record_step(self, selected: float, live: int, resident_mass) -> None:
         """resident_mass may be a lazy MLX scalar (read when summarized: no sync per step)."""
         self.decode_steps += 1
-        self.selected.append(selected if isinstance(selected, mx.array) else float(selected))
+        self.selected.append(selected if isinstance(selected, (mx.array, Column)) else float(selected))
         self.live.append(int(live))
         self.resident_mass.append(resident_mass)
 

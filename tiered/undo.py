@@ -141,21 +141,9 @@ def undo_step(layer, n: int, q: mx.array, rep: int, steps: int) -> None:
         for lst in (stats.selected, stats.live, stats.resident_mass):
             if lst:
                 lst.pop()
-    if layer.acc is None:
-        return
-    alpha = layer.config.ema_alpha
-    z, m, s = layer.step_scores(q, rep)
-    H = layer.H
-    if layer.numpy_path:
-        zz = z[:, :n].astype(np.float64)
-        inv = np.where(s > 0, (1.0 - alpha) / (rep * np.maximum(s, 1e-30)), 0.0)
-        p = (np.exp(zz - m[:, None].astype(np.float64)) * inv[:, None]).reshape(H, rep, n).sum(1)
-        acc = layer._acc_np
-        acc[:, :n] = ((acc[:, :n].astype(np.float64) - p) / alpha).astype(np.float32)
-        return
-    p = mx.exp(z[:, :n] - m[:, None]) / s[:, None]
-    p = (1 - alpha) * p.reshape(H, rep, n).mean(axis=1)
-    layer.acc[:, :n] = (layer.acc[:, :n] - p) / alpha
+    if layer.heavy is not None:
+        z, m, s = layer.step_scores(q, rep)
+        layer.heavy.undo(z, m, s, n, rep)
 
 
 def _flags_from_resident(layer) -> None:

@@ -1,0 +1,104 @@
+"""Heavy hitters (H2O, Zhang et al. 2023): each token's accumulated attention.
+
+One float32 accumulator per kv head and token, an exponential moving average of the token's
+softmax weight (averaged over the query heads of its GQA group): seeded from the prefill's
+attention (:func:`tiered.ops.h2o_seed`), folded with every decode step's weights, and read
+when the resident set is refreshed (:mod:`tiered.resident` keeps the top ones).
+
+The accumulators live on the accelerator; on the numpy path (MLX's CPU backend) a numpy view
+of the same buffer is updated in place by a Numba kernel. Both updates take the step's scores z
+(Hq, >= n) with each query head's softmax max m and total s: p = exp(z - m) / s.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from . import metal, ops
+
+
+class HeavyHitters:
+    """Accumulators (H, capacity) of one layer; ``alpha`` the EMA's weight of the past."""
+
+    def __init__(self, H: int, capacity: int, alpha: float, numpy_path: bool):
+        self.H, self.alpha, self.numpy_path = H, alpha, numpy_path
+        self.acc: mx.array | None = None
+        self._np: np.ndarray | None = None
+        self.grow(capacity, 0)
+
+    def grow(self, capacity: int, n: int) -> None:
+        """A buffer of ``capacity`` tokens keeping the first n accumulators (new ones 0)."""
+        acc = mx.zeros((self.H, capacity), mx.float32)
+        if self.acc is not None and n:
+            acc[:, :n] = self.acc[:, :n]
+        mx.eval(acc)
+        self.acc = acc
+        self._np = ops.numpy_view(acc) if self.numpy_path else None
+
+    @property
+    def nbytes(self) -> int:
+        return self.acc.nbytes
+
+    def host(self, n: int) -> np.ndarray:
+        """The first n accumulators (H, n) on the host (a view on the numpy path)."""
+        return self._np[:, :n] if self._np is not None else np.array(self.acc[:, :n])
+
+    def set(self, start: int, values) -> None:
+        """Accumulators of tokens [start, start + L) from ``values`` (H, L): the seed, or a
+        saved state."""
+        L = values.shape[1]
+        if self._np is not None:
+            self._np[:, start : start + L] = np.asarray(values, np.float32)
+        else:
+            self.acc[:, start : start + L] = mx.array(values).astype(mx.float32)
+
+    def clear(self, start: int, L: int) -> None:
+        """New tokens start at 0 (a slot can hold an undone token's value)."""
+        if self._np is not None:
+            self._np[:, start : start + L] = 0.0
+        else:
+            self.acc[:, start : start + L] = 0.0
+
+    def update(self, z, m, s, n: int, rep: int) -> mx.array | None:
+        """Fold one step's weights into the first n accumulators: acc = alpha acc + (1 - alpha)
+        mean over the group of exp(z - m) / s. On the numpy path z, m, s are numpy arrays and
+        the update is done on return (None); else it is queued and the new array returned."""
+        if self._np is not None:
+            ops.acc_update(self._np, z, m, s, rep, n, self.alpha)
+            return None
+        self.acc = metal.acc_update(self.acc, z, m, s, n, rep, self.alpha)
+        return self.acc
+
+    def undo(self, z, m, s, n: int, rep: int) -> None:
+        """The inverse of :meth:`update` with the same step's z, m, s (tiered.undo)."""
+        H, alpha = self.H, self.alpha
+        if self._np is not None:
+            zz = np.asarray(z)[:, :n].astype(np.float64)
+            inv = np.where(s > 0, (1.0 - alpha) / (rep * np.maximum(s, 1e-30)), 0.0)
+            p = (np.exp(zz - m[:, None].astype(np.float64)) * inv[:, None]).reshape(
+                H, rep, n).sum(1)
+            acc = self._np
+            acc[:, :n] = ((acc[:, :n].astype(np.float64) - p) / alpha).astype(np.float32)
+            return
+        p = mx.exp(z[:, :n] - m[:, None]) / s[:, None]
+        p = (1 - alpha) * p.reshape(H, rep, n).mean(axis=1)
+        self.acc[:, :n] = (self.acc[:, :n] - p) / alpha
+
+    def top(self, count: int, lo: int, hi: int, allowed: np.ndarray | None = None) -> np.ndarray:
+        """(H, count) token ids in [lo, hi) with the highest accumulators, sorted per head, -1
+        where fewer qualify. ``allowed`` (H, hi - lo) bool: only these may be chosen."""
+        H = self.H
+        out = np.full((H, count), -1, np.int32)
+        if count <= 0 or hi <= lo:
+            return out
+        acc = self.host(hi)[:, lo:hi]
+        if allowed is not None:
+            acc = np.where(allowed, acc, -np.inf)
+        k = min(count, hi - lo)
+        top = np.argpartition(-acc, k - 1, axis=1)[:, :k] if k < hi - lo else np.tile(
+            np.arange(hi - lo), (H, 1))
+        picked = np.take_along_axis(acc, top, axis=1)
+        top = np.where(np.isfinite(picked), top + lo, -1)
+        out[:, :k] = np.sort(top, axis=1)
+        return out
