@@ -174,7 +174,7 @@ def rotating_cache(model, window: int, keep: int = 4):
 
 def full_cache_bytes(model, n_tokens: int) -> int:
     """Bytes mlx-lm's KVCache holds for n tokens (all layers), in the model's dtype."""
-    from tiered.context import model_geometry
+    from tiered.geometry import model_geometry
 
     geo = model_geometry(model, len(model.layers))
     return geo.full_bytes(n_tokens)

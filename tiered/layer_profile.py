@@ -171,7 +171,7 @@ def measure(model, tokenizer, *, tokens: int = 1024, sequences: int = 2, tau: fl
 
     from . import layer_probe as P
     from .codecs import model_fingerprint
-    from .context import model_geometry
+    from .geometry import model_geometry
 
     say = progress or (lambda msg: log.info("tiered profile: %s", msg))
     geo = model_geometry(model, len(model.layers))
