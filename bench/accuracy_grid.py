@@ -231,12 +231,18 @@ def main(argv=None):
     info = machine()
     info["commit"] = git_commit()
     if args.summarize:
-        records, walls = [], []
+        records, walls, runs = [], [], []
         for path in args.summarize:
             with open(path) as f:
                 for line in f:
                     r = json.loads(line)
-                    (walls.append(r["wall_s"]) if r.get("kind") == "wall" else records.append(r))
+                    if r.get("kind") == "wall":
+                        walls.append(r["wall_s"])
+                    elif r.get("kind") == "run":
+                        runs.append(f"{r['commit']} ({r['date']})")
+                    else:
+                        records.append(r)
+        info["runs"] = runs or ["records without a run header: " + ", ".join(args.summarize)]
         write_report(records, info, sum(walls), args, os.path.join(RESULTS, args.name))
         return 0
     grid = dict(GRIDS["quick" if args.quick else "full"])
@@ -246,6 +252,9 @@ def main(argv=None):
     model, tok = tiered.load()
     t0 = time.perf_counter()
     sink = open(args.records, "a") if args.records else None
+    if sink:
+        sink.write(json.dumps({"kind": "run", "commit": info["commit"], "command": info["command"],
+                               "date": info["date"]}) + "\n")
 
     def log(msg):
         print(f"[{time.perf_counter() - t0:6.0f}s] {msg}", flush=True)

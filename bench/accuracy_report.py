@@ -92,7 +92,9 @@ def acceptance(table, budgets):
 def markdown(table, info, wall, args, budgets):
     lines = [f"# Accuracy against accelerator memory (95% intervals)\n",
              f"`{info['command']}` on {info['platform']} ({info['backend']}, {info['cpu_count']} "
-             f"cores), {info['date']}, commit `{info['commit']}`; wall time {wall / 60:.1f} min.\n",
+             f"cores), {info['date']}, commit `{info['commit']}`; wall time {wall / 60:.1f} min."
+             + (f" Records from the runs at {'; '.join(info['runs'])}." if info.get("runs") else "")
+             + "\n",
              "Embedded SmolLM2-135M-Instruct (fp32 on the CPU backend: fractions of the fp32 "
              "KVCache). Cells: accuracy [95% Wilson interval] over n documents, and in brackets "
              "the most accelerator bytes the cache held, as a fraction of the full cache. "

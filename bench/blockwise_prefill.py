@@ -35,9 +35,10 @@ from common import (RESULTS, cache_bytes, continue_greedy, full_cache_bytes, mac
 import mlx.core as mx
 
 import tiered
+from tiered.layerwise_prefill import layerwise_prefill
 from tiered.tasks import is_correct, needle_in_text, passkey, topics_text
 
-MODES = ["full", "exact", "blockwise"]
+MODES = ["full", "exact", "blockwise", "layerwise"]
 
 
 def blockwise_prefill(model, ids, budget, window, chunk):
@@ -51,15 +52,33 @@ def blockwise_prefill(model, ids, budget, window, chunk):
 
 def caches(model, ids, args):
     """(mode, cache, prefill seconds) for the three modes on one document."""
-    t = time.perf_counter()
-    base, _ = shared_prefill(model, ids, chunk=args.chunk)
-    exact_s = time.perf_counter() - t
-    yield "full", base.to_kvcache(), exact_s
-    yield "exact", base.fork(gpu_budget=args.budget), exact_s
-    base.close()
-    t = time.perf_counter()
-    bw = blockwise_prefill(model, ids, args.budget, args.window, args.chunk)
-    yield "blockwise", bw, time.perf_counter() - t
+    if "full" in args.modes or "exact" in args.modes:
+        t = time.perf_counter()
+        base, _ = shared_prefill(model, ids, chunk=args.chunk)
+        exact_s = time.perf_counter() - t
+        if "full" in args.modes:
+            yield "full", base.to_kvcache(), exact_s
+        if "exact" in args.modes:
+            yield "exact", base.fork(gpu_budget=args.budget), exact_s
+        base.close()
+    if "blockwise" in args.modes:
+        t = time.perf_counter()
+        bw = blockwise_prefill(model, ids, args.budget, args.window, args.chunk)
+        yield "blockwise", bw, time.perf_counter() - t
+    if "layerwise" in args.modes:
+        t = time.perf_counter()
+        lw = tiered.TieredCache.for_model(model, gpu_budget=args.budget,
+                                          prefill_window=len(ids) + 1)
+        layerwise_prefill(model, lw, ids[:-1], chunk=args.chunk)
+        yield "layerwise", lw, time.perf_counter() - t
+
+
+def peak_exact_bytes(cache, mode):
+    """Most exact K/V the accelerator held at once during the prefill: every layer's exact K/V
+    at its compression (exact, block-wise: the layers compress at the same step), or one
+    layer's (layer-wise: one layer is exact at a time)."""
+    per_layer = [c.stats.peak_transient_bytes for c in cache if hasattr(c, "stats")]
+    return max(per_layer) if mode == "layerwise" else sum(per_layer)
 
 
 def run_doc(model, tok, task, i, args, log):
@@ -76,7 +95,7 @@ def run_doc(model, tok, task, i, args, log):
                "prefill_s": prefill_s, "bytes": cache_bytes(cache),
                "full_bytes": full_cache_bytes(model, len(ids) + gen)}
         if isinstance(cache, tiered.TieredCacheList):
-            rec["peak_transient"] = tiered.report_dict(cache)["peak_transient_accelerator_bytes"]
+            rec["peak_transient"] = peak_exact_bytes(cache, mode)
             cache.close()
         out.append(rec)
     log(f"{task} #{i} depth {depth:.2f} '{s.answer}': " + " ".join(
@@ -100,21 +119,21 @@ def run_ppl(model, tok, i, args, log):
                     "bytes": cache_bytes(cache),
                     "full_bytes": full_cache_bytes(model, len(ctx) + len(cont))})
         if isinstance(cache, tiered.TieredCacheList):
-            out[-1]["peak_transient"] = tiered.report_dict(cache)[
-                "peak_transient_accelerator_bytes"]
+            out[-1]["peak_transient"] = peak_exact_bytes(cache, mode)
             cache.close()
         log(f"ppl #{i} {mode}: {math.exp(sum(nll) / len(nll)):.3f} (prefill {prefill_s:.0f}s)")
     return out
 
 
 def tables(records, args):
+    modes = [m for m in MODES if any(r["mode"] == m for r in records)]
     rows = []
     for task in ("passkey", "needle"):
         rs = [r for r in records if r["task"] == task]
         if not rs:
             continue
         row = [task]
-        for mode in MODES:
+        for mode in modes:
             m = [r for r in rs if r["mode"] == mode]
             k, n = sum(r["ok"] for r in m), len(m)
             lo, hi = wilson(k, n)
@@ -126,7 +145,10 @@ def tables(records, args):
         get = {(r["mode"], r["doc"]): r["nll"] for r in ppl}
         ref = [x for d in docs for x in get[("full", d)]]
         row = ["perplexity"]
-        for mode in MODES:
+        for mode in modes:
+            if any((mode, d) not in get for d in docs):
+                row.append("")
+                continue
             nll = [x for d in docs for x in get[(mode, d)]]
             c = ppl_summary(nll, None if mode == "full" else ref)
             row.append(f"{c['ppl']:.2f} [{c['ppl_lo']:.2f}, {c['ppl_hi']:.2f}]" + (
@@ -134,14 +156,16 @@ def tables(records, args):
                 f"{100 * c['rel_hi']:+.1f}]"))
         rows.append(row)
     mem = []
-    for mode in ("exact", "blockwise"):
+    for mode in ("exact", "blockwise", "layerwise"):
         m = [r for r in records if r["mode"] == mode and r.get("peak_transient") is not None]
         if m:
             mem.append([mode, f"{max(r['peak_transient'] for r in m) / 2**20:.1f} MiB",
                         f"{max(r['bytes'] / r['full_bytes'] for r in m):.3f}",
                         f"{sum(r['prefill_s'] for r in m) / len(m):.0f} s"])
-    return (md_table(["task", "KVCache (full, exact prefill)", f"tiered@{args.budget}, exact "
-                      "prefill", f"tiered@{args.budget}, block-wise past {args.window}"], rows),
+    names = {"full": "KVCache (full, exact prefill)", "exact": f"tiered@{args.budget}, exact "
+             "prefill", "blockwise": f"tiered@{args.budget}, block-wise past {args.window}",
+             "layerwise": f"tiered@{args.budget}, layer-by-layer exact prefill"}
+    return (md_table(["task"] + [names[m] for m in modes], rows),
             md_table(["prefill", "peak transient accelerator bytes", "cache bytes / full (max)",
                       "prefill time (mean)"], mem))
 
@@ -157,11 +181,33 @@ def main(argv=None):
     p.add_argument("--chunk", type=int, default=1024)
     p.add_argument("--budget", type=float, default=0.125)
     p.add_argument("--tasks", nargs="+", default=["passkey", "needle", "ppl"])
+    p.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
     p.add_argument("--name", default=None)
+    p.add_argument("--from", dest="source", nargs="+", default=None,
+                   help="no run: the tables from JSON files this script wrote (records merged; "
+                        "a (task, document, mode) already read is skipped)")
     args = p.parse_args(argv)
     args.docs = args.docs if args.docs is not None else (2 if args.quick else 8)
     args.scored = args.scored if args.scored is not None else (32 if args.quick else 256)
     args.name = args.name or ("blockwise_prefill_quick" if args.quick else "blockwise_prefill")
+    if args.source:
+        records, wall, seen, runs = [], 0.0, set(), []
+        for path in args.source:
+            with open(path) as f:
+                saved = json.load(f)
+            wall += saved["wall_s"]
+            runs.append(f"`{saved['machine']['command']}` at {saved['machine']['commit']} "
+                        f"({saved['machine']['date']}, {saved['wall_s'] / 60:.1f} min)")
+            for r in saved["records"]:
+                if (r["task"], r["doc"], r["mode"]) not in seen:
+                    seen.add((r["task"], r["doc"], r["mode"]))
+                    records.append(r)
+            for key in ("length", "window", "chunk", "budget"):
+                setattr(args, key, saved["args"][key])
+        info = machine()
+        info["commit"] = git_commit()
+        info["command"] += "` from the runs " + "; ".join(runs) + " `"
+        return finish(info, records, wall, args)
     info = machine()
     info["commit"] = git_commit()
     model, tok = tiered.load()
@@ -178,6 +224,10 @@ def main(argv=None):
         for i in range(args.ppl_docs):
             records += run_ppl(model, tok, i, args, log)
     wall = time.perf_counter() - t0
+    return finish(info, records, wall, args)
+
+
+def finish(info, records, wall, args):
     acc, mem = tables(records, args)
     md = (f"# Block-wise prefill against exact prefill at {args.length} tokens\n\n"
           f"`{info['command']}` on {info['platform']} ({info['backend']}, {info['cpu_count']} "

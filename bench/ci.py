@@ -23,13 +23,16 @@ def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
     return max(0.0, mid - half), min(1.0, mid + half)
 
 
-def block_bootstrap(values: np.ndarray, *, block: int = 32, reps: int = 2000, seed: int = 0,
-                    stat=np.mean) -> tuple[float, float]:
+def block_bootstrap(values: np.ndarray, *, block: int | None = None, reps: int = 2000,
+                    seed: int = 0, stat=np.mean) -> tuple[float, float]:
     """95% percentile interval of ``stat`` over ``values`` (1-D, in document order, documents
-    concatenated), resampling contiguous blocks of ``block`` values with replacement."""
+    concatenated), resampling contiguous blocks of ``block`` values with replacement (default:
+    32, or fewer so that there are at least 16 blocks: one block would give no interval)."""
     v = np.asarray(values, float)
     if v.size == 0:
         return math.nan, math.nan
+    if block is None:
+        block = max(1, min(32, v.size // 16))
     nb = max(1, -(-v.size // block))
     blocks = [v[i * block : (i + 1) * block] for i in range(nb)]
     rng = np.random.default_rng(seed)
