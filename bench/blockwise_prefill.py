@@ -143,7 +143,8 @@ def tables(records, args):
     if ppl:
         docs = sorted({r["doc"] for r in ppl})
         get = {(r["mode"], r["doc"]): r["nll"] for r in ppl}
-        ref = [x for d in docs for x in get[("full", d)]]
+        ref = ([x for d in docs for x in get[("full", d)]]
+               if all(("full", d) in get for d in docs) else None)
         row = ["perplexity"]
         for mode in modes:
             if any((mode, d) not in get for d in docs):
@@ -152,7 +153,7 @@ def tables(records, args):
             nll = [x for d in docs for x in get[(mode, d)]]
             c = ppl_summary(nll, None if mode == "full" else ref)
             row.append(f"{c['ppl']:.2f} [{c['ppl_lo']:.2f}, {c['ppl_hi']:.2f}]" + (
-                "" if mode == "full" else f" Δ {100 * c['rel']:+.1f}% [{100 * c['rel_lo']:+.1f}, "
+                "" if "rel" not in c else f" Δ {100 * c['rel']:+.1f}% [{100 * c['rel_lo']:+.1f}, "
                 f"{100 * c['rel_hi']:+.1f}]"))
         rows.append(row)
     mem = []
@@ -228,6 +229,10 @@ def main(argv=None):
 
 
 def finish(info, records, wall, args):
+    stem = os.path.join(RESULTS, args.name)
+    with open(stem + ".json", "w") as f:  # first: a table that fails loses no record
+        json.dump({"machine": info, "args": vars(args), "wall_s": wall, "records": records}, f,
+                  indent=1)
     acc, mem = tables(records, args)
     md = (f"# Block-wise prefill against exact prefill at {args.length} tokens\n\n"
           f"`{info['command']}` on {info['platform']} ({info['backend']}, {info['cpu_count']} "
@@ -236,10 +241,6 @@ def finish(info, records, wall, args):
           f"chunks of {args.chunk}; block-wise: prefill_window={args.window}, anchor block 1024. "
           "Accuracy [95% Wilson interval]; perplexity [95% block bootstrap], Δ paired against "
           "the full cache.\n\n" + acc + "\n" + mem)
-    stem = os.path.join(RESULTS, args.name)
-    with open(stem + ".json", "w") as f:
-        json.dump({"machine": info, "args": vars(args), "wall_s": wall, "records": records}, f,
-                  indent=1)
     with open(stem + ".md", "w") as f:
         f.write(md)
     print(md)
