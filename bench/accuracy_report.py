@@ -150,7 +150,7 @@ def plot(table, budgets, path):
                         lw=2 if m == "tiered_layers" else 1)
         finish_axes(ax, xlabel="gpu_budget (fraction of the full cache)",
                     title=TASK_NAMES[task] + (" (lower is better)" if task == "ppl" else ""),
-                    legend=6 if ax is axes[0] else None)
+                    legend=6 if ax is axes[0] else None, logy=task == "ppl")
     save_figure(fig, path)
 
 
