@@ -21,8 +21,14 @@ counts as n/a.
 Intervals: Wilson for accuracies; block bootstrap (32-token blocks) for perplexity, and for its
 paired change against the full cache.
 
-    python bench/accuracy_grid.py --quick              # < 10 minutes on 2 cores
+    python bench/accuracy_grid.py --quick              # 7.5 minutes on 2 cores (measured)
     python bench/accuracy_grid.py                      # the full grid (60 documents per task)
+
+The full grid was not run here; from the quick run's times (45 s per retrieval document with
+every cell, the shared prefill ~8 s of it; a 256-token perplexity document ~8 min) it takes
+about 3.5 hours on 2 cores (240 retrieval documents ~3.0 h, 4 perplexity documents ~0.5 h).
+It runs in slices (``--tasks``, ``--first-doc``, ``--docs``, ``--records``) merged by
+``--summarize``:
     python bench/accuracy_grid.py --tasks kv --docs 20 --first-doc 40 --records part.jsonl
     python bench/accuracy_grid.py --summarize part1.jsonl part2.jsonl   # tables from records
 """
