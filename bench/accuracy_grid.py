@@ -40,12 +40,12 @@ import json
 import math
 import os
 import random
-import subprocess
 import sys
 import time
 
 import common  # noqa: F401  (tiered before mlx)
-from common import RESULTS, cache_bytes, continue_greedy, full_cache_bytes, machine, shared_prefill
+from common import (RESULTS, Clock, cache_bytes, continue_greedy, full_cache_bytes, machine,
+                    shared_prefill)
 
 import mlx.core as mx
 
@@ -205,18 +205,6 @@ def run_ppl(model, tok, i, context, scored, budgets, methods, log):
     return out
 
 
-def git_commit() -> str:
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
-                             text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=here, capture_output=True, text=True).stdout.strip()
-        return sha + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true")
@@ -234,8 +222,7 @@ def main(argv=None):
     args.name = args.name or ("accuracy_grid_quick" if args.quick else "accuracy_grid")
     from accuracy_report import write_report
 
-    info = machine()
-    info["commit"] = git_commit()
+    info = machine()  # with the commit (common.run_commit)
     if args.summarize:
         records, walls, runs = [], [], []
         for path in args.summarize:
@@ -256,14 +243,12 @@ def main(argv=None):
     n_ppl, context, scored = grid["ppl"]
     n_ppl = args.ppl_docs if args.ppl_docs is not None else n_ppl
     model, tok = tiered.load()
-    t0 = time.perf_counter()
+    clock = Clock()
+    log = clock.log
     sink = open(args.records, "a") if args.records else None
     if sink:
         sink.write(json.dumps({"kind": "run", "commit": info["commit"], "command": info["command"],
                                "date": info["date"]}) + "\n")
-
-    def log(msg):
-        print(f"[{time.perf_counter() - t0:6.0f}s] {msg}", flush=True)
 
     def keep(recs):
         if sink:
@@ -281,7 +266,7 @@ def main(argv=None):
         for i in range(args.first_doc, args.first_doc + n_ppl):
             records += keep(run_ppl(model, tok, i, context, scored, args.budgets, args.methods,
                                     log))
-    wall = time.perf_counter() - t0
+    wall = clock.elapsed()
     if sink:
         sink.write(json.dumps({"kind": "wall", "wall_s": wall}) + "\n")
         sink.close()

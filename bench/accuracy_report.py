@@ -90,7 +90,7 @@ def acceptance(table, budgets):
 
 
 def markdown(table, info, wall, args, budgets):
-    lines = [f"# Accuracy against accelerator memory (95% intervals)\n",
+    lines = ["# Accuracy against accelerator memory (95% intervals)\n",
              f"`{info['command']}` on {info['platform']} ({info['backend']}, {info['cpu_count']} "
              f"cores), {info['date']}, commit `{info['commit']}`; wall time {wall / 60:.1f} min."
              + (f" Records from the runs at {'; '.join(info['runs'])}." if info.get("runs") else "")

@@ -27,10 +27,9 @@ import sys
 import time
 
 import common  # noqa: F401  (tiered before mlx)
-from accuracy_grid import git_commit
 from ci import ppl_summary, wilson
-from common import (RESULTS, cache_bytes, continue_greedy, full_cache_bytes, machine, md_table,
-                    shared_prefill)
+from common import (RESULTS, Clock, cache_bytes, continue_greedy, full_cache_bytes, machine,
+                    md_table, shared_prefill)
 
 import mlx.core as mx
 
@@ -206,16 +205,12 @@ def main(argv=None):
             for key in ("length", "window", "chunk", "budget"):
                 setattr(args, key, saved["args"][key])
         info = machine()
-        info["commit"] = git_commit()
         info["command"] += "` from the runs " + "; ".join(runs) + " `"
         return finish(info, records, wall, args)
     info = machine()
-    info["commit"] = git_commit()
     model, tok = tiered.load()
-    t0 = time.perf_counter()
-
-    def log(msg):
-        print(f"[{time.perf_counter() - t0:6.0f}s] {msg}", flush=True)
+    clock = Clock()
+    log = clock.log
 
     records = []
     for task in [t for t in args.tasks if t != "ppl"]:
@@ -224,7 +219,7 @@ def main(argv=None):
     if "ppl" in args.tasks:
         for i in range(args.ppl_docs):
             records += run_ppl(model, tok, i, args, log)
-    wall = time.perf_counter() - t0
+    wall = clock.elapsed()
     return finish(info, records, wall, args)
 
 

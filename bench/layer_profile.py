@@ -11,6 +11,9 @@ that cost the most each predictor ranks in its own top 5.
 
     python bench/layer_profile.py                    # measure (about 10 min on 2 cores)
     python bench/layer_profile.py --from prof.json   # a profile measured with measure_loss=True
+    python bench/layer_profile.py --from results/layer_profile.json   # the kept result's profile
+
+The result's JSON holds the profile it was computed from (its "profile" field).
 """
 
 from __future__ import annotations
@@ -21,13 +24,19 @@ import os
 import sys
 
 import common  # noqa: F401  (tiered before mlx)
-from accuracy_grid import git_commit
 from common import RESULTS, figure, machine, md_table, save_figure
 
 import numpy as np
 
 import tiered
-from tiered.layer_profile import load_profile, measure, save_profile
+from tiered.layer_profile import LayerProfile, measure
+
+
+def read_profile(path: str) -> LayerProfile:
+    """A profile file (tiered.layer_profile), or a result of this script (its "profile")."""
+    with open(path) as f:
+        d = json.load(f)
+    return LayerProfile.from_json(json.dumps(d.get("profile", d)), where=path)
 
 
 def ranks(x):
@@ -54,13 +63,11 @@ def main(argv=None):
     ap.add_argument("--name", default="layer_profile")
     args = ap.parse_args(argv)
     info = machine()
-    info["commit"] = git_commit()
     if args.source:
-        prof = load_profile(args.source)
+        prof = read_profile(args.source)
     else:
         model, tok = tiered.load()
         prof = measure(model, tok, measure_loss=True, progress=lambda m: print(m, flush=True))
-        save_profile(prof, os.path.join(RESULTS, args.name + "_profile.json"))
     y = np.asarray(prof.loss_increase)
     top = set(np.argsort(-y)[:5])
     rows, table = [], {}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 
-from .tasks import FILLER, Sample, _fit, topics_text
+from .tasks import FILLER, Sample, fit_to_length, topics_text
 
 PEOPLE = ["Anna", "Boris", "Clara", "Diego", "Elena", "Farid", "Greta", "Hugo", "Ingrid",
           "Jonas", "Keiko", "Liam"]
@@ -50,7 +50,7 @@ def kv_retrieval(tokenizer, n_tokens: int, *, seed: int = 0, keys: int = 6,
         at = int(k * depth)
         return head + FILLER * at + "\n" + listing + FILLER * (k - at) + question
 
-    text, n = _fit(tokenizer, make, n_tokens)
+    text, n = fit_to_length(tokenizer, make, n_tokens)
     return Sample(prompt=text, answer=values[ask], depth=depth, n_tokens=n, question=question)
 
 
@@ -83,6 +83,6 @@ def planted_facts(tokenizer, n_tokens: int, *, seed: int = 0, facts: int = 3) ->
         parts.append(body[last:])
         return "".join(parts) + question
 
-    text, n = _fit(tokenizer, make, n_tokens)
+    text, n = fit_to_length(tokenizer, make, n_tokens)
     return Sample(prompt=text, answer=cities[ask], depth=depths[ask], n_tokens=n,
                   question=question)
