@@ -49,6 +49,19 @@ def machine() -> dict:
     return info
 
 
+class Clock:
+    """Seconds since a run started, and progress lines stamped with them."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def log(self, msg: str):
+        print(f"[{self.elapsed():6.0f}s] {msg}", flush=True)
+
+
 def write_results(name: str, data: dict, markdown: str) -> tuple[str, str]:
     """results/<name>.json and .md, each naming the commit the run used (first in the JSON; a
     line under the Markdown's title)."""
@@ -174,7 +187,7 @@ def rotating_cache(model, window: int, keep: int = 4):
 
 def full_cache_bytes(model, n_tokens: int) -> int:
     """Bytes mlx-lm's KVCache holds for n tokens (all layers), in the model's dtype."""
-    from tiered.context import model_geometry
+    from tiered.geometry import model_geometry
 
     geo = model_geometry(model, len(model.layers))
     return geo.full_bytes(n_tokens)

@@ -191,7 +191,7 @@ def main(argv=None):
     args.name = args.name or f"decode_speed_{'cpu' if on_cpu else 'gpu'}_{args.model}"
     info = machine()
     model, tok = build_model(args.model, dtype)
-    from tiered.context import model_geometry
+    from tiered.geometry import model_geometry
 
     geo = model_geometry(model, len(model.layers))
     bw = memory_bandwidth()

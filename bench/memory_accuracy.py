@@ -31,8 +31,8 @@ import sys
 import time
 
 import common  # noqa: F401  (tiered before mlx)
-from common import (cache_bytes, continue_greedy, figure, finish_axes, full_cache_bytes, machine,
-                    md_table, rotating_from, save_figure, shared_prefill, write_results)
+from common import (Clock, cache_bytes, continue_greedy, figure, finish_axes, full_cache_bytes,
+                    machine, md_table, rotating_from, save_figure, shared_prefill, write_results)
 
 import mlx.core as mx
 import numpy as np
@@ -291,10 +291,8 @@ def main(argv=None):
     grid = GRIDS["quick" if args.quick else "full"]
     info = machine()
     model, tok = tiered.load()
-    t0 = time.perf_counter()
-
-    def log(msg):
-        print(f"[{time.perf_counter() - t0:6.0f}s] {msg}", flush=True)
+    clock = Clock()
+    log = clock.log
 
     records = []
     for task, sample, only in retrieval_docs(tok, grid):
@@ -304,7 +302,7 @@ def main(argv=None):
         context, scored, seeds = grid["ppl"]
         for s in seeds:
             records += run_ppl(model, tok, context, scored, s, log)
-    wall = time.perf_counter() - t0
+    wall = clock.elapsed()
     table, fracs = summarize(records)
     import os
 

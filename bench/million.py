@@ -146,7 +146,7 @@ def main(argv=None):
     else:
         model, tok = build_model(args.model, args.layers)
         ids, key = document_tokens(tok, args.tokens)
-    from tiered.context import model_geometry
+    from tiered.geometry import model_geometry
 
     geo = model_geometry(model, len(model.layers))
     print(f"document: {len(ids)} tokens ({time.perf_counter() - t:.0f}s to build); model "

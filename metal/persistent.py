@@ -3,9 +3,9 @@
 The selection passes of :mod:`.select_passes` (the path of :func:`tiered.metal.tau.tau_select`
 without this one) each pay a launch's fixed latency (ramp-up, a tail, a drained pipeline): at
 128k tokens on an H100 the keys and compaction passes took about as long as at 64k
-(``bench/results/select_variants_h100.txt``). ``tau_persistent.h`` runs the same passes
-as phases of one kernel: its threadgroups take units of work (a kv head's chunk in one phase)
-from a counter in order, and a unit waits until the phase before it is done.
+(``bench/results/kernels_cuda_h100.md``, its selection variants). ``tau_persistent.h`` runs
+the same passes as phases of one kernel: its threadgroups take units of work (a kv head's chunk
+in one phase) from a counter in order, and a unit waits until the phase before it is done.
 :func:`codebook_select` puts the codebook scoring (``codebook_scores.h``) in front of them in
 the same launch. Results equal the separate passes' (fixed-point sums, integer counts); only
 the float sum of the selected mass follows this kernel's chunks.

@@ -28,7 +28,7 @@ SELECT_GROUPS = 128
 SELECT_CHUNKS = 32  # most chunks per kv head in passes 2 and 3
 # Rows of at most this many tokens take passes 1 and 1b in one launch, one threadgroup per
 # query head (tau_hist_theta.h); longer rows split pass 1 across threadgroups. H100, 32 query
-# heads, selection device ms in one launch / two (bench/results/select_variants_h100.txt):
+# heads, selection device ms in one launch / two (bench/results/kernels_cuda_h100.md):
 # 64k 0.068 / 0.082, 128k 0.100-0.104 / 0.104, 256k 0.151 / 0.131.
 SELECT_FUSED_TOKENS = 131072
 SELECT_FUSED_LOADS = 16  # scores per thread whose loads are issued together in that launch

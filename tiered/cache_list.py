@@ -86,6 +86,8 @@ def for_model(cls, model, gpu_budget=0.125, *, install: bool = True, tokenizer=N
         else:
             tiered.append(i)
     context = SharedContext(cfg, layers=len(tiered), model=model)
+    context.tiered_layers = tiered
+    context.tokenizer = tokenizer or getattr(model, "tiered_tokenizer", None)
     context.check_budget()
     if tiered and not cfg.exact and (cfg.host_budget is not None or cfg.disk_budget is not None):
         disk_room(cfg.disk_dir, cfg.disk_budget or 0)  # writable, and room for its budget
@@ -176,6 +178,11 @@ class TieredCacheList(list):
             ctx.q_heads = self.context.q_heads
             ctx.codebook_memo = self.context.codebook_memo  # same document: same codebooks
             ctx.codebooks = self.context.codebooks
+            ctx.tiered_layers, ctx.model_ref = self.context.tiered_layers, self.context.model_ref
+            ctx.tokenizer = self.context.tokenizer
+            if (cfg.layer_profile, cfg.cache_dir) == (self.config.layer_profile,
+                                                      self.config.cache_dir):
+                ctx.layer_profile = self.context.layer_profile  # same file: no second read
         ctx.check_budget()
         caches = []
         for c in self:

@@ -99,7 +99,7 @@ class CompressedState:
 
     @classmethod
     def from_state(cls, parent, st):
-        plan = parent.context.adopt_plan(st["plan"])
+        plan = parent.context.adopt_plan(st["plan"], layer=parent.layer)
         n = int(st["n"])
         cap = capacity(n, plan.step)
         g = parent.geometry

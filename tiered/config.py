@@ -16,6 +16,8 @@ METHODS = ("tiered", "hcattention", "h2o")
 KEY_CODECS = ("auto", "codebook", "affine")
 RESCORE = ("approx", "exact")
 CALIBRATION = ("self",)  # or a path to a text file
+PLANNERS = ("uniform", "layers")
+LAYER_WEIGHTINGS = ("error", "grad", "measured")
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -183,6 +185,13 @@ class TieredConfig(OptionGroups):
     calibration_tokens: int = 4096
     kmeans_iters: int = 12
     cache_dir: str = field(default_factory=default_cache_dir)
+    # how the budget is spread over layers: "uniform" (every layer the same codec and resident
+    # set) or "layers" (tiered.layer_planner: by the model's layer profile, measured once and
+    # cached in cache_dir, or read from ``layer_profile``; ``layer_weighting`` is how the
+    # profile weighs layers, see tiered.layer_profile.LayerProfile.weights)
+    planner: str = "uniform"
+    layer_profile: str | None = None
+    layer_weighting: str = "error"
     # runtime
     kernels: str = "auto"  # per-step scoring/selection: "numba" (CPU backend), "mlx" (GPUs)
     kernel_threads: int = field(default_factory=lambda: default_workers())  # Numba threads per step
@@ -256,6 +265,11 @@ class TieredConfig(OptionGroups):
                 "existing text file)"
             )
         self._int("calibration_tokens", 64)
+        self._choice("planner", PLANNERS)
+        self._choice("layer_weighting", LAYER_WEIGHTINGS)
+        if self.layer_profile is not None and not isinstance(self.layer_profile,
+                                                             (str, os.PathLike)):
+            raise ValueError(f"Invalid layer_profile: {self.layer_profile!r} (expected a path)")
         self._int("kmeans_iters", 1)
         self._int("workers", 1, 256)
         self._int("kernel_threads", 1, 256)

@@ -13,42 +13,9 @@ from . import layout
 from .codecs import (CalibrationKey, calibrate, load_calibration, model_fingerprint,
                      save_calibration, train_codebook)
 from .cpu.disk import HostBudget
-from .geometry import Geometry
+from .geometry import Geometry, model_geometry
 from .planner import Plan, make_plan
 from .scheduler import Scheduler
-
-
-def model_geometry(model, tiered_layers: int) -> Geometry | None:
-    """KV geometry from an mlx-lm model's args, or None when they don't say."""
-    args = getattr(model, "args", None)
-    if args is None:
-        return None
-    args = getattr(args, "text_config", None) or args
-    if isinstance(args, dict):
-        get = args.get
-    else:
-        def get(k, default=None):
-            return getattr(args, k, default)
-    heads = get("num_attention_heads")
-    if not heads:
-        return None
-    kv = get("num_key_value_heads") or heads
-    d = get("head_dim") or (get("hidden_size") // heads if get("hidden_size") else None)
-    if not d:
-        return None
-    return Geometry(tiered_layers, int(kv), int(heads), int(d), int(d), _model_dtype(model).size)
-
-
-def _model_dtype(model) -> mx.Dtype:
-    from mlx.utils import tree_flatten
-
-    for name, p in tree_flatten(model.parameters()):
-        if mx.issubdtype(p.dtype, mx.floating) and not name.endswith(("scales", "biases")):
-            return p.dtype
-    for name, p in tree_flatten(model.parameters()):
-        if name.endswith("scales"):
-            return p.dtype
-    return mx.float32
 
 
 def collect_keys(model, tokens: list[int], n_tokens: int, layers: list[int],
@@ -88,6 +55,13 @@ class SharedContext:
         # context keeps a dropped cache (and its scheduler threads) alive
         self._lookahead = weakref.WeakValueDictionary()
         self._threshold = None  # (length,) once computed
+        # planner="layers" (tiered.layer_planner): a plan per model layer index, the profile
+        # they come from, and where to measure it (the model, weakly; its tokenizer)
+        self.layer_plans: dict[int, Plan] | None = None
+        self.layer_profile = None
+        self.tiered_layers: list[int] | None = None
+        self.model_ref = weakref.ref(model) if model is not None else None
+        self.tokenizer = None
         self._caches = None  # weakref to the TieredCacheList (abort_step)
         self.host_budget = HostBudget(config.host_budget)
         self.disk_budget = HostBudget(config.disk_budget) if config.disk_budget else None
@@ -151,13 +125,68 @@ class SharedContext:
         geo = self.model_geometry
         if geo is None or self.layers == 0 or self.config.exact:
             return
+        if self._layered():
+            from . import layer_planner
+
+            if layer_planner.feasible(geo, self.config, self.profile(), layout.MAX_TOKENS,
+                                      self.config.heavy.horizon, self.tiered_layers):
+                return
         if self.config.budget_fraction is not None:
             layout.check_fraction(geo, self.config)
         else:
             layout.layout_at(geo, self.config, 1)
 
+    # ---- layer-aware plans (planner="layers") ---------------------------------------------
+    def _layered(self) -> bool:
+        return self.config.planner == "layers" and not self.config.exact
+
+    def profile(self):
+        """The model's layer profile (tiered.layer_profile), loaded or measured once."""
+        if self.layer_profile is None:
+            from .layer_profile import get_profile, load_profile
+
+            model = self.model_ref() if self.model_ref is not None else None
+            if model is None:
+                path = self.config.layer_profile
+                prof = load_profile(path) if path else None
+                if prof is None:
+                    raise ValueError("planner='layers' needs the model (TieredCache.for_model) "
+                                     "or layer_profile= naming an existing profile file")
+                self.layer_profile = prof
+            else:
+                tok = self.tokenizer or getattr(model, "tiered_tokenizer", None)
+                self.layer_profile = get_profile(model, tok, self.config)
+        return self.layer_profile
+
+    def _layer_plans_at(self, layer, n: int):
+        from . import layer_planner
+
+        return layer_planner.make_layer_plans(self.geometry_for(layer), self.config,
+                                              self.profile(), n, self.config.heavy.horizon,
+                                              self.tiered_layers)
+
+    def _layered_layout(self, layer, n: int):
+        """layout_at for planner="layers": (done, plan); not done: use the uniform ladder."""
+        if self.layer_plans is not None:
+            return True, self.layer_plans.get(layer.layer, self.plan)
+        cfg = self.config
+        if cfg.budget_fraction is None and layout.exact_fits(self.geometry_for(layer), cfg, n):
+            return True, None
+        if cfg.budget_fraction is not None and cfg.compress_from is None:
+            t = self.threshold(layer)
+            if t is None or n < t:
+                return True, None
+        plans = self._layer_plans_at(layer, n)
+        if plans is None:
+            return False, None
+        return True, plans.get(layer.layer)
+
     def layout_at(self, layer, n: int) -> Plan | None:
         """The layout of ``layer`` at n tokens (None: exact); the shared plan once made."""
+        if self._layered():
+            done, plan = self._layered_layout(layer, n)
+            if done:
+                return plan
         if self.plan is not None:
             return self.plan
         cfg = self.config
@@ -172,23 +201,42 @@ class SharedContext:
         absolute budgets: the first length the exact cache outgrows), computed once."""
         if self._threshold is None:
             geo = self.geometry_for(layer)
-            if self.config.budget_fraction is not None:
-                t = layout.compression_threshold(geo, self.config)
-            else:
+            t = None
+            if self._layered() and self.config.budget_fraction is not None:
+                from . import layer_planner
+
+                t = layer_planner.threshold(geo, self.config, self.profile(),
+                                            self.config.heavy.horizon, self.tiered_layers)
+            if t is None and self.config.budget_fraction is not None:
+                t = layout.compression_threshold(geo, self.config)  # the uniform ladder's
+            elif t is None:
                 t = self.config.gpu_budget // max(geo.full_bytes(1), 1) + 1
             self._threshold = (t,)
         return self._threshold[0]
 
-    def adopt_plan(self, text: str) -> Plan:
-        """The plan saved with a cache (a loaded cache keeps the parameters it was built with)."""
+    def adopt_plan(self, text: str, layer: int | None = None) -> Plan:
+        """The plan saved with a cache (a loaded cache keeps the parameters it was built with);
+        a layer whose saved plan differs from the first one (layer-aware plans) keeps its own."""
         with self._lock:
+            plan = Plan.from_json(text)
             if self.plan is None:
-                self.plan = Plan.from_json(text)
+                self.plan = plan
+            if layer is not None and plan != self.plan:
+                self.layer_plans = self.layer_plans if self.layer_plans is not None else {}
+                self.layer_plans[layer] = plan
+                return plan
             return self.plan
 
     def plan_for(self, layer) -> Plan:
         """The model's plan, made at the first compression from the layer's real geometry."""
         with self._lock:
+            if self._layered() and self.layer_plans is None:
+                plans = self._layer_plans_at(layer, layer.offset)
+                if plans is not None:
+                    self.layer_plans = plans
+                    self.plan = self.plan or plans.get(layer.layer)
+            if self.layer_plans is not None and layer.layer in self.layer_plans:
+                return self.layer_plans[layer.layer]
             if self.plan is None:
                 plan = layout.layout_at(self.geometry_for(layer), self.config, layer.offset)
                 if plan is None:
@@ -204,6 +252,9 @@ class SharedContext:
         other.model_geometry, other.q_heads, other.plan = (self.model_geometry, self.q_heads,
                                                            self.plan)
         other.codebooks, other.codebook_memo = self.codebooks, self.codebook_memo
+        other.layer_plans, other.layer_profile = self.layer_plans, self.layer_profile
+        other.tiered_layers, other.model_ref = self.tiered_layers, self.model_ref
+        other.tokenizer = self.tokenizer
         other._threshold = self._threshold
         return other
 
@@ -246,9 +297,14 @@ class SharedContext:
 
     def codebook_for(self, layer, keys: mx.array) -> np.ndarray:
         """This layer's codebook: from the calibration file, or trained on its own first keys."""
-        if self.codebooks is not None and layer.layer in self.codebooks:
-            return self.codebooks[layer.layer]
         plan = self.plan
+        if self.layer_plans is not None:
+            plan = self.layer_plans.get(layer.layer, plan)
+        if self.codebooks is not None and layer.layer in self.codebooks:
+            book = self.codebooks[layer.layer]
+            if book.shape[1:] == ((plan.groups if plan.per_group else 1), plan.centroids,
+                                  book.shape[3]) and book.shape[3] * plan.groups == keys.shape[3]:
+                return book
         n = min(keys.shape[2], self.config.calibration_tokens)
         sample = np.ascontiguousarray(np.array(keys[0, :, :n, :].astype(mx.float32)))
         memo_key = (layer.layer, plan.groups, plan.centroids, plan.per_group,

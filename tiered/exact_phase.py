@@ -128,8 +128,10 @@ class ExactPhase:
             obs = None if queries is None else queries[..., -self.config.recent:, :]
         Hq = obs.shape[1] if obs is not None else self.geometry.kv_heads
         rep = Hq // self.geometry.kv_heads
-        seed = ops.h2o_seed(obs[0] if obs is not None else None, keys[0], scale,
-                            self._colmass, rep)
+        seed = None  # the H2O seed, for a layout with accumulators only
+        if plan.use_h2o or plan.codec == "none":
+            seed = ops.h2o_seed(obs[0] if obs is not None else None, keys[0], scale,
+                                self._colmass, rep)
         # All or nothing: a failure (disk tier full, non-finite K/V) leaves the layer exact.
         if plan.codec == "none":
             compressed = H2OBaselineLayer.from_exact(self, plan, keys, values, seed)

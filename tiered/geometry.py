@@ -48,3 +48,38 @@ class Geometry:
     def full_bytes(self, n: int) -> int:
         """Bytes of mlx-lm's KVCache for n tokens of every layer, sequence and head."""
         return self.layers * self.batch * self.kv_heads * n * self.full_token_head_bytes
+
+
+def model_geometry(model, tiered_layers: int) -> Geometry | None:
+    """KV geometry from an mlx-lm model's args, or None when they don't say."""
+    args = getattr(model, "args", None)
+    if args is None:
+        return None
+    args = getattr(args, "text_config", None) or args
+    if isinstance(args, dict):
+        get = args.get
+    else:
+        def get(k, default=None):
+            return getattr(args, k, default)
+    heads = get("num_attention_heads")
+    if not heads:
+        return None
+    kv = get("num_key_value_heads") or heads
+    d = get("head_dim") or (get("hidden_size") // heads if get("hidden_size") else None)
+    if not d:
+        return None
+    return Geometry(tiered_layers, int(kv), int(heads), int(d), int(d), model_dtype(model).size)
+
+
+def model_dtype(model):
+    """The dtype of a model's floating-point weights (the scales' of a quantized model)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    for name, p in tree_flatten(model.parameters()):
+        if mx.issubdtype(p.dtype, mx.floating) and not name.endswith(("scales", "biases")):
+            return p.dtype
+    for name, p in tree_flatten(model.parameters()):
+        if name.endswith("scales"):
+            return p.dtype
+    return mx.float32

@@ -16,6 +16,8 @@ under the same names, as a frozen dataclass built when asked for:
   disk_dir, disk_budget, keep_disk, verify_pages;
 - ``prefill``: when a layer compresses, block-wise prefill: compress_from, prefill_window,
   anchor_tokens;
+- ``layer_budget``: how the budget is spread over the layers (:mod:`tiered.layer_planner`):
+  planner, layer_profile, layer_weighting;
 - ``decode``: how a decode step runs (the lookahead buffer, the device gather, kernels, CPU
   workers): lookahead, device_gather, kernels, kernel_threads, workers.
 
@@ -116,6 +118,18 @@ class PrefillOptions:
 
 
 @dataclass(frozen=True)
+class LayerBudgetOptions:
+    """How the budget is spread over the layers: ``planner`` "uniform" (every layer the same
+    codec and resident set) or "layers" (by the model's layer profile, measured once and cached
+    in cache_dir, or read from the file ``layer_profile``; ``layer_weighting`` is how the
+    profile weighs layers)."""
+
+    planner: str
+    layer_profile: str | None
+    layer_weighting: str
+
+
+@dataclass(frozen=True)
 class DecodeOptions:
     """How a decode step runs: the lookahead buffer, the device reading host pages itself
     (``device_gather``), the scoring kernels and the CPU threads and workers."""
@@ -158,6 +172,7 @@ class OptionGroups:
     codec = Group(CodecOptions)  # not "keys": an object with ``keys`` passes for a mapping
     host = Group(HostOptions)
     prefill = Group(PrefillOptions)
+    layer_budget = Group(LayerBudgetOptions)
     decode = Group(DecodeOptions)
 
 

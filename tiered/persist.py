@@ -25,8 +25,9 @@ from mlx.utils import tree_flatten
 from . import layer_state, snapshot
 from .codecs import model_fingerprint
 from .config import TieredConfig
-from .context import SharedContext, model_geometry
+from .context import SharedContext
 from .cpu.disk import PAGES_SOURCE, DiskTierError, check_directory
+from .geometry import model_geometry
 from .integration import install, is_tiered
 from .snapshot import SnapshotError
 from .version import __version__

@@ -49,6 +49,10 @@ class Plan:
     keep_values_resident: bool = True  # hcattention: False (every value on the host)
     min_heavy: int = MIN_HEAVY  # heavy hitters a resident set must hold (0: sinks + recent only)
     why: str = ""  # why the layout ladder chose this layout (tiered.layout), for report()
+    # this layer's part of the per-layer budget (the layer-aware planner, tiered.layer_planner,
+    # gives each layer its own; they average at most 1 over the layers, so the model's total
+    # stays within gpu_budget); 1.0: every layer alike
+    share: float = 1.0
 
     # ---- persistence ----------------------------------------------------------------------
     def to_json(self) -> str:
@@ -111,7 +115,7 @@ class Plan:
         that grow in steps meanwhile are paid for now, so the bound holds until then."""
         g = self.geometry
         cap = _capacity(n + horizon, self.step)
-        per_layer = (self.budget_bytes(n) - self.workspace_bytes(n)) / g.layers
+        per_layer = (self.budget_bytes(n) - self.workspace_bytes(n)) / g.layers * self.share
         per_layer -= self.codebook_bytes()
         per_head = per_layer / g.kv_heads - self.fixed_token_bytes * cap
         r = int(per_head // self.resident_token_bytes)

@@ -90,6 +90,21 @@ def _ranges(ids) -> str:
     return ", ".join(out)
 
 
+def layer_plan_lines(plans: dict) -> list[str]:
+    """Lines for report() of the layer-aware planner's plans (tiered.layer_planner): layers
+    grouped by codec and layout."""
+    groups: dict[tuple, list[int]] = {}
+    for layer, p in sorted(plans.items()):
+        groups.setdefault((p.describe_codec(), p.keep_values_resident), []).append(layer)
+    lines = []
+    for (codec, keep), ids in groups.items():
+        shares = [plans[i].share for i in ids]
+        lines.append(f"layers {_ranges(ids)}: keys as {codec}; "
+                     + ("resident layout (H2O)" if keep else "every value on the host")
+                     + f"; budget share {min(shares):.2f}-{max(shares):.2f}")
+    return lines
+
+
 def report_dict(caches) -> dict:
     """Figures of a list of caches (``TieredCache.for_model`` output, or a loaded one)."""
     layers = [c for c in caches if is_tiered(c)]
@@ -119,8 +134,12 @@ def report_dict(caches) -> dict:
         budget = plan.budget_bytes(tokens) if hasattr(plan, "budget_bytes") else None
         if budget is not None:
             out["budget_bytes"] = budget
-    sched = getattr(caches, "context", None)
-    sched = sched._scheduler if sched is not None else None
+    ctx = getattr(caches, "context", None)
+    if ctx is not None and getattr(ctx, "layer_plans", None):
+        out["layer_plans"] = {"summary": layer_plan_lines(ctx.layer_plans), "per_layer": {
+            i: {"codec": p.describe_codec(), "resident_layout": p.keep_values_resident,
+                "share": p.share, "why": p.why} for i, p in sorted(ctx.layer_plans.items())}}
+    sched = ctx._scheduler if ctx is not None else None
     if sched is not None and sched.timings.jobs:
         out["scheduler"] = sched.timings.summary()
     phases: dict = {}
@@ -174,7 +193,10 @@ def report(caches) -> str:
     for note, ids in d.get("layouts", {}).items():
         which = "all tiered layers" if len(ids) == d["tiered_layers"] else f"layers {_ranges(ids)}"
         lines.append(f"  {which}: {note}")
-    if "plan" in d and any(c != "exact" for c in d["phases"]):
+    if "layer_plans" in d and any(c != "exact" for c in d["phases"]):
+        lines.append("  plan: layer-aware (planner='layers'), by the model's layer profile:")
+        lines += [f"    {line}" for line in d["layer_plans"]["summary"]]
+    elif "plan" in d and any(c != "exact" for c in d["phases"]):
         lines.append(f"  plan: {d['plan']}")
     if "selection" in d:
         s = d["selection"]

@@ -31,7 +31,7 @@ class Sample:
         return self.prompt[: len(self.prompt) - len(self.question)]
 
 
-def _fit(tokenizer, make, target_tokens: int) -> tuple[str, int]:
+def fit_to_length(tokenizer, make, target_tokens: int) -> tuple[str, int]:
     """Largest ``make(k)`` (k filler units) whose token count stays <= target_tokens."""
     lo, hi = 1, 1
     while len(tokenizer.encode(make(hi))) <= target_tokens:
@@ -61,7 +61,7 @@ def passkey(tokenizer, n_tokens: int, depth: float, *, seed: int = 0, digits: in
         at = int(round(k * depth))
         return head + FILLER * at + needle + FILLER * (k - at) + question
 
-    text, n = _fit(tokenizer, make, n_tokens)
+    text, n = fit_to_length(tokenizer, make, n_tokens)
     return Sample(prompt=text, answer=key, depth=depth, n_tokens=n, question=question)
 
 
@@ -94,7 +94,7 @@ def multi_needle(tokenizer, n_tokens: int, *, needles: int = 4, ask: int | None 
         parts.append(question)
         return "".join(parts)
 
-    text, n = _fit(tokenizer, make, n_tokens)
+    text, n = fit_to_length(tokenizer, make, n_tokens)
     return Sample(prompt=text, answer=keys[ask], depth=depths[ask], n_tokens=n, question=question)
 
 
@@ -123,7 +123,7 @@ def needle_in_text(tokenizer, n_tokens: int, depth: float, *, seed: int = 0) -> 
         at = cut if cut > 0 else at
         return body[:at] + needle + body[at:] + question
 
-    text, n = _fit(tokenizer, make, n_tokens)
+    text, n = fit_to_length(tokenizer, make, n_tokens)
     return Sample(prompt=text, answer=item, depth=depth, n_tokens=n, question=question)
 
 

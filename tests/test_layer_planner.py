@@ -1,0 +1,141 @@
+"""The layer-aware planner: per-layer plans within the budget, spent where the profile says."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from tiered import layer_planner
+from tiered.config import TieredConfig
+from tiered.layer_profile import LayerProfile, load_profile, save_profile
+from tiered.geometry import Geometry
+from tiered.planner import capacity
+
+
+def synthetic_profile(layers: int, head_dim: int = 64, *, sensitive=(), seed: int = 0):
+    """Errors falling with finer codes; ``sensitive`` layers' errors 10x the others'."""
+    rng = np.random.default_rng(seed)
+    groups = sorted(head_dim // d for d in (16, 8, 4))
+    err = np.sort(rng.uniform(0.02, 0.2, size=(layers, len(groups))), axis=1)[:, ::-1].copy()
+    for i in sensitive:
+        err[i] *= 10
+    return LayerProfile(model_id="test", layers=layers, head_dim=head_dim, groups=groups,
+                        output_error=err.tolist(), entropy=[0.5] * layers)
+
+
+def layer_bytes(plan, n, horizon):
+    """Accelerator bytes of one layer by the planner's byte model, at its plan's resident size."""
+    g = plan.geometry
+    r = plan.check(n, horizon)
+    if not plan.keep_values_resident:
+        r = min(r, plan.recent)
+    cap = capacity(n + horizon, plan.step)
+    return g.kv_heads * (plan.fixed_token_bytes * cap + r * plan.resident_token_bytes) \
+        + plan.codebook_bytes()
+
+
+GEOMETRIES = [Geometry(30, 3, 9, 64, 64, 4), Geometry(30, 3, 9, 64, 64, 2),
+              Geometry(8, 2, 4, 128, 128, 2), Geometry(4, 1, 4, 64, 64, 4)]
+
+
+@pytest.mark.parametrize("geo", GEOMETRIES, ids=lambda g: f"L{g.layers}h{g.kv_heads}d{g.k_dim}b{g.dtype_bytes}")
+@pytest.mark.parametrize("budget", [0.25, 0.125, 0.0625, 0.03125])
+def test_plans_stay_within_the_budget(geo, budget):
+    cfg = TieredConfig(gpu_budget=budget, planner="layers")
+    prof = synthetic_profile(geo.layers, geo.k_dim, sensitive=(0,), seed=geo.layers)
+    horizon = cfg.heavy.horizon
+    t = layer_planner.threshold(geo, cfg, prof, horizon)
+    assert t is not None
+    for n in [t, t + 1, t + 255, 2 * t + 7, 4096, 65536, 1 << 20]:
+        if n < t:
+            continue
+        plans = layer_planner.make_layer_plans(geo, cfg, prof, n, horizon)
+        assert plans is not None, n
+        assert sorted(plans) == list(range(geo.layers))
+        total = sum(layer_bytes(p, n, horizon) for p in plans.values())
+        any_plan = next(iter(plans.values()))
+        allowed = any_plan.budget_bytes(n) - any_plan.workspace_bytes(n)
+        assert total <= allowed, (n, total, allowed)
+        assert np.mean([p.share for p in plans.values()]) <= 1 + 1e-6
+
+
+def test_below_the_threshold_nothing_fits():
+    geo = GEOMETRIES[0]
+    cfg = TieredConfig(gpu_budget=0.03125, planner="layers")
+    prof = synthetic_profile(geo.layers)
+    t = layer_planner.threshold(geo, cfg, prof, 17)
+    assert not layer_planner.feasible(geo, cfg, prof, t // 2, 17)
+    for n in range(t, t + 1024):
+        assert layer_planner.feasible(geo, cfg, prof, n, 17), n
+
+
+def test_sensitive_layers_get_finer_codes():
+    geo = GEOMETRIES[0]
+    cfg = TieredConfig(gpu_budget=0.03125, planner="layers")
+    prof = synthetic_profile(geo.layers, sensitive=(3, 17))
+    plans = layer_planner.make_layer_plans(geo, cfg, prof, 8192, 17)
+    groups = {i: p.groups for i, p in plans.items()}
+    assert groups[3] == groups[17] == max(prof.groups)
+    assert min(groups.values()) < max(prof.groups)  # the budget forces coarser codes elsewhere
+
+
+def test_low_budget_offloads_and_high_budget_keeps_residents():
+    geo = GEOMETRIES[0]
+    prof = synthetic_profile(geo.layers)
+    low = layer_planner.make_layer_plans(geo, TieredConfig(gpu_budget=0.03125, planner="layers"),
+                                         prof, 4096, 17)
+    high = layer_planner.make_layer_plans(geo, TieredConfig(gpu_budget=0.25, planner="layers"),
+                                          prof, 4096, 17)
+    assert not any(p.keep_values_resident for p in low.values())
+    assert all(p.keep_values_resident for p in high.values())
+    assert all(p.groups == max(prof.groups) for p in high.values())
+
+
+def test_uniform_refuses_what_layers_plan(tmp_path):
+    """At 1/32 of an fp16 cache no uniform layout fits 8k tokens; the layer plans do."""
+    from tiered import layout
+
+    geo = GEOMETRIES[1]
+    cfg_u = TieredConfig(gpu_budget=0.03125)
+    cfg_l = TieredConfig(gpu_budget=0.03125, planner="layers")
+    assert layout.compressed_plan(geo, cfg_u, 8192) is None
+    assert layer_planner.make_layer_plans(geo, cfg_l, synthetic_profile(30), 8192, 17) is not None
+
+
+def test_profile_round_trip_and_refusals(tmp_path):
+    prof = synthetic_profile(6)
+    path = save_profile(prof, str(tmp_path / "p.json"))
+    again = load_profile(path)
+    assert again == prof
+    assert load_profile(str(tmp_path / "absent.json")) is None
+    bad = json.loads(prof.to_json())
+    bad["output_error"] = bad["output_error"][:-1]
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="bad.json"):
+        load_profile(str(tmp_path / "bad.json"))
+    with pytest.raises(ValueError, match="layer_weighting"):
+        prof.weights("measured")  # no loss_increase measured
+    w = prof.weights("error")
+    assert np.allclose(w, 1.0)
+
+
+def test_error_at_interpolates_and_clamps():
+    prof = synthetic_profile(2)
+    g = prof.groups
+    e = prof.output_error[1]
+    assert prof.error_at(1, g[0]) == e[0]
+    assert prof.error_at(1, g[-1] * 2) == e[-1]
+    mid = prof.error_at(1, int(np.sqrt(g[0] * g[1])) if g[0] * g[1] > 0 else g[0])
+    assert min(e[0], e[1]) <= mid <= max(e[0], e[1])
+
+
+def test_config_validates_planner_options():
+    with pytest.raises(ValueError, match="planner"):
+        TieredConfig(planner="greedy")
+    with pytest.raises(ValueError, match="layer_weighting"):
+        TieredConfig(layer_weighting="magic")
+    with pytest.raises(ValueError, match="layer_profile"):
+        TieredConfig(layer_profile=3)

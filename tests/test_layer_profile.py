@@ -1,0 +1,184 @@
+"""The layer profile's measurements (against references) and the layer-aware planner in a cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import make_small_model
+
+import mlx.core as mx
+
+import tiered
+from tiered import layer_planner
+from tiered import layer_probe as P
+from tiered.layer_profile import LayerProfile, save_profile
+
+
+def reference_simulated(q, k, v, ka, scale, tau, sinks, recent, cap=None):
+    """Per query, per kv head, in plain numpy loops (the docstring of simulated_attention)."""
+    _, Hq, T, d = q.shape
+    H = k.shape[1]
+    rep = Hq // H
+    out = np.zeros((Hq, T, v.shape[-1]))
+    for h in range(H):
+        for t in range(T):
+            res = [j for j in range(t + 1) if j < sinks or t - j < recent]
+            chosen = set()
+            best = np.full(t + 1, -1.0)
+            for r in range(rep):
+                qh = q[0, h * rep + r, t] * scale
+                s = k[0, h, : t + 1] @ qh
+                z = ka[0, h, : t + 1] @ qh
+                z[res] = s[res]
+                p = np.exp(z - z.max())
+                p /= p.sum()
+                order = np.argsort(-p, kind="stable")
+                cum, theta = 0.0, 0.0
+                for j in order:
+                    if cum >= tau:
+                        break
+                    cum += p[j]
+                    theta = p[j]
+                sel = {j for j in range(t + 1) if p[j] >= theta and j not in res}
+                chosen |= sel
+                best = np.maximum(best, p)
+            if cap is not None and len(chosen) > cap:
+                chosen = set(sorted(chosen, key=lambda j: -best[j])[:cap])
+            keep = sorted(set(res) | chosen)
+            for r in range(rep):
+                qh = q[0, h * rep + r, t] * scale
+                s = k[0, h, keep] @ qh
+                w = np.exp(s - s.max())
+                w /= w.sum()
+                out[h * rep + r, t] = w @ v[0, h, keep]
+    return out[None]
+
+
+def _qkv(seed, H=2, rep=2, T=29, d=16):
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(1, H * rep, T, d)).astype(np.float32)
+    k = rng.normal(size=(1, H, T, d)).astype(np.float32)
+    v = rng.normal(size=(1, H, T, d)).astype(np.float32)
+    ka = (k + 0.5 * rng.normal(size=k.shape)).astype(np.float32)
+    return q, k, v, ka
+
+
+def test_simulated_attention_with_everything_selected_is_exact():
+    q, k, v, _ = _qkv(0)
+    args = [mx.array(x) for x in (q, k, v)]
+    sim = P.simulated_attention(*args, args[1], 0.25, tau=1.0, sinks=0, recent=1)
+    ref = mx.fast.scaled_dot_product_attention(*args, scale=0.25, mask="causal")
+    np.testing.assert_allclose(np.array(sim), np.array(ref), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("tau,sinks,recent,cap", [(0.7, 2, 3, None), (0.9, 0, 1, None),
+                                                  (0.5, 1, 2, 4)])
+def test_simulated_attention_matches_a_loop_reference(tau, sinks, recent, cap):
+    q, k, v, ka = _qkv(1)
+    sim = P.simulated_attention(*(mx.array(x) for x in (q, k, v, ka)), 0.3, tau=tau,
+                                sinks=sinks, recent=recent, cap=cap)
+    ref = reference_simulated(q, k, v, ka, 0.3, tau, sinks, recent, cap)
+    np.testing.assert_allclose(np.array(sim), ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def small():
+    return make_small_model("llama-gqa-d64", layers=3)
+
+
+def test_probed_forward_is_the_model_and_is_undone(small):
+    import mlx_lm.models.llama as llama
+
+    before = llama.scaled_dot_product_attention
+    x = mx.array(np.random.default_rng(0).integers(0, 1000, size=(1, 40)))
+    got = P.forward_logits(small, x, lambda l, q, k, v, s: P.exact_attention(q, k, v, s))
+    ref = small(x)
+    np.testing.assert_allclose(np.array(got), np.array(ref), rtol=1e-4, atol=1e-4)
+    assert llama.scaled_dot_product_attention is before
+
+
+def test_activation_grad_norms_match_a_finite_difference(small):
+    x = mx.array(np.random.default_rng(1).integers(0, 1000, size=(1, 24)))
+    gk, gv = P.activation_grad_norms(small, x, 8)
+    assert gk.shape == gv.shape == (3,) and np.all(gv > 0)
+    # d loss / d eps of V_1 + eps * u (u the gradient direction) is |grad|: a central difference
+    g_dir = {}
+
+    def grad_v1(dv):
+        def hook(layer, q, k, v, s):
+            return P.exact_attention(q, k, v + (dv if layer == 1 else 0), s)
+
+        return P.token_loss(P.forward_logits(small, x, hook), x, 8)
+
+    shape = (1, 2, 24, 64)
+    g = mx.grad(grad_v1)(mx.zeros(shape))
+    u = g / mx.sqrt(mx.sum(g * g))
+    eps = 1e-2
+    fd = (grad_v1(eps * u).item() - grad_v1(-eps * u).item()) / (2 * eps)
+    g_dir["v1"] = fd
+    assert fd == pytest.approx(gv[1], rel=2e-2)
+
+
+def test_weight_grad_norms_match_a_finite_difference(small):
+    x = mx.array(np.random.default_rng(2).integers(0, 1000, size=(1, 20)))
+    got = P.weight_grad_norms(small, x, 5)
+    assert got is not None
+    gk, gv = got
+    w = small.model.layers[2].self_attn.v_proj.weight
+    base = mx.array(w)
+
+    def loss_at(delta):
+        small.model.layers[2].self_attn.v_proj.weight = base + delta
+        try:
+            return P.token_loss(P.forward_logits(small, x, lambda l, q, k, v, s:
+                                                 P.exact_attention(q, k, v, s)), x, 5)
+        finally:
+            small.model.layers[2].self_attn.v_proj.weight = base
+
+    g = mx.grad(loss_at)(mx.zeros(base.shape))
+    assert float(mx.sqrt(mx.sum(g * g)).item()) == pytest.approx(gv[2], rel=1e-3)
+
+
+def synthetic(layers, sensitive):
+    err = [[0.3, 0.2, 0.1] if i in sensitive else [0.03, 0.02, 0.01] for i in range(layers)]
+    return LayerProfile(model_id="synthetic", layers=layers, head_dim=64, groups=[4, 8, 16],
+                        output_error=err, entropy=[0.5] * layers)
+
+
+def test_layer_aware_cache_stays_within_budget(small, tmp_path):
+    path = save_profile(synthetic(3, sensitive=(1,)), str(tmp_path / "profile.json"))
+    cache = tiered.TieredCache.for_model(small, 0.03125, planner="layers", layer_profile=path)
+    ctx = cache.context
+    t = layer_planner.threshold(ctx.model_geometry, cache.config, ctx.profile(), 17,
+                                ctx.tiered_layers)
+    x = mx.array(np.random.default_rng(3).integers(0, 1000, size=(1, max(t, 4096) + 50)))
+    small(x[:, :-1], cache=cache)
+    for i in range(4):
+        small(x[:, -1:], cache=cache)
+    rep = tiered.report_dict(cache)
+    assert rep["phases"] == ["compressed"]
+    assert rep["bytes"]["accelerator"] <= rep["budget_bytes"]
+    groups = {i: p.groups for i, p in ctx.layer_plans.items()}
+    assert groups[1] == 16 and min(groups.values()) < 16
+    assert "layer-aware" in tiered.report(cache)
+    # a saved cache comes back with each layer's own plan
+    cache.save(str(tmp_path / "saved"), small)
+    again = tiered.TieredCacheList.load(str(tmp_path / "saved"), small)
+    assert {c.layer: c.compressed.plan.groups for c in again} == groups
+    cache.close()
+    again.close()
+
+
+def test_uniform_planner_makes_no_layer_plans(small):
+    cache = tiered.TieredCache.for_model(small, 0.125, compress_from=64)
+    x = mx.array(np.random.default_rng(4).integers(0, 1000, size=(1, 300)))
+    small(x, cache=cache)
+    small(x[:, -1:], cache=cache)
+    assert cache.context.layer_plans is None
+    cache.close()
+
+
+def test_a_profile_for_another_model_is_refused(small, tmp_path):
+    path = save_profile(synthetic(5, sensitive=()), str(tmp_path / "p.json"))
+    with pytest.raises(ValueError, match="layers"):
+        tiered.TieredCache.for_model(small, 0.0625, planner="layers", layer_profile=path)

@@ -1,0 +1,57 @@
+"""Layer-by-layer prefill equals the exact prefill, and leaves every layer compressed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import make_small_model
+
+import mlx.core as mx
+
+import tiered
+from tiered.layerwise_prefill import layerwise_prefill
+
+
+@pytest.fixture(scope="module")
+def small():
+    return make_small_model("llama-gqa-d64", layers=3)
+
+
+def test_same_keys_and_values_as_the_exact_prefill(small):
+    ids = np.random.default_rng(0).integers(0, 1000, size=700).tolist()
+    ref = tiered.TieredCache.for_model(small, 1.0)
+    for i in range(0, len(ids), 256):
+        small(mx.array(ids[i : i + 256])[None], cache=ref)
+    got = tiered.TieredCache.for_model(small, 1.0)
+    layerwise_prefill(small, got, ids, chunk=256)
+    for a, b in zip(ref, got):
+        assert a.offset == b.offset == len(ids)
+        for x, y in zip(a.keys_and_values(), b.keys_and_values()):
+            np.testing.assert_allclose(np.array(x), np.array(y), rtol=1e-5, atol=1e-5)
+    # and the next token's logits
+    nxt = mx.array([[5]])
+    np.testing.assert_allclose(np.array(small(nxt, cache=ref)), np.array(small(nxt, cache=got)),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_every_layer_compresses_after_its_pass(small):
+    ids = np.random.default_rng(1).integers(0, 1000, size=900).tolist()
+    cache = tiered.TieredCache.for_model(small, 0.25, compress_from=256, prefill_window=4096)
+    seen = []
+    layerwise_prefill(small, cache, ids, chunk=300,
+                      progress=lambda i, n: seen.append([c.phase for c in cache]))
+    assert seen[0] == ["compressed", "exact", "exact"]  # one exact layer at a time
+    assert [c.phase for c in cache] == ["compressed"] * 3
+    small(mx.array([[7]]), cache=cache)
+    rep = tiered.report_dict(cache)
+    assert rep["bytes"]["accelerator"] <= rep["budget_bytes"]
+    cache.close()
+
+
+def test_refusals(small):
+    cache = tiered.TieredCache.for_model(small, 0.25, prefill_window=100)
+    with pytest.raises(ValueError, match="prefill_window"):
+        layerwise_prefill(small, cache, list(range(200)))
+    gemma = make_small_model("gemma3-mha-d64", layers=2)
+    with pytest.raises(ValueError, match="supports"):
+        layerwise_prefill(gemma, tiered.TieredCache.for_model(gemma, 1.0), list(range(10)))
