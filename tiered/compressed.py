@@ -241,7 +241,9 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
             self._tables = None
             return None
         if getattr(self, "_tables", None) is None:
-            self.parent.flush()  # what the CPU path queued, on the host before the device writes
+            # What the CPU path queued stays queued: the device writes it in order as it leaves
+            # the ring (a CPU flush here would also move the ring's tokens, so that a cache
+            # and its saved copy would hold different pages after their first device step).
             self._tables = device_decode.DeviceTables()
         return self._tables
 

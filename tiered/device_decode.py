@@ -163,6 +163,11 @@ def supported(layer) -> str | None:
         return "value rows are not a multiple of 16 bytes"
     if cfg.rescore == "exact" and host.keys is None:
         return "exact rescoring without host keys"
+    dims = (host.values.head_dim,) + ((host.keys.head_dim,) if host.keys is not None else ())
+    if any(d % 32 for d in dims):
+        return f"head_dim {max(dims)}: the attention kernels take multiples of 32"
+    if cfg.lookahead:
+        return "lookahead=True (the CPU-gather path's buffer; the device path needs none)"
     return None
 
 

@@ -54,6 +54,10 @@ def decode(layer, queries, scale, sinks, tables: DeviceTables):
     capc = max(1, cap // CHUNK)
     idx, count = metal.tau_select(zc, zc.shape[1], excl, cfg.tau, capc,
                                   min(capc, -(-floor // CHUNK)))
+    if writes:
+        # The gathers read the host pages by address, not through MLX arrays: without this
+        # edge they could run before this step's write-behind lands (and read stale rows).
+        idx = mx.depends(idx, writes)
     if cfg.rescore == "exact":
         keys, vals, ok = device_attend.gather_kv(tables, host, idx, count, layer.flags)
         o, stats = device_attend.attend(q, layer.res_k, layer.res_v, layer.res_tok, keys, vals,

@@ -58,8 +58,9 @@ class HostTier:
         """Queue new tokens for the host pages; flushed once they are surely evaluated."""
         self._pending.append((keys, values))
         self._pending_tokens += keys.shape[2]
-        if self._pending_tokens >= self.config.page_size:
-            self.flush()
+        on_device = getattr(self.compressed, "_tables", None) is not None
+        if self._pending_tokens >= self.config.page_size and not on_device:
+            self.flush()  # on the device path the step writes them (flush_on_device)
 
     def flush_until(self, n: int):
         """Make sure tokens [0, n) are on the host (older ones than the recent ring)."""
