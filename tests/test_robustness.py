@@ -18,6 +18,7 @@ from mlx_lm.models.cache import trim_prompt_cache
 import tiered
 from tiered import TieredCache
 from tiered.cpu.disk import DiskTierError
+from tiered.ops import on_cpu_backend
 from tiered.prefill import prefill
 
 V = 49152
@@ -200,6 +201,7 @@ def test_a_failed_save_leaves_the_previous_snapshot(small, tmp_path, monkeypatch
 
 
 # ---- the door ---------------------------------------------------------------------------------
+@pytest.mark.skipif(not on_cpu_backend(), reason="on a GPU the check is queued (next test)")
 @pytest.mark.parametrize("where", ["keys", "values"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_non_finite_keys_or_values_are_refused_naming_the_layer(where, bad):
@@ -220,6 +222,31 @@ def test_non_finite_keys_or_values_are_refused_naming_the_layer(where, bad):
     assert cache.offset == 41  # nothing changed
     out = cache.update_and_fetch(k1, k1)
     assert out[0].shape[2] == 1
+
+
+@pytest.mark.accelerator
+@pytest.mark.skipif(on_cpu_backend(), reason="the queued check is the GPU's")
+@pytest.mark.parametrize("where", ["keys", "values"])
+@pytest.mark.parametrize("dim", [16, 64])  # 64: the CUDA device path; 16: the MLX-op path
+def test_non_finite_tokens_are_refused_where_they_reach_the_host_on_a_gpu(where, dim):
+    """On a GPU the door's check is queued with the step (a sync per layer and token would
+    cost more than the step); the ValueError naming the layer comes where the tokens reach
+    the host pages, here an explicit flush."""
+    cache = TieredCache(tiered.TieredConfig(gpu_budget="1GB", compress_from=1))
+    tiered.install()
+    k = mx.random.normal((1, 2, 40, dim))
+    kk, vv = cache.update_and_fetch(k, k)
+    cache.attention(mx.random.normal((1, 2, 40, dim)), kk, vv, scale=0.25, mask="causal")
+    k1 = mx.random.normal((1, 2, 1, dim))
+    kk, vv = cache.update_and_fetch(k1, k1)
+    mx.eval(cache.attention(mx.random.normal((1, 2, 1, dim)), kk, vv, scale=0.25, mask=None))
+    assert cache.phase == "compressed"
+    x = np.array(k1)
+    x[0, 1, 0, 3] = float("nan")
+    keys, values = (mx.array(x), k1) if where == "keys" else (k1, mx.array(x))
+    cache.update_and_fetch(keys, values)
+    with pytest.raises(ValueError, match="layer 0: non-finite keys or values .* tokens \\[41, 42\\)"):
+        cache.flush()
 
 
 # ---- budgets, cleanup -------------------------------------------------------------------------

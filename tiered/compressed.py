@@ -285,10 +285,14 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
 
     def _step_done(self, mean_count: float, resident_mass):
         """What every decode step ends with: its stats, and every ``refresh_every`` steps the
-        H2O refresh (promote / demote heavy hitters)."""
+        H2O refresh (promote / demote heavy hitters). Layers take turns: layer l refreshes
+        when steps + l is a multiple of refresh_every, so a step refreshes about
+        layers / refresh_every of them (all at once, a refresh step took 1.2-1.3 s against a
+        40.8 ms median on an H200 at 128k)."""
         self.steps += 1
         self.parent.stats.record_step(mean_count, self.n, resident_mass)
-        if self.heavy is not None and self.steps % self.config.refresh_every == 0:
+        every = self.config.refresh_every
+        if self.heavy is not None and (self.steps + self.parent.layer) % every == 0:
             self._rebuild_resident(journal=True)
 
 

@@ -61,6 +61,7 @@ _GATHER = r"""
     // kv head h, read from its host page; slots past count[h] read nothing (zeros). ok
     // (H, CAPC * C): the token is selected, on the host pages and not resident (flags).
     const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const uint32_t CAPC = idx_shape[1];  // runtime: a refresh's row count varies
     constexpr uint32_t ROWB = ROW_BYTES, WPR = ROWB / 16, WPC = WPR * C, ppb = PPB;
     constexpr bool write_ok = true;
     const uint64_t* addrs_t = addrs;
@@ -248,10 +249,11 @@ def write_tokens(tables: DeviceTables, host, keys: mx.array, values: mx.array) -
 
 
 def gather_chunks(tables: DeviceTables, host, tensor, idx: mx.array, count: mx.array,
-                  flags: mx.array):
-    """The selected chunks' rows (H, CAPC * CHUNK, d) in the host dtype, read in place from
-    the host pages, and which tokens are attended here (H, CAPC * CHUNK): selected, on the
-    host pages, not resident. Rows of tokens not attended are zeros (not read)."""
+                  flags: mx.array, chunk: int = CHUNK):
+    """The selected chunks' rows (H, CAPC * chunk, d) in the host dtype, read in place from
+    the host pages, and which tokens are attended here (H, CAPC * chunk): selected, on the
+    host pages, not resident. Rows of tokens not attended are zeros (not read). ``chunk=1``
+    reads single tokens (a refresh's promoted rows)."""
     H, capc = idx.shape
     d = tensor.head_dim
     dtype = host_mx_dtype(tensor.dtype)
@@ -259,10 +261,10 @@ def gather_chunks(tables: DeviceTables, host, tensor, idx: mx.array, count: mx.a
     n_host = device_ints(host.length)
     out, ok = _kernel("gather")(
         inputs=[idx, count, tables.pages(host), tables.addrs(tensor), flags, n_host],
-        output_shapes=[(H, capc * CHUNK, d), (H, capc * CHUNK)],
+        output_shapes=[(H, capc * chunk, d), (H, capc * chunk)],
         output_dtypes=[dtype, mx.bool_],
-        grid=(H * capc * CHUNK * row // 16, 1, 1), threadgroup=(256, 1, 1),
-        template=[("H", H), ("CAPC", capc), ("C", CHUNK), ("P", host.page_size),
+        grid=(H * capc * chunk * row // 16, 1, 1), threadgroup=(256, 1, 1),
+        template=[("H", H), ("C", chunk), ("P", host.page_size),
                   ("PPB", tensor.pages_per_block), ("ROW_BYTES", row)])
     return out, ok
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from . import undo
+from . import device_decode, undo
 from .planner import BudgetError
 
 
@@ -77,14 +77,7 @@ class ResidentSet:
         res_k, res_v = self._fetch_kv(tok, keys, values)
         self.S_eff, self.W_eff = S, W
         self._set_resident(res_k, res_v, tok)
-        flags = np.zeros((H, n), np.uint8)
-        for h in range(H):
-            flags[h, tok[h][tok[h] >= 0]] = 1
-        if self.numpy_path:
-            self._flags_np[:, :n] = flags
-        else:
-            self.flags[:, :n] = mx.array(flags)
-            mx.eval(self.flags)
+        undo.flags_from_resident(self)
 
     def _fetch_kv(self, tok: np.ndarray, keys, values):
         """Full K/V (H, R, d) for token ids ``tok`` (-1: zeros), in the model dtype."""
@@ -98,8 +91,17 @@ class ResidentSet:
         valid = mx.array(tok >= 0)[..., None]
         k = mx.where(valid, k, 0).astype(self.dtype)
         v = mx.where(valid, v, 0).astype(self.dtype)
-        mx.eval(k, v)
+        (mx.eval if self.numpy_path else mx.async_eval)(k, v)  # no wait on an accelerator
         return k, v
+
+    def _device_rows(self, tables, tensor, tok: np.ndarray, counts: np.ndarray) -> mx.array:
+        """Rows (H, m, d) of tokens tok (H, m) (the first counts[h] of row h) read by the
+        device from the host pages (the kernel takes m at run time: nothing to compile)."""
+        rows, _ = device_decode.gather_chunks(tables, self.parent.host, tensor,
+                                              mx.array(tok.astype(np.int32)),
+                                              mx.array(counts.astype(np.int32)), self.flags,
+                                              chunk=1)
+        return rows.astype(self.dtype)
 
     def _gather_known(self, tok: np.ndarray):
         """K/V (H, R, d) for token ids, in the model dtype: rows already resident are copied
@@ -110,28 +112,35 @@ class ResidentSet:
         H, R = tok.shape
         old_tok = self._res_tok_np
         R_old = 0 if old_tok is None else old_tok.shape[1]
-        src = np.zeros((H, R), np.int32)  # row of concat(resident, new rows) per slot
-        need = []
-        for h in range(H):
-            miss = tok[h] >= 0
-            if old_tok is not None:
-                order = np.argsort(old_tok[h], kind="stable")
-                sorted_old = old_tok[h][order]
-                pos = np.clip(np.searchsorted(sorted_old, tok[h]), 0, len(sorted_old) - 1)
-                hit = (sorted_old[pos] == tok[h]) & (tok[h] >= 0)
-                src[h, hit] = order[pos[hit]]
-                miss &= ~hit
-            need.append(np.flatnonzero(miss))
-        n_new = max((len(x) for x in need), default=0)
-        new_tok = np.full((H, n_new), -1, np.int32)
-        for h, pos in enumerate(need):
-            new_tok[h, : len(pos)] = tok[h, pos]
-            src[h, pos] = R_old + np.arange(len(pos), dtype=np.int32)
+        # row of concat(resident, new rows) per slot: the old slot of a token already
+        # resident (a token -> slot map, no per-head search), else its row among the new ones
+        src = np.zeros((H, R), np.int32)
+        miss = tok >= 0
+        if R_old:
+            slot_of = undo.slot_map(old_tok, max(int(tok.max(initial=0)), int(old_tok.max())) + 1)
+            at = np.take_along_axis(slot_of, np.maximum(tok, 0), axis=1)
+            hit = miss & (at >= 0)
+            src[hit] = at[hit]
+            miss &= ~hit
+        new_pos, counts = undo.compact(miss)
+        n_new = new_pos.shape[1]
+        new_tok = np.take_along_axis(tok, new_pos, axis=1)
+        live = np.arange(n_new)[None, :] < counts[:, None]
+        new_tok[~live] = -1
+        rows = np.broadcast_to(np.arange(H)[:, None], new_pos.shape)
+        src[rows[live], new_pos[live]] = R_old + np.broadcast_to(
+            np.arange(n_new, dtype=np.int32), new_pos.shape)[live]
         # Rows as stored (float16 by default: half the bytes of float32 to upload, and no
         # conversion on the host).
         parts_k = [self.res_k] if R_old else []
         parts_v = [self.res_v] if R_old else []
-        if n_new:
+        tables = getattr(self, "_tables", None)
+        if n_new and tables is not None and host.keys is not None:
+            # On the device path the GPU reads the promoted rows from the host pages in place
+            # (a CPU gather and upload took most of a refresh's ~30 ms per layer at 128k).
+            parts_k.append(self._device_rows(tables, host.keys, new_tok, counts))
+            parts_v.append(self._device_rows(tables, host.values, new_tok, counts))
+        elif n_new:
             parts_k.append(mx.array(host.gather_rows("keys", 0, new_tok)).astype(self.dtype))
             parts_v.append(mx.array(host.gather_rows("values", 0, new_tok)).astype(self.dtype))
         elif not R_old:  # nothing anywhere: an empty block keeps the shapes

@@ -86,26 +86,42 @@ def undo_append(layer, n0: int, slots, old_tok, old_k, old_v) -> None:
     layer._res_tok_np[:, slots] = old_tok
     layer.res_tok = mx.array(layer._res_tok_np)
     layer.n = n0
-    _flags_from_resident(layer)
+    flags_from_resident(layer)
 
 
 def demoted_rows(layer, new_tok: np.ndarray) -> tuple:
     """Before a refresh to ``new_tok``: the old ids and the K/V rows of the tokens it drops."""
     old = layer._res_tok_np
-    H = old.shape[0]
-    gone = [np.flatnonzero((old[h] >= 0) & ~np.isin(old[h], new_tok[h])) for h in range(H)]
-    m = max((len(g) for g in gone), default=0)
-    slots = np.zeros((H, m), np.int32)
-    for h, g in enumerate(gone):
-        slots[h, : len(g)] = g
-    idx = mx.array(slots)[..., None]
+    top = max(int(old.max(initial=0)), int(new_tok.max(initial=0))) + 1
+    kept = np.take_along_axis(slot_map(new_tok, top), np.maximum(old, 0), axis=1) >= 0
+    slots, counts = compact((old >= 0) & ~kept)
+    idx = mx.array(slots.astype(np.int32))[..., None]
     rows_k = mx.take_along_axis(layer.res_k, idx, axis=1)
     rows_v = mx.take_along_axis(layer.res_v, idx, axis=1)
     toks = np.take_along_axis(old, slots, axis=1)
-    for h, g in enumerate(gone):
-        toks[h, len(g):] = -1
-    mx.eval(rows_k, rows_v)
+    toks[np.arange(slots.shape[1])[None, :] >= counts[:, None]] = -1
+    (mx.eval if layer.numpy_path else mx.async_eval)(rows_k, rows_v)
     return old.copy(), layer.S_eff, layer.W_eff, toks, rows_k, rows_v
+
+
+def slot_map(tok: np.ndarray, n: int) -> np.ndarray:
+    """(H, n) int32: the slot of token t in row h of ``tok`` (H, R) (-1 entries: empty), or
+    -1 where t is not there."""
+    H, R = tok.shape
+    out = np.full((H, n), -1, np.int32)
+    ok = tok >= 0
+    rows = np.broadcast_to(np.arange(H)[:, None], tok.shape)
+    out[rows[ok], tok[ok]] = np.broadcast_to(np.arange(R, dtype=np.int32), tok.shape)[ok]
+    return out
+
+
+def compact(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, the positions where ``mask`` (H, R) holds, first and in order: (H, m) with m
+    the largest count (rows with fewer are padded with other positions), and the counts."""
+    counts = mask.sum(axis=1)
+    m = int(counts.max()) if mask.size else 0
+    order = np.argsort(~mask, axis=1, kind="stable")[:, :m]
+    return order, counts
 
 
 def undo_refresh(layer, old_tok, S_eff, W_eff, toks, rows_k, rows_v) -> None:
@@ -129,7 +145,7 @@ def undo_refresh(layer, old_tok, S_eff, W_eff, toks, rows_k, rows_v) -> None:
     mx.eval(k, v)
     layer.S_eff, layer.W_eff = S_eff, W_eff
     layer._set_resident(k, v, old_tok)
-    _flags_from_resident(layer)
+    flags_from_resident(layer)
 
 
 def undo_step(layer, n: int, q: mx.array, rep: int, steps: int) -> None:
@@ -146,14 +162,13 @@ def undo_step(layer, n: int, q: mx.array, rep: int, steps: int) -> None:
         layer.heavy.undo(z, m, s, n, rep)
 
 
-def _flags_from_resident(layer) -> None:
+def flags_from_resident(layer) -> None:
     """flags[h, t] = 1 exactly where token t is resident for head h (the layer's invariant)."""
     H, n = layer.H, layer.n
     flags = np.zeros((H, n), np.uint8)
     tok = layer._res_tok_np
-    for h in range(H):
-        t = tok[h][(tok[h] >= 0) & (tok[h] < n)]
-        flags[h, t] = 1
+    ok = (tok >= 0) & (tok < n)
+    flags[np.broadcast_to(np.arange(H)[:, None], tok.shape)[ok], tok[ok]] = 1
     if layer.numpy_path:
         layer._flags_np[:, :n] = flags
     else:
