@@ -57,8 +57,10 @@ class ResidentSet:
         when given (exact phase), else from the current resident set and the host.
         ``journal``: record what it replaces (a refresh; see tiered.undo)."""
         n, H = self.n, self.H
-        if keys is None:
-            self.parent.flush()  # tokens leaving the ring are read back from the host
+        if keys is None and getattr(self, "_tables", None) is None:
+            # tokens leaving the ring are read back from the host. The device path needs no
+            # flush (and no wait): whatever is not resident is on the pages already
+            self.parent.flush()
         R = self._resident_layout(n)
         if self.plan.keep_values_resident:
             S, W = min(self.S, n), min(self.plan.recent_window(R), n)
