@@ -339,3 +339,32 @@ def test_cli_refuses_a_save_without_room_before_the_prefill(tmp_path, monkeypatc
     err = capsys.readouterr().err
     assert rc == 2 and "needed" in err and not ran, err
     assert not (tmp_path / "c" / "tiered.json").exists()
+
+
+def test_a_refresh_the_planner_refuses_keeps_the_resident_set(monkeypatch):
+    """The planner sizes the resident set refresh_every tokens ahead; where it refuses a length
+    the layer already holds (a tight budget at a short length), the H2O refresh keeps the
+    set's size instead of failing the decode step with a BudgetError."""
+    from tiered.planner import BudgetError, Plan
+
+    model = make_small_model("llama-gqa-d64", layers=2, seed=3)
+    cache = TieredCache.for_model(model, gpu_budget=0.25, page_size=64, recent=16,
+                                  refresh_every=2)
+    prompt = mx.array(np.random.default_rng(0).integers(10, 40000, 300))[None]
+    logits = model(prompt, cache=cache)
+    logits = model(mx.argmax(logits[:, -1], axis=-1)[:, None], cache=cache)
+    layers = [c.compressed for c in cache]
+    assert all(layer is not None for layer in layers)
+    sizes, steps = [layer.R for layer in layers], [layer.steps for layer in layers]
+
+    def refuse(self, n, horizon=0):
+        raise BudgetError("refused (test)")
+
+    monkeypatch.setattr(Plan, "check", refuse)
+    for _ in range(4):  # every layer refreshes at least once (refresh_every 2)
+        logits = model(mx.argmax(logits[:, -1], axis=-1)[:, None], cache=cache)
+        mx.eval(logits)
+    assert [layer.R for layer in layers] == sizes
+    assert [layer.steps for layer in layers] == [s + 4 for s in steps]
+    assert np.isfinite(np.array(logits)).all()
+    cache.close()

@@ -61,7 +61,14 @@ class ResidentSet:
             # tokens leaving the ring are read back from the host. The device path needs no
             # flush (and no wait): whatever is not resident is on the pages already
             self.parent.flush()
-        R = self._resident_layout(n)
+        try:
+            R = self._resident_layout(n)
+        except BudgetError:
+            if not journal or self.res_tok is None:
+                raise  # compressing: the caller keeps the layer exact
+            # A refresh never fails a decode step: the planner's look-ahead (refresh_every
+            # tokens) can refuse a length the layer already holds; the set keeps its size.
+            R = self.R
         if self.plan.keep_values_resident:
             S, W = min(self.S, n), min(self.plan.recent_window(R), n)
         else:
