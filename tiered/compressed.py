@@ -56,6 +56,7 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         self.S, self.W = plan.sinks, plan.recent
         self.S_eff = self.W_eff = 0
         self.flags = self.heavy = None
+        self._tables = None  # the device path's tables once a step took it (tiered.device_decode)
         self._alloc(capacity)
         self.res_k = self.res_v = self.res_tok = None
         self._res_tok_np = None
@@ -92,6 +93,11 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
             self.heavy.grow(capacity, n)
         elif self.plan.use_h2o:
             self.heavy = HeavyHitters(H, capacity, self.config.ema_alpha, self.numpy_path)
+
+    @property
+    def on_device(self) -> bool:
+        """Whether decode steps run on the device path (its write-behind is the device's)."""
+        return self._tables is not None
 
     @property
     def capacity(self) -> int:
@@ -240,7 +246,7 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
                 raise ValueError(f"device_gather='on': layer {self.parent.layer} cannot: {why}")
             self._tables = None
             return None
-        if getattr(self, "_tables", None) is None:
+        if self._tables is None:
             # What the CPU path queued stays queued: the device writes it in order as it leaves
             # the ring (a CPU flush here would also move the ring's tokens, so that a cache
             # and its saved copy would hold different pages after their first device step).

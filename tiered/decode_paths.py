@@ -32,9 +32,7 @@ class DecodePaths:
         host = self.parent.host
         if host is None or not host.disk_bytes or self.heavy is None or not self.numpy_path:
             return
-        acc = self.heavy.host(self.n)
-        k = min(256, self.n)
-        top = np.argpartition(-acc, k - 1, axis=1)[:, :k]
+        top = self.heavy.top(min(256, self.n), 0, self.n)
         b = self.parent.scheduler.batch(self.parent.layer)
         b.submit(host.prefetch_tokens, 0, top.reshape(-1))
 

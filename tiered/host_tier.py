@@ -58,7 +58,7 @@ class HostTier:
         """Queue new tokens for the host pages; flushed once they are surely evaluated."""
         self._pending.append((keys, values))
         self._pending_tokens += keys.shape[2]
-        on_device = getattr(self.compressed, "_tables", None) is not None
+        on_device = getattr(self.compressed, "on_device", False)  # None / H2O baseline: no
         if self._pending_tokens >= self.config.page_size and not on_device:
             self.flush()  # on the device path the step writes them (flush_on_device)
 

@@ -44,11 +44,7 @@ class ResidentSet:
         if hi > lo and self.res_tok is not None and (host is None or host.keys is None):
             # No full keys on the host: only tokens whose K/V are on the accelerator (the
             # resident set, the recent ring) can be heavy hitters. Eviction, as in H2O.
-            allowed = np.zeros((self.H, hi - lo), dtype=bool)
-            for h in range(self.H):
-                t = self._res_tok_np[h]
-                t = t[(t >= lo) & (t < hi)] - lo
-                allowed[h, t] = True
+            allowed = undo.resident_mask(self._res_tok_np, hi)[:, lo:]
         return self.heavy.top(count, lo, hi, allowed)
 
     def _rebuild_resident(self, keys: mx.array | None = None, values: mx.array | None = None,
@@ -57,7 +53,7 @@ class ResidentSet:
         when given (exact phase), else from the current resident set and the host.
         ``journal``: record what it replaces (a refresh; see tiered.undo)."""
         n, H = self.n, self.H
-        if keys is None and getattr(self, "_tables", None) is None:
+        if keys is None and not self.on_device:
             # tokens leaving the ring are read back from the host. The device path needs no
             # flush (and no wait): whatever is not resident is on the pages already
             self.parent.flush()
@@ -103,10 +99,10 @@ class ResidentSet:
         (mx.eval if self.numpy_path else mx.async_eval)(k, v)  # no wait on an accelerator
         return k, v
 
-    def _device_rows(self, tables, tensor, tok: np.ndarray, counts: np.ndarray) -> mx.array:
+    def _device_rows(self, tensor, tok: np.ndarray, counts: np.ndarray) -> mx.array:
         """Rows (H, m, d) of tokens tok (H, m) (the first counts[h] of row h) read by the
         device from the host pages (the kernel takes m at run time: nothing to compile)."""
-        rows, _ = device_decode.gather_chunks(tables, self.parent.host, tensor,
+        rows, _ = device_decode.gather_chunks(self._tables, self.parent.host, tensor,
                                               mx.array(tok.astype(np.int32)),
                                               mx.array(counts.astype(np.int32)), self.flags,
                                               chunk=1)
@@ -143,12 +139,11 @@ class ResidentSet:
         # conversion on the host).
         parts_k = [self.res_k] if R_old else []
         parts_v = [self.res_v] if R_old else []
-        tables = getattr(self, "_tables", None)
-        if n_new and tables is not None and host.keys is not None:
+        if n_new and self.on_device and host.keys is not None:
             # On the device path the GPU reads the promoted rows from the host pages in place
             # (a CPU gather and upload took most of a refresh's ~30 ms per layer at 128k).
-            parts_k.append(self._device_rows(tables, host.keys, new_tok, counts))
-            parts_v.append(self._device_rows(tables, host.values, new_tok, counts))
+            parts_k.append(self._device_rows(host.keys, new_tok, counts))
+            parts_v.append(self._device_rows(host.values, new_tok, counts))
         elif n_new:
             parts_k.append(mx.array(host.gather_rows("keys", 0, new_tok)).astype(self.dtype))
             parts_v.append(mx.array(host.gather_rows("values", 0, new_tok)).astype(self.dtype))

@@ -162,13 +162,19 @@ def undo_step(layer, n: int, q: mx.array, rep: int, steps: int) -> None:
         layer.heavy.undo(z, m, s, n, rep)
 
 
+def resident_mask(tok: np.ndarray, n: int) -> np.ndarray:
+    """(H, n) bool: True where token t < n is in row h of ``tok`` (H, R) (-1: empty)."""
+    H = tok.shape[0]
+    out = np.zeros((H, n), bool)
+    ok = (tok >= 0) & (tok < n)
+    out[np.broadcast_to(np.arange(H)[:, None], tok.shape)[ok], tok[ok]] = True
+    return out
+
+
 def flags_from_resident(layer) -> None:
     """flags[h, t] = 1 exactly where token t is resident for head h (the layer's invariant)."""
-    H, n = layer.H, layer.n
-    flags = np.zeros((H, n), np.uint8)
-    tok = layer._res_tok_np
-    ok = (tok >= 0) & (tok < n)
-    flags[np.broadcast_to(np.arange(H)[:, None], tok.shape)[ok], tok[ok]] = 1
+    n = layer.n
+    flags = resident_mask(layer._res_tok_np, n).view(np.uint8)
     if layer.numpy_path:
         layer._flags_np[:, :n] = flags
     else:
