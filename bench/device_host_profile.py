@@ -34,6 +34,27 @@ def split_times(model, cache, steps):
     return 1e3 * float(np.median(q)), 1e3 * float(np.median(e))
 
 
+def graph_ops(model, cache, path="/tmp/step.dot"):
+    """Primitives in one token's graph, by name (each one is dispatched by MLX at eval)."""
+    from tiered import device_step
+    was, device_step.ASYNC_EVAL = device_step.ASYNC_EVAL, False
+    try:
+        y = mx.argmax(model(mx.array([[1]]), cache=cache)[:, -1], axis=-1)
+        mx.export_to_dot(path, y)
+        mx.eval(y)
+    finally:
+        device_step.ASYNC_EVAL = was
+    import collections
+    import re
+    return collections.Counter(re.findall(r'label ="([^"]+)", shape=rectangle', open(path).read()))
+
+
+def print_ops(name, ops, layers):
+    total = sum(ops.values())
+    print(f"{name}: {total} primitives per token, {total / layers:.1f} per layer; by name: "
+          + ", ".join(f"{k} {v}" for k, v in ops.most_common()), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     device_profile_args(ap, 10)
@@ -45,9 +66,13 @@ def main():
     kv = kv_caches(seed, args.context)
     time_decode(model, kv, 3, 2)
     print("KVCache: queue %.2f ms, eval %.2f ms" % split_times(model, kv, args.steps))
+    layers = len(model.layers)
+    print_ops("KVCache", graph_ops(model, kv), layers)
     del kv
     cache = tiered_caches(model, seed, args.context, args.budget, dict(calibration_tokens=2048))
     from tiered import device_step
+    for _ in range(3):
+        print_ops("tiered", graph_ops(model, cache), layers)
     for flag in (True, False, True):
         device_step.ASYNC_EVAL = flag
         ms, _, _ = time_decode(model, cache, 5, 3)
