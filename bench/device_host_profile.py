@@ -78,6 +78,13 @@ def main():
         ms, _, _ = time_decode(model, cache, 5, 3)
         print(f"tiered (async_eval per layer: {flag}): {ms:.2f} ms/token; queue %.2f ms, "
               "eval %.2f ms" % split_times(model, cache, args.steps), flush=True)
+    from call_timers import CallTimers
+    y = mx.array([[1]])
+    with CallTimers() as timers:
+        for _ in range(args.steps):
+            y = mx.argmax(model(y, cache=cache)[:, -1], axis=-1)[:, None]
+            mx.eval(y)
+    timers.report(per=args.steps, top=args.top)
     prof = cProfile.Profile()
     y = mx.array([[1]])
     prof.enable()
