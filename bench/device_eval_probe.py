@@ -22,7 +22,7 @@ import numpy as np
 from decode_speed import build_model, device_profile_args, seed_kv, tiered_caches, time_decode
 
 _ADD = r"""
-    const uint i = blockIdx.x * blockDim.x + threadIdx.x;
+    const unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < a_shape[0] * a_shape[1]) b[i] = a[i] + 1.0f;
 """
 
