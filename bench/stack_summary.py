@@ -27,6 +27,8 @@ def main():
     ap.add_argument("file")
     ap.add_argument("--under", default="", help="keep stacks with a frame containing this")
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--lines", action="store_true",
+                    help="inclusive counts per Python line (which call in a function costs)")
     args = ap.parse_args()
     self_n, py_n, incl_n, total = (collections.Counter(), collections.Counter(),
                                    collections.Counter(), 0)
@@ -44,7 +46,8 @@ def main():
         self_n[names[-1]] += n
         py = [frame_name(f, True) for f in frames if ".py:" in f]  # native frames charged to their Python caller
         py_n[(py[-1] + "  <- " + py[-2]) if len(py) > 1 else (py or ["?"])[-1]] += n
-        for name in set(names):
+        for name in set(names if not args.lines else
+                        [frame_name(f, ".py:" in f) for f in frames]):
             incl_n[name] += n
     print(f"{total} samples under {args.under or 'everything'}")
     for title, counter in (("self (innermost frame)", self_n),
