@@ -166,3 +166,27 @@ def test_all_chunks_selected_decodes_as_kvcache(rescore):
     np.testing.assert_allclose(host.read("values", 0, 0, n), np.array(v_ref[0, :, :n]),
                                rtol=1e-6, atol=1e-6)
     tiered_cache.close()
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_door_kernel_finds_the_first_non_finite_token(dtype):
+    """first_bad: the first token (from start) holding a NaN or Inf in keys or values, folded
+    with the previous steps' value; NO_BAD when every entry is finite."""
+    from tiered.device_decode import NO_BAD, first_bad
+
+    rng = np.random.default_rng(0)
+    H, L, dk, dv = 3, 5, 64, 32
+    keys = rng.normal(size=(1, H, L, dk)).astype(np.float32)
+    values = rng.normal(size=(1, H, L, dv)).astype(np.float32)
+    read = lambda k, v, start, prev=None: int(  # noqa: E731
+        first_bad(mx.array(k).astype(dtype), mx.array(v).astype(dtype), start, prev).item())
+    assert read(keys, values, 10) == NO_BAD
+    k2, v2 = keys.copy(), values.copy()
+    k2[0, 2, 3, 7] = np.nan  # token 3 (head 2)
+    v2[0, 0, 1, 5] = np.inf  # token 1 (head 0): the first
+    assert read(k2, values, 10) == 13
+    assert read(keys, v2, 10) == 11
+    assert read(k2, v2, 10) == 11
+    assert read(k2, v2, 10, mx.array([4], mx.int32)) == 4  # an earlier step's position stays
+    assert read(keys, values, 10, mx.array([40], mx.int32)) == 40

@@ -79,6 +79,7 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         self._prev_local = (0, None, None)  # the local block before the last chunk
         self.journal = undo.Journal(0, self.config.undo_tokens)  # what trim gives back
         self._update = True  # this call changes the layer (False: a sharing layer reads it)
+        self.eval_later: list = []  # device path: arrays to hand off with the step's first
 
     # ---- storage ---------------------------------------------------------------------------
     def _alloc(self, capacity: int, n: int = 0):
@@ -103,10 +104,10 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
     def capacity(self) -> int:
         return self.flags.shape[1]
 
-    def _set_resident(self, res_k, res_v, tok: np.ndarray):
+    def _set_resident(self, res_k, res_v, tok: np.ndarray, tok_device: mx.array | None = None):
         self.res_k, self.res_v = res_k, res_v
         self._res_tok_np = np.ascontiguousarray(tok, np.int32)
-        self.res_tok = mx.array(self._res_tok_np)
+        self.res_tok = mx.array(self._res_tok_np) if tok_device is None else tok_device
         self.R = tok.shape[1]
 
     @property

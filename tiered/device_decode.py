@@ -125,6 +125,30 @@ _CHUNKS = r"""
     if (qh % REP == 0) excl[h * nc + c] = !any_live;
 """
 
+_DOOR = r"""
+    // The door (tiered.host_tier) as one launch of one block: bad[0] = min(prev[0], start +
+    // the first token of keys / values (1, H, L, d) holding a NaN or Inf), NO_BAD when none.
+    __shared__ int red[256];
+    const uint32_t tid = threadIdx.x;
+    const uint32_t L = keys_shape[2], dk = keys_shape[3], dv = values_shape[3];
+    const uint32_t nk = keys_shape[0] * keys_shape[1] * L * dk;
+    const uint32_t nv = values_shape[0] * values_shape[1] * L * dv;
+    int found = tid == 0 ? prev[0] : 0x7fffffff;
+    for (uint32_t i = tid; i < nk + nv; i += blockDim.x) {
+        const bool key = i < nk;
+        const float x = key ? static_cast<float>(keys[i]) : static_cast<float>(values[i - nk]);
+        if (!isfinite(x))
+            found = min(found, start[0] + (int)(key ? (i / dk) % L : ((i - nk) / dv) % L));
+    }
+    red[tid] = found;
+    __syncthreads();
+    for (uint32_t w = blockDim.x / 2; w > 0; w /= 2) {
+        if (tid < w) red[tid] = min(red[tid], red[tid + w]);
+        __syncthreads();
+    }
+    if (tid == 0) bad[0] = red[0];
+"""
+
 _kernels: dict = {}
 
 
@@ -135,6 +159,10 @@ def _kernel(name: str):
                 name="tiered_host_gather",
                 input_names=["idx", "count", "pages", "addrs", "flags", "n_host"],
                 output_names=["out", "ok"], source=_GATHER)
+        elif name == "door":
+            _kernels[name] = mx.fast.cuda_kernel(
+                name="tiered_door", input_names=["keys", "values", "prev", "start"],
+                output_names=["bad"], source=_DOOR)
         elif name == "chunks":
             _kernels[name] = mx.fast.cuda_kernel(
                 name="tiered_chunk_logits", input_names=["z", "flags", "n_host"],
@@ -246,6 +274,17 @@ def write_tokens(tables: DeviceTables, host, keys: mx.array, values: mx.array) -
                       ("PPB", tensor.pages_per_block), ("ROW_BYTES", row)])
         out.append(done)
     return out
+
+
+def first_bad(keys: mx.array, values: mx.array, start: int, prev: mx.array | None) -> mx.array:
+    """(1,) int32, lazy: the first position of a non-finite key or value so far (``prev``, then
+    tokens [start, start + L) of keys / values (1, H, L, d)), NO_BAD when none: the door's
+    check and its fold in one launch (six MLX ops, and a chain that grew every step)."""
+    prev = device_ints(NO_BAD) if prev is None else prev
+    (bad,) = _kernel("door")(
+        inputs=[keys, values, prev, device_ints(start)], output_shapes=[(1,)],
+        output_dtypes=[mx.int32], grid=(256, 1, 1), threadgroup=(256, 1, 1))
+    return bad
 
 
 def gather_chunks(tables: DeviceTables, host, tensor, idx: mx.array, count: mx.array,

@@ -41,8 +41,9 @@ def decode(layer, queries, scale, sinks, tables: DeviceTables):
     cfg, parent, H, n = layer.config, layer.parent, layer.H, layer.n
     host = parent.host
     writes = parent.flush_on_device(tables, n - layer.W_eff)
-    if writes:  # queued now: readers of the pages by address (gathers, a refresh, the CPU
-        mx.async_eval(writes)  # after HostStore.settle) run after them in stream order
+    early, layer.eval_later = writes + layer.eval_later, []  # + the ring insert's undo copies
+    if early:  # queued now: readers of the pages by address (gathers, a refresh, the CPU
+        mx.async_eval(early)  # after HostStore.settle) run after them in stream order
     Hq = queries.shape[1]
     rep = Hq // H
     q, s_r, cols = device_attend.resident_scores(queries, scale, layer.res_k, layer.res_tok, n)

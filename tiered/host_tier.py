@@ -31,6 +31,10 @@ class HostTier:
         On the CPU backend the check is immediate (the arrays are read anyway); on a GPU it is
         queued with the step and read where the tokens reach the host (a sync of its own per
         layer and token would cost more than the step: see issue 24)."""
+        if getattr(self.compressed, "on_device", False):  # one launch, evaluated with the step
+            self._finite_bad = device_decode.first_bad(keys, values, self.offset,
+                                                       self._finite_bad)
+            return
         ok = mx.isfinite(keys).all() & mx.isfinite(values).all()
         if ops.on_cpu_backend():
             if not ok.item():
@@ -71,7 +75,8 @@ class HostTier:
         """Write-behind on the device (tiered.device_decode): queued tokens go to the host
         pages until the pages hold ``upto`` tokens (whole queue entries; the current step's
         own tokens stay queued while the ring holds them). The door's finiteness checks fold
-        into one lazy flag, read when the CPU next reads the pages. Returns the writes."""
+        into one lazy flag, read when the CPU next reads the pages. Returns the writes (and
+        that flag, so that the step evaluates it: its chain stays one step long)."""
         writes = []
         while self._pending and self.host.length < upto:
             k, v = self._pending.pop(0)
@@ -82,7 +87,7 @@ class HostTier:
             bad = mx.where(ok, device_decode.NO_BAD, start)
             self._finite_bad = bad if self._finite_bad is None else mx.minimum(
                 self._finite_bad, bad)
-        return writes
+        return writes + ([self._finite_bad] if self._finite_bad is not None else [])
 
     def _new_host(self, n: int = 0) -> HostStore:
         """Host pages for this layer; blocks sized to the tokens it holds now (a power of two

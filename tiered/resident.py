@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import device_decode, undo
+from .cpu.resident_maps import Swap
 from .planner import BudgetError
 
 
@@ -77,80 +78,80 @@ class ResidentSet:
         heavy = self._choose_heavy(heavy_n, n, S, W) if self.heavy is not None else np.full(
             (H, heavy_n), -1, np.int32)
         tok = np.concatenate([sinks, ring, heavy], axis=1).astype(np.int32)
-        if journal:
-            self.journal.record(n, "refresh", undo.demoted_rows(self, tok))
+        if keys is None:
+            self._swap_resident(tok, S, W, journal)
+            return
         res_k, res_v = self._fetch_kv(tok, keys, values)
         self.S_eff, self.W_eff = S, W
         self._set_resident(res_k, res_v, tok)
         undo.flags_from_resident(self)
 
     def _fetch_kv(self, tok: np.ndarray, keys, values):
-        """Full K/V (H, R, d) for token ids ``tok`` (-1: zeros), in the model dtype."""
-        safe = np.maximum(tok, 0)
-        if keys is not None:
-            idx = mx.array(safe)[..., None]
-            k = mx.take_along_axis(keys, idx, axis=1)
-            v = mx.take_along_axis(values, idx, axis=1)
-        else:
-            k, v = self._gather_known(safe)
+        """Full K/V (H, R, d) for token ids ``tok`` (-1: zeros) from ``keys``/``values``
+        (H, n, d), in the model dtype."""
+        idx = mx.array(np.maximum(tok, 0))[..., None]
         valid = mx.array(tok >= 0)[..., None]
-        k = mx.where(valid, k, 0).astype(self.dtype)
-        v = mx.where(valid, v, 0).astype(self.dtype)
+        k = mx.where(valid, mx.take_along_axis(keys, idx, axis=1), 0).astype(self.dtype)
+        v = mx.where(valid, mx.take_along_axis(values, idx, axis=1), 0).astype(self.dtype)
         (mx.eval if self.numpy_path else mx.async_eval)(k, v)  # no wait on an accelerator
         return k, v
 
-    def _device_rows(self, tensor, tok: np.ndarray, counts: np.ndarray) -> mx.array:
-        """Rows (H, m, d) of tokens tok (H, m) (the first counts[h] of row h) read by the
-        device from the host pages (the kernel takes m at run time: nothing to compile)."""
-        rows, _ = device_decode.gather_chunks(self._tables, self.parent.host, tensor,
-                                              mx.array(tok.astype(np.int32)),
-                                              mx.array(counts.astype(np.int32)), self.flags,
-                                              chunk=1)
-        return rows.astype(self.dtype)
-
-    def _gather_known(self, tok: np.ndarray):
-        """K/V (H, R, d) for token ids, in the model dtype: rows already resident are copied
-        on the device, only the others are read from the host pages and uploaded (a refresh
-        promotes few tokens; moving the whole resident set through the host cost seconds per
-        refresh at 128k tokens)."""
-        host = self.parent.host
-        H, R = tok.shape
-        old_tok = self._res_tok_np
-        R_old = 0 if old_tok is None else old_tok.shape[1]
-        # row of concat(resident, new rows) per slot: the old slot of a token already
-        # resident (a token -> slot map, no per-head search), else its row among the new ones
-        src = np.zeros((H, R), np.int32)
-        miss = tok >= 0
-        if R_old:
-            slot_of = undo.slot_map(old_tok, max(int(tok.max(initial=0)), int(old_tok.max())) + 1)
-            at = np.take_along_axis(slot_of, np.maximum(tok, 0), axis=1)
-            hit = miss & (at >= 0)
-            src[hit] = at[hit]
-            miss &= ~hit
-        new_pos, counts = undo.compact(miss)
-        n_new = new_pos.shape[1]
-        new_tok = np.take_along_axis(tok, new_pos, axis=1)
-        live = np.arange(n_new)[None, :] < counts[:, None]
-        new_tok[~live] = -1
-        rows = np.broadcast_to(np.arange(H)[:, None], new_pos.shape)
-        src[rows[live], new_pos[live]] = R_old + np.broadcast_to(
-            np.arange(n_new, dtype=np.int32), new_pos.shape)[live]
-        # Rows as stored (float16 by default: half the bytes of float32 to upload, and no
-        # conversion on the host).
-        parts_k = [self.res_k] if R_old else []
-        parts_v = [self.res_v] if R_old else []
-        if n_new and self.on_device and host.keys is not None:
-            # On the device path the GPU reads the promoted rows from the host pages in place
-            # (a CPU gather and upload took most of a refresh's ~30 ms per layer at 128k).
-            parts_k.append(self._device_rows(host.keys, new_tok, counts))
-            parts_v.append(self._device_rows(host.values, new_tok, counts))
-        elif n_new:
-            parts_k.append(mx.array(host.gather_rows("keys", 0, new_tok)).astype(self.dtype))
-            parts_v.append(mx.array(host.gather_rows("values", 0, new_tok)).astype(self.dtype))
-        elif not R_old:  # nothing anywhere: an empty block keeps the shapes
-            parts_k.append(mx.zeros((H, 0, self.dk), self.dtype))
-            parts_v.append(mx.zeros((H, 0, self.dv), self.dtype))
-        idx = mx.array(src)[..., None]
+    def _swap_resident(self, tok: np.ndarray, S: int, W: int, journal: bool):
+        """The resident set becomes tokens ``tok`` (H, R): rows already resident are copied on
+        the device, only the promoted ones are read from the host pages, and only the flags
+        that change are written (a refresh promotes few tokens; moving the whole set, or
+        rebuilding every flag, cost milliseconds of host time per refresh at 128k tokens).
+        ``journal``: record the old ids and the demoted rows (tiered.undo)."""
+        H = self.H
+        if self.res_k is None:  # nothing resident yet: an empty old set
+            self._res_tok_np = np.full((H, 0), -1, np.int32)
+            self.res_k = mx.zeros((H, 0, self.dk), self.dtype)
+            self.res_v = mx.zeros((H, 0, self.dv), self.dtype)
+        sw = Swap(self._res_tok_np, tok)
+        heads, toks, value = sw.flag_changes()
+        # one upload for every index array (on an accelerator each fresh array is a transfer)
+        parts = [tok, sw.src, sw.promoted, sw.promoted_count, sw.demoted_slots, heads, toks]
+        pack = mx.array(np.concatenate([np.asarray(a, np.int32).reshape(-1) for a in parts]))
+        views, at = [], 0
+        for a in parts:
+            views.append(pack[at : at + a.size].reshape(a.shape))
+            at += a.size
+        tok_d, src_d, prom_d, pcount_d, dslots_d, heads_d, toks_d = views
+        if journal:
+            idx = dslots_d[..., None]
+            rows_k = mx.take_along_axis(self.res_k, idx, axis=1)
+            rows_v = mx.take_along_axis(self.res_v, idx, axis=1)
+            self.journal.record(self.n, "refresh", (self._res_tok_np.copy(), self.S_eff,
+                                                    self.W_eff, sw.demoted, rows_k, rows_v))
+        parts_k, parts_v = [self.res_k], [self.res_v]
+        if sw.promoted.shape[1]:
+            host = self.parent.host
+            if self.on_device and host.keys is not None:
+                # On the device path the GPU reads the promoted rows from the host pages in
+                # place (a CPU gather and upload took most of a refresh's ~30 ms per layer)
+                parts_k.append(self._device_rows(host.keys, prom_d, pcount_d))
+                parts_v.append(self._device_rows(host.values, prom_d, pcount_d))
+            else:
+                parts_k.append(mx.array(host.gather_rows("keys", 0, sw.promoted)).astype(self.dtype))
+                parts_v.append(mx.array(host.gather_rows("values", 0, sw.promoted)).astype(self.dtype))
+        idx = src_d[..., None]
+        valid = (tok_d >= 0)[..., None]
         k = mx.take_along_axis(mx.concatenate(parts_k, axis=1), idx, axis=1)
         v = mx.take_along_axis(mx.concatenate(parts_v, axis=1), idx, axis=1)
-        return k, v
+        k = mx.where(valid, k, 0).astype(self.dtype)
+        v = mx.where(valid, v, 0).astype(self.dtype)
+        if self.numpy_path:
+            self._flags_np[heads, toks] = value
+        elif heads.size:
+            self.flags[heads_d, toks_d] = mx.array(value) if not value.all() else 1
+        later = (k, v) + ((rows_k, rows_v) if journal else ())
+        (mx.eval if self.numpy_path else mx.async_eval)(*later)  # no wait on an accelerator
+        self.S_eff, self.W_eff = S, W
+        self._set_resident(k, v, tok, tok_d)
+
+    def _device_rows(self, tensor, tok: mx.array, counts: mx.array) -> mx.array:
+        """Rows (H, m, d) of tokens tok (H, m) (the first counts[h] of row h; int32) read by
+        the device from the host pages (the kernel takes m at run time: nothing to compile)."""
+        rows, _ = device_decode.gather_chunks(self._tables, self.parent.host, tensor, tok,
+                                              counts, self.flags, chunk=1)
+        return rows.astype(self.dtype)

@@ -25,6 +25,8 @@ import logging
 import mlx.core as mx
 import numpy as np
 
+from .cpu.resident_maps import Swap
+
 log = logging.getLogger("tiered")
 
 
@@ -72,10 +74,17 @@ def ring_rows(layer, slots) -> tuple:
     (lazy, or evaluated: a view) shares res_k / res_v's buffer until an undo that rarely
     comes, so the insert that follows could not update them in place and copied them in full
     every step (MLX CPU, 3 x 8192 x 64 float32: 2.8-5.2 ms per update instead of 0.13-0.4),
-    and the journal kept up to undo_tokens old copies alive."""
+    and the journal kept up to undo_tokens old copies alive. On the device path a decode
+    token's copies are handed to the device with the step's write-behind (one hand-off fewer
+    per layer); they are evaluated before the insert that follows is."""
     idx = _slot_index(slots)
     k, v = mx.array(layer.res_k[:, idx]), mx.array(layer.res_v[:, idx])
-    (mx.eval if layer.numpy_path else mx.async_eval)(k, v)
+    if layer.numpy_path:
+        mx.eval(k, v)
+    elif layer.on_device and len(slots) == 1:
+        layer.eval_later += [k, v]  # with the step's first hand-off (tiered.device_step)
+    else:
+        mx.async_eval(k, v)
     return layer._res_tok_np[:, slots].copy(), k, v
 
 
@@ -89,54 +98,15 @@ def undo_append(layer, n0: int, slots, old_tok, old_k, old_v) -> None:
     flags_from_resident(layer)
 
 
-def demoted_rows(layer, new_tok: np.ndarray) -> tuple:
-    """Before a refresh to ``new_tok``: the old ids and the K/V rows of the tokens it drops."""
-    old = layer._res_tok_np
-    top = max(int(old.max(initial=0)), int(new_tok.max(initial=0))) + 1
-    kept = np.take_along_axis(slot_map(new_tok, top), np.maximum(old, 0), axis=1) >= 0
-    slots, counts = compact((old >= 0) & ~kept)
-    idx = mx.array(slots.astype(np.int32))[..., None]
-    rows_k = mx.take_along_axis(layer.res_k, idx, axis=1)
-    rows_v = mx.take_along_axis(layer.res_v, idx, axis=1)
-    toks = np.take_along_axis(old, slots, axis=1)
-    toks[np.arange(slots.shape[1])[None, :] >= counts[:, None]] = -1
-    (mx.eval if layer.numpy_path else mx.async_eval)(rows_k, rows_v)
-    return old.copy(), layer.S_eff, layer.W_eff, toks, rows_k, rows_v
-
-
-def slot_map(tok: np.ndarray, n: int) -> np.ndarray:
-    """(H, n) int32: the slot of token t in row h of ``tok`` (H, R) (-1 entries: empty), or
-    -1 where t is not there."""
-    H, R = tok.shape
-    out = np.full((H, n), -1, np.int32)
-    ok = tok >= 0
-    rows = np.broadcast_to(np.arange(H)[:, None], tok.shape)
-    out[rows[ok], tok[ok]] = np.broadcast_to(np.arange(R, dtype=np.int32), tok.shape)[ok]
-    return out
-
-
-def compact(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per row, the positions where ``mask`` (H, R) holds, first and in order: (H, m) with m
-    the largest count (rows with fewer are padded with other positions), and the counts."""
-    counts = mask.sum(axis=1)
-    m = int(counts.max()) if mask.size else 0
-    order = np.argsort(~mask, axis=1, kind="stable")[:, :m]
-    return order, counts
-
-
 def undo_refresh(layer, old_tok, S_eff, W_eff, toks, rows_k, rows_v) -> None:
     """The resident set as it was: kept rows from the current set, demoted ones from the
     journal."""
-    H, R = old_tok.shape
-    cur = layer._res_tok_np
-    src = np.zeros((H, R), np.int32)
-    for h in range(H):
-        pool = np.concatenate([cur[h], toks[h]])
-        for j, t in enumerate(old_tok[h]):
-            if t < 0:
-                continue
-            where = np.flatnonzero(pool == t)
-            src[h, j] = where[0]
+    # The tokens the refresh demoted come back in old_tok's slot order, as they were journaled
+    sw = Swap(layer._res_tok_np, old_tok)
+    if not np.array_equal(sw.promoted, toks[:, : sw.promoted.shape[1]]):
+        raise RuntimeError(f"layer {layer.parent.layer}: the undo journal's refresh entry does "
+                           "not match the resident set (a change was not journaled)")
+    src = sw.src
     idx = mx.array(src)[..., None]
     k = mx.take_along_axis(mx.concatenate([layer.res_k, rows_k], axis=1), idx, axis=1)
     v = mx.take_along_axis(mx.concatenate([layer.res_v, rows_v], axis=1), idx, axis=1)

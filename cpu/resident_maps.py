@@ -1,0 +1,106 @@
+"""What a refresh of the resident set changes: which tokens stay (and in which old slot), which
+come in (promoted), which leave (demoted).
+
+One pass over the old and new token ids per head, through a token -> slot scratch row that is
+reset after use: O(resident slots) per refresh instead of the (heads, tokens) maps numpy needs
+(8 x 128k entries built twice per refresh at 128k tokens, the largest host cost of a refresh
+on an accelerator; issue 24).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from ._numba import kernel
+
+
+@kernel("void(int32[:, ::1], int32[:, ::1], int32[::1], int32[:, ::1], int32[:, ::1], "
+        "int32[:, ::1], int64[:, ::1])")
+def _match(old, new, scratch, src, prom, dem, counts):
+    H, Ro = old.shape
+    Rn = new.shape[1]
+    for h in range(H):
+        for j in range(Ro):
+            t = old[h, j]
+            if t >= 0:
+                scratch[t] = j
+        p = 0
+        for j in range(Rn):
+            t = new[h, j]
+            if t < 0:
+                src[h, j] = 0
+                continue
+            s = scratch[t]
+            if s >= 0:
+                src[h, j] = s
+                scratch[t] = -2  # kept: not demoted
+            else:
+                src[h, j] = Ro + p
+                prom[h, p] = t
+                p += 1
+        for j in range(p, Rn):
+            prom[h, j] = -1
+        d = 0
+        for j in range(Ro):
+            t = old[h, j]
+            if t >= 0:
+                if scratch[t] >= 0:
+                    dem[h, d] = j
+                    d += 1
+                scratch[t] = -1
+        for j in range(d, Ro):
+            dem[h, j] = 0
+        counts[0, h] = p
+        counts[1, h] = d
+
+
+_lock = threading.Lock()
+_scratch = np.full(0, -1, np.int32)
+
+
+class Swap:
+    """A refresh from token ids ``old`` (H, Ro) to ``new`` (H, Rn) (-1: empty slot).
+
+    - ``src`` (H, Rn): per new slot, its old slot when the token was resident, else
+      Ro + its rank among the head's promoted tokens (rows of concat(old rows, promoted rows));
+      0 for empty slots;
+    - ``promoted`` (H, mp) token ids, first ``promoted_count[h]`` per head, then -1;
+    - ``demoted_slots`` (H, md) old slots of the tokens that leave, first
+      ``demoted_count[h]`` per head, then 0; ``demoted`` (H, md) their ids, then -1.
+    """
+
+    def __init__(self, old: np.ndarray, new: np.ndarray):
+        global _scratch
+        old = np.ascontiguousarray(old, np.int32)
+        new = np.ascontiguousarray(new, np.int32)
+        H, Ro = old.shape
+        Rn = new.shape[1]
+        top = max(int(old.max(initial=-1)), int(new.max(initial=-1))) + 1
+        src = np.empty((H, Rn), np.int32)
+        prom = np.empty((H, Rn), np.int32)
+        dem = np.empty((H, Ro), np.int32)
+        counts = np.empty((2, H), np.int64)
+        with _lock:  # one scratch row, all -1 between calls
+            if _scratch.shape[0] < top:
+                _scratch = np.full(max(top, 2 * _scratch.shape[0]), -1, np.int32)
+            _match(old, new, _scratch, src, prom, dem, counts)
+        self.src = src
+        self.promoted_count, self.demoted_count = counts[0], counts[1]
+        self.promoted = prom[:, : int(counts[0].max(initial=0))]
+        md = int(counts[1].max(initial=0))
+        self.demoted_slots = dem[:, :md]
+        self.demoted = np.take_along_axis(old, self.demoted_slots, axis=1)
+        self.demoted[np.arange(md)[None, :] >= counts[1][:, None]] = -1
+
+    def flag_changes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(heads, tokens, value) of the resident flags that change: 0 for the demoted tokens,
+        1 for the promoted ones."""
+        dem, prom = self.demoted, self.promoted
+        hd, jd = np.nonzero(dem >= 0)
+        hp, jp = np.nonzero(prom >= 0)
+        heads = np.concatenate([hd, hp]).astype(np.int32)
+        toks = np.concatenate([dem[hd, jd], prom[hp, jp]]).astype(np.int32)
+        value = np.concatenate([np.zeros(hd.size, np.uint8), np.ones(hp.size, np.uint8)])
+        return heads, toks, value
