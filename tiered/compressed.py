@@ -79,7 +79,11 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         self._prev_local = (0, None, None)  # the local block before the last chunk
         self.journal = undo.Journal(0, self.config.undo_tokens)  # what trim gives back
         self._update = True  # this call changes the layer (False: a sharing layer reads it)
-        self.eval_later: list = []  # device path: arrays to hand off with the step's first
+        # Accelerators: K/V rows (H, 1, d) of the ring's tokens as they entered it, by token
+        # id: the undo journal of the insert that evicts one takes them (tiered.undo.ring_rows)
+        self.ring_src: dict[int, tuple[mx.array, mx.array]] = {}
+        self.step_writes: list = []  # device path: this step's write-behind (a refresh's reads
+        # of the host pages by address come after it)
 
     # ---- storage ---------------------------------------------------------------------------
     def _alloc(self, capacity: int, n: int = 0):
@@ -109,6 +113,24 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         self._res_tok_np = np.ascontiguousarray(tok, np.int32)
         self.res_tok = mx.array(self._res_tok_np) if tok_device is None else tok_device
         self.R = tok.shape[1]
+
+    def _keep_ring_rows(self):
+        """Accelerators: the ring's rows as they are now (one copy of the ring block), for the
+        undo journal of the inserts that evict them (see ``ring_src``); tokens that left the
+        ring are forgotten."""
+        if self.numpy_path:
+            return
+        S, W, n = self.S_eff, self.W_eff, self.n
+        lo = max(S, n - W)
+        self.ring_src = {t: kv for t, kv in self.ring_src.items() if lo <= t < n}
+        missing = [t for t in range(lo, n) if t not in self.ring_src]
+        if not missing or W == 0:
+            return
+        blk_k, blk_v = mx.array(self.res_k[:, S : S + W]), mx.array(self.res_v[:, S : S + W])
+        mx.async_eval(blk_k, blk_v)
+        for t in missing:
+            j = t % W
+            self.ring_src[t] = (blk_k[:, j : j + 1], blk_v[:, j : j + 1])
 
     @property
     def nbytes(self) -> int:
@@ -142,6 +164,7 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         if self.heavy is not None and seed is not None:
             self.heavy.set(0, seed)
         self._rebuild_resident(keys[0], values[0])
+        self._keep_ring_rows()
         A = min(parent.config.anchor_tokens, n)
         if A and chunk > 1:
             self.anchor_k = keys[0, :, :A].astype(self.dtype)
@@ -194,8 +217,12 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         # into its slot by a static slice (no index arrays), and its token id, the same in
         # every layer, comes from the per-value cache of device arrays.
         idx = slice(int(slots[0]), int(slots[0]) + 1) if L == 1 else mx.array(slots)
-        self.res_k[:, idx] = k[:, first - n0 :].astype(self.dtype)
-        self.res_v[:, idx] = v[:, first - n0 :].astype(self.dtype)
+        k_new = k[:, first - n0 :].astype(self.dtype)
+        v_new = v[:, first - n0 :].astype(self.dtype)
+        self.res_k[:, idx] = k_new
+        self.res_v[:, idx] = v_new
+        if L == 1 and not self.numpy_path:
+            self.ring_src[n0] = (k_new, v_new)
         tok[:, slots] = new
         if L == 1 and not self.numpy_path:
             self.res_tok[:, idx] = metal.device_ints(int(new[0]))

@@ -127,6 +127,8 @@ class ResidentSet:
         if sw.promoted.shape[1]:
             host = self.parent.host
             if self.on_device and host.keys is not None:
+                if self.step_writes:  # read by address: after this step's write-behind
+                    prom_d = mx.depends(prom_d, self.step_writes)
                 # On the device path the GPU reads the promoted rows from the host pages in
                 # place (a CPU gather and upload took most of a refresh's ~30 ms per layer)
                 parts_k.append(self._device_rows(host.keys, prom_d, pcount_d))
@@ -148,6 +150,7 @@ class ResidentSet:
         (mx.eval if self.numpy_path else mx.async_eval)(*later)  # no wait on an accelerator
         self.S_eff, self.W_eff = S, W
         self._set_resident(k, v, tok, tok_d)
+        self._keep_ring_rows()
 
     def _device_rows(self, tensor, tok: mx.array, counts: mx.array) -> mx.array:
         """Rows (H, m, d) of tokens tok (H, m) (the first counts[h] of row h; int32) read by
