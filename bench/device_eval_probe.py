@@ -109,6 +109,8 @@ def main():
     ap = argparse.ArgumentParser()
     device_profile_args(ap, 3)
     ap.add_argument("--ops", type=int, default=2000)
+    ap.add_argument("--every", type=int, nargs="*", default=[],
+                    help="also time async_eval every k layers (0: only at the token's end)")
     ap.add_argument("--warmup", type=int, default=3,
                     help="decode steps before timing (past the recent ring: tokens leave it)")
     args = ap.parse_args()
@@ -118,6 +120,13 @@ def main():
     cache = tiered_caches(model, seed, args.context, args.budget, dict(calibration_tokens=2048))
     ms, _, _ = time_decode(model, cache, 5, args.warmup)
     print(f"tiered: {ms:.2f} ms/token (median of 5)")
+    from tiered import device_step
+    for every in args.every:  # layers per hand-off to the device, same cache, back to back
+        device_step.ASYNC_EVERY = every
+        ms, _, _ = time_decode(model, cache, 8, 2)
+        print(f"tiered, async_eval every {every} layers: {ms:.2f} ms/token (median of 8)",
+              flush=True)
+    device_step.ASYNC_EVERY = 1
     trace_steps(model, cache, args.steps)
     cache.close()
 

@@ -37,13 +37,13 @@ def split_times(model, cache, steps):
 def graph_ops(model, cache, path="/tmp/step.dot"):
     """Primitives in one token's graph, by name (each one is dispatched by MLX at eval)."""
     from tiered import device_step
-    was, device_step.ASYNC_EVAL = device_step.ASYNC_EVAL, False
+    was, device_step.ASYNC_EVERY = device_step.ASYNC_EVERY, 0
     try:
         y = mx.argmax(model(mx.array([[1]]), cache=cache)[:, -1], axis=-1)
         mx.export_to_dot(path, y)
         mx.eval(y)
     finally:
-        device_step.ASYNC_EVAL = was
+        device_step.ASYNC_EVERY = was
     import collections
     import re
     return collections.Counter(re.findall(r'label ="([^"]+)", shape=rectangle', open(path).read()))
@@ -73,8 +73,8 @@ def main():
     from tiered import device_step
     for _ in range(3):
         print_ops("tiered", graph_ops(model, cache), layers)
-    for flag in (True, False, True):
-        device_step.ASYNC_EVAL = flag
+    for flag in (1, 0, 1):
+        device_step.ASYNC_EVERY = flag
         ms, _, _ = time_decode(model, cache, 5, 3)
         print(f"tiered (async_eval per layer: {flag}): {ms:.2f} ms/token; queue %.2f ms, "
               "eval %.2f ms" % split_times(model, cache, args.steps), flush=True)

@@ -82,6 +82,7 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         # Accelerators: K/V rows (H, 1, d) of the ring's tokens as they entered it, by token
         # id: the undo journal of the insert that evicts one takes them (tiered.undo.ring_rows)
         self.ring_src: dict[int, tuple[mx.array, mx.array]] = {}
+        self._refresh_due = False  # device path: a refresh queued by the last step (settle)
         self.step_writes: list = []  # device path: this step's write-behind (a refresh's reads
         # of the host pages by address come after it)
 
@@ -183,6 +184,7 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
     # ---- appends ---------------------------------------------------------------------------
     def append(self, keys: mx.array, values: mx.array):
         """New tokens (1, H, L, d): compressed keys, recent ring, write-behind to the host."""
+        self.settle()
         L = keys.shape[2]
         n0 = self.n
         # The host write can fail (disk tier full): it goes first, so a failure changes nothing
@@ -248,6 +250,7 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         """Attention of a query (decode) or a prompt chunk over the tiers. keys/values: the
         chunk's own K/V (chunks). ``update=False``: a layer sharing this cache reads it; nothing
         changes (no accumulator update, no refresh, no lookahead move, no local block)."""
+        self.settle()
         self.scale = scale
         self._update = update
         if queries.shape[2] == 1:
@@ -327,7 +330,10 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         self.parent.stats.record_step(mean_count, self.n, resident_mass)
         every = self.config.refresh_every
         if self.heavy is not None and (self.steps + self.parent.layer) % every == 0:
-            self._rebuild_resident(journal=True)
+            if self.on_device:
+                self.queue_refresh()
+            else:
+                self._rebuild_resident(journal=True)
 
 
 def make_key_store(parent, plan: Plan, codebook, capacity: int):

@@ -54,6 +54,7 @@ class CompressedState:
         """Give back the last n_trim tokens: undone through the journal (tiered.undo), so that
         feeding them again reproduces the first feed; past the journal, the tokens go and the
         resident set is rebuilt from the policy."""
+        self.settle()
         n_trim = min(n_trim, self.n)
         target = self.n - n_trim
         self._spill_reset()  # the spill may hold trimmed tokens: the next update drops them
@@ -75,6 +76,7 @@ class CompressedState:
         return n_trim
 
     def state(self) -> dict:
+        self.settle()
         n = self.n
         st = {
             "plan": self.plan.to_json(),

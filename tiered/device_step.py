@@ -32,7 +32,10 @@ from . import device_attend, metal
 from .device_decode import CHUNK, DeviceTables, chunk_logits, chunk_token_ids, gather_chunks
 from .stats import Column
 
-ASYNC_EVAL = True  # hand each layer to the device as soon as it is queued (bench compares)
+# Hand the graph to the device every ASYNC_EVERY layers as soon as it is queued (0: never, the
+# token's read evaluates it all). Each hand-off costs host time (a command buffer to commit);
+# bench/device_eval_probe.py --every compares.
+ASYNC_EVERY = 1
 
 
 def decode(layer, queries, scale, sinks, tables: DeviceTables):
@@ -80,7 +83,7 @@ def decode(layer, queries, scale, sinks, tables: DeviceTables):
     # The device starts on this layer while Python queues the next one: a token's graph is
     # otherwise built for every layer before any of it runs (host time then adds to device
     # time instead of hiding under it).
-    if ASYNC_EVAL:
+    if ASYNC_EVERY and (layer.parent.layer + 1) % ASYNC_EVERY == 0:
         mx.async_eval(out)
     return out
 

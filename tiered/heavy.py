@@ -25,10 +25,12 @@ class HeavyHitters:
         self.H, self.alpha, self.numpy_path = H, alpha, numpy_path
         self.acc: mx.array | None = None
         self._np: np.ndarray | None = None
+        self._queued = None  # ((count, lo, hi), (ids, values)) queued by prefetch
         self.grow(capacity, 0)
 
     def grow(self, capacity: int, n: int) -> None:
         """A buffer of ``capacity`` tokens keeping the first n accumulators (new ones 0)."""
+        self._queued = None
         acc = mx.zeros((self.H, capacity), mx.float32)
         if self.acc is not None and n:
             acc[:, :n] = self.acc[:, :n]
@@ -47,6 +49,7 @@ class HeavyHitters:
     def set(self, start: int, values) -> None:
         """Accumulators of tokens [start, start + L) from ``values`` (H, L): the seed, or a
         saved state."""
+        self._queued = None
         L = values.shape[1]
         if self._np is not None:
             self._np[:, start : start + L] = np.asarray(values, np.float32)
@@ -55,6 +58,7 @@ class HeavyHitters:
 
     def clear(self, start: int, L: int) -> None:
         """New tokens start at 0 (a slot can hold an undone token's value)."""
+        self._queued = None
         if self._np is not None:
             self._np[:, start : start + L] = 0.0
         else:
@@ -64,6 +68,7 @@ class HeavyHitters:
         """Fold one step's weights into the first n accumulators: acc = alpha acc + (1 - alpha)
         mean over the group of exp(z - m) / s. On the numpy path z, m, s are numpy arrays and
         the update is done on return (None); else it is queued and the new array returned."""
+        self._queued = None
         if self._np is not None:
             ops.acc_update(self._np, z, m, s, rep, n, self.alpha)
             return None
@@ -72,6 +77,7 @@ class HeavyHitters:
 
     def undo(self, z, m, s, n: int, rep: int) -> None:
         """The inverse of :meth:`update` with the same step's z, m, s (tiered.undo)."""
+        self._queued = None
         H, alpha = self.H, self.alpha
         if self._np is not None:
             zz = np.asarray(z)[:, :n].astype(np.float64)
@@ -85,21 +91,35 @@ class HeavyHitters:
         p = (1 - alpha) * p.reshape(H, rep, n).mean(axis=1)
         self.acc[:, :n] = (self.acc[:, :n] - p) / alpha
 
+    def prefetch(self, count: int, lo: int, hi: int) -> None:
+        """Queue :meth:`top` (count, lo, hi) on the accelerator now, to be read by the next
+        ``top`` with the same arguments if the accumulators have not changed meanwhile: the
+        read then finds the ids computed (a read of them right away waits for the device)."""
+        self._queued = None
+        if self._np is None and count > 0 and hi > lo:
+            self._queued = ((count, lo, hi), self._top_device(min(count, hi - lo), lo, hi))
+            mx.async_eval(*self._queued[1])
+
+    def _top_device(self, k: int, lo: int, hi: int):
+        neg = -self.acc[:, lo:hi]
+        top_d = (mx.argpartition(neg, k - 1, axis=1)[:, :k] if k < hi - lo else
+                 mx.broadcast_to(mx.arange(k, dtype=mx.uint32), (self.H, k)))
+        return top_d, mx.take_along_axis(neg, top_d, axis=1)
+
     def top(self, count: int, lo: int, hi: int, allowed: np.ndarray | None = None) -> np.ndarray:
         """(H, count) token ids in [lo, hi) with the highest accumulators, sorted per head, -1
         where fewer qualify. ``allowed`` (H, hi - lo) bool: only these may be chosen."""
         H = self.H
         out = np.full((H, count), -1, np.int32)
+        queued, self._queued = self._queued, None
         if count <= 0 or hi <= lo:
             return out
         k = min(count, hi - lo)
         if self._np is None and allowed is None:
             # On the accelerator only the k ids and their values come to the host (a copy of
             # every accumulator and a host argpartition cost ~8 ms per layer at 128k).
-            neg = -self.acc[:, lo:hi]
-            top_d = (mx.argpartition(neg, k - 1, axis=1)[:, :k] if k < hi - lo else
-                     mx.broadcast_to(mx.arange(k, dtype=mx.uint32), (H, k)))
-            val_d = mx.take_along_axis(neg, top_d, axis=1)
+            top_d, val_d = (queued[1] if queued is not None and queued[0] == (count, lo, hi)
+                            else self._top_device(k, lo, hi))
             mx.eval(top_d, val_d)
             return _sorted_ids(out, np.array(top_d).astype(np.int64), -np.array(val_d), lo, k)
         acc = self.host(hi)[:, lo:hi]

@@ -48,6 +48,35 @@ class ResidentSet:
             allowed = undo.resident_mask(self._res_tok_np, hi)[:, lo:]
         return self.heavy.top(count, lo, hi, allowed)
 
+    def _refresh_layout(self, n: int, journal: bool) -> tuple[int, int, int]:
+        """(resident slots, sinks, recent window) per head of a rebuild at n tokens."""
+        try:
+            R = self._resident_layout(n)
+        except BudgetError:
+            if not journal or self.res_tok is None:
+                raise  # compressing: the caller keeps the layer exact
+            # A refresh never fails a decode step: the planner's look-ahead (refresh_every
+            # tokens) can refuse a length the layer already holds; the set keeps its size.
+            R = self.R
+        if self.plan.keep_values_resident:
+            return R, min(self.S, n), min(self.plan.recent_window(R), n)
+        return R, 0, R
+
+    def queue_refresh(self) -> None:
+        """A refresh at the end of a device step: the heavy hitters' ids are computed on the
+        device now and the set is rebuilt at the layer's next change (:meth:`settle`), when
+        reading them waits for nothing (reading them now waited for the device to finish the
+        step so far, twice per token)."""
+        R, S, W = self._refresh_layout(self.n, True)
+        self.heavy.prefetch(max(R - S - W, 0), min(S, self.n), max(self.n - W, 0))
+        self._refresh_due = True
+
+    def settle(self) -> None:
+        """Apply a queued refresh (:meth:`queue_refresh`) before the layer is read or changed."""
+        if self._refresh_due:
+            self._refresh_due = False
+            self._rebuild_resident(journal=True)
+
     def _rebuild_resident(self, keys: mx.array | None = None, values: mx.array | None = None,
                           journal: bool = False):
         """Lay out sinks, recent ring and heavy hitters; K/V from ``keys``/``values`` (H, n, d)
@@ -58,18 +87,7 @@ class ResidentSet:
             # tokens leaving the ring are read back from the host. The device path needs no
             # flush (and no wait): whatever is not resident is on the pages already
             self.parent.flush()
-        try:
-            R = self._resident_layout(n)
-        except BudgetError:
-            if not journal or self.res_tok is None:
-                raise  # compressing: the caller keeps the layer exact
-            # A refresh never fails a decode step: the planner's look-ahead (refresh_every
-            # tokens) can refuse a length the layer already holds; the set keeps its size.
-            R = self.R
-        if self.plan.keep_values_resident:
-            S, W = min(self.S, n), min(self.plan.recent_window(R), n)
-        else:
-            S, W = 0, R
+        R, S, W = self._refresh_layout(n, journal)
         ring = np.full((H, W), -1, np.int32)
         for t in range(max(S, n - W), n):  # the sinks are resident already: no second copy
             ring[:, t % W] = t
