@@ -33,9 +33,10 @@ from .device_decode import CHUNK, DeviceTables, chunk_logits, chunk_token_ids, g
 from .stats import Column
 
 # Hand the graph to the device every ASYNC_EVERY layers as soon as it is queued (0: never, the
-# token's read evaluates it all). Each hand-off costs host time (a command buffer to commit);
-# bench/device_eval_probe.py --every compares.
-ASYNC_EVERY = 1
+# token's read evaluates it all). Each hand-off costs host time (a command buffer to commit):
+# H200, Llama-3-8B shape, 128k, back to back on one cache (bench/device_eval_probe.py --every):
+# every 1 layer 48.8 ms/token, 2: 46.1, 4: 43.4, never: 46.7 (the device starts late).
+ASYNC_EVERY = 4
 
 
 def decode(layer, queries, scale, sinks, tables: DeviceTables):
@@ -80,7 +81,7 @@ def decode(layer, queries, scale, sinks, tables: DeviceTables):
     marks.append(("build", time.perf_counter()))
     out = layer._end_step(queries, o, mass, mean_count, marks)
     out = mx.depends(out, writes) if writes else out
-    # The device starts on this layer while Python queues the next one: a token's graph is
+    # The device starts on these layers while Python queues the next ones: a token's graph is
     # otherwise built for every layer before any of it runs (host time then adds to device
     # time instead of hiding under it).
     if ASYNC_EVERY and (layer.parent.layer + 1) % ASYNC_EVERY == 0:
