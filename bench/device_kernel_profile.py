@@ -42,6 +42,8 @@ def main():
     device_profile_args(ap, 4)
     ap.add_argument("--top", type=int, default=45)
     ap.add_argument("--methods", nargs="+", default=["KVCache", "tiered"])
+    ap.add_argument("--warmup", type=int, default=3,
+                    help="decode steps before profiling (70: past the recent ring)")
     args = ap.parse_args()
     model, _ = build_model(args.model, mx.float16)
     seed = seed_kv(model, None, 2048)
@@ -51,7 +53,7 @@ def main():
         else:
             cache = tiered_caches(model, seed, args.context, args.budget,
                                   dict(calibration_tokens=2048))
-        ms, _, _ = time_decode(model, cache, 6, 3)
+        ms, _, _ = time_decode(model, cache, 6, args.warmup)
         kern = profile(model, cache, args.steps)
         n = sum(c for c, _ in kern.values()) / args.steps
         t = sum(us for _, us in kern.values()) / args.steps / 1e3
