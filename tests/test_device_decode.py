@@ -190,29 +190,3 @@ def test_door_kernel_finds_the_first_non_finite_token(dtype):
     assert read(k2, v2, 10) == 11
     assert read(k2, v2, 10, mx.array([4], mx.int32)) == 4  # an earlier step's position stays
     assert read(keys, values, 10, mx.array([40], mx.int32)) == 40
-
-
-@needs_cuda
-@pytest.mark.parametrize("Gc,c,dtype", [(1, 256, mx.float16), (16, 256, mx.bfloat16),
-                                        (1, 512, mx.float32)])
-def test_encode_kernel_picks_the_nearest_centroid(Gc, c, dtype):
-    """encode_codes against encode_mx: the same code, or (a near tie under rounding) one at the
-    same distance."""
-    from tiered.codecs import encode_mx
-    from tiered.device_decode import encode_codes
-
-    rng = np.random.default_rng(c + Gc)
-    H, L, ds, g = 3, 7, 4, 16
-    cb = rng.normal(size=(H, Gc, c, ds)).astype(np.float32)
-    keys = mx.array(rng.normal(size=(H, L, g * ds)).astype(np.float32)).astype(dtype)
-    got = np.array(encode_codes(keys, mx.array(cb))).astype(np.int64)
-    want = np.array(encode_mx(keys[None].astype(mx.float32), mx.array(cb))).astype(np.int64)
-    assert got.shape == want.shape == (H, L, g)
-    x = np.array(keys.astype(mx.float32)).reshape(H, L, g, ds)
-    cbg = np.broadcast_to(cb, (H, g, c, ds)) if Gc == 1 else cb
-    hh, ll, gg = np.meshgrid(np.arange(H), np.arange(L), np.arange(g), indexing="ij")
-    d_got = ((x - cbg[hh, gg, got]) ** 2).sum(-1)
-    d_want = ((x - cbg[hh, gg, want]) ** 2).sum(-1)
-    best = ((x[..., None, :] - cbg[hh, gg]) ** 2).sum(-1).min(-1)
-    np.testing.assert_allclose(d_got, best, rtol=1e-5, atol=1e-6)
-    assert np.mean(got == want) > 0.99 and np.allclose(d_got, d_want, rtol=1e-4, atol=1e-5)

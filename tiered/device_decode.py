@@ -149,32 +149,6 @@ _DOOR = r"""
     if (tid == 0) bad[0] = red[0];
 """
 
-_ENCODE = r"""
-    // Nearest centroid of each (kv head h, token l, group g) of keys (H, L, d): codes (H, L, G),
-    // over codebook (H, GC, NC, DS) float32 (GC == 1: one codebook for every group). The first
-    // centroid at the smallest squared distance (codecs.pq.encode_mx's choice, up to rounding).
-    const uint32_t tid = blockIdx.x * blockDim.x + threadIdx.x;
-    const uint32_t L = keys_shape[1];
-    if (tid >= H * L * G) return;
-    const uint32_t h = tid / (L * G), grp = tid % G;
-    const uint32_t l = (tid / G) % L;
-    float x[DS];
-    for (int j = 0; j < DS; ++j)
-        x[j] = static_cast<float>(keys[((uint64_t)h * L + l) * (G * DS) + grp * DS + j]);
-    const float* cb = codebook + ((uint64_t)h * GC + (GC == 1 ? 0 : grp)) * NC * DS;
-    float best = INFINITY;
-    int arg = 0;
-    for (int c = 0; c < NC; ++c) {
-        float dist = 0.f;
-        for (int j = 0; j < DS; ++j) {
-            const float t = x[j] - cb[c * DS + j];
-            dist += t * t;
-        }
-        if (dist < best) { best = dist; arg = c; }
-    }
-    codes[tid] = arg;
-"""
-
 _kernels: dict = {}
 
 
@@ -185,10 +159,6 @@ def _kernel(name: str):
                 name="tiered_host_gather",
                 input_names=["idx", "count", "pages", "addrs", "flags", "n_host"],
                 output_names=["out", "ok"], source=_GATHER)
-        elif name == "encode":
-            _kernels[name] = mx.fast.cuda_kernel(
-                name="tiered_encode", input_names=["keys", "codebook"], output_names=["codes"],
-                source=_ENCODE)
         elif name == "door":
             _kernels[name] = mx.fast.cuda_kernel(
                 name="tiered_door", input_names=["keys", "values", "prev", "start"],
@@ -304,20 +274,6 @@ def write_tokens(tables: DeviceTables, host, keys: mx.array, values: mx.array) -
                       ("PPB", tensor.pages_per_block), ("ROW_BYTES", row)])
         out.append(done)
     return out
-
-
-def encode_codes(keys: mx.array, codebook: mx.array) -> mx.array:
-    """Codebook codes (H, L, g) of keys (H, L, d) in one launch (CUDA): what
-    :func:`tiered.codecs.encode_mx` computes with about nine MLX ops per call."""
-    H, L, d = keys.shape
-    _, Gc, c, ds = codebook.shape
-    g = d // ds
-    (codes,) = _kernel("encode")(
-        inputs=[keys, codebook], output_shapes=[(H, L, g)],
-        output_dtypes=[mx.uint8 if c <= 256 else mx.uint16],
-        grid=(H * L * g, 1, 1), threadgroup=(256, 1, 1),
-        template=[("H", H), ("G", g), ("GC", Gc), ("NC", c), ("DS", ds)])
-    return codes
 
 
 def first_bad(keys: mx.array, values: mx.array, start: int, prev: mx.array | None) -> mx.array:

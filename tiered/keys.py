@@ -20,12 +20,8 @@ from tiered import metal
 from tiered.codecs import encode_mx, random_rotation
 from tiered.cpu import kernels as K
 
-from . import device_decode, uva
 from .ops import numpy_view
 from .planner import capacity  # one growth rule for all buffers
-
-
-ENCODE_KERNEL_TOKENS = 64  # appends up to this many tokens encode in one CUDA launch
 
 
 class CodebookKeys:
@@ -66,8 +62,6 @@ class CodebookKeys:
         if self.numpy_path:
             k32 = np.ascontiguousarray(numpy_view(keys.astype(mx.float32)))
             self._codes_np[:, n0 : n0 + L] = K.codebook_encode(k32, self._codebook_np)
-        elif L <= ENCODE_KERNEL_TOKENS and uva.available():  # a decode step: one launch
-            self.codes[:, n0 : n0 + L] = device_decode.encode_codes(keys, self.codebook)
         else:
             self.codes[:, n0 : n0 + L] = encode_mx(keys[None].astype(mx.float32), self.codebook)
 
