@@ -128,13 +128,14 @@ class ResidentSet:
         sw = Swap(self._res_tok_np, tok)
         heads, toks, value = sw.flag_changes()
         # one upload for every index array (on an accelerator each fresh array is a transfer)
-        parts = [tok, sw.src, sw.promoted, sw.promoted_count, sw.demoted_slots, heads, toks]
+        parts = [tok, sw.src, sw.promoted, sw.promoted_count, sw.demoted_slots, heads, toks,
+                 value]
         pack = mx.array(np.concatenate([np.asarray(a, np.int32).reshape(-1) for a in parts]))
         views, at = [], 0
         for a in parts:
             views.append(pack[at : at + a.size].reshape(a.shape))
             at += a.size
-        tok_d, src_d, prom_d, pcount_d, dslots_d, heads_d, toks_d = views
+        tok_d, src_d, prom_d, pcount_d, dslots_d, heads_d, toks_d, value_d = views
         if journal:
             idx = dslots_d[..., None]
             rows_k = mx.take_along_axis(self.res_k, idx, axis=1)
@@ -163,7 +164,7 @@ class ResidentSet:
         if self.numpy_path:
             self._flags_np[heads, toks] = value
         elif heads.size:
-            self.flags[heads_d, toks_d] = mx.array(value) if not value.all() else 1
+            self.flags[heads_d, toks_d] = value_d.astype(mx.uint8)
         later = (k, v) + ((rows_k, rows_v) if journal else ())
         (mx.eval if self.numpy_path else mx.async_eval)(*later)  # no wait on an accelerator
         self.S_eff, self.W_eff = S, W
