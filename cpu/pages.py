@@ -86,7 +86,10 @@ class HostStore:
                        name=f"{name}-keys", **tier) if keys else None
         )
         self.length = 0  # tokens per sequence
-        self.device_writes = False  # device writes queued since the CPU last read (settle)
+        # A small output (lazy) of the last device kernel that read or wrote these pages by
+        # address (tiered.device_decode): the next such kernel takes it as an input, so they run
+        # in the order they were queued (see :meth:`device_op`).
+        self.fence = None
         self._pages: list[list[int]] = [[] for _ in range(batch)]
         self._free: list[int] = []
         self._next_page = 0
@@ -138,13 +141,22 @@ class HostStore:
         them: a device writes the bytes (``tiered.device_decode``). Reads from the host wait
         for the device first (:meth:`settle`)."""
         self._advance(n, None, None)
-        self.device_writes = True
+
+    def device_op(self, output) -> None:
+        """Record a device kernel that reads or writes the pages by address, by a small output
+        of it. The kernel took the previous ``fence`` as an input: MLX orders kernels by the
+        buffers they share (MLX CUDA runs a graph's independent kernels concurrently), and an
+        ``mx.depends`` edge shares none, so only a real input keeps them in order.
+        ``output``: an array of that kernel (its evaluation means it ran)."""
+        self.fence = output
 
     def settle(self):
-        """Wait for queued device writes before the CPU reads the pages."""
-        if self.device_writes:
-            mx.synchronize()
-            self.device_writes = False
+        """Run the queued device reads and writes of the pages (and wait for them) before the
+        CPU reads or changes them. Queued is not enough: a lazy graph nobody evaluated yet
+        has not reached the device."""
+        if self.fence is not None:
+            mx.eval(self.fence)
+            self.fence = None
 
     def _advance(self, n: int, values, keys):
         pos = 0

@@ -83,8 +83,6 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         # id: the undo journal of the insert that evicts one takes them (tiered.undo.ring_rows)
         self.ring_src: dict[int, tuple[mx.array, mx.array]] = {}
         self._refresh_due = False  # device path: a refresh queued by the last step (settle)
-        self.step_writes: list = []  # device path: this step's write-behind (a refresh's reads
-        # of the host pages by address come after it)
 
     # ---- storage ---------------------------------------------------------------------------
     def _alloc(self, capacity: int, n: int = 0):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .device_decode import CHUNK, CHUNK_WORD, DeviceTables, host_mx_dtype
+from .device_decode import CHUNK, CHUNK_WORD, DeviceTables, host_mx_dtype, page_fence
 from .metal import device_floats, device_ints
 from .primitives import merge_partials
 
@@ -188,7 +188,8 @@ _kernels: dict = {}
 def _kernel(name: str):
     if name not in _kernels:
         spec = {
-            "gather_kv": (["idx", "count", "pages", "addrs_k", "addrs_v", "flags", "n_host"],
+            "gather_kv": (["idx", "count", "pages", "addrs_k", "addrs_v", "flags", "n_host",
+                           "after"],
                           ["kout", "vout", "ok"], _GATHER_KV),
             "splits": (["q", "rk", "rv", "rtok", "gk", "gv", "ok", "dims"],
                        ["pm", "pl", "po", "cnt"], _SPLITS),
@@ -237,7 +238,7 @@ def gather_kv(tables: DeviceTables, host, idx: mx.array, count: mx.array, flags:
     words = H * capc * CHUNK * max(rowk, rowv) // 16
     kout, vout, ok = _kernel("gather_kv")(
         inputs=[idx, count, tables.pages(host), tables.addrs(kt), tables.addrs(vt), flags,
-                device_ints(host.length)],
+                device_ints(host.length), page_fence(host)],
         output_shapes=[(H, capc * CHUNK, kt.head_dim), (H, capc * CHUNK, vt.head_dim),
                        (H, capc * CHUNK)],
         output_dtypes=[kdt, vdt, mx.bool_],
@@ -245,6 +246,7 @@ def gather_kv(tables: DeviceTables, host, idx: mx.array, count: mx.array, flags:
         template=[("H", H), ("CAPC", capc), ("C", CHUNK), ("P", host.page_size),
                   ("PPBK", kt.pages_per_block), ("PPBV", vt.pages_per_block),
                   ("ROWK", rowk), ("ROWV", rowv)])
+    host.device_op(ok)  # a sibling: evaluated with the rows, and small to keep
     return kout, vout, ok
 
 

@@ -157,7 +157,7 @@ def _kernel(name: str):
         if name == "gather":
             _kernels[name] = mx.fast.cuda_kernel(
                 name="tiered_host_gather",
-                input_names=["idx", "count", "pages", "addrs", "flags", "n_host"],
+                input_names=["idx", "count", "pages", "addrs", "flags", "n_host", "after"],
                 output_names=["out", "ok"], source=_GATHER)
         elif name == "door":
             _kernels[name] = mx.fast.cuda_kernel(
@@ -169,7 +169,7 @@ def _kernel(name: str):
                 output_names=["zc", "excl", "za"], source=_CHUNKS)
         else:
             _kernels[name] = mx.fast.cuda_kernel(
-                name="tiered_host_write", input_names=["src", "page", "slot", "addrs"],
+                name="tiered_host_write", input_names=["src", "page", "slot", "addrs", "after"],
                 output_names=["done"], source=_WRITE)
     return _kernels[name]
 
@@ -267,13 +267,20 @@ def write_tokens(tables: DeviceTables, host, keys: mx.array, values: mx.array) -
         x = x[0].astype(host_mx_dtype(tensor.dtype))
         row = x.shape[-1] * x.dtype.size
         (done,) = _kernel("write")(
-            inputs=[x, page, slot, tables.addrs(tensor)], output_shapes=[(1,)],
-            output_dtypes=[mx.int32], grid=(x.shape[0] * L * row // 16, 1, 1),
+            inputs=[x, page, slot, tables.addrs(tensor), page_fence(host)],
+            output_shapes=[(1,)], output_dtypes=[mx.int32], grid=(x.shape[0] * L * row // 16, 1, 1),
             threadgroup=(256, 1, 1),
             template=[("H", x.shape[0]), ("P", host.page_size),
                       ("PPB", tensor.pages_per_block), ("ROW_BYTES", row)])
         out.append(done)
+        host.device_op(done)  # the keys' write comes after the values' (both are tiny)
     return out
+
+
+def page_fence(host) -> mx.array:
+    """The input that orders a kernel on ``host``'s pages after the ones queued before it
+    (cpu.pages.HostStore.device_op)."""
+    return device_ints(0) if host.fence is None else host.fence
 
 
 def first_bad(keys: mx.array, values: mx.array, start: int, prev: mx.array | None) -> mx.array:
@@ -299,12 +306,14 @@ def gather_chunks(tables: DeviceTables, host, tensor, idx: mx.array, count: mx.a
     row = d * dtype.size
     n_host = device_ints(host.length)
     out, ok = _kernel("gather")(
-        inputs=[idx, count, tables.pages(host), tables.addrs(tensor), flags, n_host],
+        inputs=[idx, count, tables.pages(host), tables.addrs(tensor), flags, n_host,
+                page_fence(host)],
         output_shapes=[(H, capc * chunk, d), (H, capc * chunk)],
         output_dtypes=[dtype, mx.bool_],
         grid=(H * capc * chunk * row // 16, 1, 1), threadgroup=(256, 1, 1),
         template=[("H", H), ("C", chunk), ("P", host.page_size),
                   ("PPB", tensor.pages_per_block), ("ROW_BYTES", row)])
+    host.device_op(ok)  # a sibling: evaluated with the rows, and small to keep
     return out, ok
 
 

@@ -44,10 +44,11 @@ def decode(layer, queries, scale, sinks, tables: DeviceTables):
     marks = [("", time.perf_counter())]
     cfg, parent, H, n = layer.config, layer.parent, layer.H, layer.n
     host = parent.host
-    # The write-behind is handed to the device with the step (one async_eval per layer, each
-    # costs ~0.2 ms of host time): the step's gathers and a refresh's read of the host pages
-    # by address depend on it explicitly; the CPU reads pages only after a flush (which waits).
-    writes = layer.step_writes = parent.flush_on_device(tables, n - layer.W_eff)
+    # The write-behind is evaluated with the step. Kernels that read or write the host pages
+    # by address run in the order they were queued, also when tokens are fed without being
+    # evaluated (each takes the previous one's output: HostStore.device_op); the CPU reads the
+    # pages only after they ran.
+    writes = parent.flush_on_device(tables, n - layer.W_eff)
     Hq = queries.shape[1]
     rep = Hq // H
     q, s_r, cols = device_attend.resident_scores(queries, scale, layer.res_k, layer.res_tok, n)
@@ -61,10 +62,6 @@ def decode(layer, queries, scale, sinks, tables: DeviceTables):
     capc = max(1, cap // CHUNK)
     idx, count = metal.tau_select(zc, zc.shape[1], excl, cfg.tau, capc,
                                   min(capc, -(-floor // CHUNK)))
-    if writes:
-        # The gathers read the host pages by address, not through MLX arrays: without this
-        # edge they could run before this step's write-behind lands (and read stale rows).
-        idx = mx.depends(idx, writes)
     if cfg.rescore == "exact":
         keys, vals, ok = device_attend.gather_kv(tables, host, idx, count, layer.flags)
         o, stats = device_attend.attend(q, layer.res_k, layer.res_v, layer.res_tok, keys, vals,

@@ -146,8 +146,6 @@ class ResidentSet:
         if sw.promoted.shape[1]:
             host = self.parent.host
             if self.on_device and host.keys is not None:
-                if self.step_writes:  # read by address: after this step's write-behind
-                    prom_d = mx.depends(prom_d, self.step_writes)
                 # On the device path the GPU reads the promoted rows from the host pages in
                 # place (a CPU gather and upload took most of a refresh's ~30 ms per layer)
                 parts_k.append(self._device_rows(host.keys, prom_d, pcount_d))
