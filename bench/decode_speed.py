@@ -1,4 +1,6 @@
-"""Decode speed at long contexts: mlx-lm KVCache, QuantizedKVCache (8-bit) and TieredCache.
+"""Decode speed at long contexts: mlx-lm KVCache, QuantizedKVCache (8-bit), the streaming-offload
+baseline (bench/streaming_cache.py: the whole cache in host memory, uploaded every step) and
+TieredCache.
 
 All methods in one run, on the same model and backend. Long caches are built from real prefill
 keys/values repeated: the model prefills ``--seed-tokens`` tokens (pydoc_data text for the
@@ -8,7 +10,9 @@ then decodes ``--warmup`` steps (the first one compresses the tiered cache; its 
 apart) and ``--steps`` timed steps; the median ms/token is reported.
 
 Bytes read per step are counted from the layout (attention state only, and the model weights
-apart), and set against the machine's measured copy bandwidth.
+apart), and set against the machine's measured copy bandwidth; the floor column puts the same
+bytes at the measured rates (device bytes and weights at the copy bandwidth, host bytes at the
+host-to-device copy rate).
 
     python bench/decode_speed.py                                  # embedded model, CPU
     python bench/decode_speed.py --model llama3-8b --contexts 4096 16384 65536 131072
@@ -29,6 +33,7 @@ from common import (RESULTS, figure, finish_axes, machine, md_table, save_figure
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
+from streaming_cache import StreamingCache, host_copy_rate
 
 import tiered
 
@@ -64,6 +69,16 @@ def build_model(name: str, dtype):
     mx.eval(model.parameters())
     model.eval()
     return model, None
+
+
+def streaming_caches(seed, n):
+    """The streaming-offload baseline (bench/streaming_cache.py) filled like kv_caches."""
+    out = []
+    for k, v in seed:
+        c = StreamingCache()
+        c.update_and_fetch(tile(k, n), tile(v, n))
+        out.append(c)
+    return out
 
 
 def memory_bandwidth() -> float:
@@ -146,6 +161,8 @@ def attention_bytes(method: str, cache, n: int, geo) -> dict:
     L, H, Hq, d, b = geo.layers, geo.kv_heads, geo.q_heads, geo.k_dim, geo.dtype_bytes
     if method == "KVCache":
         return {"accelerator": L * H * n * 2 * d * b, "host": 0}
+    if method == "streaming":  # every layer's whole cache over the link, then read by SDPA
+        return {"accelerator": L * H * n * 2 * d * b, "host": L * H * n * 2 * d * b}
     if method.startswith("QuantizedKVCache"):
         per = d * 8 // 8 + 2 * (d // 64) * b  # 8-bit codes + scales and biases per group of 64
         return {"accelerator": L * H * n * 2 * per, "host": 0}
@@ -182,8 +199,8 @@ def main(argv=None):
     p.add_argument("--kernels", default=None, choices=["numba", "mlx"],
                    help="force the per-step path (default: numba on the CPU, mlx on GPUs)")
     p.add_argument("--methods", nargs="+", default=["KVCache", "QuantizedKVCache-8", "tiered"],
-                   choices=["KVCache", "QuantizedKVCache-8", "tiered", "tiered+hostgather",
-                            "tiered+lookahead"])
+                   choices=["KVCache", "QuantizedKVCache-8", "streaming", "tiered",
+                            "tiered+hostgather", "tiered+lookahead"])
     p.add_argument("--name", default=None)
     args = p.parse_args(argv)
     on_cpu = mx.default_device() == mx.cpu
@@ -196,8 +213,9 @@ def main(argv=None):
     geo = model_geometry(model, len(model.layers))
     bw = memory_bandwidth()
     weights = sum(v.nbytes for _, v in __import__("mlx.utils").utils.tree_flatten(model.parameters()))
-    print(f"model {args.model}: {geo}, weights {weights / 1e9:.2f} GB; copy bandwidth {bw:.0f} GB/s",
-          flush=True)
+    host_bw = host_copy_rate()
+    print(f"model {args.model}: {geo}, weights {weights / 1e9:.2f} GB; copy bandwidth {bw:.0f} GB/s,"
+          f" host-to-device {host_bw:.1f} GB/s", flush=True)
     seed = seed_kv(model, tok, args.seed_tokens)
     options = dict(calibration_tokens=args.calibration_tokens)
     if args.workers:
@@ -209,6 +227,8 @@ def main(argv=None):
         runs = []
         if "KVCache" in args.methods:
             runs.append(("KVCache", lambda: kv_caches(seed, n)))
+        if "streaming" in args.methods:
+            runs.append(("streaming", lambda: streaming_caches(seed, n)))
         if "QuantizedKVCache-8" in args.methods:
             runs.append(("QuantizedKVCache-8",
                          lambda: [c.to_quantized(group_size=64, bits=8) for c in kv_caches(seed, n)]))
@@ -253,6 +273,9 @@ def main(argv=None):
             total = nb["accelerator"] + weights
             rec["bandwidth_fraction"] = total / (ms / 1e3) / 1e9 / bw
             rec["attention_floor_ms"] = 1e3 * (nb["accelerator"] + weights) / (bw * 1e9)
+            # the same work's floor: device bytes at the copy bandwidth, host bytes at the
+            # host-to-device rate (tiered's device path reads its rows in place: a lower bound)
+            rec["floor_ms"] = rec["attention_floor_ms"] + 1e3 * nb["host"] / (host_bw * 1e9)
             records.append(rec)
             sched = rec.get("scheduler") or {}
             print(f"{n:>7} {name:<20} {ms:9.1f} ms/token (first step {first_s:.1f}s, build "
@@ -272,11 +295,12 @@ def main(argv=None):
         base = sub.get("KVCache", {}).get("ms_per_token")
         for name, r in sub.items():
             if "error" in r:
-                rows.append([n, name, "fails: " + r["error"][:90], "", "", "", "", "", "", ""])
+                rows.append([n, name, "fails: " + r["error"][:90], "", "", "", "", "", "", "", ""])
                 continue
             sched = r.get("scheduler") or {}
             timed = r["step_ms"][args.warmup:]
             rows.append([n, name, f"{r['ms_per_token']:.1f}", f"{np.mean(timed):.1f}",
+                         f"{r['floor_ms']:.1f}" if "floor_ms" in r else "",
                          f"{base / r['ms_per_token']:.2f}x" if base else "",
                          f"{r['bytes_per_step']['accelerator'] / 1e6:.0f}",
                          f"{r['bytes_per_step']['host'] / 1e6:.1f}",
@@ -284,6 +308,7 @@ def main(argv=None):
                          f"{sched['overlap_ratio']:.2f}" if sched.get("overlap_ratio") is not None else "",
                          f"{r['first_step_s']:.1f}"])
     header = ["context", "method", "ms/token (median)", "mean (incl. refresh steps)",
+              "floor ms (same bytes)",
               "speed-up vs KVCache",
               "attention MB/step (device)", "MB/step (host gather)",
               "of copy bandwidth (incl. weights)", "overlap ratio", "first step s"]
@@ -291,12 +316,14 @@ def main(argv=None):
           f"{info['device']}, {info['cpu_count']} cores), {info['date']}.\n\n"
           f"Model: {args.model} ({geo.layers} layers, {geo.q_heads} q / {geo.kv_heads} kv heads, "
           f"head_dim {geo.k_dim}, {dtype}), weights {weights / 1e9:.2f} GB; measured copy "
-          f"bandwidth {bw:.0f} GB/s. Long caches: real prefill K/V of {args.seed_tokens} tokens "
+          f"bandwidth {bw:.0f} GB/s, host-to-device copy {host_bw:.1f} GB/s (the floor column: "
+          f"weights and device bytes at the first, host bytes at the second). Long caches: real prefill K/V of {args.seed_tokens} tokens "
           f"tiled to each context. Median of {args.steps} steps after {args.warmup} warm-up "
           f"steps (the first compresses the tiered cache).\n\n" + md_table(header, rows))
     md += phase_table(records, args)
     md += f"\n![decode speed]({args.name}.png)\n"
-    data = {"machine": info, "args": vars(args), "bandwidth_gbs": bw, "weights_bytes": weights,
+    data = {"machine": info, "args": vars(args), "bandwidth_gbs": bw,
+            "host_to_device_gbs": host_bw, "weights_bytes": weights,
             "geometry": geo.__dict__, "records": records}
     paths = write_results(args.name, data, md)  # the figures first: a plot failure loses nothing
     plot(records, args, os.path.join(RESULTS, f"{args.name}.png"))
