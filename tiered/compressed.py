@@ -303,7 +303,8 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         m = mx.where(mx.isfinite(m), m, 0)
         p = mx.exp(s - m)
         den = mx.sum(p, axis=-1, keepdims=True)
-        o = (p.astype(values.dtype) @ values).astype(mx.float32) / mx.maximum(den, 1e-30)
+        o = ops.aligned_pv(p.astype(values.dtype), values).astype(mx.float32)
+        o = o / mx.maximum(den, 1e-30)
         lse = mx.where(den[..., 0] > 0, (m + mx.log(den))[..., 0], -mx.inf)
         return o, lse
 
