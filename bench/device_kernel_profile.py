@@ -44,6 +44,8 @@ def main():
     ap.add_argument("--methods", nargs="+", default=["KVCache", "tiered"])
     ap.add_argument("--warmup", type=int, default=3,
                     help="decode steps before profiling (70: past the recent ring)")
+    ap.add_argument("--no-host-keys", action="store_true",
+                    help="values only on the host (approximate rescoring, as million.py runs)")
     args = ap.parse_args()
     model, _ = build_model(args.model, mx.float16)
     seed = seed_kv(model, None, 2048)
@@ -52,7 +54,7 @@ def main():
             cache = kv_caches(seed, args.context)
         else:
             cache = tiered_caches(model, seed, args.context, args.budget,
-                                  dict(calibration_tokens=2048))
+                                  dict(calibration_tokens=2048, host_keys=not args.no_host_keys))
         ms, _, _ = time_decode(model, cache, 6, args.warmup)
         kern = profile(model, cache, args.steps)
         n = sum(c for c, _ in kern.values()) / args.steps

@@ -1,0 +1,95 @@
+"""The device decode path's Python, profiled on a machine without CUDA (issue 24).
+
+On an H200 the device step spends more host time building its graph in Python than MLX
+spends dispatching it (bench/dispatch_cost.py); that Python does not depend on the GPU, so it
+can be measured here. This tool makes tiered take its CUDA path on the CPU backend with every
+custom kernel replaced by zeros of its output shapes (the values are meaningless: only the
+host work counts) and prints the Python time per layer-step and a cProfile of it.
+
+    python bench/device_python_local.py --layers 32 --context 16384 --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import time
+
+import common  # noqa: F401  (tiered before mlx)
+import mlx.core as mx
+import numpy as np
+
+
+def fake_cuda():
+    """Route tiered onto its CUDA code path with kernels that return zeros."""
+    import tiered.metal._build as build
+    from tiered import uva
+
+    def cuda_kernel(name, input_names, output_names, source, **_):
+        def run(*, inputs, output_shapes, output_dtypes, grid, threadgroup, template=None,
+                init_value=None, **__):
+            assert len(inputs) == len(input_names), name
+            outs = [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+            return mx.depends(outs, list(inputs))  # keeps the graph's shape (one Depends)
+        return run
+
+    mx.fast.cuda_kernel = cuda_kernel
+    uva.available = lambda: True
+    uva.advise_host = lambda view: 0
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "accelerator", None) is build.accelerator:
+            mod.accelerator = lambda: "cuda"
+    build.accelerator = lambda: "cuda"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--context", type=int, default=16384)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--budget", type=float, default=0.125)
+    ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--sort", default="tottime")
+    args = ap.parse_args()
+    from decode_speed import LLAMA3_8B, seed_kv, tiered_caches
+    from mlx_lm.utils import _get_classes
+
+    import tiered  # noqa: F401
+    cfg = dict(LLAMA3_8B, num_hidden_layers=args.layers, hidden_size=512,
+               intermediate_size=256, vocab_size=512)
+    cfg["head_dim"] = 128  # keep the attention geometry (32 q / 8 kv heads, head_dim 128)
+    model_cls, args_cls = _get_classes(cfg)
+    mx.random.seed(0)
+    model = model_cls(args_cls.from_dict(cfg))
+    model.update(model.parameters())
+    seed = seed_kv(model, None, 2048)
+    fake_cuda()
+    cache = tiered_caches(model, seed, args.context, args.budget,
+                          dict(calibration_tokens=2048, device_gather="on", kernels="mlx"))
+    y = mx.array([[1]])
+    for _ in range(3):
+        y = mx.argmax(model(y, cache=cache)[:, -1], axis=-1)[:, None]
+        mx.eval(y)
+    times = []
+    prof = cProfile.Profile()
+    for i in range(args.steps):
+        t0 = time.perf_counter()
+        if i == args.steps // 2:
+            prof.enable()
+        logits = model(y, cache=cache)
+        times.append(time.perf_counter() - t0)
+        y = mx.argmax(logits[:, -1], axis=-1)[:, None]
+        mx.eval(y)
+    prof.disable()
+    ms = 1e3 * float(np.median(times))
+    print(f"graph building (Python + MLX op construction + async_eval hand-offs): {ms:.2f} ms "
+          f"per token, {ms / args.layers:.3f} ms per layer ({args.layers} layers, "
+          f"{args.context} tokens)", flush=True)
+    pstats.Stats(prof).sort_stats(args.sort).print_stats(args.top)
+    cache.close()
+
+
+if __name__ == "__main__":
+    main()

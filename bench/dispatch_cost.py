@@ -1,0 +1,135 @@
+"""What a decode step's host time is made of on an accelerator (issue 24).
+
+MLX builds a lazy graph in Python, then ``mx.eval`` / ``mx.async_eval`` run each primitive's
+``eval_gpu`` on the calling thread: on CUDA that is where kernels are encoded into CUDA
+graphs. This tool measures both halves:
+
+1. micro: the host cost per primitive of a chain of N MLX adds and N one-line custom kernels
+   (graph building in Python, then the dispatch inside ``async_eval``), and the device time
+   after it;
+2. model: a Llama-3-8B-shaped model's decode step split into Python (graph building), time
+   inside ``async_eval`` / ``eval`` calls (dispatch, and waits when MLX throttles), per method.
+
+    python bench/dispatch_cost.py --model llama3-8b --context 16384
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import common  # noqa: F401  (tiered before mlx)
+import mlx.core as mx
+import numpy as np
+
+_SRC = "    uint32_t i = thread_position_in_grid.x; if (i < N) out[i] = x[i] + 1.0f;"
+_SRC_CUDA = ("    uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;"
+             " if (i < N) out[i] = x[i] + 1.0f;")
+
+
+def _kernel():
+    if mx.cuda.is_available():
+        return mx.fast.cuda_kernel(name="probe_add", input_names=["x"], output_names=["out"],
+                                   source=_SRC_CUDA)
+    return mx.fast.metal_kernel(name="probe_add", input_names=["x"], output_names=["out"],
+                                source=_SRC)
+
+
+def chain(n: int, kind: str, size: int = 1024):
+    """(build us, dispatch us, device-wait us) per primitive for a chain of n."""
+    x = mx.zeros((size,), mx.float32)
+    mx.eval(x)
+    k = _kernel() if kind == "kernel" else None
+    t0 = time.perf_counter()
+    y = x
+    for _ in range(n):
+        if k is None:
+            y = y + 1.0
+        else:
+            (y,) = k(inputs=[y], output_shapes=[(size,)], output_dtypes=[mx.float32],
+                     grid=(size, 1, 1), threadgroup=(256, 1, 1), template=[("N", size)])
+    t1 = time.perf_counter()
+    mx.async_eval(y)
+    t2 = time.perf_counter()
+    mx.eval(y)
+    t3 = time.perf_counter()
+    assert float(y[0]) == n
+    return tuple(1e6 * v / n for v in (t1 - t0, t2 - t1, t3 - t2))
+
+
+class EvalTimer:
+    """Wall time spent inside mx.eval / mx.async_eval (patched on the module)."""
+
+    def __init__(self):
+        self.t = {"eval": 0.0, "async_eval": 0.0}
+        self.n = {"eval": 0, "async_eval": 0}
+
+    def __enter__(self):
+        self._orig = {name: getattr(mx, name) for name in self.t}
+        for name, fn in self._orig.items():
+            setattr(mx, name, self._wrap(name, fn))
+        return self
+
+    def _wrap(self, name, fn):
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.t[name] += time.perf_counter() - t0
+                self.n[name] += 1
+        return timed
+
+    def __exit__(self, *exc):
+        for name, fn in self._orig.items():
+            setattr(mx, name, fn)
+
+
+def model_split(model, cache, steps: int):
+    """Per token: total ms, ms in async_eval calls, ms in eval calls, calls of each."""
+    y = mx.array([[1]])
+    with EvalTimer() as et:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            y = mx.argmax(model(y, cache=cache)[:, -1], axis=-1)[:, None]
+            mx.eval(y)
+        total = time.perf_counter() - t0
+    per = 1e3 / steps
+    return (total * per, et.t["async_eval"] * per, et.t["eval"] * per,
+            et.n["async_eval"] / steps, et.n["eval"] / steps)
+
+
+def main():
+    from decode_speed import build_model, device_profile_args, kv_caches, seed_kv, tiered_caches, time_decode
+
+    ap = argparse.ArgumentParser()
+    device_profile_args(ap, 10)
+    ap.add_argument("--n", type=int, default=2000, help="chain length of the micro test")
+    ap.add_argument("--skip-model", action="store_true")
+    args = ap.parse_args()
+    kinds = ("add", "kernel") if mx.default_device() == mx.gpu else ("add",)
+    for kind in kinds:
+        chain(50, kind)
+        got = np.median([chain(args.n, kind) for _ in range(3)], axis=0)
+        print(f"micro {kind:6s} x{args.n}: build {got[0]:.1f} us, dispatch {got[1]:.1f} us, "
+              f"device wait {got[2]:.1f} us per primitive", flush=True)
+    if args.skip_model:
+        return
+    model, _ = build_model(args.model, mx.float16)
+    seed = seed_kv(model, None, 2048)
+    rows = []
+    kv = kv_caches(seed, args.context)
+    time_decode(model, kv, 3, 3)
+    rows.append(("KVCache",) + model_split(model, kv, args.steps))
+    del kv
+    cache = tiered_caches(model, seed, args.context, args.budget, dict(calibration_tokens=2048))
+    time_decode(model, cache, 5, 20)
+    rows.append(("tiered",) + model_split(model, cache, args.steps))
+    for name, tot, a, e, na, ne in rows:
+        print(f"{name:8s} {tot:7.2f} ms/token: Python {tot - a - e:6.2f}, in async_eval {a:6.2f} "
+              f"({na:.0f} calls), in eval {e:6.2f} ({ne:.0f} calls)", flush=True)
+    cache.close()
+
+
+if __name__ == "__main__":
+    main()
