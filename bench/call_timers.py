@@ -20,8 +20,9 @@ import types
 
 
 class CallTimers:
-    def __init__(self, packages=("tiered",)):
-        self.packages = packages
+    def __init__(self, packages=("tiered",), only=None):
+        """``only``: the keys to time (e.g. ``{"mx.eval"}``), the others left unwrapped."""
+        self.packages, self.only = packages, only
         self.total = collections.defaultdict(float)
         self.calls = collections.Counter()
         self._undo: list = []
@@ -42,7 +43,7 @@ class CallTimers:
         return timed
 
     def _patch(self, owner, name: str, fn, key: str):
-        if getattr(fn, "__wrapped_timer__", False):
+        if getattr(fn, "__wrapped_timer__", False) or (self.only and key not in self.only):
             return
         self._undo.append((owner, name, owner.__dict__[name] if isinstance(owner, type)
                            else getattr(owner, name)))

@@ -71,16 +71,6 @@ def build_model(name: str, dtype):
     return model, None
 
 
-def streaming_caches(seed, n):
-    """The streaming-offload baseline (bench/streaming_cache.py) filled like kv_caches."""
-    out = []
-    for k, v in seed:
-        c = StreamingCache()
-        c.update_and_fetch(tile(k, n), tile(v, n))
-        out.append(c)
-    return out
-
-
 def memory_bandwidth() -> float:
     """Device memory bandwidth in GB/s: the best of the copies and the read-only reduction
     that bench/kernels.py measures over 1 GiB (MLX's elementwise copy alone under-reads a GPU:
@@ -112,13 +102,14 @@ def tile(a: mx.array, n: int) -> mx.array:
     return mx.concatenate([a] * reps, axis=2)[..., :n, :]
 
 
-def kv_caches(seed, n):
+def kv_caches(seed, n, make=KVCache):
+    """One cache per layer (``make()``: KVCache, or the streaming baseline's StreamingCache)
+    holding the seed K/V tiled to n tokens; each layer evaluated as it is filled."""
     out = []
     for k, v in seed:
-        c = KVCache()
-        c.update_and_fetch(tile(k, n), tile(v, n))
+        c = make()
+        mx.eval(c.update_and_fetch(tile(k, n), tile(v, n)))
         out.append(c)
-    mx.eval([c.state for c in out])
     return out
 
 
@@ -228,7 +219,7 @@ def main(argv=None):
         if "KVCache" in args.methods:
             runs.append(("KVCache", lambda: kv_caches(seed, n)))
         if "streaming" in args.methods:
-            runs.append(("streaming", lambda: streaming_caches(seed, n)))
+            runs.append(("streaming", lambda: kv_caches(seed, n, StreamingCache)))
         if "QuantizedKVCache-8" in args.methods:
             runs.append(("QuantizedKVCache-8",
                          lambda: [c.to_quantized(group_size=64, bits=8) for c in kv_caches(seed, n)]))

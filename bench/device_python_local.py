@@ -56,14 +56,11 @@ def main():
     from decode_speed import LLAMA3_8B, seed_kv, tiered_caches
     from mlx_lm.utils import _get_classes
 
-    import tiered  # noqa: F401
     cfg = dict(LLAMA3_8B, num_hidden_layers=args.layers, hidden_size=512,
-               intermediate_size=256, vocab_size=512)
-    cfg["head_dim"] = 128  # keep the attention geometry (32 q / 8 kv heads, head_dim 128)
+               intermediate_size=256, vocab_size=512)  # Llama-3-8B's heads
     model_cls, args_cls = _get_classes(cfg)
     mx.random.seed(0)
     model = model_cls(args_cls.from_dict(cfg))
-    model.update(model.parameters())
     seed = seed_kv(model, None, 2048)
     fake_cuda()
     cache = tiered_caches(model, seed, args.context, args.budget,

@@ -57,46 +57,20 @@ def chain(n: int, kind: str, size: int = 1024):
     return tuple(1e6 * v / n for v in (t1 - t0, t2 - t1, t3 - t2))
 
 
-class EvalTimer:
-    """Wall time spent inside mx.eval / mx.async_eval (patched on the module)."""
-
-    def __init__(self):
-        self.t = {"eval": 0.0, "async_eval": 0.0}
-        self.n = {"eval": 0, "async_eval": 0}
-
-    def __enter__(self):
-        self._orig = {name: getattr(mx, name) for name in self.t}
-        for name, fn in self._orig.items():
-            setattr(mx, name, self._wrap(name, fn))
-        return self
-
-    def _wrap(self, name, fn):
-        def timed(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                self.t[name] += time.perf_counter() - t0
-                self.n[name] += 1
-        return timed
-
-    def __exit__(self, *exc):
-        for name, fn in self._orig.items():
-            setattr(mx, name, fn)
-
-
 def model_split(model, cache, steps: int):
     """Per token: total ms, ms in async_eval calls, ms in eval calls, calls of each."""
+    from call_timers import CallTimers
+
     y = mx.array([[1]])
-    with EvalTimer() as et:
+    with CallTimers(packages=(), only={"mx.eval", "mx.async_eval"}) as ct:
         t0 = time.perf_counter()
         for _ in range(steps):
             y = mx.argmax(model(y, cache=cache)[:, -1], axis=-1)[:, None]
             mx.eval(y)
         total = time.perf_counter() - t0
     per = 1e3 / steps
-    return (total * per, et.t["async_eval"] * per, et.t["eval"] * per,
-            et.n["async_eval"] / steps, et.n["eval"] / steps)
+    return (total * per, ct.total["mx.async_eval"] * per, ct.total["mx.eval"] * per,
+            ct.calls["mx.async_eval"] / steps, ct.calls["mx.eval"] / steps)
 
 
 def main():
