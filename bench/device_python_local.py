@@ -52,6 +52,9 @@ def main():
     ap.add_argument("--budget", type=float, default=0.125)
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--sort", default="tottime")
+    ap.add_argument("--no-async", action="store_true",
+                    help="make mx.async_eval a no-op: on the CPU backend it evaluates the layers "
+                         "so far (the fake kernels' zeros included) and its time is not the GPU's")
     args = ap.parse_args()
     from decode_speed import LLAMA3_8B, seed_kv, tiered_caches
     from mlx_lm.utils import _get_classes
@@ -63,6 +66,8 @@ def main():
     model = model_cls(args_cls.from_dict(cfg))
     seed = seed_kv(model, None, 2048)
     fake_cuda()
+    if args.no_async:
+        mx.async_eval = lambda *a, **k: None
     cache = tiered_caches(model, seed, args.context, args.budget,
                           dict(calibration_tokens=2048, device_gather="on", kernels="mlx"))
     y = mx.array([[1]])

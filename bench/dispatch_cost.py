@@ -8,7 +8,8 @@ graphs. This tool measures both halves:
    (graph building in Python, then the dispatch inside ``async_eval``), and the device time
    after it;
 2. model: a Llama-3-8B-shaped model's decode step split into Python (graph building), time
-   inside ``async_eval`` / ``eval`` calls (dispatch, and waits when MLX throttles), per method.
+   inside ``async_eval`` / ``eval`` calls (dispatch, and waits when MLX throttles), per method;
+3. the micro layer chain built op by op against replayed by ``mx.compile``.
 
     python bench/dispatch_cost.py --model llama3-8b --context 16384
 """
@@ -57,6 +58,41 @@ def chain(n: int, kind: str, size: int = 1024):
     return tuple(1e6 * v / n for v in (t1 - t0, t2 - t1, t3 - t2))
 
 
+def compiled_layers(compiled: bool, layers: int = 32, size: int = 4096):
+    """(wall, build, async_eval) ms per "token" of ``layers`` layers, each 10 custom kernels
+    and 20 element-wise ops, a put_along_axis and a logsumexp, built op by op or replayed by
+    ``mx.compile`` (tiered.device_compiled's reason to exist)."""
+    k = _kernel()
+    idx = mx.arange(0, size, 7, dtype=mx.int32)[None]
+
+    def layer(x, y):
+        for _ in range(10):
+            (x,) = k(inputs=[x], output_shapes=[(size,)], output_dtypes=[mx.float32],
+                     grid=(size, 1, 1), threadgroup=(256, 1, 1), template=[("N", size)])
+            x = mx.exp(x * 0.5 - 1.0) + y
+        z = mx.put_along_axis(x[None], idx, mx.zeros(idx.shape), axis=1)[0]
+        return z, mx.logsumexp(z)
+
+    f = mx.compile(layer) if compiled else layer
+    x, y = mx.zeros((size,)), mx.ones((size,)) * 1e-3
+    mx.eval(x, y)
+    res = []
+    for _ in range(30):
+        t0, build, hand = time.perf_counter(), 0.0, 0.0
+        h = x
+        for i in range(layers):
+            a = time.perf_counter()
+            h, s = f(h, y)
+            b = time.perf_counter()
+            build += b - a
+            if i % 4 == 3:
+                mx.async_eval(h, s)
+                hand += time.perf_counter() - b
+        mx.eval(h)
+        res.append((time.perf_counter() - t0, build, hand))
+    return tuple(1e3 * np.median(np.array(res[5:]), axis=0))
+
+
 def model_split(model, cache, steps: int):
     """Per token: total ms, ms in async_eval calls, ms in eval calls, calls of each."""
     from call_timers import CallTimers
@@ -87,6 +123,12 @@ def main():
         got = np.median([chain(args.n, kind) for _ in range(3)], axis=0)
         print(f"micro {kind:6s} x{args.n}: build {got[0]:.1f} us, dispatch {got[1]:.1f} us, "
               f"device wait {got[2]:.1f} us per primitive", flush=True)
+    if mx.default_device() == mx.gpu:
+        for compiled in (False, True):
+            w, b, a = compiled_layers(compiled)
+            print(f"32 layers x (10 kernels + 20 element-wise ops), "
+                  f"{'mx.compile' if compiled else 'op by op'}: {w:.2f} ms wall, build {b:.2f}, "
+                  f"async_eval {a:.2f}", flush=True)
     if args.skip_model:
         return
     model, _ = build_model(args.model, mx.float16)

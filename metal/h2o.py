@@ -47,27 +47,31 @@ def acc_update_ops(acc, z, m, s, n: int, rep: int, alpha: float) -> mx.array:
 
 
 def acc_update(acc, z, m, s, n: int, rep: int, alpha: float, *,
-               use_kernel: bool | None = None) -> mx.array:
+               use_kernel: bool | None = None, params: mx.array | None = None) -> mx.array:
     """New H2O accumulators: for every kv head h and token j < n,
     alpha * acc[h, j] + (1 - alpha) * the mean over h's rep query heads of the token's softmax
     probability exp(z - m) / s (one that is not finite, from a NaN or Inf score or a head
     without a finite score, m = -inf and s = 0, adds nothing: finite accumulators stay
     finite); columns from n on are kept. acc float32 (H, C); z float32
     (H * rep, N >= n), only the first n columns read; m, s float32 (H * rep,). Returns a new
-    (H, C) float32 array (lazy). use_kernel as in the other kernels."""
+    (H, C) float32 array (lazy). use_kernel as in the other kernels. ``params``: the kernel's
+    int32 [n, N, C] as an array the caller holds (a compiled step takes n as an input; the
+    Python n then only passes the checks)."""
     _check(acc, z, m, s, n, rep, alpha)
     backend = resolve_backend(use_kernel, "acc_update")
     if backend is None:
         return acc_update_ops(acc, z, m, s, n, rep, alpha)
-    return launch(ACC_SPEC, backend, acc_launch(acc, z, m, s, n, rep, alpha))[0]
+    return launch(ACC_SPEC, backend, acc_launch(acc, z, m, s, n, rep, alpha, params))[0]
 
 
-def acc_launch(acc, z, m, s, n: int, rep: int, alpha: float) -> Launch:
+def acc_launch(acc, z, m, s, n: int, rep: int, alpha: float,
+               params: mx.array | None = None) -> Launch:
     """Launch plan of h2o_acc.h: a thread per accumulator, a row of threadgroups per kv head."""
     h, c = acc.shape
+    params = device_ints(n, z.shape[1], c) if params is None else params
     return Launch(
         inputs=[acc.astype(mx.float32), z.astype(mx.float32), m.astype(mx.float32),
-                s.astype(mx.float32), device_ints(n, z.shape[1], c), device_floats(alpha)],
+                s.astype(mx.float32), params, device_floats(alpha)],
         template=[("REP", rep)],
         grid=(-(-c // THREADS) * THREADS, h, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(h, c)], output_dtypes=[mx.float32],

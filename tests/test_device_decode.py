@@ -84,6 +84,61 @@ def test_chunk_logits_kernel_matches_ops(n_host, rep):
 
 @pytest.mark.accelerator
 @needs_cuda
+@pytest.mark.parametrize("n_host,n,width", [(61, 66, 256), (4099, 4100, 4608), (0, 9, 16)])
+def test_chunk_logits_at_a_kept_width(n_host, n, width):
+    """At a width past n (tiered.device_compiled keeps one between steps) the chunks up to the
+    host pages are as without it, later ones excluded with logit -inf, za -inf past n."""
+    rng = np.random.default_rng(n)
+    H, rep = 2, 4
+    z = mx.array(rng.normal(size=(H * rep, width + 1)).astype(np.float32))
+    flags = mx.array((rng.random((H, width + 3)) < 0.3).astype(np.uint8))
+    want_z, want_x, want_a = chunk_logits(z, flags, n_host, rep, n)
+    got_z, got_x, got_a = chunk_logits(z, flags, n_host, rep, n, width=width)
+    nc, na, nw = -(-n_host // CHUNK), -(-n // CHUNK), width // CHUNK
+    assert got_z.shape == (H * rep, nw) and got_x.shape == (H, nw) and got_a.shape == (H * rep, nw)
+    np.testing.assert_array_equal(np.array(got_z[:, :nc]), np.array(want_z))
+    np.testing.assert_array_equal(np.array(got_x[:, :nc]), np.array(want_x))
+    np.testing.assert_array_equal(np.array(got_a[:, :na]), np.array(want_a))
+    assert np.all(np.array(got_z[:, nc:]) == -np.inf) and np.all(np.array(got_x[:, nc:]))
+    assert np.all(np.array(got_a[:, na:]) == -np.inf)
+
+
+@pytest.mark.accelerator
+@needs_cuda
+def test_compiled_step_decodes_as_the_step_op_by_op(monkeypatch):
+    """tiered.device_compiled: the chain compiled at a kept width gives the outputs, pages and
+    H2O accumulators of the same step built op by op, across refreshes and width changes."""
+    from tiered import device_compiled
+
+    model = make_small_model("llama-gqa-d64", layers=3, seed=2)
+    rng = np.random.default_rng(9)
+    prompt, toks = rng.integers(10, 49000, 500).tolist(), rng.integers(10, 49000, 60).tolist()
+    runs = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv("TIERED_COMPILE", flag)
+        device_compiled._functions.clear()
+        cache = TieredCache.for_model(model, gpu_budget=0.25, page_size=64, recent=16,
+                                      device_gather="on", compress_from=1)
+        mx.eval(model(mx.array([prompt]), cache=cache))
+        got = [model(mx.array([[t]]), cache=cache) for t in toks]
+        mx.eval(got)
+        layers = [c for c in cache if isinstance(c, TieredCache)]
+        assert all(c.compressed._compile_ok == (flag == "1") for c in layers)
+        assert (len(device_compiled._functions) > 0) == (flag == "1")
+        runs.append((mx.concatenate(got, axis=1),
+                     [c.host.read("values", 0, 0, c.host.length) for c in layers],
+                     [np.array(c.compressed.heavy.acc) for c in layers]))
+        cache.close()
+    (a, pa, ha), (b, pb, hb) = runs
+    assert mx.abs(a - b).max().item() <= 1e-3
+    for x, y in zip(pa, pb):
+        np.testing.assert_array_equal(x, y)
+    for x, y in zip(ha, hb):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.accelerator
+@needs_cuda
 @pytest.mark.parametrize("R,T,rep,d,sinks,dtype", [
     (300, 64, 4, 128, False, "float16"), (5000, 2048, 4, 128, True, "float16"),
     (37, 8, 3, 64, False, "float32"), (0, 16, 2, 64, True, "float32")])

@@ -57,6 +57,7 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         self.S_eff = self.W_eff = 0
         self.flags = self.heavy = None
         self._tables = None  # the device path's tables once a step took it (tiered.device_decode)
+        self._compile_ok = None  # whether its step runs compiled (tiered.device_compiled)
         self._alloc(capacity)
         self.res_k = self.res_v = self.res_tok = None
         self._res_tok_np = None
@@ -189,7 +190,10 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         self.parent.write_behind(keys, values)
         if n0 + L > self.capacity:
             self._alloc(capacity(n0 + L, self.plan.step), n0)
-        with ops.kernel_threads(self.config.kernel_threads if L == 1 else 1 << 16):
+        if self.numpy_path:  # the numba encoder's threads (each setting costs ~0.06 ms)
+            with ops.kernel_threads(self.config.kernel_threads if L == 1 else 1 << 16):
+                self.keys.append(keys[0], n0)
+        else:
             self.keys.append(keys[0], n0)
         self.n = n0 + L  # new tokens' accumulators start at 0 (fresh buffers are zeroed)
         if self.heavy is not None:

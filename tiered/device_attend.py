@@ -227,18 +227,25 @@ def resident_scores_ops(queries, scale: float, rk, rtok, n: int):
     return q, mx.where(tok >= 0, s, -mx.inf), mx.where(tok >= 0, tok, n)
 
 
-def gather_kv(tables: DeviceTables, host, idx: mx.array, count: mx.array, flags: mx.array):
+def gather_kv(tables: DeviceTables, host, idx: mx.array, count: mx.array, flags: mx.array,
+              where: tuple | None = None):
     """Keys and values (H, CAPC * CHUNK, d) of the selected chunks, read in place from the
     host pages in one launch, and which tokens are attended (see device_decode.gather_chunks,
-    which reads one tensor)."""
+    which reads one tensor). ``where``: (pages, key addresses, value addresses, n_host (1+,)
+    int32, fence) as arrays the caller holds (a compiled step's inputs); the caller then
+    records ``ok`` as the pages' fence (HostStore.device_op)."""
     H, capc = idx.shape
     kt, vt = host.keys, host.values
     kdt, vdt = host_mx_dtype(kt.dtype), host_mx_dtype(vt.dtype)
     rowk, rowv = kt.head_dim * kdt.size, vt.head_dim * vdt.size
     words = H * capc * CHUNK * max(rowk, rowv) // 16
+    own = where is None
+    if own:
+        where = (tables.pages(host), tables.addrs(kt), tables.addrs(vt),
+                 device_ints(host.length), page_fence(host))
+    pages, addrs_k, addrs_v, n_host, fence = where
     kout, vout, ok = _kernel("gather_kv")(
-        inputs=[idx, count, tables.pages(host), tables.addrs(kt), tables.addrs(vt), flags,
-                device_ints(host.length), page_fence(host)],
+        inputs=[idx, count, pages, addrs_k, addrs_v, flags, n_host, fence],
         output_shapes=[(H, capc * CHUNK, kt.head_dim), (H, capc * CHUNK, vt.head_dim),
                        (H, capc * CHUNK)],
         output_dtypes=[kdt, vdt, mx.bool_],
@@ -246,7 +253,8 @@ def gather_kv(tables: DeviceTables, host, idx: mx.array, count: mx.array, flags:
         template=[("H", H), ("CAPC", capc), ("C", CHUNK), ("P", host.page_size),
                   ("PPBK", kt.pages_per_block), ("PPBV", vt.pages_per_block),
                   ("ROWK", rowk), ("ROWV", rowv)])
-    host.device_op(ok)  # a sibling: evaluated with the rows, and small to keep
+    if own:
+        host.device_op(ok)  # a sibling: evaluated with the rows, and small to keep
     return kout, vout, ok
 
 

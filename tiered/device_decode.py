@@ -92,9 +92,12 @@ _CHUNKS = r"""
     // chunk's tokens below n (the step's softmax total, for the H2O update); for chunks of
     // the host pages also the chunk's logit zc (module docstring) and, from the first query
     // head of each kv head, whether the chunk is excluded. n_host = [host length, n].
+    // Outputs are na = n_host[2] chunks wide (at least ceil(n / C); a runtime value, so that
+    // a width kept between steps compiles nothing): chunks past n are empty (za -inf), and
+    // those past the host pages excluded with logit -inf.
     const uint32_t tid = blockIdx.x * blockDim.x + threadIdx.x;
     const int nh = n_host[0], nt = n_host[1];
-    const uint32_t nc = (nh + C - 1) / C, na = (nt + C - 1) / C;
+    const uint32_t nc = (nh + C - 1) / C, na = n_host[2];
     if (tid >= (uint32_t)z_shape[0] * na) return;
     const uint32_t qh = tid / na, c = tid % na, h = qh / REP;
     const float* zr = z + (uint64_t)qh * z_shape[1];
@@ -118,11 +121,12 @@ _CHUNKS = r"""
         if (valid[j]) s_all += expf(v[j] - m_all);
         if (live[j]) s_live += expf(v[j] - m_live);
     }
-    za[tid] = m_n + logf(s_n);
-    if (c >= nc) return;
+    za[tid] = m_n > -INFINITY ? m_n + logf(s_n) : -INFINITY;
     const bool any_live = m_live > -INFINITY;
-    zc[qh * nc + c] = any_live ? m_live + logf(s_live) : m_all + logf(s_all);
-    if (qh % REP == 0) excl[h * nc + c] = !any_live;
+    const bool host_chunk = c < nc;
+    zc[qh * na + c] = !host_chunk ? -INFINITY : any_live ? m_live + logf(s_live)
+                                                       : m_all + logf(s_all);
+    if (qh % REP == 0) excl[h * na + c] = !host_chunk || !any_live;
 """
 
 _DOOR = r"""
@@ -210,17 +214,22 @@ class DeviceTables:
         self._advised: set[int] = set()
         self._ones: dict[int, mx.array] = {}
 
-    def addrs(self, tensor) -> mx.array:
+    def addrs(self, tensor, width: int | None = None) -> mx.array:
+        """The block addresses (uint64 pairs); ``width``: padded with zeros to that many blocks
+        (a shape kept while blocks are added)."""
         n = len(tensor.addrs)
-        got = self._addrs.get(id(tensor))
+        got = self._addrs.get((id(tensor), width))
         if got is None or got[0] != n:
             for b in range(n):
                 addr = int(tensor.addrs[b])
                 if addr not in self._advised:
                     uva.advise_host(tensor.views[b])
                     self._advised.add(addr)
-            got = (n, uva.address_array(tensor.addrs.astype(np.uint64)))
-            self._addrs[id(tensor)] = got
+            addrs = tensor.addrs.astype(np.uint64)
+            if width is not None and width > n:
+                addrs = np.concatenate([addrs, np.zeros(width - n, np.uint64)])
+            got = (n, uva.address_array(addrs))
+            self._addrs[(id(tensor), width)] = got
         return got[1]
 
     def ones(self, n: int) -> mx.array:
@@ -238,10 +247,17 @@ class DeviceTables:
             mx.eval(got)
         return got
 
-    def pages(self, host) -> mx.array:
+    def pages(self, host, width: int | None = None) -> mx.array:
+        """The page table (physical page of each logical one); ``width``: padded with zeros to
+        that many pages (a shape kept while pages are added; the kernels read only the pages
+        below the host length)."""
         pages = host.logical_pages(0)  # a few thousand ids at 1M tokens: compared each step
-        if self._pages is None or not np.array_equal(self._pages[0], pages):
-            self._pages = (pages, mx.array(pages))
+        if (self._pages is None or self._pages[2] != width
+                or not np.array_equal(self._pages[0], pages)):
+            padded = pages
+            if width is not None and width > len(pages):
+                padded = np.concatenate([pages, np.zeros(width - len(pages), pages.dtype)])
+            self._pages = (pages, mx.array(padded), width)
         return self._pages[1]
 
 
@@ -317,18 +333,27 @@ def gather_chunks(tables: DeviceTables, host, tensor, idx: mx.array, count: mx.a
     return out, ok
 
 
-def chunk_logits(z: mx.array, flags: mx.array, n_host: int, rep: int, n: int | None = None):
+def chunk_logits(z: mx.array, flags: mx.array, n_host: int, rep: int, n: int | None = None,
+                 width: int | None = None, sizes: mx.array | None = None):
     """:func:`chunk_scores` in one kernel (CUDA), and za (Hq, ceil(n / CHUNK)): each chunk's
-    log-sum-exp over its tokens below n (default n_host), whose log-sum-exp is the row's."""
+    log-sum-exp over its tokens below n (default n_host), whose log-sum-exp is the row's.
+
+    ``width`` (>= n, a multiple of CHUNK): all three outputs are width / CHUNK chunks wide, the
+    chunks past the host pages excluded with logit -inf, those past n with za -inf (a width kept
+    between steps: the step's shapes then change only when it does). ``sizes``: the int32
+    array [n_host, n, width / CHUNK] when the caller has it (a compiled step's input)."""
     Hq = z.shape[0]
     n = n_host if n is None else n
-    nc, na = -(-n_host // CHUNK), -(-n // CHUNK)
+    nc = -(-n_host // CHUNK)
+    na = -(-n // CHUNK) if width is None else width // CHUNK
     zc, excl, za = _kernel("chunks")(
-        inputs=[z, flags, device_ints(n_host, n)],
-        output_shapes=[(Hq, nc), (Hq // rep, nc), (Hq, na)],
+        inputs=[z, flags, device_ints(n_host, n, na) if sizes is None else sizes],
+        output_shapes=[(Hq, na), (Hq // rep, na), (Hq, na)],
         output_dtypes=[mx.float32, mx.bool_, mx.float32],
         grid=(Hq * na, 1, 1), threadgroup=(256, 1, 1),
         template=[("C", CHUNK), ("REP", rep)])
+    if width is None:
+        zc, excl = zc[:, :nc], excl[:, :nc]
     return zc, excl, za
 
 

@@ -28,7 +28,7 @@ import time
 
 import mlx.core as mx
 
-from . import device_attend, metal
+from . import device_attend, device_compiled, metal
 from .device_decode import CHUNK, DeviceTables, chunk_logits, chunk_token_ids, gather_chunks
 from .stats import Column
 
@@ -51,14 +51,26 @@ def decode(layer, queries, scale, sinks, tables: DeviceTables):
     writes = parent.flush_on_device(tables, n - layer.W_eff)
     Hq = queries.shape[1]
     rep = Hq // H
+    n_host = host.length
+    cap, floor = layer._cap(n)
+    got = None
+    if layer._compile_ok is None:
+        layer._compile_ok = device_compiled.why_not(layer) is None
+    if layer._compile_ok and layer._update:
+        got = device_compiled.step(layer, queries, scale, sinks, tables, n, n_host, cap, floor)
+    if got is not None:
+        o, stats, q, acc = got
+        mean_count, mass = Column(stats, 0), Column(stats, 1)  # reduced when read
+        layer.journal.record(n, "step", (n, q, rep, layer.steps))
+        if acc is not None:
+            writes.append(layer.heavy.updated(acc, n))
+        return _finish(layer, queries, o, mass, mean_count, marks, writes)
     q, s_r, cols = device_attend.resident_scores(queries, scale, layer.res_k, layer.res_tok, n)
     # every token's codebook score, the resident tokens' replaced by their exact ones (empty
     # slots write the spare column n, which nothing reads)
     z = layer.keys.scores(q, n, rep)
     z = mx.put_along_axis(mx.concatenate([z, tables.zeros(Hq, 1)], axis=1), cols, s_r, axis=1)
-    n_host = host.length
     zc, excl, za = chunk_logits(z, layer.flags, n_host, rep, n)
-    cap, floor = layer._cap(n)
     capc = max(1, cap // CHUNK)
     idx, count = metal.tau_select(zc, zc.shape[1], excl, cfg.tau, capc,
                                   min(capc, -(-floor // CHUNK)))
@@ -75,6 +87,12 @@ def decode(layer, queries, scale, sinks, tables: DeviceTables):
         if layer.heavy is not None:
             lse = mx.logsumexp(za, axis=1)  # the softmax total over the n tokens
             writes.append(layer.heavy.update(z, lse, tables.ones(Hq), n, rep))
+    return _finish(layer, queries, o, mass, mean_count, marks, writes)
+
+
+def _finish(layer, queries, o, mass, mean_count, marks, writes):
+    """The step's end: stats, refresh, the output ordered after the step's writes and handed
+    to the device every ASYNC_EVERY layers."""
     marks.append(("build", time.perf_counter()))
     out = layer._end_step(queries, o, mass, mean_count, marks)
     out = mx.depends(out, writes) if writes else out

@@ -36,6 +36,7 @@ class HeavyHitters:
             acc[:, :n] = self.acc[:, :n]
         mx.eval(acc)
         self.acc = acc
+        self._high = n  # columns from here on are 0 (clear has nothing to do there)
         self._np = ops.numpy_view(acc) if self.numpy_path else None
 
     @property
@@ -51,6 +52,7 @@ class HeavyHitters:
         saved state."""
         self._queued = None
         L = values.shape[1]
+        self._high = max(self._high, start + L)
         if self._np is not None:
             self._np[:, start : start + L] = np.asarray(values, np.float32)
         else:
@@ -59,6 +61,8 @@ class HeavyHitters:
     def clear(self, start: int, L: int) -> None:
         """New tokens start at 0 (a slot can hold an undone token's value)."""
         self._queued = None
+        if start >= self._high:
+            return  # never written since the buffer was made: 0 already (an op per step saved)
         if self._np is not None:
             self._np[:, start : start + L] = 0.0
         else:
@@ -69,11 +73,20 @@ class HeavyHitters:
         mean over the group of exp(z - m) / s. On the numpy path z, m, s are numpy arrays and
         the update is done on return (None); else it is queued and the new array returned."""
         self._queued = None
+        self._high = max(self._high, n)
         if self._np is not None:
             ops.acc_update(self._np, z, m, s, rep, n, self.alpha)
             return None
         self.acc = metal.acc_update(self.acc, z, m, s, n, rep, self.alpha)
         return self.acc
+
+    def updated(self, acc: mx.array, n: int) -> mx.array:
+        """Take ``acc`` (a step's update of the first n, computed elsewhere:
+        tiered.device_compiled) as the accumulators; returns it."""
+        self._queued = None
+        self._high = max(self._high, n)
+        self.acc = acc
+        return acc
 
     def undo(self, z, m, s, n: int, rep: int) -> None:
         """The inverse of :meth:`update` with the same step's z, m, s (tiered.undo)."""

@@ -11,6 +11,8 @@ from . import device_decode, undo
 from .cpu.resident_maps import Swap
 from .planner import BudgetError
 
+RESIDENT_GRAIN = 64  # slots: a device-path refresh keeps the count to a multiple of this
+
 
 class ResidentSet:
     """Methods of :class:`tiered.compressed.CompressedLayer` (see the module docstring)."""
@@ -58,6 +60,11 @@ class ResidentSet:
             # A refresh never fails a decode step: the planner's look-ahead (refresh_every
             # tokens) can refuse a length the layer already holds; the set keeps its size.
             R = self.R
+        if journal and self.on_device and R > RESIDENT_GRAIN:
+            # A refresh on the device path keeps the slots' count to a multiple of the grain:
+            # the budget's count grows by about a slot per refresh, and every new count is a
+            # new shape for the compiled step (tiered.device_compiled) to trace.
+            R = max(R - R % RESIDENT_GRAIN, min(self.plan.minimum_resident(), n))
         if self.plan.keep_values_resident:
             return R, min(self.S, n), min(self.plan.recent_window(R), n)
         return R, 0, R

@@ -1,0 +1,166 @@
+"""The device step's chain from query to output as one compiled MLX function (issue 24).
+
+On an H200 the device step's host time, not its kernels, bounded a token: every layer built
+the same graph of ~15 launches through Python wrappers (checks, launch plans, parameter
+arrays), then MLX dispatched it primitive by primitive (bench/dispatch_cost.py). ``mx.compile``
+traces that chain once and replays it from C++, and fuses its element-wise ops. H200
+(bench/dispatch_cost.py): 32 layers of 10 custom kernels and 20 element-wise ops took 7.52 ms
+op by op and 4.55 compiled (graph building 2.69 -> 0.68 ms); Llama-3-8B shape at 16k, tiered
+took 35.6 ms/token compiled against 62.9 op by op (measured in an earlier lease).
+
+A trace is only reused while the shapes stay the same, so the step runs at a **width** W that
+it keeps between steps: the codebook scores, chunk logits and selection cover W >= n tokens
+(:func:`width`, about n / 32 more at most), the columns past n empty, and the sizes that change
+every step (n, the host length) are an input array. What is a Python value here (W, the
+resident slots R, the cap, tau, the scale...) is part of the key of the compiled function
+(:func:`_compiled`, a bounded cache); R changes only at a refresh, W every few thousand tokens.
+
+The chain: resident scores -> codebook scores -> the resident tokens' exact scores put in ->
+chunk logits -> tau selection of chunks -> keys and values gathered from the host pages ->
+attention with sink and statistics -> the H2O accumulators updated. The ring insert, the
+write-behind and the bookkeeping stay in Python (tiered.device_step), outside the trace.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from types import SimpleNamespace
+
+import mlx.core as mx
+
+from . import device_attend, metal
+from .device_decode import CHUNK, chunk_logits, host_mx_dtype
+from .keys import CodebookKeys
+from .metal import device_ints
+from .metal.codebook import kernel_supports
+
+MAX_FUNCTIONS = 32  # compiled functions kept (each holds its traces); the oldest is dropped
+MIN_GRAIN, MAX_GRAIN = 256, 4096  # tokens: W is n rounded up to a multiple of a grain
+
+_functions: OrderedDict = OrderedDict()
+_consts: dict = {}
+
+
+def enabled() -> bool:
+    """Whether the device step runs compiled (``TIERED_COMPILE=0`` turns it off)."""
+    return os.environ.get("TIERED_COMPILE", "1") != "0"
+
+
+def width(n: int, capacity: int) -> int | None:
+    """The step's width: n rounded up to a grain of about n / 32 (256 to 4096 tokens, a
+    multiple of CHUNK), or None when the buffers' capacity cannot hold it."""
+    grain = min(MAX_GRAIN, max(MIN_GRAIN, 1 << max(0, n.bit_length() - 5)))
+    w = -(-max(n, 1) // grain) * grain
+    if w > capacity:
+        w = capacity // CHUNK * CHUNK
+    return w if w >= n else None
+
+
+def why_not(layer) -> str | None:
+    """Why ``layer``'s device step cannot run compiled, or None."""
+    if not enabled():
+        return "TIERED_COMPILE=0"
+    if layer.config.rescore != "exact":
+        return "approximate rescoring"
+    if not isinstance(layer.keys, CodebookKeys) or layer.keys.codes is None:
+        return "keys are not codebook codes"
+    if not kernel_supports(layer.keys.codes):
+        return "codes do not fill whole 32-bit words"
+    return None
+
+
+def _const(shape: tuple, value: float) -> mx.array:
+    """A kept float32 constant (the same array in every layer, so traces are shared)."""
+    got = _consts.get((shape, value))
+    if got is None:
+        got = _consts[(shape, value)] = mx.full(shape, value, mx.float32)
+        mx.eval(got)
+    return got
+
+
+def step(layer, queries, scale, sinks, tables, n: int, n_host: int, cap: int, floor: int):
+    """The compiled chain for one layer's query, or None where it cannot run (the caller
+    then builds the step op by op). Returns (o (Hq, dv) in the query dtype, stats (Hq, 2),
+    q (Hq, d) float32 scaled, new accumulators or None), lazy; ``ok`` (which gathered tokens
+    were attended) becomes the host pages' fence."""
+    host, keys, heavy = layer.parent.host, layer.keys, layer.heavy
+    capacity = min(keys.codes.shape[1], layer.flags.shape[1],
+                   heavy.acc.shape[1] if heavy is not None else keys.codes.shape[1])
+    W = width(n, capacity)
+    if W is None:
+        return None
+    kt, vt = host.keys, host.values
+    Hq = queries.shape[1]
+    rep = Hq // layer.H
+    capc = max(1, cap // CHUNK)
+    floorc = min(capc, -(-floor // CHUNK))
+    # pages and blocks padded to what W tokens need (so they keep their shape as they grow)
+    pages_w = W // host.page_size + 1
+    blocks = [max(1, -(-pages_w // t.pages_per_block)) for t in (kt, vt)]
+    alpha = heavy.alpha if heavy is not None else None
+    key = (W, float(scale), layer.config.tau, capc, floorc, alpha, rep, sinks is not None,
+           queries.dtype, host.page_size, kt.pages_per_block, vt.pages_per_block,
+           kt.head_dim, vt.head_dim, kt.dtype, vt.dtype)
+    fn = _compiled(key)
+    sizes = device_ints(n_host, n, W // CHUNK)  # the same array in every layer of the step
+    sink = (_const((Hq,), 0.0) if sinks is None
+            else mx.array(sinks).astype(mx.float32).reshape(Hq))
+    acc = heavy.acc if heavy is not None else _const((1, 1), 0.0)
+    acc_params = device_ints(n, W + 1, acc.shape[1])
+    o, stats, q, ok, acc_new = fn(
+        queries, layer.res_k, layer.res_v, layer.res_tok, keys.codebook, keys.codes,
+        layer.flags, acc, tables.pages(host, pages_w), tables.addrs(kt, blocks[0]),
+        tables.addrs(vt, blocks[1]), device_fence(host), sizes, acc_params, sink)
+    host.device_op(ok)  # a sibling of the gathered rows: evaluated with them
+    return o, stats, q, (acc_new if heavy is not None else None)
+
+
+def device_fence(host) -> mx.array:
+    """The pages' fence (see device_decode.page_fence)."""
+    return device_ints(0) if host.fence is None else host.fence
+
+
+def _compiled(key: tuple):
+    fn = _functions.get(key)
+    if fn is None:
+        fn = _functions[key] = mx.compile(_chain(key))
+        while len(_functions) > MAX_FUNCTIONS:
+            _functions.popitem(last=False)
+    else:
+        _functions.move_to_end(key)
+    return fn
+
+
+def _chain(key: tuple):
+    """The traced function for ``key`` (see :func:`step` for what the key holds)."""
+    (W, scale, tau, capc, floorc, alpha, rep, has_sink, out_dtype, page_size, ppb_k, ppb_v,
+     dk, dv, kdtype, vdtype) = key
+    host = SimpleNamespace(  # what gather_kv reads of the host store: shapes, not data
+        page_size=page_size,
+        keys=SimpleNamespace(dtype=kdtype, head_dim=dk, pages_per_block=ppb_k),
+        values=SimpleNamespace(dtype=vdtype, head_dim=dv, pages_per_block=ppb_v))
+    assert host_mx_dtype(kdtype) is not None and host_mx_dtype(vdtype) is not None
+
+    def chain(queries, res_k, res_v, res_tok, codebook, codes, flags, acc, pages, addrs_k,
+              addrs_v, fence, sizes, acc_params, sink):
+        Hq = queries.shape[1]
+        q, s_r, cols = device_attend.resident_scores(queries, scale, res_k, res_tok, W)
+        z = metal.codebook_scores(q, codebook, codes, W, rep=rep)
+        # the resident tokens' exact scores; empty slots write the spare column W
+        z = mx.put_along_axis(mx.concatenate([z, _const((Hq, 1), 0.0)], axis=1), cols, s_r,
+                              axis=1)
+        zc, excl, za = chunk_logits(z, flags, W, rep, W, width=W, sizes=sizes)
+        idx, count = metal.tau_select(zc, W // CHUNK, excl, tau, capc, floorc)
+        kr, vr, ok = device_attend.gather_kv(None, host, idx, count, flags,
+                                             where=(pages, addrs_k, addrs_v, sizes, fence))
+        o, stats = device_attend.attend(q, res_k, res_v, res_tok, kr, vr, ok,
+                                        sink if has_sink else None, out_dtype)
+        if alpha is None:
+            return o, stats, q, ok, acc
+        lse = mx.logsumexp(za, axis=1)  # the softmax total over the n tokens
+        acc_new = metal.acc_update(acc, z, lse, _const((Hq,), 1.0), W, rep, alpha,
+                                   params=acc_params)
+        return o, stats, q, ok, acc_new
+
+    return chain
