@@ -16,6 +16,7 @@ import numpy as np
 from decode_speed import build_model, seed_kv, tiered_caches, time_decode
 
 from tiered import device_attend
+from tiered import device_chunks as dc
 from tiered import device_decode as dd
 from tiered import metal
 
@@ -60,9 +61,9 @@ def main():
     z, _ = L._select_device(q, s_r, Hq, rep, select=False)
     mx.eval(z)
     n_host = host.length
-    rows["chunk logits (MLX ops)"] = lambda: dd.chunk_scores(z, L.flags, n_host, rep)
-    rows["chunk logits (kernel)"] = lambda: dd.chunk_logits(z, L.flags, n_host, rep, n)
-    zc, excl = dd.chunk_scores(z, L.flags, n_host, rep)
+    rows["chunk logits (MLX ops)"] = lambda: dc.chunk_scores(z, L.flags, n_host, rep)
+    rows["chunk logits (kernel)"] = lambda: dc.chunk_logits(z, L.flags, n_host, rep, n)
+    zc, excl = dc.chunk_scores(z, L.flags, n_host, rep)
     mx.eval(zc, excl)
     cap, floor = L._cap(n)
     capc = max(1, cap // dd.CHUNK)
@@ -72,7 +73,7 @@ def main():
     mx.eval(idx, count)
     rows["token selection (old path)"] = lambda: metal.tau_select(z, n, L.flags, L.config.tau,
                                                                   cap, 32)
-    rows["chunk tokens + mask"] = lambda: dd.chunk_tokens(idx, count, L.flags, n_host)
+    rows["chunk tokens + mask"] = lambda: dc.chunk_tokens(idx, count, L.flags, n_host)
     rows["gather values (host pages)"] = lambda: dd.gather_chunks(tables, host, host.values, idx,
                                                                   count, L.flags)
     if host.keys is not None:

@@ -15,7 +15,8 @@ from conftest import make_small_model
 from mlx_lm.models.cache import KVCache
 
 from tiered import TieredCache, uva
-from tiered.device_decode import CHUNK, chunk_logits, chunk_scores, chunk_tokens
+from tiered.device_chunks import chunk_logits, chunk_scores, chunk_tokens
+from tiered.device_decode import CHUNK
 
 needs_cuda = pytest.mark.skipif(not uva.available(),
                                 reason="the device path needs MLX's CUDA backend")

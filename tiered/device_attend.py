@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .device_decode import CHUNK, CHUNK_WORD, DeviceTables, host_mx_dtype, page_fence
+from .device_decode import CHUNK, CHUNK_WORD, DeviceTables, host_mx_dtype, kept, page_fence
 from .metal import device_floats, device_ints
 from .primitives import merge_partials
 
@@ -264,17 +264,6 @@ def _split(R: int, T: int, H: int) -> int:
     return max(64, -(-((R + T) // per_head) // 64) * 64)
 
 
-_ZEROS: dict = {}
-
-
-def _zeros(n: int) -> mx.array:
-    """A kept float32 array of n zeros (the absent sink; a fresh one would be a launch)."""
-    if n not in _ZEROS:
-        _ZEROS[n] = mx.zeros((n,), mx.float32)
-        mx.eval(_ZEROS[n])
-    return _ZEROS[n]
-
-
 def attend(q, rk, rv, rtok, gk, gv, ok, sinks, out_dtype):
     """Softmax attention of q (Hq, D) float32 (scaled) over the resident set (rk, rv
     (H, R, D), slot empty where rtok (H, R) < 0) and the gathered rows (gk, gv (H, T, D),
@@ -297,7 +286,7 @@ def attend(q, rk, rv, rtok, gk, gv, ok, sinks, out_dtype):
         output_shapes=[(H * ns, rep), (H * ns, rep), (H * ns, rep, D), (H * ns, rep)],
         output_dtypes=[mx.float32, mx.float32, mx.float32, mx.int32],
         grid=(H * ns * 128, 1, 1), threadgroup=(128, 1, 1), template=tmpl)
-    sink = _zeros(Hq) if sinks is None else mx.array(sinks).astype(mx.float32).reshape(Hq)
+    sink = kept((Hq,), 0.0) if sinks is None else mx.array(sinks).astype(mx.float32).reshape(Hq)
     out, stats = _kernel("merge")(
         inputs=[pm, pl, po, cnt, sink, dims], output_shapes=[(Hq, D), (Hq, 2)],
         output_dtypes=[out_dtype, mx.float32], grid=(Hq * D, 1, 1), threadgroup=(D, 1, 1),

@@ -30,16 +30,15 @@ from types import SimpleNamespace
 import mlx.core as mx
 
 from . import device_attend, metal
-from .device_decode import CHUNK, chunk_logits, host_mx_dtype
+from .device_chunks import chunk_logits, chunk_widths
+from .device_decode import CHUNK, kept
 from .keys import CodebookKeys
-from .metal import device_ints
 from .metal.codebook import kernel_supports
 
 MAX_FUNCTIONS = 32  # compiled functions kept (each holds its traces); the oldest is dropped
 MIN_GRAIN, MAX_GRAIN = 256, 4096  # tokens: W is n rounded up to a multiple of a grain
 
 _functions: OrderedDict = OrderedDict()
-_consts: dict = {}
 
 
 def enabled() -> bool:
@@ -70,15 +69,6 @@ def why_not(layer) -> str | None:
     return None
 
 
-def _const(shape: tuple, value: float) -> mx.array:
-    """A kept float32 constant (the same array in every layer, so traces are shared)."""
-    got = _consts.get((shape, value))
-    if got is None:
-        got = _consts[(shape, value)] = mx.full(shape, value, mx.float32)
-        mx.eval(got)
-    return got
-
-
 def step(layer, queries, scale, sinks, tables, n: int, n_host: int, cap: int, floor: int):
     """The compiled chain for one layer's query, or None where it cannot run (the caller
     then builds the step op by op). Returns (o (Hq, dv) in the query dtype, stats (Hq, 2),
@@ -103,22 +93,49 @@ def step(layer, queries, scale, sinks, tables, n: int, n_host: int, cap: int, fl
            queries.dtype, host.page_size, kt.pages_per_block, vt.pages_per_block,
            kt.head_dim, vt.head_dim, kt.dtype, vt.dtype)
     fn = _compiled(key)
-    sizes = device_ints(n_host, n, W // CHUNK)  # the same array in every layer of the step
-    sink = (_const((Hq,), 0.0) if sinks is None
+    # the same arrays in every layer of the step, from their own cache (see _placeholder)
+    sizes = _step_ints(n_host, n, *chunk_widths(n_host, n, W))
+    sink = (_placeholder((Hq,)) if sinks is None
             else mx.array(sinks).astype(mx.float32).reshape(Hq))
-    acc = heavy.acc if heavy is not None else _const((1, 1), 0.0)
-    acc_params = device_ints(n, W + 1, acc.shape[1])
+    acc = heavy.acc if heavy is not None else _placeholder((1, 1))
+    acc_params = _step_ints(n, W + 1, acc.shape[1])
     o, stats, q, ok, acc_new = fn(
         queries, layer.res_k, layer.res_v, layer.res_tok, keys.codebook, keys.codes,
         layer.flags, acc, tables.pages(host, pages_w), tables.addrs(kt, blocks[0]),
-        tables.addrs(vt, blocks[1]), device_fence(host), sizes, acc_params, sink)
+        tables.addrs(vt, blocks[1]), _placeholder((1,), mx.int32) if host.fence is None
+        else host.fence, sizes, acc_params, sink)
     host.device_op(ok)  # a sibling of the gathered rows: evaluated with them
     return o, stats, q, (acc_new if heavy is not None else None)
 
 
-def device_fence(host) -> mx.array:
-    """The pages' fence (see device_decode.page_fence)."""
-    return device_ints(0) if host.fence is None else host.fence
+_placeholders: dict = {}
+
+
+def _placeholder(shape: tuple, dtype=mx.float32) -> mx.array:
+    """A kept zero array that only stands for an absent input (no sink, no accumulators, no
+    fence yet). Not :func:`~tiered.device_decode.kept` nor a parameter array: the chain uses
+    those inside, and an array that is both an input and captured inside a trace is refused
+    ("uncaptured inputs")."""
+    got = _placeholders.get((shape, dtype))
+    if got is None:
+        got = _placeholders[(shape, dtype)] = mx.zeros(shape, dtype)
+        mx.eval(got)
+    return got
+
+
+_ints: dict = {}
+
+
+def _step_ints(*values: int) -> mx.array:
+    """An int32 input of the chain, kept by value for the layers of a step (not a shared
+    parameter array, which the chain may capture inside: see :func:`_placeholder`)."""
+    got = _ints.get(values)
+    if got is None:
+        if len(_ints) >= 64:
+            _ints.clear()
+        got = _ints[values] = mx.array(values, mx.int32)
+        mx.eval(got)
+    return got
 
 
 def _compiled(key: tuple):
@@ -140,7 +157,6 @@ def _chain(key: tuple):
         page_size=page_size,
         keys=SimpleNamespace(dtype=kdtype, head_dim=dk, pages_per_block=ppb_k),
         values=SimpleNamespace(dtype=vdtype, head_dim=dv, pages_per_block=ppb_v))
-    assert host_mx_dtype(kdtype) is not None and host_mx_dtype(vdtype) is not None
 
     def chain(queries, res_k, res_v, res_tok, codebook, codes, flags, acc, pages, addrs_k,
               addrs_v, fence, sizes, acc_params, sink):
@@ -148,7 +164,7 @@ def _chain(key: tuple):
         q, s_r, cols = device_attend.resident_scores(queries, scale, res_k, res_tok, W)
         z = metal.codebook_scores(q, codebook, codes, W, rep=rep)
         # the resident tokens' exact scores; empty slots write the spare column W
-        z = mx.put_along_axis(mx.concatenate([z, _const((Hq, 1), 0.0)], axis=1), cols, s_r,
+        z = mx.put_along_axis(mx.concatenate([z, kept((Hq, 1), 0.0)], axis=1), cols, s_r,
                               axis=1)
         zc, excl, za = chunk_logits(z, flags, W, rep, W, width=W, sizes=sizes)
         idx, count = metal.tau_select(zc, W // CHUNK, excl, tau, capc, floorc)
@@ -159,7 +175,7 @@ def _chain(key: tuple):
         if alpha is None:
             return o, stats, q, ok, acc
         lse = mx.logsumexp(za, axis=1)  # the softmax total over the n tokens
-        acc_new = metal.acc_update(acc, z, lse, _const((Hq,), 1.0), W, rep, alpha,
+        acc_new = metal.acc_update(acc, z, lse, kept((Hq,), 1.0), W, rep, alpha,
                                    params=acc_params)
         return o, stats, q, ok, acc_new
 

@@ -29,7 +29,8 @@ import time
 import mlx.core as mx
 
 from . import device_attend, device_compiled, metal
-from .device_decode import CHUNK, DeviceTables, chunk_logits, chunk_token_ids, gather_chunks
+from .device_chunks import chunk_logits, chunk_token_ids
+from .device_decode import CHUNK, DeviceTables, gather_chunks, kept
 from .stats import Column
 
 # Hand the graph to the device every ASYNC_EVERY layers as soon as it is queued (0: never, the
@@ -69,7 +70,7 @@ def decode(layer, queries, scale, sinks, tables: DeviceTables):
     # every token's codebook score, the resident tokens' replaced by their exact ones (empty
     # slots write the spare column n, which nothing reads)
     z = layer.keys.scores(q, n, rep)
-    z = mx.put_along_axis(mx.concatenate([z, tables.zeros(Hq, 1)], axis=1), cols, s_r, axis=1)
+    z = mx.put_along_axis(mx.concatenate([z, kept((Hq, 1), 0.0)], axis=1), cols, s_r, axis=1)
     zc, excl, za = chunk_logits(z, layer.flags, n_host, rep, n)
     capc = max(1, cap // CHUNK)
     idx, count = metal.tau_select(zc, zc.shape[1], excl, cfg.tau, capc,
@@ -86,7 +87,7 @@ def decode(layer, queries, scale, sinks, tables: DeviceTables):
         layer.journal.record(n, "step", (n, q, rep, layer.steps))
         if layer.heavy is not None:
             lse = mx.logsumexp(za, axis=1)  # the softmax total over the n tokens
-            writes.append(layer.heavy.update(z, lse, tables.ones(Hq), n, rep))
+            writes.append(layer.heavy.update(z, lse, kept((Hq,), 1.0), n, rep))
     return _finish(layer, queries, o, mass, mean_count, marks, writes)
 
 
