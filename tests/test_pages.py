@@ -91,6 +91,36 @@ def test_truncate_frees_pages_and_reuses_them():
         store.truncate(99)
 
 
+def test_logical_pages_are_kept_until_the_pages_change(monkeypatch):
+    """logical_pages returns the same array while the pages stay (the device path compares
+    it by identity), and the page list as it is after an append, a truncate followed by an
+    append of the same page count, and an append that failed part-way."""
+    rng = np.random.default_rng(6)
+    store = HostStore(2, 4, page_size=4, dtype="float32", keys=False, pages_per_block=2)
+    store.append(_data(rng, 1, 2, 10, 4))
+    a = store.logical_pages()
+    assert store.logical_pages() is a and a.tolist() == store._pages[0]
+    store.append(_data(rng, 1, 2, 1, 4))  # same page: same array
+    assert store.logical_pages() is a
+    store.append(_data(rng, 1, 2, 2, 4))  # a new page
+    b = store.logical_pages()
+    assert b is not a and b.tolist() == store._pages[0] and len(b) == 4
+    store.truncate(4)  # one page left; the freed ones come back in another order
+    store.append(_data(rng, 1, 2, 9, 4))
+    c = store.logical_pages()
+    assert len(c) == len(b) and c.tolist() == store._pages[0] != b.tolist()
+    before, length = list(store._pages[0]), store.length
+
+    def fail(*args):
+        raise OSError("disk tier full")
+
+    monkeypatch.setattr(store, "_new_page", fail)
+    with pytest.raises(OSError):
+        store.append(_data(rng, 1, 2, 9, 4))  # fills the last page, then fails
+    assert store._pages[0] == before and store.length == length
+    assert store.logical_pages().tolist() == before
+
+
 def test_batch_rows_are_separate():
     rng = np.random.default_rng(2)
     store = HostStore(2, 4, page_size=4, dtype="float32", batch=3)

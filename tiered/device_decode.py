@@ -185,9 +185,8 @@ class DeviceTables:
         """The page table (physical page of each logical one); ``width``: padded with zeros to
         that many pages (a shape kept while pages are added; the kernels read only the pages
         below the host length)."""
-        pages = host.logical_pages(0)  # a few thousand ids at 1M tokens: compared each step
-        if (self._pages is None or self._pages[2] != width
-                or not np.array_equal(self._pages[0], pages)):
+        pages = host.logical_pages(0)  # the same object until the pages change
+        if self._pages is None or self._pages[2] != width or self._pages[0] is not pages:
             padded = pages
             if width is not None and width > len(pages):
                 padded = np.concatenate([pages, np.zeros(width - len(pages), pages.dtype)])
