@@ -127,12 +127,16 @@ class DecodePaths:
             sinks = mx.array(sinks).astype(mx.float32).reshape(Hq)
         return merge_partials(o_r, lse_r, o_c, lse_c, sinks)
 
-    def _end_step(self, queries, o, resident_mass, mean_count, marks):
+    def _end_step(self, queries, o, resident_mass, mean_count, marks, keep_later=False):
         """Stats, the periodic H2O refresh, and the output (1, Hq, 1, dv) in the query dtype.
-        resident_mass: the resident set's share of the attention mass (lazy)."""
+        resident_mass: the resident set's share of the attention mass (lazy). ``keep_later``:
+        the caller evaluates the refresh's lazy arrays with its graph (``_take_later``); else
+        they are handed to the device here."""
         Hq = queries.shape[1]
         if self._update:
             self._step_done(mean_count, resident_mass)
+        if not keep_later and self._later:
+            mx.async_eval(*self._take_later())
         marks.append(("finish", time.perf_counter()))
         self.parent.stats.last_step_s = marks[-1][1] - marks[0][1]
         self.parent.stats.record_phases(marks)

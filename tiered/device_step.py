@@ -95,7 +95,8 @@ def _finish(layer, queries, o, mass, mean_count, marks, writes):
     """The step's end: stats, refresh, the output ordered after the step's writes and handed
     to the device every ASYNC_EVERY layers."""
     marks.append(("build", time.perf_counter()))
-    out = layer._end_step(queries, o, mass, mean_count, marks)
+    out = layer._end_step(queries, o, mass, mean_count, marks, keep_later=True)
+    writes += layer._take_later()  # a refresh's lazy arrays: evaluated with this step
     out = mx.depends(out, writes) if writes else out
     # The device starts on these layers while Python queues the next ones: a token's graph is
     # otherwise built for every layer before any of it runs (host time then adds to device

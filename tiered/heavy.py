@@ -104,14 +104,16 @@ class HeavyHitters:
         p = (1 - alpha) * p.reshape(H, rep, n).mean(axis=1)
         self.acc[:, :n] = (self.acc[:, :n] - p) / alpha
 
-    def prefetch(self, count: int, lo: int, hi: int) -> None:
-        """Queue :meth:`top` (count, lo, hi) on the accelerator now, to be read by the next
-        ``top`` with the same arguments if the accumulators have not changed meanwhile: the
-        read then finds the ids computed (a read of them right away waits for the device)."""
+    def prefetch(self, count: int, lo: int, hi: int) -> list:
+        """Queue :meth:`top` (count, lo, hi) on the accelerator, to be read by the next ``top``
+        with the same arguments if the accumulators have not changed meanwhile: the read then
+        finds the ids computed (a read of them right away waits for the device). Returns the
+        lazy arrays, for the caller to evaluate with the step's graph."""
         self._queued = None
         if self._np is None and count > 0 and hi > lo:
             self._queued = ((count, lo, hi), self._top_device(min(count, hi - lo), lo, hi))
-            mx.async_eval(*self._queued[1])
+            return list(self._queued[1])
+        return []
 
     def _top_device(self, k: int, lo: int, hi: int):
         neg = -self.acc[:, lo:hi]

@@ -75,8 +75,14 @@ class ResidentSet:
         reading them waits for nothing (reading them now waited for the device to finish the
         step so far, twice per token)."""
         R, S, W = self._refresh_layout(self.n, True)
-        self.heavy.prefetch(max(R - S - W, 0), min(S, self.n), max(self.n - W, 0))
+        self._later += self.heavy.prefetch(max(R - S - W, 0), min(S, self.n),
+                                           max(self.n - W, 0))
         self._refresh_due = True
+
+    def _take_later(self) -> list:
+        """The refresh's lazy arrays queued since the last step (see ``_later``), handed over."""
+        later, self._later = self._later, []
+        return later
 
     def settle(self) -> None:
         """Apply a queued refresh (:meth:`queue_refresh`) before the layer is read or changed."""
@@ -170,8 +176,10 @@ class ResidentSet:
             self._flags_np[heads, toks] = value
         elif heads.size:
             self.flags[heads_d, toks_d] = value_d.astype(mx.uint8)
-        later = (k, v) + ((rows_k, rows_v) if journal else ())
-        (mx.eval if self.numpy_path else mx.async_eval)(*later)  # no wait on an accelerator
+        if self.numpy_path:
+            mx.eval(k, v, *((rows_k, rows_v) if journal else ()))
+        else:  # evaluated with the next step (no wait, and no hand-off of their own)
+            self._later += [k, v] + ([rows_k, rows_v] if journal else [])
         self.S_eff, self.W_eff = S, W
         self._set_resident(k, v, tok, tok_d)
         self._keep_ring_rows()

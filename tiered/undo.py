@@ -73,18 +73,22 @@ def ring_rows(layer, slots) -> tuple:
     A ring slot holding token t holds t's own K/V rows, so on an accelerator a decode token
     (one slot, the same token in every head) journals the rows kept when t entered the ring
     (``layer.ring_src``): no copy and no hand-off to the device (each ``async_eval`` costs
-    ~0.2 ms of host time on MLX CUDA). Otherwise the rows are copies, evaluated now
-    (scheduled, on an accelerator). A slice (lazy, or evaluated: a view) shares res_k / res_v's
-    buffer until an undo that rarely comes, so the insert that follows could not update them in
-    place and copied them in full every step (MLX CPU, 3 x 8192 x 64 float32: 2.8-5.2 ms per
-    update instead of 0.13-0.4), and the journal kept up to undo_tokens old copies alive."""
+    ~0.2 ms of host time on MLX CUDA). Otherwise the rows are copies, evaluated now on the
+    CPU backend and with the layer's next step on an accelerator. A slice (lazy, or evaluated:
+    a view) shares res_k / res_v's buffer until an undo that rarely comes, so the insert that
+    follows could not update them in place and copied them in full every step (MLX CPU,
+    3 x 8192 x 64 float32: 2.8-5.2 ms per update instead of 0.13-0.4), and the journal kept up
+    to undo_tokens old copies alive."""
     old_tok = layer._res_tok_np[:, slots].copy()
     t = int(old_tok[0, 0]) if old_tok.size else -1
     if len(slots) == 1 and t in layer.ring_src and np.all(old_tok == t):
         return (old_tok,) + layer.ring_src.pop(t)
     idx = _slot_index(slots)
     k, v = mx.array(layer.res_k[:, idx]), mx.array(layer.res_v[:, idx])
-    (mx.eval if layer.numpy_path else mx.async_eval)(k, v)
+    if layer.numpy_path:
+        mx.eval(k, v)
+    else:  # evaluated with the layer's next step (CompressedLayer._later): no hand-off
+        layer._later += [k, v]
     return old_tok, k, v
 
 
