@@ -107,9 +107,10 @@ def test_chunk_logits_at_a_kept_width(n_host, n, width):
 @pytest.mark.accelerator
 @needs_cuda
 def test_compiled_step_decodes_as_the_step_op_by_op(monkeypatch):
-    """tiered.device_compiled: the chain compiled at a kept width gives the outputs, pages and
-    H2O accumulators of the same step built op by op, across refreshes and width changes."""
-    from tiered import device_compiled
+    """tiered.device_compiled and tiered.device_append: the chain compiled at a kept width, and
+    the append as one compiled call, give the outputs, pages, H2O accumulators, codes and
+    resident set of the same steps built op by op, across refreshes and width changes."""
+    from tiered import device_append, device_compiled
 
     model = make_small_model("llama-gqa-d64", layers=3, seed=2)
     rng = np.random.default_rng(9)
@@ -118,6 +119,7 @@ def test_compiled_step_decodes_as_the_step_op_by_op(monkeypatch):
     for flag in ("0", "1"):
         monkeypatch.setenv("TIERED_COMPILE", flag)
         device_compiled._functions.clear()
+        device_append._functions.clear()
         cache = TieredCache.for_model(model, gpu_budget=0.25, page_size=64, recent=16,
                                       device_gather="on", compress_from=1)
         mx.eval(model(mx.array([prompt]), cache=cache))
@@ -126,16 +128,27 @@ def test_compiled_step_decodes_as_the_step_op_by_op(monkeypatch):
         layers = [c for c in cache if isinstance(c, TieredCache)]
         assert all(c.compressed._compile_ok == (flag == "1") for c in layers)
         assert (len(device_compiled._functions) > 0) == (flag == "1")
+        assert (len(device_append._functions) > 0) == (flag == "1")
+        state = [[np.array(x) for x in (c.compressed.keys.codes[:, : c.compressed.n],
+                                        c.compressed.flags, c.compressed.res_tok,
+                                        c.compressed.res_k, c.compressed.res_v)]
+                 for c in layers]
         runs.append((mx.concatenate(got, axis=1),
-                     [c.host.read("values", 0, 0, c.host.length) for c in layers],
-                     [np.array(c.compressed.heavy.acc) for c in layers]))
+                     [c.host.read(kind, 0, 0, c.host.length) for c in layers
+                      for kind in ("keys", "values")],
+                     [np.array(c.compressed.heavy.acc) for c in layers], state))
         cache.close()
-    (a, pa, ha), (b, pb, hb) = runs
+    (a, pa, ha, sa), (b, pb, hb, sb) = runs
     assert mx.abs(a - b).max().item() <= 1e-3
     for x, y in zip(pa, pb):
         np.testing.assert_array_equal(x, y)
     for x, y in zip(ha, hb):
         np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+    for x, y in zip(sa, sb):  # codes, flags, token ids exactly; rows up to the outputs' rounding
+        for u, v in zip(x[:3], y[:3]):
+            np.testing.assert_array_equal(u, v)
+        for u, v in zip(x[3:], y[3:]):
+            np.testing.assert_allclose(u, v, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.accelerator

@@ -30,7 +30,7 @@ import numpy as np
 
 from tiered import metal
 
-from . import device_decode, device_step, ops, undo
+from . import device_append, device_decode, device_step, ops, undo
 from .chunked import ChunkAttention
 from .compressed_state import CompressedState
 from .decode_paths import DecodePaths
@@ -194,6 +194,11 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         self.parent.write_behind(keys, values)
         if n0 + L > self.capacity:
             self._alloc(capacity(n0 + L, self.plan.step), n0)
+        if device_append.ready(self, L) and device_append.append(self, keys, values):
+            self.n = n0 + L  # door, codes, ring, flags, accumulator, write-behind: one call
+            return keys, values
+        if self.on_device:
+            self.parent.door_on_device(keys, values)
         if self.numpy_path:  # the numba encoder's threads (each setting costs ~0.06 ms)
             with ops.kernel_threads(self.config.kernel_threads if L == 1 else 1 << 16):
                 self.keys.append(keys[0], n0)

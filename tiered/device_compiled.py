@@ -85,9 +85,7 @@ def step(layer, queries, scale, sinks, tables, n: int, n_host: int, cap: int, fl
     rep = Hq // layer.H
     capc = max(1, cap // CHUNK)
     floorc = min(capc, -(-floor // CHUNK))
-    # pages and blocks padded to what W tokens need (so they keep their shape as they grow)
-    pages_w = W // host.page_size + 1
-    blocks = [max(1, -(-pages_w // t.pages_per_block)) for t in (kt, vt)]
+    pages, addrs_k, addrs_v = page_tables(tables, host, W)
     alpha = heavy.alpha if heavy is not None else None
     key = (W, float(scale), layer.config.tau, capc, floorc, alpha, rep, sinks is not None,
            queries.dtype, host.page_size, kt.pages_per_block, vt.pages_per_block,
@@ -101,11 +99,21 @@ def step(layer, queries, scale, sinks, tables, n: int, n_host: int, cap: int, fl
     acc_params = _step_ints(n, W + 1, acc.shape[1])
     o, stats, q, ok, acc_new = fn(
         queries, layer.res_k, layer.res_v, layer.res_tok, keys.codebook, keys.codes,
-        layer.flags, acc, tables.pages(host, pages_w), tables.addrs(kt, blocks[0]),
-        tables.addrs(vt, blocks[1]), _placeholder((1,), mx.int32) if host.fence is None
-        else host.fence, sizes, acc_params, sink)
+        layer.flags, acc, pages, addrs_k, addrs_v,
+        _placeholder((1,), mx.int32) if host.fence is None else host.fence, sizes, acc_params,
+        sink)
     host.device_op(ok)  # a sibling of the gathered rows: evaluated with them
     return o, stats, q, (acc_new if heavy is not None else None)
+
+
+def page_tables(tables, host, W: int):
+    """(page table, key block addresses, value block addresses) padded to what W tokens need,
+    so they keep their shape as the pages grow (the append and the step share them)."""
+    pages_w = W // host.page_size + 1
+    kt, vt = host.keys, host.values
+    return (tables.pages(host, pages_w),
+            tables.addrs(kt, max(1, -(-pages_w // kt.pages_per_block))),
+            tables.addrs(vt, max(1, -(-pages_w // vt.pages_per_block))))
 
 
 _placeholders: dict = {}
@@ -131,7 +139,7 @@ def _step_ints(*values: int) -> mx.array:
     parameter array, which the chain may capture inside: see :func:`_placeholder`)."""
     got = _ints.get(values)
     if got is None:
-        if len(_ints) >= 64:
+        if len(_ints) >= 512:
             _ints.clear()
         got = _ints[values] = mx.array(values, mx.int32)
         mx.eval(got)

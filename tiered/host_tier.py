@@ -31,16 +31,18 @@ class HostTier:
         On the CPU backend the check is immediate (the arrays are read anyway); on a GPU it is
         queued with the step and read where the tokens reach the host (a sync of its own per
         layer and token would cost more than the step: see issue 24)."""
-        if getattr(self.compressed, "on_device", False):  # one launch, evaluated with the step
-            self._finite_bad = device_decode.first_bad(keys, values, self.offset,
-                                                       self._finite_bad)
-            return
+        if getattr(self.compressed, "on_device", False):
+            return  # the append queues it, evaluated with the step (CompressedLayer.append)
         ok = mx.isfinite(keys).all() & mx.isfinite(values).all()
         if ops.on_cpu_backend():
             if not ok.item():
                 raise ValueError(self._non_finite(self.offset, keys.shape[2]))
         else:
             self._finite_checks.append((self.offset, keys.shape[2], ok))
+
+    def door_on_device(self, keys, values):
+        """The device path's door (see :meth:`_door`): one launch, folded into the lazy flag."""
+        self._finite_bad = device_decode.first_bad(keys, values, self.offset, self._finite_bad)
 
     def _non_finite(self, start: int, L: int) -> str:
         return (f"layer {self.layer}: non-finite keys or values (NaN or Inf) at tokens "
