@@ -92,7 +92,7 @@ def append(layer, keys: mx.array, values: mx.array) -> bool:
     kt, vt = host.keys, host.values
     key = (gone >= 0, clear, write, layer.dtype, host.page_size, kt.pages_per_block,
            vt.pages_per_block, kt.dtype, vt.dtype)
-    fn = _compiled(key)
+    fn = device_compiled.compiled(_functions, key, _body, MAX_FUNCTIONS)
     ph = device_compiled._placeholder
     fence = ph((1,), mx.int32) if host.fence is None else host.fence
     ints = device_compiled._step_ints
@@ -111,17 +111,6 @@ def append(layer, keys: mx.array, values: mx.array) -> bool:
     if write:
         host.device_op(done)
     return True
-
-
-def _compiled(key: tuple):
-    fn = _functions.get(key)
-    if fn is None:
-        fn = _functions[key] = mx.compile(_body(key))
-        while len(_functions) > MAX_FUNCTIONS:
-            _functions.popitem(last=False)
-    else:
-        _functions.move_to_end(key)
-    return fn
 
 
 def _body(key: tuple):

@@ -13,7 +13,7 @@ it keeps between steps: the codebook scores, chunk logits and selection cover W 
 (:func:`width`, about n / 32 more at most), the columns past n empty, and the sizes that change
 every step (n, the host length) are an input array. What is a Python value here (W, the
 resident slots R, the cap, tau, the scale...) is part of the key of the compiled function
-(:func:`_compiled`, a bounded cache); R changes only at a refresh, W every few thousand tokens.
+(:func:`compiled`, a bounded cache); R changes only at a refresh, W every few thousand tokens.
 
 The chain: resident scores -> codebook scores -> the resident tokens' exact scores put in ->
 chunk logits -> tau selection of chunks -> keys and values gathered from the host pages ->
@@ -90,7 +90,7 @@ def step(layer, queries, scale, sinks, tables, n: int, n_host: int, cap: int, fl
     key = (W, float(scale), layer.config.tau, capc, floorc, alpha, rep, sinks is not None,
            queries.dtype, host.page_size, kt.pages_per_block, vt.pages_per_block,
            kt.head_dim, vt.head_dim, kt.dtype, vt.dtype)
-    fn = _compiled(key)
+    fn = compiled(_functions, key, _chain, MAX_FUNCTIONS)
     # the same arrays in every layer of the step, from their own cache (see _placeholder)
     sizes = _step_ints(n_host, n, *chunk_widths(n_host, n, W))
     sink = (_placeholder((Hq,)) if sinks is None
@@ -146,14 +146,16 @@ def _step_ints(*values: int) -> mx.array:
     return got
 
 
-def _compiled(key: tuple):
-    fn = _functions.get(key)
+def compiled(functions: OrderedDict, key: tuple, body, limit: int):
+    """``mx.compile(body(key))`` from ``functions``, a cache of at most ``limit`` (the least
+    recently used is dropped, with its traces)."""
+    fn = functions.get(key)
     if fn is None:
-        fn = _functions[key] = mx.compile(_chain(key))
-        while len(_functions) > MAX_FUNCTIONS:
-            _functions.popitem(last=False)
+        fn = functions[key] = mx.compile(body(key))
+        while len(functions) > limit:
+            functions.popitem(last=False)
     else:
-        _functions.move_to_end(key)
+        functions.move_to_end(key)
     return fn
 
 
