@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .host_tensor import MX_DTYPES, NP_DTYPES, HOST_DTYPES, HostTensor
-from .paged_rows import copy_rows
+from .host_tensor import HOST_DTYPES, NP_DTYPES, HostTensor  # noqa: F401  (HOST_DTYPES: re-exported)
+from .page_reads import PageReads
 
 
 @dataclass
@@ -40,7 +40,7 @@ class PageTable:
         return self.indices[self.indptr[b] : self.indptr[b + 1]]
 
 
-class HostStore:
+class HostStore(PageReads):
     """Keys (optional) and values of every token of one layer, in paged CPU memory.
 
     Args:
@@ -223,99 +223,6 @@ class HostStore:
             del pages[keep:]
         self._shrunk += 1
         self.length = length
-
-    # ---- reads (reference path; kernels use addrs + logical_pages) ---------------------
-    def read(self, kind: str, b: int = 0, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """(H, stop-start, d) float32 copy of tokens [start, stop) of sequence b."""
-        self.settle()
-        tensor = self._tensor(kind)
-        stop = self.length if stop is None else stop
-        if not 0 <= start <= stop <= self.length:
-            raise ValueError(f"Invalid range [{start}, {stop}) of {self.length} tokens")
-        out = np.empty((self.n_kv_heads, stop - start, tensor.head_dim), np.float32)
-        t = start
-        while t < stop:
-            page, slot = divmod(t, self.page_size)
-            take = min(self.page_size - slot, stop - t)
-            out[:, t - start : t - start + take] = tensor.read(self._pages[b][page], slot, take)
-            t += take
-        return out
-
-    def gather(self, kind: str, b: int, head: int, tokens: np.ndarray) -> np.ndarray:
-        """(len(tokens), d) float32 rows of one head, in the order given (vectorized by block)."""
-        self.settle()
-        tensor = self._tensor(kind)
-        tokens = np.asarray(tokens, np.int64)
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.length):
-            raise IndexError(f"token index out of range [0, {self.length})")
-        pages = self.logical_pages(b)[tokens // self.page_size]
-        blocks, slots = np.divmod(pages, tensor.pages_per_block)
-        offs = tokens % self.page_size
-        out = np.empty((tokens.size, tensor.head_dim), np.float32)
-        for blk in np.unique(blocks):
-            sel = blocks == blk
-            rows = tensor.views[blk][slots[sel], head, offs[sel]].astype(np.float32)
-            if tensor.dtype == "int8":
-                rows *= tensor.scale_views[blk][slots[sel], head, offs[sel], None]
-            out[sel] = rows
-        return out
-
-    def gather_rows(self, kind: str, b: int, tokens: np.ndarray) -> np.ndarray:
-        """(H, m, d) rows of tokens (H, m) (kv head h's row of token tokens[h, i]; -1 gives
-        zeros) in the storage dtype: float16 and float32 rows are copied as stored, with no
-        conversion; int8 rows come dequantized, as float32."""
-        self.settle()
-        tensor = self._tensor(kind)
-        tokens = np.asarray(tokens)
-        if tokens.ndim != 2 or tokens.shape[0] != self.n_kv_heads:
-            raise ValueError(f"Invalid shape of tokens: expected ({self.n_kv_heads}, m), got "
-                             f"{tokens.shape}")
-        if tokens.size and (tokens.min() < -1 or tokens.max() >= self.length):
-            raise IndexError(f"token index out of range [0, {self.length})")
-        if tensor.dtype == "int8":
-            out = np.zeros(tokens.shape + (tensor.head_dim,), np.float32)
-            for h in range(self.n_kv_heads):
-                keep = tokens[h] >= 0
-                out[h, keep] = self.gather(kind, b, h, tokens[h, keep])
-            return out
-        dt = np.dtype(NP_DTYPES[tensor.dtype])
-        raw = copy_rows(tensor.addrs, self.logical_pages(b), self.page_size,
-                        tensor.pages_per_block, tokens, tensor.head_dim * dt.itemsize)
-        return raw.view(dt).reshape(tokens.shape + (tensor.head_dim,))
-
-    def lazy_tokens(self, kind: str, b: int = 0) -> mx.array:
-        """(H, length, d) every token of sequence b as a lazy MLX graph over the blocks: no
-        byte is read unless it is evaluated (disk-tier blocks are read here). int8 stores come
-        dequantized (float32)."""
-        self.settle()
-        tensor = self._tensor(kind)
-        H, P, d = self.n_kv_heads, self.page_size, tensor.head_dim
-        if self.length == 0:
-            return mx.zeros((H, 0, d), MX_DTYPES[tensor.dtype] if tensor.dtype != "int8" else mx.float32)
-
-        def block(i, scales=False):
-            arr = (tensor.scale_blocks if scales else tensor.blocks)[i]
-            if arr is None:
-                arr = mx.array((tensor.scale_views if scales else tensor.views)[i])
-            return arr
-
-        parts = []
-        for page in self._pages[b]:
-            blk, slot = divmod(page, tensor.pages_per_block)
-            rows = block(blk)[slot]  # (H, P, d)
-            if tensor.dtype == "int8":
-                rows = rows.astype(mx.float32) * block(blk, scales=True)[slot][..., None]
-            parts.append(rows)
-        return mx.concatenate(parts, axis=1)[:, : self.length]
-
-    def _tensor(self, kind) -> HostTensor:
-        if kind == "values":
-            return self.values
-        if kind == "keys":
-            if self.keys is None:
-                raise ValueError("this HostStore does not keep keys (host_keys=False)")
-            return self.keys
-        raise ValueError(f"Invalid kind {kind!r}: expected 'keys' or 'values'")
 
     # ---- accounting and persistence ----------------------------------------------------
     @property
