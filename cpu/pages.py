@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .host_tensor import HOST_DTYPES, NP_DTYPES, HostTensor  # noqa: F401  (HOST_DTYPES: re-exported)
+from .host_tensor import HOST_DTYPES, NP_DTYPES, HostTensor  # noqa: F401 (re-exported)
 from .page_reads import PageReads
 
 
