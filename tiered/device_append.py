@@ -68,10 +68,8 @@ def append(layer, keys: mx.array, values: mx.array) -> bool:
     if not write and host.length < n0 + 1 - W:
         return False  # an uneven queue (after a prompt chunk): the step's flush takes it
     heavy = layer.heavy
-    clear = heavy is not None and n0 < heavy._high
-    capacity = min(layer.keys.codes.shape[1], layer.flags.shape[1],
-                   heavy.acc.shape[1] if heavy is not None else layer.keys.codes.shape[1])
-    Wd = device_compiled.width(n0 + 1, capacity)
+    clear = heavy is not None and heavy.dirty(n0)
+    Wd = device_compiled.width(n0 + 1, device_compiled.capacity(layer))
     if Wd is None:
         return False
     t_w = host.length
@@ -80,8 +78,6 @@ def append(layer, keys: mx.array, values: mx.array) -> bool:
     # -- from here on the append happens --
     slots = np.array([slot], np.int32)
     layer.journal.record(n0 + 1, "append", (n0, slots) + undo.ring_rows(layer, slots))
-    # the journal's rows of this token when it leaves the ring (lazy: the same ops as the body's)
-    layer.ring_src[n0] = (keys[0].astype(layer.dtype), values[0].astype(layer.dtype))
     layer._res_tok_np[:, slot] = n0
     if write:
         kw, vw = pending.pop(0)
@@ -102,12 +98,12 @@ def append(layer, keys: mx.array, values: mx.array) -> bool:
               kw if write else ph((1, 1, 1, 1)), vw if write else ph((1, 1, 1, 1)),
               pages, addrs_k, addrs_v, fence, ints(NO_BAD) if bad is None else bad,
               ints(n0, slot, max(gone, 0), t_w, parent.offset))
-    codes, layer.res_k, layer.res_v, layer.res_tok, layer.flags, acc, done, bad = outs
+    codes, layer.res_k, layer.res_v, layer.res_tok, layer.flags, acc, done, bad, k, v = outs
     parent._finite_bad = bad
     layer.keys.codes = codes
+    layer.ring_src[n0] = (k, v)  # the journal's rows of this token when it leaves the ring
     if clear:
-        heavy.acc = acc
-        heavy._queued = None
+        heavy.updated(acc, n0)
     if write:
         host.device_op(done)
     return True
@@ -152,6 +148,6 @@ def _body(key: tuple):
                     threadgroup=(256, 1, 1),
                     template=[("H", x.shape[0]), ("P", page_size), ("PPB", ppb),
                               ("ROW_BYTES", row)])
-        return codes, res_k, res_v, res_tok, flags, acc, done, bad
+        return codes, res_k, res_v, res_tok, flags, acc, done, bad, k_new, v_new
 
     return body

@@ -17,8 +17,9 @@ resident slots R, the cap, tau, the scale...) is part of the key of the compiled
 
 The chain: resident scores -> codebook scores -> the resident tokens' exact scores put in ->
 chunk logits -> tau selection of chunks -> keys and values gathered from the host pages ->
-attention with sink and statistics -> the H2O accumulators updated. The ring insert, the
-write-behind and the bookkeeping stay in Python (tiered.device_step), outside the trace.
+attention with sink and statistics -> the H2O accumulators updated. A decode token's append
+(codes, ring, flags, write-behind) is another compiled function, :mod:`tiered.device_append`;
+the bookkeeping stays in Python (tiered.device_step, tiered.compressed).
 """
 
 from __future__ import annotations
@@ -44,6 +45,12 @@ _functions: OrderedDict = OrderedDict()
 def enabled() -> bool:
     """Whether the device step runs compiled (``TIERED_COMPILE=0`` turns it off)."""
     return os.environ.get("TIERED_COMPILE", "1") != "0"
+
+
+def capacity(layer) -> int:
+    """Tokens the layer's codes, flags and accumulators all hold."""
+    heavy, cap = layer.heavy, min(layer.keys.codes.shape[1], layer.flags.shape[1])
+    return cap if heavy is None else min(cap, heavy.acc.shape[1])
 
 
 def width(n: int, capacity: int) -> int | None:
@@ -75,9 +82,7 @@ def step(layer, queries, scale, sinks, tables, n: int, n_host: int, cap: int, fl
     q (Hq, d) float32 scaled, new accumulators or None), lazy; ``ok`` (which gathered tokens
     were attended) becomes the host pages' fence."""
     host, keys, heavy = layer.parent.host, layer.keys, layer.heavy
-    capacity = min(keys.codes.shape[1], layer.flags.shape[1],
-                   heavy.acc.shape[1] if heavy is not None else keys.codes.shape[1])
-    W = width(n, capacity)
+    W = width(n, capacity(layer))
     if W is None:
         return None
     kt, vt = host.keys, host.values

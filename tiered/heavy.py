@@ -61,7 +61,7 @@ class HeavyHitters:
     def clear(self, start: int, L: int) -> None:
         """New tokens start at 0 (a slot can hold an undone token's value)."""
         self._queued = None
-        if start >= self._high:
+        if not self.dirty(start):
             return  # never written since the buffer was made: 0 already (an op per step saved)
         if self._np is not None:
             self._np[:, start : start + L] = 0.0
@@ -80,9 +80,14 @@ class HeavyHitters:
         self.acc = metal.acc_update(self.acc, z, m, s, n, rep, self.alpha)
         return self.acc
 
+    def dirty(self, start: int) -> bool:
+        """Whether columns from ``start`` on may hold values (written since the buffer was
+        made), so that a new token there must be cleared."""
+        return start < self._high
+
     def updated(self, acc: mx.array, n: int) -> mx.array:
-        """Take ``acc`` (a step's update of the first n, computed elsewhere:
-        tiered.device_compiled) as the accumulators; returns it."""
+        """Take ``acc`` (computed elsewhere: a compiled step's update of the first n, or the
+        compiled append's clear, tiered.device_append) as the accumulators; returns it."""
         self._queued = None
         self._high = max(self._high, n)
         self.acc = acc
