@@ -5,21 +5,25 @@ calls through Python wrappers: the key's codes, the recent ring's keys, values a
 two resident-flag writes, an accumulator clear, the door's check, and the write-behind of the
 token leaving the ring (two host-page kernels, each built from its template at every call).
 Here they are one ``mx.compile``'d function replayed from C++; the positions that change every
-token (the token, its ring slot, the token it evicts, the token written behind) are an int32
-input array:
+token (the token, its ring slot, the token it evicts) arrive as index arrays in their final
+shapes (:func:`_columns`), the token written behind and the door's offset as an int32 array:
 
-- codes[:, n0] = the key's nearest centroids (:func:`tiered.codecs.pq.encode_mx`);
+- codes[:, n0] = the key's nearest centroids (the arithmetic of
+  :func:`tiered.codecs.pq.encode_mx`, the codebook's terms kept per layer);
 - res_k / res_v[:, slot] = the new key and value, res_tok[:, slot] = n0;
-- flags[:, gone] = 0 (the token the ring evicts), flags[:, n0] = 1;
+- flags[:, gone] = 0 (the token the ring evicts) and flags[:, n0] = 1, one scatter;
 - acc[:, n0] = 0 where that column held an undone token's accumulator;
-- the oldest queued token, when it leaves the ring now, written into its host page (the page
-  looked up on the device in the page table the step reads too);
+- the oldest queued token, when it leaves the ring now, written into its host pages, keys and
+  values in one launch that looks its page up in the page table the step reads too;
 - the door (:meth:`tiered.host_tier.HostTier._door`): the first non-finite position so far,
   folded into the cache's lazy flag.
 
-Each column write is a scatter (``mx.put_along_axis``): ``mx.slice_update`` with a start
+Each column write is one scatter (``mx.put_along_axis``): ``mx.slice_update`` with a start
 array makes host arrays and two launches per call on MLX CUDA (9% of an H200 token's host
-time in a native profile, with seven per layer).
+time in a native profile, with seven per layer). Indexing a token's row out of (1, H, 1, d)
+with ``x[0]`` is a gather launch in MLX; a reshape is a view. H200, 128k, same lease: 62
+primitives per layer's append became 21, and the step 125 primitives per layer became 83
+(46.2-49.3 -> 38.7-41.9 ms/token in two rounds of 15 steps, bench/device_probe.py).
 
 The bookkeeping stays in Python (:meth:`tiered.compressed.CompressedLayer.append`): the undo
 journal, the host copy of the ring's token ids, the write-behind queue and the host store's
@@ -86,18 +90,22 @@ def append(layer, keys: mx.array, values: mx.array) -> bool:
         kw = vw = None
     pages, addrs_k, addrs_v = device_compiled.page_tables(layer._tables, host, Wd)
     kt, vt = host.keys, host.values
+    codes_now, codebook = layer.keys.codes, layer.keys.codebook
+    H, g = codes_now.shape[0], codes_now.shape[2]
     key = (gone >= 0, clear, write, layer.dtype, host.page_size, kt.pages_per_block,
-           vt.pages_per_block, kt.dtype, vt.dtype)
+           vt.pages_per_block, kt.dtype, vt.dtype, codebook.shape[1] == 1)
     fn = device_compiled.compiled(_functions, key, _body, MAX_FUNCTIONS)
     ph = device_compiled._placeholder
     fence = ph((1,), mx.int32) if host.fence is None else host.fence
-    ints = device_compiled._step_ints
     bad = parent._finite_bad
-    outs = fn(keys, values, layer.keys.codebook, layer.keys.codes, layer.res_k, layer.res_v,
-              layer.res_tok, layer.flags, heavy.acc if clear else ph((1, 1)),
+    cbt, norms = _codebook_terms(layer.keys)
+    at = _columns(H, g, keys.shape[3], values.shape[3], n0, slot, gone)
+    outs = fn(keys, values, cbt, norms, codes_now, layer.res_k, layer.res_v, layer.res_tok,
+              layer.flags, heavy.acc if clear else ph((1, 1)),
               kw if write else ph((1, 1, 1, 1)), vw if write else ph((1, 1, 1, 1)),
-              pages, addrs_k, addrs_v, fence, ints(NO_BAD) if bad is None else bad,
-              ints(n0, slot, max(gone, 0), t_w, parent.offset))
+              pages, addrs_k, addrs_v, fence,
+              device_compiled._step_ints(NO_BAD) if bad is None else bad,
+              device_compiled._step_ints(parent.offset, t_w), *at)
     codes, layer.res_k, layer.res_v, layer.res_tok, layer.flags, acc, done, bad, k, v = outs
     parent._finite_bad = bad
     layer.keys.codes = codes
@@ -109,45 +117,92 @@ def append(layer, keys: mx.array, values: mx.array) -> bool:
     return True
 
 
+def _codebook_terms(keys) -> tuple[mx.array, mx.array]:
+    """The codebook's transposed centroids and squared norms as the encoder uses them
+    (tiered.codecs.pq.encode_mx), kept while the codebook stays: three ops per layer and token
+    fewer, with the same arithmetic."""
+    got = getattr(keys, "_append_terms", None)
+    if got is None or got[0] is not keys.codebook:
+        cb = keys.codebook.astype(mx.float32)
+        norms, cbt = (cb * cb).sum(axis=-1), cb.swapaxes(-1, -2)  # (H, Gc, c), (H, Gc, ds, c)
+        if cb.shape[1] == 1:
+            norms, cbt = norms[:, 0][:, None, :], cbt[:, 0]  # (H, 1, c), (H, ds, c)
+        else:
+            norms = norms[:, :, None, :]  # (H, g, 1, c)
+        mx.eval(norms, cbt)
+        got = keys._append_terms = (keys.codebook, cbt, norms)
+    return got[1], got[2]
+
+
+_COLUMNS: OrderedDict = OrderedDict()
+
+
+def _columns(H: int, g: int, dk: int, dv: int, n0: int, slot: int, gone: int) -> tuple:
+    """The scatters' indices and small values in their final shapes: the codes' column n0
+    (H, 1, g), the ring slot for keys, values and token ids, n0 (H, 1) (the token id written,
+    and the accumulators' column), the flags' columns [gone, n0] (or [n0]) and their values
+    [0, 1]. Made on the host once per distinct value and shared by the layers of a step: in
+    the compiled call each column write is then one scatter (slicing, reshaping and
+    broadcasting an index inside it cost three primitives per write)."""
+    key = (H, g, dk, dv, n0, slot, gone)
+    got = _COLUMNS.get(key)
+    if got is None:
+        cols, vals = ([gone, n0], [0, 1]) if gone >= 0 else ([n0], [1])
+        got = tuple(mx.array(a) for a in (
+            np.full((H, 1, g), n0, np.int32), np.full((H, 1, dk), slot, np.int32),
+            np.full((H, 1, dv), slot, np.int32), np.full((H, 1), slot, np.int32),
+            np.full((H, 1), n0, np.int32), np.tile(np.array([cols], np.int32), (H, 1)),
+            np.tile(np.array([vals], np.uint8), (H, 1))))
+        mx.eval(*got)
+        _COLUMNS[key] = got
+        while len(_COLUMNS) > 64:
+            _COLUMNS.popitem(last=False)
+    return got
+
+
 def _body(key: tuple):
-    (has_gone, clear, write, dtype, page_size, ppb_k, ppb_v, kdtype, vdtype) = key
+    (has_gone, clear, write, dtype, page_size, ppb_k, ppb_v, kdtype, vdtype, shared) = key
 
-    def put(a, col, update):
-        """a[:, col] = update (a 2-D or 3-D buffer; col an int32 (1,) array)."""
-        idx = mx.broadcast_to(col.reshape((1,) * a.ndim), update.shape)
-        return mx.put_along_axis(a, idx, update, axis=1)
-
-    def body(keys, values, codebook, codes, res_k, res_v, res_tok, flags, acc, kw, vw,
-             pages, addrs_k, addrs_v, fence, bad, ints):
-        k_new, v_new = keys[0].astype(dtype), values[0].astype(dtype)
-        H = k_new.shape[0]
-        n0, slot, gone, t_w, start = ints[0:1], ints[1:2], ints[2:3], ints[3:4], ints[4:5]
-        (bad,) = _kernel("door")(inputs=[keys, values, bad, start], output_shapes=[(1,)],
+    def body(keys, values, cbt, norms, codes, res_k, res_v, res_tok, flags, acc, kw, vw,
+             pages, addrs_k, addrs_v, fence, bad, ints, i_codes, i_k, i_v, i_tok, n0_col,
+             i_flags, flag_values):
+        H, dk, dv = keys.shape[1], keys.shape[3], values.shape[3]
+        k_new = keys.reshape(H, 1, dk).astype(dtype)
+        v_new = values.reshape(H, 1, dv).astype(dtype)
+        (bad,) = _kernel("door")(inputs=[keys, values, bad, ints], output_shapes=[(1,)],
                                  output_dtypes=[mx.int32], grid=(256, 1, 1),
                                  threadgroup=(256, 1, 1))
-        codes = put(codes, n0, encode_mx(k_new[None].astype(mx.float32), codebook))
-        res_k = put(res_k, slot, k_new)
-        res_v = put(res_v, slot, v_new)
-        res_tok = put(res_tok, slot, mx.broadcast_to(n0[None], (H, 1)))
-        if has_gone:
-            flags = put(flags, gone, mx.zeros((H, 1), mx.uint8))
-        flags = put(flags, n0, mx.ones((H, 1), mx.uint8))
+        # the key's nearest centroids, as tiered.codecs.pq.encode_mx computes them
+        x = k_new.astype(mx.float32)
+        g = i_codes.shape[2]
+        if shared:  # one codebook for every group: (H, g, ds) @ (H, ds, c)
+            dist = norms - 2.0 * (x.reshape(H, g, -1) @ cbt)
+            new_codes = mx.argmin(dist, axis=-1).reshape(H, 1, g)
+        else:  # a codebook per group: (H, g, 1, ds) @ (H, g, ds, c)
+            dist = norms - 2.0 * (x.reshape(H, 1, g, -1).transpose(0, 2, 1, 3) @ cbt)
+            new_codes = mx.argmin(dist, axis=-1).transpose(0, 2, 1)
+        codes = mx.put_along_axis(codes, i_codes, new_codes.astype(codes.dtype), axis=1)
+        res_k = mx.put_along_axis(res_k, i_k, k_new, axis=1)
+        res_v = mx.put_along_axis(res_v, i_v, v_new, axis=1)
+        res_tok = mx.put_along_axis(res_tok, i_tok, n0_col, axis=1)
+        flags = mx.put_along_axis(flags, i_flags, flag_values, axis=1)  # gone -> 0, n0 -> 1
         if clear:
-            acc = put(acc, n0, mx.zeros((acc.shape[0], 1), mx.float32))
+            acc = mx.put_along_axis(acc, n0_col, device_compiled._placeholder(
+                (acc.shape[0], 1)), axis=1)
         done = fence
         if write:
-            page = mx.take(pages, t_w // page_size).astype(mx.int32)
-            pslot = t_w % page_size
-            for x, addrs, ppb, hdtype in ((vw, addrs_v, ppb_v, vdtype),
-                                          (kw, addrs_k, ppb_k, kdtype)):
-                x = x[0].astype(host_mx_dtype(hdtype))
-                row = x.shape[-1] * x.dtype.size
-                (done,) = _kernel("write")(
-                    inputs=[x, page, pslot, addrs, done], output_shapes=[(1,)],
-                    output_dtypes=[mx.int32], grid=(x.shape[0] * row // 16, 1, 1),
-                    threadgroup=(256, 1, 1),
-                    template=[("H", x.shape[0]), ("P", page_size), ("PPB", ppb),
-                              ("ROW_BYTES", row)])
+            (done,) = _kernel("write_one")(
+                inputs=[vw.astype(host_mx_dtype(vdtype)), kw.astype(host_mx_dtype(kdtype)),
+                        pages, ints, addrs_v, addrs_k, fence],
+                output_shapes=[(1,)], output_dtypes=[mx.int32],
+                grid=(-(-H * max(dk * _size(kdtype), dv * _size(vdtype)) // 512) * 32, 2, 1),
+                threadgroup=(32, 1, 1),
+                template=[("H", H), ("P", page_size), ("PPBV", ppb_v), ("PPBK", ppb_k),
+                          ("ROWV", dv * _size(vdtype)), ("ROWK", dk * _size(kdtype))])
         return codes, res_k, res_v, res_tok, flags, acc, done, bad, k_new, v_new
 
     return body
+
+
+def _size(dtype_name: str) -> int:
+    return np.dtype(dtype_name).itemsize

@@ -55,11 +55,12 @@ def capacity(layer) -> int:
 
 def width(n: int, capacity: int) -> int | None:
     """The step's width: n rounded up to a grain of about n / 32 (256 to 4096 tokens, a
-    multiple of CHUNK), or None when the buffers' capacity cannot hold it."""
+    multiple of CHUNK), or None when the buffers' capacity cannot hold it and a spare column
+    (the step scores W + 1 tokens; see _chain)."""
     grain = min(MAX_GRAIN, max(MIN_GRAIN, 1 << max(0, n.bit_length() - 5)))
     w = -(-max(n, 1) // grain) * grain
-    if w > capacity:
-        w = capacity // CHUNK * CHUNK
+    if w + 1 > capacity:
+        w = (capacity - 1) // CHUNK * CHUNK
     return w if w >= n else None
 
 
@@ -177,10 +178,10 @@ def _chain(key: tuple):
               addrs_v, fence, sizes, acc_params, sink):
         Hq = queries.shape[1]
         q, s_r, cols = device_attend.resident_scores(queries, scale, res_k, res_tok, W)
-        z = metal.codebook_scores(q, codebook, codes, W, rep=rep)
-        # the resident tokens' exact scores; empty slots write the spare column W
-        z = mx.put_along_axis(mx.concatenate([z, kept((Hq, 1), 0.0)], axis=1), cols, s_r,
-                              axis=1)
+        # W + 1 columns: the resident tokens' exact scores go in, and empty slots write the
+        # spare column W (the buffers hold it: see width), which nothing reads
+        z = mx.put_along_axis(metal.codebook_scores(q, codebook, codes, W + 1, rep=rep), cols,
+                              s_r, axis=1)
         zc, excl, za = chunk_logits(z, flags, W, rep, W, width=W, sizes=sizes)
         idx, count = metal.tau_select(zc, W // CHUNK, excl, tau, capc, floorc)
         kr, vr, ok = device_attend.gather_kv(None, host, idx, count, flags,

@@ -83,6 +83,24 @@ _WRITE = r"""
     if (tid == 0) done[0] = 1;
 """
 
+_WRITE_ONE = r"""
+    // A decode token written behind, keys and values in one launch (grid.y: 0 values,
+    // 1 keys), its page looked up here: token ints[1] goes to slot ints[1] % P of logical
+    // page ints[1] / P (physical pages[...]). One thread per 16-byte word of a row (H, ROW).
+    const bool isk = blockIdx.y == 1;
+    const uint32_t ROWB = isk ? ROWK : ROWV, WPR = ROWB / 16, ppb = isk ? PPBK : PPBV;
+    const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (tid >= (uint64_t)H * WPR) return;
+    const uint32_t h = tid / WPR, w = tid % WPR;
+    const int64_t t = ints[1];
+    const int64_t pp = pages[t / P];
+    const uint64_t base = (isk ? addrs_k : addrs_v)[pp / ppb];
+    const uint64_t off = (((uint64_t)(pp % ppb) * H + h) * P + t % P) * ROWB + (uint64_t)w * 16;
+    const uint4* src = isk ? reinterpret_cast<const uint4*>(kw) : reinterpret_cast<const uint4*>(vw);
+    *reinterpret_cast<uint4*>(base + off) = src[tid];
+    if (tid == 0 && !isk) done[0] = 1;
+"""
+
 _DOOR = r"""
     // The door (tiered.host_tier) as one launch of one block: bad[0] = min(prev[0], start +
     // the first token of keys / values (1, H, L, d) holding a NaN or Inf), NO_BAD when none.
@@ -121,6 +139,11 @@ def _kernel(name: str):
             _kernels[name] = mx.fast.cuda_kernel(
                 name="tiered_door", input_names=["keys", "values", "prev", "start"],
                 output_names=["bad"], source=_DOOR)
+        elif name == "write_one":
+            _kernels[name] = mx.fast.cuda_kernel(
+                name="tiered_host_write_one",
+                input_names=["vw", "kw", "pages", "ints", "addrs_v", "addrs_k", "after"],
+                output_names=["done"], source=_WRITE_ONE)
         else:
             _kernels[name] = mx.fast.cuda_kernel(
                 name="tiered_host_write", input_names=["src", "page", "slot", "addrs", "after"],

@@ -1,0 +1,118 @@
+"""One process, one compression, every measure of the accelerator step (issue 24).
+
+A 128k compression takes ~95 s on an H200, most of a device call's time; the separate
+profilers (decode_speed, device_kernel_profile, device_host_profile, decode_rounds) each
+compress again. This one compresses once and then, at the steady state (past --warmup steps):
+
+- ms/token of --steps steps, split into queuing the graph and the final wait;
+- GPU kernels per token and their summed device time (PyTorch's CUPTI profiler);
+- the primitives of one token's graph by name (what MLX dispatches one by one);
+- then, if --spy FILE is given, writes FILE.go and decodes for --spy-seconds more, for a
+  py-spy attached from outside (see bench/decode_rounds.py).
+
+``--kv`` measures ``KVCache`` first the same way (no compression).
+
+    python3 bench/device_probe.py --model llama3-8b --context 131072 --kv
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import common  # noqa: F401  (tiered before mlx)
+import mlx.core as mx
+import numpy as np
+from decode_speed import build_model, kv_caches, seed_kv, tiered_caches
+from device_host_profile import graph_ops, print_ops
+from device_kernel_profile import profile
+
+
+def measure(name, model, cache, args):
+    y = mx.array([[1]])
+    t0 = time.perf_counter()
+    for _ in range(args.warmup):
+        y = mx.argmax(model(y, cache=cache)[:, -1], axis=-1)[:, None]
+        mx.eval(y)
+    print(f"{name}: {args.warmup} warm-up steps in {time.perf_counter() - t0:.1f} s", flush=True)
+    for r in range(args.repeats):
+        q, e = [], []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            y = mx.argmax(model(y, cache=cache)[:, -1], axis=-1)[:, None]
+            t1 = time.perf_counter()
+            mx.eval(y)
+            q.append(t1 - t0)
+            e.append(time.perf_counter() - t1)
+        tot = 1e3 * (np.array(q) + np.array(e))
+        print(f"{name}: {np.median(tot):.2f} ms/token (median of {args.steps}; queue "
+              f"{1e3 * np.median(q):.2f}, wait {1e3 * np.median(e):.2f}; slowest "
+              f"{tot.max() / np.median(tot):.2f}x)", flush=True)
+    if args.spy and name != "KVCache":  # before the kernel profiler: CUPTI stays loaded
+        open(args.spy + ".go", "w").close()
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < args.spy_seconds:
+            y = mx.argmax(model(y, cache=cache)[:, -1], axis=-1)[:, None]
+            mx.eval(y)
+        time.sleep(2)
+    if args.kernels:
+        spans = []
+        kern = profile(model, cache, args.kernels, spans)
+        n = sum(c for c, _ in kern.values()) / args.kernels
+        t = sum(us for _, us in kern.values()) / args.kernels / 1e3
+        print(f"{name}: {n:.0f} kernels/token, {t:.2f} ms kernel time/token summed, "
+              f"{busy(spans) / args.kernels / 1e3:.2f} ms with the GPU busy (overlaps "
+              f"counted once)", flush=True)
+        for k, (c, us) in sorted(kern.items(), key=lambda kv: -kv[1][1])[: args.top]:
+            print(f"  {us / args.kernels / 1e3:8.3f} ms {c / args.kernels:6.1f}x  {k}")
+    print_ops(name, graph_ops(model, cache), len(model.layers))
+
+
+def busy(spans) -> float:
+    """Microseconds covered by the union of (start, end) spans."""
+    total, end = 0.0, -float("inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama3-8b", choices=["llama3-8b-2l", "llama3-8b"])
+    ap.add_argument("--context", type=int, default=131072)
+    ap.add_argument("--budget", type=float, default=0.125)
+    ap.add_argument("--warmup", type=int, default=70)
+    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--kernels", type=int, default=3, help="steps under the kernel profiler")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--kv", action="store_true")
+    ap.add_argument("--spy", default="")
+    ap.add_argument("--spy-seconds", type=float, default=12)
+    args = ap.parse_args()
+    model, _ = build_model(args.model, mx.float16)
+    seed = seed_kv(model, None, 2048)
+    if args.kv:
+        kv = kv_caches(seed, args.context)
+        measure("KVCache", model, kv, dict_args(args, warmup=5))
+        del kv
+    t0 = time.perf_counter()
+    cache = tiered_caches(model, seed, args.context, args.budget, dict(calibration_tokens=2048))
+    print(f"tiered: caches filled in {time.perf_counter() - t0:.1f} s (commit "
+          f"{os.environ.get('TIERED_COMMIT', '?')})", flush=True)
+    measure("tiered", model, cache, args)
+    cache.close()
+
+
+def dict_args(args, **over):
+    out = argparse.Namespace(**vars(args))
+    for k, v in over.items():
+        setattr(out, k, v)
+    return out
+
+
+if __name__ == "__main__":
+    main()
