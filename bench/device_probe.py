@@ -66,7 +66,8 @@ def measure(name, model, cache, args):
               f"counted once)", flush=True)
         for k, (c, us) in sorted(kern.items(), key=lambda kv: -kv[1][1])[: args.top]:
             print(f"  {us / args.kernels / 1e3:8.3f} ms {c / args.kernels:6.1f}x  {k}")
-    print_ops(name, graph_ops(model, cache), len(model.layers))
+    if not args.no_ops:
+        print_ops(name, graph_ops(model, cache), len(model.layers))
 
 
 def busy(spans) -> float:
@@ -90,6 +91,7 @@ def main():
     ap.add_argument("--kernels", type=int, default=3, help="steps under the kernel profiler")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--kv", action="store_true")
+    ap.add_argument("--no-ops", action="store_true", help="skip counting the graph's primitives")
     ap.add_argument("--spy", default="")
     ap.add_argument("--spy-seconds", type=float, default=12)
     args = ap.parse_args()

@@ -24,6 +24,7 @@ device runs layer l.
 
 from __future__ import annotations
 
+import os
 import time
 
 import mlx.core as mx
@@ -37,7 +38,7 @@ from .stats import Column
 # token's read evaluates it all). Each hand-off costs host time (a command buffer to commit):
 # H200, Llama-3-8B shape, 128k, back to back on one cache (bench/device_eval_probe.py --every):
 # every 1 layer 48.8 ms/token, 2: 46.1, 4: 43.4, never: 46.7 (the device starts late).
-ASYNC_EVERY = 4
+ASYNC_EVERY = int(os.environ.get("TIERED_ASYNC_EVERY", "4"))
 
 
 def decode(layer, queries, scale, sinks, tables: DeviceTables):
