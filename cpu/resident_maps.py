@@ -17,10 +17,11 @@ from ._numba import kernel
 
 
 @kernel("void(int32[:, ::1], int32[:, ::1], int32[::1], int32[:, ::1], int32[:, ::1], "
-        "int32[:, ::1], int64[:, ::1])")
-def _match(old, new, scratch, src, prom, dem, counts):
+        "int32[:, ::1], int32[:, ::1], int32[:, ::1], int64[:, ::1])")
+def _match(old, new, scratch, src, prom, dem, dem_tok, changes, counts):
     H, Ro = old.shape
     Rn = new.shape[1]
+    c = 0  # flag changes so far: changes[0] heads, [1] tokens, [2] values
     for h in range(H):
         for j in range(Ro):
             t = old[h, j]
@@ -48,12 +49,24 @@ def _match(old, new, scratch, src, prom, dem, counts):
             if t >= 0:
                 if scratch[t] >= 0:
                     dem[h, d] = j
+                    dem_tok[h, d] = t
+                    changes[0, c] = h
+                    changes[1, c] = t
+                    changes[2, c] = 0
+                    c += 1
                     d += 1
                 scratch[t] = -1
         for j in range(d, Ro):
             dem[h, j] = 0
+            dem_tok[h, j] = -1
+        for j in range(p):
+            changes[0, c] = h
+            changes[1, c] = prom[h, j]
+            changes[2, c] = 1
+            c += 1
         counts[0, h] = p
         counts[1, h] = d
+    counts[2, 0] = c
 
 
 _lock = threading.Lock()
@@ -81,26 +94,23 @@ class Swap:
         src = np.empty((H, Rn), np.int32)
         prom = np.empty((H, Rn), np.int32)
         dem = np.empty((H, Ro), np.int32)
-        counts = np.empty((2, H), np.int64)
+        dem_tok = np.empty((H, Ro), np.int32)
+        changes = np.empty((3, H * (Ro + Rn)), np.int32)
+        counts = np.zeros((3, H), np.int64)
         with _lock:  # one scratch row, all -1 between calls
             if _scratch.shape[0] < top:
                 _scratch = np.full(max(top, 2 * _scratch.shape[0]), -1, np.int32)
-            _match(old, new, _scratch, src, prom, dem, counts)
+            _match(old, new, _scratch, src, prom, dem, dem_tok, changes, counts)
         self.src = src
         self.promoted_count, self.demoted_count = counts[0], counts[1]
         self.promoted = prom[:, : int(counts[0].max(initial=0))]
         md = int(counts[1].max(initial=0))
         self.demoted_slots = dem[:, :md]
-        self.demoted = np.take_along_axis(old, self.demoted_slots, axis=1)
-        self.demoted[np.arange(md)[None, :] >= counts[1][:, None]] = -1
+        self.demoted = dem_tok[:, :md]
+        self._changes = changes[:, : int(counts[2, 0])]
 
     def flag_changes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(heads, tokens, value) of the resident flags that change: 0 for the demoted tokens,
-        1 for the promoted ones."""
-        dem, prom = self.demoted, self.promoted
-        hd, jd = np.nonzero(dem >= 0)
-        hp, jp = np.nonzero(prom >= 0)
-        heads = np.concatenate([hd, hp]).astype(np.int32)
-        toks = np.concatenate([dem[hd, jd], prom[hp, jp]]).astype(np.int32)
-        value = np.concatenate([np.zeros(hd.size, np.uint8), np.ones(hp.size, np.uint8)])
-        return heads, toks, value
+        1 for the promoted ones (listed by the same pass that finds them)."""
+        heads, toks, value = self._changes
+        return heads, toks, value.astype(np.uint8)

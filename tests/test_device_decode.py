@@ -293,3 +293,32 @@ def test_tokens_fed_without_evaluation_decode_as_evaluated_ones():
     assert mx.abs(a - b).max().item() <= 1e-5
     for x, y in zip(pa, pb):
         np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.accelerator
+@needs_cuda
+@pytest.mark.parametrize("H,Gc,c,ds,d,dtype", [
+    (8, 32, 64, 4, 128, "float16"), (3, 1, 256, 8, 64, "float32"), (2, 16, 300, 4, 64,
+                                                                     "float16")])
+def test_encode_kernel_picks_a_nearest_centroid(H, Gc, c, ds, d, dtype):
+    """tiered.device_encode: each group's code is a nearest centroid, as the MLX encoder's is
+    (their distances agree to float32 rounding; the codes agree where no two centroids tie)."""
+    from tiered.codecs.pq import encode_mx
+    from tiered.device_encode import encode_one, norms
+    rng = np.random.default_rng(c)
+    g = d // ds
+    book = rng.normal(size=(H, Gc, c, ds)).astype(np.float32)
+    keys = mx.array(rng.normal(size=(H, 1, d)).astype(np.float32)).astype(getattr(mx, dtype))
+    out_dtype = mx.uint8 if c <= 256 else mx.uint16
+    codebook = mx.array(book)
+    got = np.array(encode_one(keys, codebook, norms(codebook), out_dtype)).astype(np.int64)
+    want = np.array(encode_mx(keys[None].astype(mx.float32), codebook)).astype(np.int64)
+    assert got.shape == want.shape == (H, 1, g)
+    x = np.array(keys.astype(mx.float32)).astype(np.float64).reshape(H, g, ds)
+    cb = book.astype(np.float64)[:, np.arange(g) if Gc == g else np.zeros(g, int)]  # (H, g, c, ds)
+    dist = ((x[:, :, None, :] - cb) ** 2).sum(-1)  # (H, g, c)
+    pick = lambda codes: np.take_along_axis(dist, codes[:, 0, :, None], axis=2)[..., 0]
+    best = dist.min(axis=2)
+    np.testing.assert_allclose(pick(got), best, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(pick(want), best, rtol=1e-4, atol=1e-4)
+    assert (got == want).mean() > 0.95

@@ -39,7 +39,7 @@ from collections import OrderedDict
 import mlx.core as mx
 import numpy as np
 
-from . import device_compiled, undo
+from . import device_compiled, device_encode, undo
 from .codecs.pq import encode_mx
 from .device_decode import NO_BAD, _kernel, host_mx_dtype
 
@@ -92,13 +92,15 @@ def append(layer, keys: mx.array, values: mx.array) -> bool:
     kt, vt = host.keys, host.values
     codes_now, codebook = layer.keys.codes, layer.keys.codebook
     H, g = codes_now.shape[0], codes_now.shape[2]
+    kernel = device_encode.applicable(codebook)
     key = (gone >= 0, clear, write, layer.dtype, host.page_size, kt.pages_per_block,
-           vt.pages_per_block, kt.dtype, vt.dtype, codebook.shape[1] == 1)
+           vt.pages_per_block, kt.dtype, vt.dtype, codebook.shape[1] == 1, kernel)
     fn = device_compiled.compiled(_functions, key, _body, MAX_FUNCTIONS)
     ph = device_compiled._placeholder
     fence = ph((1,), mx.int32) if host.fence is None else host.fence
     bad = parent._finite_bad
-    cbt, norms = _codebook_terms(layer.keys)
+    cbt, norms = ((codebook, layer.keys.sq_norms()) if kernel
+                  else _codebook_terms(layer.keys))
     at = _columns(H, g, keys.shape[3], values.shape[3], n0, slot, gone)
     outs = fn(keys, values, cbt, norms, codes_now, layer.res_k, layer.res_v, layer.res_tok,
               layer.flags, heavy.acc if clear else ph((1, 1)),
@@ -161,7 +163,8 @@ def _columns(H: int, g: int, dk: int, dv: int, n0: int, slot: int, gone: int) ->
 
 
 def _body(key: tuple):
-    (has_gone, clear, write, dtype, page_size, ppb_k, ppb_v, kdtype, vdtype, shared) = key
+    (has_gone, clear, write, dtype, page_size, ppb_k, ppb_v, kdtype, vdtype, shared,
+     kernel) = key
 
     def body(keys, values, cbt, norms, codes, res_k, res_v, res_tok, flags, acc, kw, vw,
              pages, addrs_k, addrs_v, fence, bad, ints, i_codes, i_k, i_v, i_tok, n0_col,
@@ -172,10 +175,12 @@ def _body(key: tuple):
         (bad,) = _kernel("door")(inputs=[keys, values, bad, ints], output_shapes=[(1,)],
                                  output_dtypes=[mx.int32], grid=(256, 1, 1),
                                  threadgroup=(256, 1, 1))
-        # the key's nearest centroids, as tiered.codecs.pq.encode_mx computes them
-        x = k_new.astype(mx.float32)
-        g = i_codes.shape[2]
-        if shared:  # one codebook for every group: (H, g, ds) @ (H, ds, c)
+        # the key's nearest centroids, as tiered.codecs.pq.encode_mx computes them (cbt, norms:
+        # the codebook and its squared norms for the kernel, else _codebook_terms)
+        x, g = k_new.astype(mx.float32), i_codes.shape[2]
+        if kernel:  # one launch instead of eight primitives
+            new_codes = device_encode.encode_one(k_new, cbt, norms, codes.dtype)
+        elif shared:  # one codebook for every group: (H, g, ds) @ (H, ds, c)
             dist = norms - 2.0 * (x.reshape(H, g, -1) @ cbt)
             new_codes = mx.argmin(dist, axis=-1).reshape(H, 1, g)
         else:  # a codebook per group: (H, g, 1, ds) @ (H, g, ds, c)

@@ -121,10 +121,14 @@ class HeavyHitters:
         return []
 
     def _top_device(self, k: int, lo: int, hi: int):
+        """(H, k) int32, lazy: what :func:`_sorted_ids` makes of the top k, computed on the
+        device, so that the host reads one small array and sorts nothing."""
         neg = -self.acc[:, lo:hi]
         top_d = (mx.argpartition(neg, k - 1, axis=1)[:, :k] if k < hi - lo else
                  mx.broadcast_to(mx.arange(k, dtype=mx.uint32), (self.H, k)))
-        return top_d, mx.take_along_axis(neg, top_d, axis=1)
+        picked = mx.take_along_axis(neg, top_d, axis=1)
+        ids = mx.where(mx.isfinite(picked), top_d.astype(mx.int32) + lo, -1)
+        return (mx.sort(ids, axis=1),)
 
     def top(self, count: int, lo: int, hi: int, allowed: np.ndarray | None = None) -> np.ndarray:
         """(H, count) token ids in [lo, hi) with the highest accumulators, sorted per head, -1
@@ -138,10 +142,11 @@ class HeavyHitters:
         if self._np is None and allowed is None:
             # On the accelerator only the k ids and their values come to the host (a copy of
             # every accumulator and a host argpartition cost ~8 ms per layer at 128k).
-            top_d, val_d = (queued[1] if queued is not None and queued[0] == (count, lo, hi)
-                            else self._top_device(k, lo, hi))
-            mx.eval(top_d, val_d)
-            return _sorted_ids(out, np.array(top_d).astype(np.int64), -np.array(val_d), lo, k)
+            (ids_d,) = (queued[1] if queued is not None and queued[0] == (count, lo, hi)
+                        else self._top_device(k, lo, hi))
+            mx.eval(ids_d)
+            out[:, :k] = np.array(ids_d)
+            return out
         acc = self.host(hi)[:, lo:hi]
         if allowed is not None:
             acc = np.where(allowed, acc, -np.inf)

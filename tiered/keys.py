@@ -16,7 +16,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from tiered import metal
+from tiered import device_encode, metal
 from tiered.codecs import encode_mx, random_rotation
 from tiered.cpu import kernels as K
 
@@ -68,10 +68,21 @@ class CodebookKeys:
         if self.numpy_path:
             k32 = np.ascontiguousarray(numpy_view(keys.astype(mx.float32)))
             self._codes_np[:, n0 : n0 + L] = K.codebook_encode(k32, self._codebook_np)
+        elif L == 1 and device_encode.applicable(self.codebook):  # one launch (CUDA)
+            self.codes[:, n0 : n0 + L] = device_encode.encode_one(
+                keys, self.codebook, self.sq_norms(), self.code_dtype)
         elif L == 1:  # a decode step: one compiled graph (its shapes are the same every step)
             self.codes[:, n0 : n0 + L] = _encode_one(keys, self.codebook)
         else:
             self.codes[:, n0 : n0 + L] = encode_mx(keys[None].astype(mx.float32), self.codebook)
+
+    def sq_norms(self) -> mx.array:
+        """The centroids' squared norms (H, Gc, c), kept (tiered.device_encode)."""
+        if getattr(self, "_sq_norms", None) is None or self._sq_norms[0] is not self.codebook:
+            got = device_encode.norms(self.codebook)
+            mx.eval(got)
+            self._sq_norms = (self.codebook, got)
+        return self._sq_norms[1]
 
     def scores(self, q: mx.array, n: int, rep: int, q_np: np.ndarray | None = None):
         """z (Hq, n) fp32: numpy on the numpy path (q_np given), else an MLX array."""
@@ -143,6 +154,14 @@ class AffineKeys:
         self.scales[:, n0 : n0 + L] = sc
         self.biases[:, n0 : n0 + L] = bi
         mx.eval(self.wq, self.scales, self.biases)
+
+    def sq_norms(self) -> mx.array:
+        """The centroids' squared norms (H, Gc, c), kept (tiered.device_encode)."""
+        if getattr(self, "_sq_norms", None) is None or self._sq_norms[0] is not self.codebook:
+            got = device_encode.norms(self.codebook)
+            mx.eval(got)
+            self._sq_norms = (self.codebook, got)
+        return self._sq_norms[1]
 
     def scores(self, q: mx.array, n: int, rep: int, q_np: np.ndarray | None = None):
         qr = self._rotate(q).astype(mx.float32)
