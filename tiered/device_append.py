@@ -8,8 +8,8 @@ Here they are one ``mx.compile``'d function replayed from C++; the positions tha
 token (the token, its ring slot, the token it evicts) arrive as index arrays in their final
 shapes (:func:`_columns`), the token written behind and the door's offset as an int32 array:
 
-- codes[:, n0] = the key's nearest centroids (the arithmetic of
-  :func:`tiered.codecs.pq.encode_mx`, the codebook's terms kept per layer);
+- codes[:, n0] = the key's nearest centroids, one launch on CUDA (:mod:`tiered.device_encode`),
+  else the arithmetic of :func:`tiered.codecs.pq.encode_mx` with the codebook's terms kept;
 - res_k / res_v[:, slot] = the new key and value, res_tok[:, slot] = n0;
 - flags[:, gone] = 0 (the token the ring evicts) and flags[:, n0] = 1, one scatter;
 - acc[:, n0] = 0 where that column held an undone token's accumulator;
