@@ -21,9 +21,10 @@ shapes (:func:`_columns`), the token written behind and the door's offset as an 
 Each column write is one scatter (``mx.put_along_axis``): ``mx.slice_update`` with a start
 array makes host arrays and two launches per call on MLX CUDA (9% of an H200 token's host
 time in a native profile, with seven per layer). Indexing a token's row out of (1, H, 1, d)
-with ``x[0]`` is a gather launch in MLX; a reshape is a view. H200, 128k, same lease: 62
-primitives per layer's append became 21, and the step 125 primitives per layer became 83
-(46.2-49.3 -> 38.7-41.9 ms/token in two rounds of 15 steps, bench/device_probe.py).
+with ``x[0]`` is a gather launch in MLX; a reshape is a view. The append took 62 primitives
+per layer; with the writes above 21 (H200, 128k, same lease: a token's graph 125 -> 83 per
+layer, 46.2-49.3 -> 38.7-41.9 ms/token, bench/device_probe.py), and with the codes in one
+launch 12 (75.9 per layer in all; docs/decode-speed-gpu.md).
 
 The bookkeeping stays in Python (:meth:`tiered.compressed.CompressedLayer.append`): the undo
 journal, the host copy of the ring's token ids, the write-behind queue and the host store's
@@ -40,7 +41,6 @@ import mlx.core as mx
 import numpy as np
 
 from . import device_compiled, device_encode, undo
-from .codecs.pq import encode_mx
 from .device_decode import NO_BAD, _kernel, host_mx_dtype
 
 MAX_FUNCTIONS = 16
@@ -125,9 +125,9 @@ def _codebook_terms(keys) -> tuple[mx.array, mx.array]:
     fewer, with the same arithmetic."""
     got = getattr(keys, "_append_terms", None)
     if got is None or got[0] is not keys.codebook:
-        cb = keys.codebook.astype(mx.float32)
-        norms, cbt = (cb * cb).sum(axis=-1), cb.swapaxes(-1, -2)  # (H, Gc, c), (H, Gc, ds, c)
-        if cb.shape[1] == 1:
+        norms = keys.sq_norms()  # (H, Gc, c)
+        cbt = keys.codebook.astype(mx.float32).swapaxes(-1, -2)  # (H, Gc, ds, c)
+        if cbt.shape[1] == 1:
             norms, cbt = norms[:, 0][:, None, :], cbt[:, 0]  # (H, 1, c), (H, ds, c)
         else:
             norms = norms[:, :, None, :]  # (H, g, 1, c)

@@ -155,14 +155,6 @@ class AffineKeys:
         self.biases[:, n0 : n0 + L] = bi
         mx.eval(self.wq, self.scales, self.biases)
 
-    def sq_norms(self) -> mx.array:
-        """The centroids' squared norms (H, Gc, c), kept (tiered.device_encode)."""
-        if getattr(self, "_sq_norms", None) is None or self._sq_norms[0] is not self.codebook:
-            got = device_encode.norms(self.codebook)
-            mx.eval(got)
-            self._sq_norms = (self.codebook, got)
-        return self._sq_norms[1]
-
     def scores(self, q: mx.array, n: int, rep: int, q_np: np.ndarray | None = None):
         qr = self._rotate(q).astype(mx.float32)
         z = metal.affine_scores(qr, self.wq, self.scales, self.biases, n, rep=rep,
