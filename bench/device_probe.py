@@ -5,7 +5,9 @@ profilers (decode_speed, device_kernel_profile, device_host_profile, decode_roun
 compress again. This one compresses once and then, at the steady state (past --warmup steps):
 
 - ms/token of --steps steps, split into queuing the graph and the final wait;
-- GPU kernels per token and their summed device time (PyTorch's CUPTI profiler);
+- GPU kernels per token, their summed device time and the time the GPU is busy (PyTorch's
+  CUPTI profiler; MLX's CUDA graphs run independent kernels side by side, so the sum
+  overstates it);
 - the primitives of one token's graph by name (what MLX dispatches one by one);
 - then, if --spy FILE is given, writes FILE.go and decodes for --spy-seconds more, for a
   py-spy attached from outside (see bench/decode_rounds.py).
@@ -18,10 +20,9 @@ compress again. This one compresses once and then, at the steady state (past --w
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
-import common  # noqa: F401  (tiered before mlx)
+import common  # tiered before mlx
 import mlx.core as mx
 import numpy as np
 from decode_speed import build_model, kv_caches, seed_kv, tiered_caches
@@ -101,10 +102,8 @@ def main():
         kv = kv_caches(seed, args.context)
         measure("KVCache", model, kv, dict_args(args, warmup=5))
         del kv
-    t0 = time.perf_counter()
     cache = tiered_caches(model, seed, args.context, args.budget, dict(calibration_tokens=2048))
-    print(f"tiered: caches filled in {time.perf_counter() - t0:.1f} s (commit "
-          f"{os.environ.get('TIERED_COMMIT', '?')})", flush=True)
+    print(f"tiered at {common.run_commit()}: compressed at the first warm-up step", flush=True)
     measure("tiered", model, cache, args)
     cache.close()
 
