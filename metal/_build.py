@@ -20,6 +20,8 @@ from importlib import resources
 
 import mlx.core as mx
 
+from .compact import compact
+
 BACKENDS = ("metal", "cuda")
 PROLOGUE_MARK = "// @body-prologue"
 INNER_MARK = "// @inner"  # where a KernelSpec's inner body goes
@@ -124,8 +126,9 @@ class KernelSpec:
     headers: tuple[str, ...] = ()  # source files appended to the prelude's header part
     inner: str | None = None  # a body put, in its own scope, at the body's INNER_MARK line
 
-    def sources(self, backend: str) -> tuple[str, str]:
-        """(header, source) exactly as handed to MLX for ``backend``."""
+    def sources(self, backend: str, raw: bool = False) -> tuple[str, str]:
+        """(header, source) exactly as handed to MLX for ``backend`` (``raw``: with the
+        comments that CUDA's are handed over without)."""
         header, prologue = prelude(backend)
         header += "".join(read_source(f) for f in self.headers)
         body = read_source(self.body)
@@ -134,6 +137,8 @@ class KernelSpec:
             body = body.replace(INNER_MARK + "\n", inner, 1)
         elif self.inner:
             raise RuntimeError(f"{self.body} has no {INNER_MARK!r} line for {self.inner}")
+        if backend == "cuda" and not raw:  # MLX CUDA hashes the source at every launch (metal/compact.py)
+            return compact(header), compact(prologue + body)
         return header, prologue + body
 
 

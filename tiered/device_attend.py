@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from .device_decode import CHUNK, CHUNK_WORD, DeviceTables, host_mx_dtype, kept, page_fence
 from .metal import device_floats, device_ints
+from .metal.compact import compact
 from .primitives import merge_partials
 
 _GATHER_KV = r"""
@@ -198,7 +199,7 @@ def _kernel(name: str):
                          _RESIDENT),
         }[name]
         _kernels[name] = mx.fast.cuda_kernel(name=f"tiered_{name}", input_names=spec[0],
-                                             output_names=spec[1], source=spec[2])
+                                             output_names=spec[1], source=compact(spec[2]))
     return _kernels[name]
 
 

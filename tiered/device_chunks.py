@@ -17,6 +17,7 @@ import mlx.core as mx
 
 from .device_decode import CHUNK
 from .metal import device_ints
+from .metal.compact import compact
 
 _CHUNKS = r"""
     // One thread per (query head, chunk of the first n tokens): za, the log-sum-exp of the
@@ -82,7 +83,7 @@ def chunk_logits(z: mx.array, flags: mx.array, n_host: int, rep: int, n: int | N
     if _KERNEL is None:
         _KERNEL = mx.fast.cuda_kernel(
             name="tiered_chunk_logits", input_names=["z", "flags", "n_host"],
-            output_names=["zc", "excl", "za"], source=_CHUNKS)
+            output_names=["zc", "excl", "za"], source=compact(_CHUNKS))
     return _KERNEL(
         inputs=[z, flags, sizes],
         output_shapes=[(Hq, nz), (Hq // rep, nz), (Hq, na)],

@@ -23,6 +23,7 @@ import numpy as np
 
 from . import uva
 from .metal import device_ints
+from .metal.compact import compact
 
 NO_BAD = np.iinfo(np.int32).max  # the door's lazy flag: no non-finite position seen
 
@@ -134,20 +135,20 @@ def _kernel(name: str):
             _kernels[name] = mx.fast.cuda_kernel(
                 name="tiered_host_gather",
                 input_names=["idx", "count", "pages", "addrs", "flags", "n_host", "after"],
-                output_names=["out", "ok"], source=_GATHER)
+                output_names=["out", "ok"], source=compact(_GATHER))
         elif name == "door":
             _kernels[name] = mx.fast.cuda_kernel(
                 name="tiered_door", input_names=["keys", "values", "prev", "start"],
-                output_names=["bad"], source=_DOOR)
+                output_names=["bad"], source=compact(_DOOR))
         elif name == "write_one":
             _kernels[name] = mx.fast.cuda_kernel(
                 name="tiered_host_write_one",
                 input_names=["vw", "kw", "pages", "ints", "addrs_v", "addrs_k", "after"],
-                output_names=["done"], source=_WRITE_ONE)
+                output_names=["done"], source=compact(_WRITE_ONE))
         else:
             _kernels[name] = mx.fast.cuda_kernel(
                 name="tiered_host_write", input_names=["src", "page", "slot", "addrs", "after"],
-                output_names=["done"], source=_WRITE)
+                output_names=["done"], source=compact(_WRITE))
     return _kernels[name]
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .metal.compact import compact
+
 MAX_CENTROIDS = 4096  # a warp scans them all; larger codebooks take the MLX ops
 
 _SOURCE = r"""
@@ -70,7 +72,7 @@ def encode_one(keys: mx.array, codebook: mx.array, sq_norms: mx.array, out_dtype
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(name="tiered_encode_one",
                                       input_names=["keys", "codebook", "norms"],
-                                      output_names=["codes"], source=_SOURCE)
+                                      output_names=["codes"], source=compact(_SOURCE))
     H, Gc, c, ds = codebook.shape
     g = keys.shape[-1] // ds
     (codes,) = _kernel(
