@@ -11,10 +11,9 @@ Importing tiered first loads an optimized BLAS for MLX's CPU backend on Linux (s
 (``TieredCache.for_model`` calls it).
 """
 
-from ._platform import BLAS, graph_cache_default, preload_blas
+from ._platform import BLAS, preload_blas
 
 preload_blas()
-graph_cache_default()
 
 from . import cache_list  # noqa: E402
 from .cache import TieredCache  # noqa: E402

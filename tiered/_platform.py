@@ -119,21 +119,6 @@ def _rebind_loaded() -> BlasState:
     return BLAS
 
 
-# MLX CUDA keeps its instantiated CUDA graphs in an LRU cache of 400 by default, keyed by the
-# graph's topology. A tiered decode token commits ~25 graphs whose topologies cycle over the
-# refresh period (each step refreshes different layers), more than 400 distinct ones: the
-# cache thrashed and most commits instantiated a graph anew. H200, Llama-3-8B shape, 128k,
-# one lease, six rounds of 15 steps (bench/device_probe.py): 400 gave 30.3-41.7 ms/token,
-# 4000 gave 30.5-32.5. Set before MLX creates its first CUDA stream's encoder (it reads the
-# variable then); a value the user set is kept.
-GRAPH_CACHE = "4000"
-
-
-def graph_cache_default() -> None:
-    """``MLX_CUDA_GRAPH_CACHE_SIZE`` raised to :data:`GRAPH_CACHE` unless already set."""
-    os.environ.setdefault("MLX_CUDA_GRAPH_CACHE_SIZE", GRAPH_CACHE)
-
-
 def preload_blas() -> BlasState:
     """Load an optimized BLAS globally before MLX, once. Warns (once) when it cannot."""
     if BLAS.status != "not-attempted":
