@@ -282,6 +282,8 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         mode = self.config.device_gather
         if mode == "off" or not update:
             return None
+        if self._tables is not None and not self.parent.host.disk_bytes:
+            return self._tables  # decided: only pages moving to the disk tier change it
         why = device_decode.supported(self)
         if why is not None:
             if mode == "on":

@@ -18,6 +18,7 @@ and a page is registered before any address of it is handed out).
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 
 import mlx.core as mx
@@ -41,8 +42,10 @@ class _Location(ctypes.Structure):
     _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
 
 
+@functools.cache
 def available() -> bool:
-    """Whether MLX runs on CUDA here and the driver library loads."""
+    """Whether MLX runs on CUDA here and the driver library loads (asked once: the device
+    path asks at every layer and token)."""
     try:
         return mx.cuda.is_available() and _driver() is not None
     except (OSError, AttributeError):
