@@ -106,10 +106,12 @@ def test_chunk_logits_at_a_kept_width(n_host, n, width):
 
 @pytest.mark.accelerator
 @needs_cuda
-def test_compiled_step_decodes_as_the_step_op_by_op(monkeypatch):
+@pytest.mark.parametrize("host_keys", [True, False])
+def test_compiled_step_decodes_as_the_step_op_by_op(monkeypatch, host_keys):
     """tiered.device_compiled and tiered.device_append: the chain compiled at a kept width, and
     the append as one compiled call, give the outputs, pages, H2O accumulators, codes and
-    resident set of the same steps built op by op, across refreshes and width changes."""
+    resident set of the same steps built op by op, across refreshes and width changes; without
+    host keys (approximate rescoring, as at 1M tokens) too."""
     from tiered import device_append, device_compiled
 
     model = make_small_model("llama-gqa-d64", layers=3, seed=2)
@@ -121,7 +123,8 @@ def test_compiled_step_decodes_as_the_step_op_by_op(monkeypatch):
         device_compiled._functions.clear()
         device_append._functions.clear()
         cache = TieredCache.for_model(model, gpu_budget=0.25, page_size=64, recent=16,
-                                      device_gather="on", compress_from=1)
+                                      device_gather="on", compress_from=1,
+                                      host_keys=host_keys)
         mx.eval(model(mx.array([prompt]), cache=cache))
         got = [model(mx.array([[t]]), cache=cache) for t in toks]
         mx.eval(got)
@@ -135,7 +138,7 @@ def test_compiled_step_decodes_as_the_step_op_by_op(monkeypatch):
                  for c in layers]
         runs.append((mx.concatenate(got, axis=1),
                      [c.host.read(kind, 0, 0, c.host.length) for c in layers
-                      for kind in ("keys", "values")],
+                      for kind in (("keys", "values") if host_keys else ("values",))],
                      [np.array(c.compressed.heavy.acc) for c in layers], state))
         cache.close()
     (a, pa, ha, sa), (b, pb, hb, sb) = runs
@@ -149,6 +152,42 @@ def test_compiled_step_decodes_as_the_step_op_by_op(monkeypatch):
             np.testing.assert_array_equal(u, v)
         for u, v in zip(x[3:], y[3:]):
             np.testing.assert_allclose(u, v, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_approx_attend_is_softmax_over_both_sets(sinks):
+    """Approximate rescoring (device_attend.approx_attend): one softmax over the resident
+    tokens' exact scores and the gathered tokens' code scores, with the sink in the
+    denominator; stats = [attended gathered tokens per kv head, resident share of the mass]."""
+    from tiered.device_attend import approx_attend
+
+    rng = np.random.default_rng(3)
+    H, rep, R, n, dv, capc = 2, 3, 5, 40, 8, 2
+    Hq = H * rep
+    z = rng.normal(size=(Hq, n + 1)).astype(np.float32)
+    s_r = rng.normal(size=(Hq, R)).astype(np.float32)
+    s_r[:, -1] = -np.inf  # an empty resident slot
+    res_v = rng.normal(size=(H, R, dv)).astype(np.float32)
+    idx = np.array([[1, 3], [0, -1]], np.int32)
+    T = capc * CHUNK
+    vals = rng.normal(size=(H, T, dv)).astype(np.float32)
+    ok = rng.random((H, T)) < 0.7
+    ok[1, CHUNK:] = False  # the padded slot
+    sink = rng.normal(size=Hq).astype(np.float32) if sinks else None
+    o, stats = approx_attend(mx.array(z), mx.array(s_r), mx.array(vals), mx.array(ok),
+                             mx.array(idx), mx.array(res_v),
+                             None if sink is None else mx.array(sink), rep)
+    o, stats = np.array(o), np.array(stats)
+    for qh in range(Hq):
+        h = qh // rep
+        tok = (np.maximum(idx[h], 0)[:, None] * CHUNK + np.arange(CHUNK)).reshape(-1)
+        s = np.concatenate([s_r[qh], np.where(ok[h], z[qh, tok], -np.inf)])
+        v = np.concatenate([res_v[h], vals[h]])
+        e = np.exp(s - s.max())
+        total = e.sum() + (np.exp(sink[qh] - s.max()) if sinks else 0.0)
+        np.testing.assert_allclose(o[qh], (e / total) @ v, rtol=1e-4, atol=1e-5)
+        assert stats[qh, 0] == ok[h].sum()
+        np.testing.assert_allclose(stats[qh, 1], e[:R].sum() / e.sum(), rtol=1e-5)
 
 
 @pytest.mark.accelerator

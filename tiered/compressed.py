@@ -30,7 +30,7 @@ import numpy as np
 
 from tiered import metal
 
-from . import device_append, device_decode, device_step, ops, undo
+from . import device_append, device_attend, device_decode, device_step, ops, undo
 from .chunked import ChunkAttention
 from .compressed_state import CompressedState
 from .decode_paths import DecodePaths
@@ -313,15 +313,7 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         ``values`` (H, R, dv) given with their scores s).
 
         Returns (o (H, rep, dv) normalized, lse (H, rep); -inf where the set is empty)."""
-        values = self.res_v if values is None else values
-        m = mx.max(s, axis=-1, keepdims=True)
-        m = mx.where(mx.isfinite(m), m, 0)
-        p = mx.exp(s - m)
-        den = mx.sum(p, axis=-1, keepdims=True)
-        o = ops.aligned_pv(p.astype(values.dtype), values).astype(mx.float32)
-        o = o / mx.maximum(den, 1e-30)
-        lse = mx.where(den[..., 0] > 0, (m + mx.log(den))[..., 0], -mx.inf)
-        return o, lse
+        return device_attend.softmax_partial(s, self.res_v if values is None else values)
 
     def _cap(self, n: int) -> tuple[int, int]:
         """(cap, floor) of this step's selection, in tokens per kv head, at n live tokens."""

@@ -91,12 +91,14 @@ def append(layer, keys: mx.array, values: mx.array) -> bool:
     else:
         kw = vw = None
     pages, addrs_k, addrs_v = device_compiled.page_tables(layer._tables, host, Wd)
-    kt, vt = host.keys, host.values
+    vt = host.values
+    kt = vt if host.keys is None else host.keys  # no host keys: only values written behind
     codes_now, codebook = layer.keys.codes, layer.keys.codebook
     H, g = codes_now.shape[0], codes_now.shape[2]
     kernel = device_encode.applicable(codebook)
     key = (gone >= 0, clear, write, layer.dtype, host.page_size, kt.pages_per_block,
-           vt.pages_per_block, kt.dtype, vt.dtype, codebook.shape[1] == 1, kernel)
+           vt.pages_per_block, kt.dtype, vt.dtype, codebook.shape[1] == 1, kernel,
+           host.keys is not None)
     fn = device_compiled.compiled(_functions, key, _body, MAX_FUNCTIONS)
     ph = device_compiled._placeholder
     fence = ph((1,), mx.int32) if host.fence is None else host.fence
@@ -166,7 +168,7 @@ def _columns(H: int, g: int, dk: int, dv: int, n0: int, slot: int, gone: int) ->
 
 def _body(key: tuple):
     (has_gone, clear, write, dtype, page_size, ppb_k, ppb_v, kdtype, vdtype, shared,
-     kernel) = key
+     kernel, host_keys) = key
 
     def body(keys, values, cbt, norms, codes, res_k, res_v, res_tok, flags, acc, kw, vw,
              pages, addrs_k, addrs_v, fence, bad, ints, i_codes, i_k, i_v, i_tok, n0_col,
@@ -202,7 +204,8 @@ def _body(key: tuple):
                 inputs=[vw.astype(host_mx_dtype(vdtype)), kw.astype(host_mx_dtype(kdtype)),
                         pages, ints, addrs_v, addrs_k, fence],
                 output_shapes=[(1,)], output_dtypes=[mx.int32],
-                grid=(-(-H * max(dk * _size(kdtype), dv * _size(vdtype)) // 512) * 32, 2, 1),
+                grid=(-(-H * max(dk * _size(kdtype), dv * _size(vdtype)) // 512) * 32,
+                      2 if host_keys else 1, 1),  # no host keys: values only
                 threadgroup=(32, 1, 1),
                 template=[("H", H), ("P", page_size), ("PPBV", ppb_v), ("PPBK", ppb_k),
                           ("ROWV", dv * _size(vdtype)), ("ROWK", dk * _size(kdtype))])

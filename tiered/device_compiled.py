@@ -17,7 +17,9 @@ resident slots R, the cap, tau, the scale...) is part of the key of the compiled
 
 The chain: resident scores -> codebook scores -> the resident tokens' exact scores put in ->
 chunk logits -> tau selection of chunks -> keys and values gathered from the host pages ->
-attention with sink and statistics -> the H2O accumulators updated. A decode token's append
+attention with sink and statistics -> the H2O accumulators updated. With approximate
+rescoring (no host keys: a 1M-token cache on a host of 128 GB) only the values are gathered and
+the gathered tokens keep their code scores (:func:`tiered.device_attend.approx_attend`). A decode token's append
 (codes, ring, flags, write-behind) is another compiled function, :mod:`tiered.device_append`;
 the bookkeeping stays in Python (tiered.device_step, tiered.compressed).
 """
@@ -30,7 +32,7 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 
-from . import device_attend, metal
+from . import device_attend, device_decode, metal
 from .device_chunks import chunk_logits, chunk_widths
 from .device_decode import CHUNK, kept
 from .keys import CodebookKeys
@@ -68,8 +70,6 @@ def why_not(layer) -> str | None:
     """Why ``layer``'s device step cannot run compiled, or None."""
     if not enabled():
         return "TIERED_COMPILE=0"
-    if layer.config.rescore != "exact":
-        return "approximate rescoring"
     if not isinstance(layer.keys, CodebookKeys) or layer.keys.codes is None:
         return "keys are not codebook codes"
     if not kernel_supports(layer.keys.codes):
@@ -87,6 +87,10 @@ def step(layer, queries, scale, sinks, tables, n: int, n_host: int, cap: int, fl
     if W is None:
         return None
     kt, vt = host.keys, host.values
+    exact = layer.config.rescore == "exact"
+    if exact and kt is None:
+        return None
+    kt = kt if exact else vt  # approximate rescoring gathers values only (kt: unread)
     Hq = queries.shape[1]
     rep = Hq // layer.H
     capc = max(1, cap // CHUNK)
@@ -95,7 +99,7 @@ def step(layer, queries, scale, sinks, tables, n: int, n_host: int, cap: int, fl
     alpha = heavy.alpha if heavy is not None else None
     key = (W, float(scale), layer.config.tau, capc, floorc, alpha, rep, sinks is not None,
            queries.dtype, host.page_size, kt.pages_per_block, vt.pages_per_block,
-           kt.head_dim, vt.head_dim, kt.dtype, vt.dtype)
+           kt.head_dim, vt.head_dim, kt.dtype, vt.dtype, exact)
     fn = compiled(_functions, key, _chain, MAX_FUNCTIONS)
     # the same arrays in every layer of the step, from their own cache (see _placeholder)
     sizes = _step_ints(n_host, n, *chunk_widths(n_host, n, W))
@@ -116,7 +120,8 @@ def page_tables(tables, host, W: int):
     """(page table, key block addresses, value block addresses) padded to what W tokens need,
     so they keep their shape as the pages grow (the append and the step share them)."""
     pages_w = W // host.page_size + 1
-    kt, vt = host.keys, host.values
+    vt = host.values
+    kt = vt if host.keys is None else host.keys  # no host keys: the values' stand in (unread)
     return (tables.pages(host, pages_w),
             tables.addrs(kt, max(1, -(-pages_w // kt.pages_per_block))),
             tables.addrs(vt, max(1, -(-pages_w // vt.pages_per_block))))
@@ -168,7 +173,7 @@ def compiled(functions: OrderedDict, key: tuple, body, limit: int):
 def _chain(key: tuple):
     """The traced function for ``key`` (see :func:`step` for what the key holds)."""
     (W, scale, tau, capc, floorc, alpha, rep, has_sink, out_dtype, page_size, ppb_k, ppb_v,
-     dk, dv, kdtype, vdtype) = key
+     dk, dv, kdtype, vdtype, exact) = key
     host = SimpleNamespace(  # what gather_kv reads of the host store: shapes, not data
         page_size=page_size,
         keys=SimpleNamespace(dtype=kdtype, head_dim=dk, pages_per_block=ppb_k),
@@ -184,10 +189,17 @@ def _chain(key: tuple):
                               s_r, axis=1)
         zc, excl, za = chunk_logits(z, flags, W, rep, W, width=W, sizes=sizes)
         idx, count = metal.tau_select(zc, W // CHUNK, excl, tau, capc, floorc)
-        kr, vr, ok = device_attend.gather_kv(None, host, idx, count, flags,
-                                             where=(pages, addrs_k, addrs_v, sizes, fence))
-        o, stats = device_attend.attend(q, res_k, res_v, res_tok, kr, vr, ok,
-                                        sink if has_sink else None, out_dtype)
+        if exact:
+            kr, vr, ok = device_attend.gather_kv(None, host, idx, count, flags,
+                                                 where=(pages, addrs_k, addrs_v, sizes, fence))
+            o, stats = device_attend.attend(q, res_k, res_v, res_tok, kr, vr, ok,
+                                            sink if has_sink else None, out_dtype)
+        else:  # approximate rescoring: values gathered, the chunks' code scores
+            vr, ok = device_decode.gather_chunks(None, host, host.values, idx, count, flags,
+                                                 where=(pages, addrs_v, sizes, fence))
+            o, stats = device_attend.approx_attend(z, s_r, vr, ok, idx, res_v,
+                                                   sink if has_sink else None, rep)
+            o = o.astype(out_dtype)
         if alpha is None:
             return o, stats, q, ok, acc
         lse = mx.logsumexp(za, axis=1)  # the softmax total over the n tokens

@@ -281,25 +281,31 @@ def first_bad(keys: mx.array, values: mx.array, start: int, prev: mx.array | Non
 
 
 def gather_chunks(tables: DeviceTables, host, tensor, idx: mx.array, count: mx.array,
-                  flags: mx.array, chunk: int = CHUNK):
+                  flags: mx.array, chunk: int = CHUNK, where: tuple | None = None):
     """The selected chunks' rows (H, CAPC * chunk, d) in the host dtype, read in place from
     the host pages, and which tokens are attended here (H, CAPC * chunk): selected, on the
     host pages, not resident. Rows of tokens not attended are zeros (not read). ``chunk=1``
-    reads single tokens (a refresh's promoted rows)."""
+    reads single tokens (a refresh's promoted rows). ``where``: (pages, the tensor's block
+    addresses, n_host (1+,) int32, fence) as arrays the caller holds (a compiled step's
+    inputs); the caller then records ``ok`` as the pages' fence (HostStore.device_op)."""
     H, capc = idx.shape
     d = tensor.head_dim
     dtype = host_mx_dtype(tensor.dtype)
     row = d * dtype.size
-    n_host = device_ints(host.length)
+    own = where is None
+    if own:
+        where = (tables.pages(host), tables.addrs(tensor), device_ints(host.length),
+                 page_fence(host))
+    pages, addrs, n_host, fence = where
     out, ok = _kernel("gather")(
-        inputs=[idx, count, tables.pages(host), tables.addrs(tensor), flags, n_host,
-                page_fence(host)],
+        inputs=[idx, count, pages, addrs, flags, n_host, fence],
         output_shapes=[(H, capc * chunk, d), (H, capc * chunk)],
         output_dtypes=[dtype, mx.bool_],
         grid=(H * capc * chunk * row // 16, 1, 1), threadgroup=(256, 1, 1),
         template=[("H", H), ("C", chunk), ("P", host.page_size),
                   ("PPB", tensor.pages_per_block), ("ROW_BYTES", row)])
-    host.device_op(ok)  # a sibling: evaluated with the rows, and small to keep
+    if own:
+        host.device_op(ok)  # a sibling: evaluated with the rows, and small to keep
     return out, ok
 
 

@@ -30,7 +30,7 @@ import time
 import mlx.core as mx
 
 from . import device_attend, device_compiled, metal
-from .device_chunks import chunk_logits, chunk_token_ids
+from .device_chunks import chunk_logits
 from .device_decode import CHUNK, DeviceTables, gather_chunks, kept
 from .stats import Column
 
@@ -81,9 +81,11 @@ def decode(layer, queries, scale, sinks, tables: DeviceTables):
         o, stats = device_attend.attend(q, layer.res_k, layer.res_v, layer.res_tok, keys, vals,
                                         ok, sinks, queries.dtype)
         mean_count, mass = Column(stats, 0), Column(stats, 1)  # reduced when read
-    else:
-        o, mean_count, mass = _approx_partials(layer, q.reshape(H, rep, -1), z,
-                                               s_r.reshape(H, rep, -1), idx, count, sinks, tables)
+    else:  # approximate rescoring: only values gathered, the chunks' code scores
+        vals, ok = gather_chunks(tables, host, host.values, idx, count, layer.flags)
+        o, stats = device_attend.approx_attend(z, s_r, vals, ok, idx, layer.res_v,
+                                               _sink_row(sinks, Hq), rep)
+        mean_count, mass = Column(stats, 0), Column(stats, 1)  # reduced when read
     if layer._update:
         layer.journal.record(n, "step", (n, q, rep, layer.steps))
         if layer.heavy is not None:
@@ -107,21 +109,6 @@ def _finish(layer, queries, o, mass, mean_count, marks, writes):
     return out
 
 
-def _approx_partials(layer, qh, z, s_r, idx, count, sinks, tables):
-    """Approximate rescoring: the gathered tokens' code scores, MLX-op partials and merge.
-    Returns (o (Hq, dv), mean attended count, resident share of the mass), lazy."""
-    host = layer.parent.host
-    H, rep = qh.shape[0], qh.shape[1]
-    Hq = H * rep
-    vals, ok = gather_chunks(tables, host, host.values, idx, count, layer.flags)
-    tok = chunk_token_ids(idx)
-    zt = z.reshape(H, rep, -1)
-    s_c = mx.take_along_axis(zt, mx.broadcast_to(tok[:, None, :], (H, rep, tok.shape[1])),
-                             axis=2)
-    s_c = mx.where(ok[:, None, :], s_c, -mx.inf)
-    o_c, lse_c = layer._resident_partial(s_c, vals)
-    o_r, lse_r = layer._resident_partial(s_r)
-    lse_r = lse_r.reshape(Hq)
-    o, lse = layer._combine(o_r.reshape(Hq, -1), lse_r, o_c.reshape(Hq, -1),
-                            lse_c.reshape(Hq), sinks, Hq)
-    return o, ok.sum() / H, mx.exp(lse_r - lse).mean()
+def _sink_row(sinks, Hq: int):
+    """The model's sink logits as (Hq,) float32, or None."""
+    return None if sinks is None else mx.array(sinks).astype(mx.float32).reshape(Hq)
