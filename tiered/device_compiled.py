@@ -18,10 +18,11 @@ resident slots R, the cap, tau, the scale...) is part of the key of the compiled
 The chain: resident scores -> codebook scores -> the resident tokens' exact scores put in ->
 chunk logits -> tau selection of chunks -> keys and values gathered from the host pages ->
 attention with sink and statistics -> the H2O accumulators updated. With approximate
-rescoring (no host keys: a 1M-token cache on a host of 128 GB) only the values are gathered and
-the gathered tokens keep their code scores (:func:`tiered.device_attend.approx_attend`). A decode token's append
-(codes, ring, flags, write-behind) is another compiled function, :mod:`tiered.device_append`;
-the bookkeeping stays in Python (tiered.device_step, tiered.compressed).
+rescoring (no host keys: a 1M-token cache on a host of 128 GB) only the values are gathered,
+and the gathered tokens keep their code scores (:func:`tiered.device_attend.approx_attend`).
+A decode token's append (codes, ring, flags, write-behind) is another compiled function,
+:mod:`tiered.device_append`; the bookkeeping stays in Python (tiered.device_step,
+tiered.compressed).
 """
 
 from __future__ import annotations
