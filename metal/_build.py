@@ -137,7 +137,7 @@ class KernelSpec:
             body = body.replace(INNER_MARK + "\n", inner, 1)
         elif self.inner:
             raise RuntimeError(f"{self.body} has no {INNER_MARK!r} line for {self.inner}")
-        if backend == "cuda" and not raw:  # MLX CUDA hashes the source at every launch (metal/compact.py)
+        if backend == "cuda" and not raw:  # MLX CUDA hashes it at every launch: compact.py
             return compact(header), compact(prologue + body)
         return header, prologue + body
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from tiered import metal
 
-from . import device_append, device_attend, device_decode, device_step, ops, undo
+from . import device_append, device_decode, device_step, ops, undo
 from .chunked import ChunkAttention
 from .compressed_state import CompressedState
 from .decode_paths import DecodePaths
@@ -313,7 +313,7 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         ``values`` (H, R, dv) given with their scores s).
 
         Returns (o (H, rep, dv) normalized, lse (H, rep); -inf where the set is empty)."""
-        return device_attend.softmax_partial(s, self.res_v if values is None else values)
+        return ops.softmax_partial(s, self.res_v if values is None else values)
 
     def _cap(self, n: int) -> tuple[int, int]:
         """(cap, floor) of this step's selection, in tokens per kv head, at n live tokens."""

@@ -61,9 +61,9 @@ def append(layer, keys: mx.array, values: mx.array) -> bool:
     S, W = layer.S_eff, layer.W_eff
     slot = S + n0 % W
     old = layer._res_tok_np[:, slot]
-    gone = int(old[0])
-    if old.min() != old.max():
+    if not np.all(old == old[0]):
         return False
+    gone = int(old[0])
     parent, host = layer.parent, layer.parent.host
     # the write-behind: the oldest queued token when exactly it leaves the ring now
     pending = parent._pending
@@ -81,9 +81,7 @@ def append(layer, keys: mx.array, values: mx.array) -> bool:
         host.reserve(1)  # the one step that can fail (a block to allocate): before any change
     # -- from here on the append happens --
     slots = np.array([slot], np.int32)
-    rows = layer.ring_src.pop(gone, None)  # what the slot holds (undo.ring_rows, one slot)
-    ring = (old[:, None].copy(),) + rows if rows is not None else undo.ring_rows(layer, slots)
-    layer.journal.record(n0 + 1, "append", (n0, slots) + ring)
+    layer.journal.record(n0 + 1, "append", (n0, slots) + undo.ring_rows(layer, slots))
     layer._res_tok_np[:, slot] = n0
     if write:
         kw, vw = pending.pop(0)

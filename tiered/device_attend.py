@@ -261,37 +261,25 @@ def gather_kv(tables: DeviceTables, host, idx: mx.array, count: mx.array, flags:
     return kout, vout, ok
 
 
-def softmax_partial(s: mx.array, values: mx.array):
-    """Exact attention over a set of tokens from their scores s (H, rep, R) and values
-    (H, R, dv). Returns (o (H, rep, dv) normalized float32, lse (H, rep); -inf where the set is
-    empty)."""
-    m = mx.max(s, axis=-1, keepdims=True)
-    m = mx.where(mx.isfinite(m), m, 0)
-    p = mx.exp(s - m)
-    den = mx.sum(p, axis=-1, keepdims=True)
-    o = ops.aligned_pv(p.astype(values.dtype), values).astype(mx.float32)
-    o = o / mx.maximum(den, 1e-30)
-    lse = mx.where(den[..., 0] > 0, (m + mx.log(den))[..., 0], -mx.inf)
-    return o, lse
-
-
 def approx_attend(z, s_r, vals, ok, idx, res_v, sinks, rep: int):
     """Approximate rescoring (no keys gathered): the selected chunks' tokens take their code
     scores from z (Hq, >= n), the resident set its exact scores s_r (Hq, R); two exact
     partials over the gathered values vals (H, T, dv) (attended where ok (H, T)) and res_v,
-    merged with the sink logits (Hq,) if any. Returns (o (Hq, dv) float32, stats (Hq, 2):
-    [gathered tokens attended, resident share of the mass], as :func:`attend` gives them)."""
+    merged with the model's sink logits (Hq values, or None). Returns (o (Hq, dv) float32,
+    stats (Hq, 2): [gathered tokens attended, resident share of the mass], as :func:`attend`
+    gives them)."""
     H = vals.shape[0]
     Hq = H * rep
     tok = chunk_token_ids(idx)
     s_c = mx.take_along_axis(z.reshape(H, rep, -1),
                              mx.broadcast_to(tok[:, None, :], (H, rep, tok.shape[1])), axis=2)
     s_c = mx.where(ok[:, None, :], s_c, -mx.inf)
-    o_c, lse_c = softmax_partial(s_c, vals)
-    o_r, lse_r = softmax_partial(s_r.reshape(H, rep, -1), res_v)
+    o_c, lse_c = ops.softmax_partial(s_c, vals)
+    o_r, lse_r = ops.softmax_partial(s_r.reshape(H, rep, -1), res_v)
     lse_r = lse_r.reshape(Hq)
+    sink = None if sinks is None else mx.array(sinks).astype(mx.float32).reshape(Hq)
     o, lse = merge_partials(o_r.reshape(Hq, -1), lse_r, o_c.reshape(Hq, -1), lse_c.reshape(Hq),
-                            sinks)
+                            sink)
     count = mx.repeat(ok.astype(mx.float32).sum(axis=1), rep)
     return o, mx.stack([count, mx.exp(lse_r - lse)], axis=1)
 

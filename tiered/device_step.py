@@ -83,8 +83,8 @@ def decode(layer, queries, scale, sinks, tables: DeviceTables):
         mean_count, mass = Column(stats, 0), Column(stats, 1)  # reduced when read
     else:  # approximate rescoring: only values gathered, the chunks' code scores
         vals, ok = gather_chunks(tables, host, host.values, idx, count, layer.flags)
-        o, stats = device_attend.approx_attend(z, s_r, vals, ok, idx, layer.res_v,
-                                               _sink_row(sinks, Hq), rep)
+        o, stats = device_attend.approx_attend(z, s_r, vals, ok, idx, layer.res_v, sinks,
+                                               rep)
         mean_count, mass = Column(stats, 0), Column(stats, 1)  # reduced when read
     if layer._update:
         layer.journal.record(n, "step", (n, q, rep, layer.steps))
@@ -107,8 +107,3 @@ def _finish(layer, queries, o, mass, mean_count, marks, writes):
     if ASYNC_EVERY and (layer.parent.layer + 1) % ASYNC_EVERY == 0:
         mx.async_eval(out)
     return out
-
-
-def _sink_row(sinks, Hq: int):
-    """The model's sink logits as (Hq,) float32, or None."""
-    return None if sinks is None else mx.array(sinks).astype(mx.float32).reshape(Hq)

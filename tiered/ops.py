@@ -72,6 +72,20 @@ def aligned_pv(p: mx.array, values: mx.array, split: bool | None = None) -> mx.a
     return head + p[..., Ra:] @ values[..., Ra:, :]
 
 
+def softmax_partial(s: mx.array, values: mx.array):
+    """Exact attention over a set of tokens from their scores s (H, rep, R) and values
+    (H, R, dv). Returns (o (H, rep, dv) normalized float32, lse (H, rep); -inf where the set is
+    empty)."""
+    m = mx.max(s, axis=-1, keepdims=True)
+    m = mx.where(mx.isfinite(m), m, 0)
+    p = mx.exp(s - m)
+    den = mx.sum(p, axis=-1, keepdims=True)
+    o = aligned_pv(p.astype(values.dtype), values).astype(mx.float32)
+    o = o / mx.maximum(den, 1e-30)
+    lse = mx.where(den[..., 0] > 0, (m + mx.log(den))[..., 0], -mx.inf)
+    return o, lse
+
+
 def exact_attention(queries, keys, values, *, scale, mask, sinks=None, fast=False,
                     column_mass=None):
     """Attention over full keys/values. ``fast``: on the CPU backend, prompt chunks go through

@@ -156,15 +156,7 @@ class Group:
         self.name = name
 
     def __get__(self, config, owner=None):
-        if config is None:
-            return self
-        # kept until an option is set (OptionGroups.__setattr__): the decode path reads
-        # views at every layer and token, and building one took ~6 us
-        views = config.__dict__.setdefault("_views", {})
-        got = views.get(self.name)
-        if got is None:
-            got = views[self.name] = view(config, self.cls)
-        return got
+        return self if config is None else view(config, self.cls)
 
     def __set__(self, config, value):
         raise AttributeError(f"config.{self.name} is a read-only view: set the options it "
@@ -173,10 +165,6 @@ class Group:
 
 class OptionGroups:
     """The grouped views of :class:`tiered.config.TieredConfig` (see the module docstring)."""
-
-    def __setattr__(self, name, value):
-        object.__setattr__(self, name, value)
-        self.__dict__.pop("_views", None)  # the views read the options again
 
     selection = Group(SelectionOptions)
     heavy = Group(HeavyOptions)
