@@ -109,44 +109,69 @@ class HeavyHitters:
         p = (1 - alpha) * p.reshape(H, rep, n).mean(axis=1)
         self.acc[:, :n] = (self.acc[:, :n] - p) / alpha
 
-    def prefetch(self, count: int, lo: int, hi: int) -> list:
-        """Queue :meth:`top` (count, lo, hi) on the accelerator, to be read by the next ``top``
-        with the same arguments if the accumulators have not changed meanwhile: the read then
-        finds the ids computed (a read of them right away waits for the device). Returns the
-        lazy arrays, for the caller to evaluate with the step's graph."""
+    def prefetch(self, count: int, lo: int, hi: int, among: mx.array | None = None) -> list:
+        """Queue :meth:`top` (count, lo, hi, among) on the accelerator, to be read by the next
+        ``top`` with the same arguments if the accumulators have not changed meanwhile: the
+        read then finds the ids computed (a read of them right away waits for the device).
+        Returns the lazy arrays, for the caller to evaluate with the step's graph."""
         self._queued = None
         if self._np is None and count > 0 and hi > lo:
-            self._queued = ((count, lo, hi), self._top_device(min(count, hi - lo), lo, hi))
+            self._queued = ((count, lo, hi, among), self._top_device(count, lo, hi, among))
             return list(self._queued[1])
         return []
 
-    def _top_device(self, k: int, lo: int, hi: int):
-        """(H, k) int32, lazy: what :func:`_sorted_ids` makes of the top k, computed on the
-        device, so that the host reads one small array and sorts nothing."""
-        neg = -self.acc[:, lo:hi]
-        top_d = (mx.argpartition(neg, k - 1, axis=1)[:, :k] if k < hi - lo else
+    def _top_device(self, count: int, lo: int, hi: int, among: mx.array | None = None):
+        """(H, <= count) int32, lazy: what :func:`_sorted_ids` makes of the top ones, computed
+        on the device, so that the host reads one small array and sorts nothing. ``among``
+        (H, R) int32 token ids (-1: none): only those in [lo, hi) may be chosen (without host
+        keys only resident tokens can be, and a mask over every token cost a copy of all the
+        accumulators and a host argpartition per refresh: ~30 ms per layer at 1M tokens)."""
+        if among is None:
+            vals, width = self.acc[:, lo:hi], hi - lo
+        else:
+            ok = (among >= lo) & (among < hi)
+            vals = mx.where(ok, mx.take_along_axis(self.acc, mx.maximum(among, 0), axis=1),
+                            -mx.inf)
+            width = among.shape[1]
+        k = min(count, width)
+        neg = -vals
+        top_d = (mx.argpartition(neg, k - 1, axis=1)[:, :k] if k < width else
                  mx.broadcast_to(mx.arange(k, dtype=mx.uint32), (self.H, k)))
         picked = mx.take_along_axis(neg, top_d, axis=1)
-        ids = mx.where(mx.isfinite(picked), top_d.astype(mx.int32) + lo, -1)
-        return (mx.sort(ids, axis=1),)
+        ids = (top_d.astype(mx.int32) + lo if among is None
+               else mx.take_along_axis(among, top_d.astype(mx.int32), axis=1))
+        return (mx.sort(mx.where(mx.isfinite(picked), ids, -1), axis=1),)
 
-    def top(self, count: int, lo: int, hi: int, allowed: np.ndarray | None = None) -> np.ndarray:
+    def top(self, count: int, lo: int, hi: int, allowed: np.ndarray | None = None,
+            among: mx.array | None = None) -> np.ndarray:
         """(H, count) token ids in [lo, hi) with the highest accumulators, sorted per head, -1
-        where fewer qualify. ``allowed`` (H, hi - lo) bool: only these may be chosen."""
+        where fewer qualify. ``allowed`` (H, hi - lo) bool: only these may be chosen;
+        ``among`` (H, R) int32 (accelerators): only these token ids may be chosen."""
         H = self.H
         out = np.full((H, count), -1, np.int32)
         queued, self._queued = self._queued, None
         if count <= 0 or hi <= lo:
             return out
-        k = min(count, hi - lo)
         if self._np is None and allowed is None:
-            # On the accelerator only the k ids and their values come to the host (a copy of
-            # every accumulator and a host argpartition cost ~8 ms per layer at 128k).
-            (ids_d,) = (queued[1] if queued is not None and queued[0] == (count, lo, hi)
-                        else self._top_device(k, lo, hi))
+            # On the accelerator only the chosen ids come to the host (a copy of every
+            # accumulator and a host argpartition cost ~8 ms per layer at 128k).
+            key = (count, lo, hi, among)
+            (ids_d,) = (queued[1] if queued is not None and len(queued[0]) == 4
+                        and queued[0][:3] == key[:3] and queued[0][3] is among
+                        else self._top_device(count, lo, hi, among))
             mx.eval(ids_d)
-            out[:, :k] = np.array(ids_d)
+            ids = np.array(ids_d)
+            if among is None:
+                out[:, : ids.shape[1]] = ids
+                return out
+            k = min(count, hi - lo)  # the layout of the masked choice: ids end at column k
+            for h in range(H):
+                got = ids[h][ids[h] >= 0]
+                out[h, k - len(got) : k] = got
             return out
+        if among is not None:
+            raise ValueError("HeavyHitters.top: 'among' is for accumulators on the accelerator")
+        k = min(count, hi - lo)
         acc = self.host(hi)[:, lo:hi]
         if allowed is not None:
             acc = np.where(allowed, acc, -np.inf)

@@ -42,13 +42,26 @@ class ResidentSet:
     def _choose_heavy(self, count: int, n: int, S: int, W: int) -> np.ndarray:
         """(H, count) token ids of the top accumulators outside sinks and the recent ring."""
         lo, hi = min(S, n), max(n - W, 0)
+        among = self._heavy_among(lo, hi)
+        if among is not None:
+            return self.heavy.top(count, lo, hi, among=among)
         allowed = None
-        host = self.parent.host
-        if hi > lo and self.res_tok is not None and (host is None or host.keys is None):
-            # No full keys on the host: only tokens whose K/V are on the accelerator (the
-            # resident set, the recent ring) can be heavy hitters. Eviction, as in H2O.
+        if hi > lo and self._resident_only():
             allowed = undo.resident_mask(self._res_tok_np, hi)[:, lo:]
         return self.heavy.top(count, lo, hi, allowed)
+
+    def _resident_only(self) -> bool:
+        """No full keys on the host: only tokens whose K/V are on the accelerator (the
+        resident set, the recent ring) can be heavy hitters. Eviction, as in H2O."""
+        host = self.parent.host
+        return self.res_tok is not None and (host is None or host.keys is None)
+
+    def _heavy_among(self, lo: int, hi: int) -> mx.array | None:
+        """On an accelerator, the candidates of a resident-only choice: the resident ids
+        themselves, chosen among on the device (the refresh reads only the chosen ids)."""
+        if hi > lo and not self.numpy_path and self._resident_only():
+            return self.res_tok
+        return None
 
     def _refresh_layout(self, n: int, journal: bool) -> tuple[int, int, int]:
         """(resident slots, sinks, recent window) per head of a rebuild at n tokens."""
@@ -75,8 +88,8 @@ class ResidentSet:
         reading them waits for nothing (reading them now waited for the device to finish the
         step so far, twice per token)."""
         R, S, W = self._refresh_layout(self.n, True)
-        self._later += self.heavy.prefetch(max(R - S - W, 0), min(S, self.n),
-                                           max(self.n - W, 0))
+        lo, hi = min(S, self.n), max(self.n - W, 0)
+        self._later += self.heavy.prefetch(max(R - S - W, 0), lo, hi, self._heavy_among(lo, hi))
         self._refresh_due = True
 
     def _take_later(self) -> list:
