@@ -121,6 +121,12 @@ def main(argv=None):
                    "tokenizing (machines without the embedded model's tokenizer)")
     p.add_argument("--write-tokens", help="only write the document's token ids to this .npz")
     p.add_argument("--name", default=None)
+    p.add_argument("--marks", default=None,
+                   help="a folder: touch prefill.go at 40%% of the prefill and decode.go after "
+                        "--mark-step decode steps, for a profiler attached from outside")
+    p.add_argument("--mark-step", type=int, default=3)
+    p.add_argument("--kernel-steps", type=int, default=0,
+                   help="after decoding, this many steps under the CUDA kernel profiler")
     args = p.parse_args(argv)
     on_cpu = mx.default_device() == mx.cpu
     args.name = args.name or f"million_{'cpu' if on_cpu else 'gpu'}_{args.model}"
@@ -168,7 +174,14 @@ def main(argv=None):
     rss0 = current_rss_bytes()
     t_start = time.perf_counter()
 
+    def mark(name):
+        if args.marks:
+            os.makedirs(args.marks, exist_ok=True)
+            open(os.path.join(args.marks, name), "w").close()
+
     def sample(done):
+        if done >= 0.4 * len(ids) > done - args.chunk:
+            mark("prefill.go")
         tb = cache.tier_bytes()
         samples.append({"tokens": done, "s": time.perf_counter() - t_start,
                         "rss": current_rss_bytes(), "transient": tb["transient"],
@@ -182,15 +195,34 @@ def main(argv=None):
     print(f"prefill: {stats['tokens']} tokens in {stats['seconds']:.0f}s = "
           f"{stats['tokens_per_s']:.1f} tok/s", flush=True)
     # decode at 1M: the last prompt token, then greedy steps
-    times, out = [], []
+    times, queue, out = [], [], []
     y = mx.array([[ids[-1]]])
-    for _ in range(args.decode_steps):
+    for i in range(args.decode_steps):
+        if i == args.mark_step:
+            mark("decode.go")
         t = time.perf_counter()
         logits = model(y, cache=cache)
         y = mx.argmax(logits[:, -1], axis=-1)[:, None]
+        queue.append(time.perf_counter() - t)  # building the graph (Python, MLX dispatch)
         mx.eval(y)
         times.append(time.perf_counter() - t)
         out.append(int(y.item()))
+    if len(times) > 3:
+        q = 1e3 * np.median(queue[3:])
+        print(f"decode after the first 3 steps: median {1e3 * np.median(times[3:]):.1f} ms/token"
+              f", of which building the graph {q:.1f} ms", flush=True)
+    if args.kernel_steps:
+        from device_kernel_profile import profile
+        from device_probe import busy
+
+        spans = []
+        kern = profile(model, cache, args.kernel_steps, spans)
+        n = args.kernel_steps
+        print(f"kernels: {sum(c for c, _ in kern.values()) / n:.0f} per token, "
+              f"{sum(us for _, us in kern.values()) / n / 1e3:.2f} ms summed, "
+              f"{busy(spans) / n / 1e3:.2f} ms with the GPU busy", flush=True)
+        for k, (c, us) in sorted(kern.items(), key=lambda kv: -kv[1][1])[:30]:
+            print(f"  {us / n / 1e3:8.3f} ms {c / n:6.1f}x  {k}")
     sample(len(ids) + args.decode_steps)
     dev.stop()
     answer = tok.decode(out) if tok is not None else str(out)
@@ -252,7 +284,7 @@ def main(argv=None):
           + f"![memory over the prefill]({args.name}.png)\n")
     data = {"machine": info, "args": vars(args), "prefill": stats, "decode_ms": decode_ms,
             "host_to_device_gbs": host_bw, "streaming_ms_computed": streaming_ms,
-            "decode_step_s": times, "peaks": peaks, "checks": checks, "samples": samples,
+            "decode_step_s": times, "decode_queue_s": queue, "peaks": peaks, "checks": checks, "samples": samples,
             "answer": answer, "key": key, "report": rep}
     paths = write_results(args.name, data, md)
     plot(samples, args, os.path.join(RESULTS, f"{args.name}.png"))
