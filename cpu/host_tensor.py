@@ -81,6 +81,12 @@ class HostTensor:
             n += int(np.prod(self.block_shape[:-1])) * 4
         return n
 
+    def would_spill(self) -> bool:
+        """Whether the next :meth:`grow` moves a block to the disk tier (the host budget is
+        spent)."""
+        b = self.budget
+        return b is not None and b.limit is not None and b.used + self.block_bytes > b.limit
+
     def grow(self):
         """One more block: in RAM while the host budget allows, else the oldest RAM block of
         this tensor moves to disk first (written and checked before its RAM is freed)."""

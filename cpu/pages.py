@@ -127,6 +127,8 @@ class HostStore(PageReads):
         page = self._next_page
         self._next_page += 1
         while page >= self.values.capacity_pages:
+            if self.fence is not None and any(t.would_spill() for t in self.tensors):
+                self.settle()  # the CPU copies a block to disk: queued device writes land first
             for t in self.tensors:
                 t.grow()
         return page

@@ -197,7 +197,7 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         if device_append.ready(self, L) and device_append.append(self, keys, values):
             self.n = n0 + L  # door, codes, ring, flags, accumulator, write-behind: one call
             return keys, values
-        if self.on_device:
+        if self.on_device and L <= device_decode.DOOR_TOKENS:
             self.parent.door_on_device(keys, values)
         if self.numpy_path:  # the numba encoder's threads (each setting costs ~0.06 ms)
             with ops.kernel_threads(self.config.kernel_threads if L == 1 else 1 << 16):

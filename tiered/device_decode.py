@@ -29,6 +29,8 @@ NO_BAD = np.iinfo(np.int32).max  # the door's lazy flag: no non-finite position 
 
 CHUNK = 8  # tokens per selected chunk (Quest / ShadowKV use 8-16)
 SMALL_WRITE = 16  # tokens a write takes its page and slot ids for from the kept arrays
+DOOR_TOKENS = 16  # appends of up to this many tokens take the door kernel (one block); a
+#                   prompt chunk's check is MLX's reductions, over every block of the GPU
 
 # The body both gather kernels share (this one and device_attend's keys + values): given tid,
 # ROWB (bytes per row), WPR / WPC (16-byte words per row / chunk), ppb (pages per block),
