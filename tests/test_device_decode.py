@@ -164,24 +164,28 @@ def test_compiled_step_decodes_as_the_step_op_by_op(monkeypatch, host_keys):
 
 
 @pytest.mark.parametrize("sinks", [False, True])
-def test_approx_attend_is_softmax_over_both_sets(sinks):
-    """Approximate rescoring (device_attend.approx_attend): one softmax over the resident
-    tokens' exact scores and the gathered tokens' code scores, with the sink in the
-    denominator; stats = [attended gathered tokens per kv head, resident share of the mass]."""
+@pytest.mark.parametrize("H,rep,R,n,dv,capc", [(2, 3, 5, 40, 8, 2), (8, 4, 700, 3000, 128, 24)])
+def test_approx_attend_is_softmax_over_both_sets(sinks, H, rep, R, n, dv, capc):
+    """Approximate rescoring (device_attend.approx_attend; on CUDA with dv a multiple of 32
+    its kernels, else MLX ops): one softmax over the resident tokens' exact scores and the
+    gathered tokens' code scores, with the sink in the denominator; stats = [attended
+    gathered tokens per kv head, resident share of the mass]."""
     from tiered.device_attend import approx_attend
 
     rng = np.random.default_rng(3)
-    H, rep, R, n, dv, capc = 2, 3, 5, 40, 8, 2
     Hq = H * rep
     z = rng.normal(size=(Hq, n + 1)).astype(np.float32)
     s_r = rng.normal(size=(Hq, R)).astype(np.float32)
     s_r[:, -1] = -np.inf  # an empty resident slot
     res_v = rng.normal(size=(H, R, dv)).astype(np.float32)
-    idx = np.array([[1, 3], [0, -1]], np.int32)
+    s_r[:rep, :3] = -np.inf  # and kv head 0's first slots (every query head of it)
+    idx = np.stack([rng.choice(n // CHUNK, capc, replace=False) for _ in range(H)]).astype(
+        np.int32)
+    idx[1, -1] = -1  # a padded slot
     T = capc * CHUNK
     vals = rng.normal(size=(H, T, dv)).astype(np.float32)
     ok = rng.random((H, T)) < 0.7
-    ok[1, CHUNK:] = False  # the padded slot
+    ok[1, -CHUNK:] = False  # the padded slot
     sink = rng.normal(size=Hq).astype(np.float32) if sinks else None
     o, stats = approx_attend(mx.array(z), mx.array(s_r), mx.array(vals), mx.array(ok),
                              mx.array(idx), mx.array(res_v),
