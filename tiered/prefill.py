@@ -89,7 +89,7 @@ def _chunk_arrays(cache):
                 bads.append(c._finite_bad)
         else:
             arrays.append(c.state)
-    bad = mx.min(mx.concatenate(bads)) if bads else None
+    bad = mx.min(mx.concatenate([b.reshape(-1) for b in bads])) if bads else None
     return arrays + ([bad] if bad is not None else []), bad
 
 
