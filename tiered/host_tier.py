@@ -52,20 +52,6 @@ class HostTier:
         fence = None if self.host is None else self.host.fence
         return [a for a in (fence, self._finite_bad) if a is not None]
 
-    def step_arrays(self) -> list:
-        """The arrays whose evaluation completes this layer's steps so far, with nothing read
-        back (no flush, no wait): a prefill evaluates these per chunk, asynchronously, and
-        ``state`` once at the end."""
-        if self.geometry is None:
-            return []
-        if self.phase == "exact" or self.compressed is None:
-            return [a for a in (*self._exact_view(), self._obs) if a is not None]
-        c = self.compressed
-        arrays = [c.flags, c.res_k, c.res_v, c.res_tok, c.keys.state(c.n)]
-        arrays += [a for a in (getattr(c.heavy, "acc", None), c.anchor_k, c.anchor_v,
-                               c.local_k, c.local_v) if a is not None]
-        return arrays + self.pending_device_work()
-
     def _non_finite(self, start: int, L: int) -> str:
         return (f"layer {self.layer}: non-finite keys or values (NaN or Inf) at tokens "
                 f"[{start}, {start + L}); the compressed tiers refuse them (an fp16 overflow in "
