@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -229,3 +230,17 @@ def test_cache_with_host_budget_spills_and_stays_correct(tmp_path):
     assert mx.abs(ref - got).max().item() < 2e-4
     cache.close()
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".pages")]
+
+
+def test_a_block_spills_only_after_the_queued_device_writes(tmp_path):
+    """Device kernels write reserved slots by address (tiered.device_decode); a block moving
+    to the disk tier is copied by the CPU, so the store waits for them first (and only then)."""
+    store, budget = _store(tmp_path, 4)
+    store.reserve(32)  # a block each for keys and values: room for two more
+    fence = mx.arange(3) + 1  # a queued device op's output (lazy)
+    store.fence = fence
+    store.reserve(32)  # the next two blocks fit the budget: nothing waits
+    assert store.fence is fence and store.disk_bytes == 0
+    store.reserve(1)  # a block spills now: the queued work ran before
+    assert store.fence is None and store.disk_bytes > 0
+    assert budget.used <= budget.limit
