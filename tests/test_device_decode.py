@@ -211,7 +211,8 @@ def test_approx_attend_is_softmax_over_both_sets(sinks, H, rep, R, n, dv, capc):
 def test_attend_kernel_matches_ops(R, T, rep, d, sinks, dtype):
     """The split-K attention over the resident set and the gathered rows equals the MLX-op
     partials and merge: output, attended count and resident share of the mass."""
-    from tiered.device_attend import attend, attend_ops
+    from tiered.attend_reference import attend_ops
+    from tiered.device_attend import attend
     rng = np.random.default_rng(R + T)
     H = 2
     dt = getattr(mx, dtype)
@@ -241,7 +242,8 @@ def test_attend_kernel_matches_ops(R, T, rep, d, sinks, dtype):
 def test_resident_scores_kernel_matches_ops(R, rep, d, dtype):
     """The step's start in one launch equals MLX ops: the scaled query, the resident set's
     exact scores (-inf on empty slots) and the columns they replace (n for empty slots)."""
-    from tiered.device_attend import resident_scores, resident_scores_ops
+    from tiered.attend_reference import resident_scores_ops
+    from tiered.device_attend import resident_scores
     rng = np.random.default_rng(R + rep)
     H, n, scale = 2, 10 * R + 7, 0.125
     dt = getattr(mx, dtype)

@@ -13,19 +13,17 @@ This module replaces the gather of keys and values, the two exact partials and t
   resident share of the mass and the attended-token count for the statistics.
 
 Splits never straddle the two sets, so the merge also yields the resident set's own
-log-sum-exp. The MLX references are :func:`attend_ops` (tests compare the two).
+log-sum-exp. The MLX references are in :mod:`tiered.attend_reference` (tests compare the two).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from . import ops
-from .device_chunks import chunk_token_ids
 from .device_decode import CHUNK, CHUNK_WORD, DeviceTables, host_mx_dtype, kept, page_fence
 from .metal import accelerator, device_floats, device_ints
 from .metal.compact import compact
-from .primitives import merge_partials
+from .attend_reference import approx_attend_ops
 
 _GATHER_KV = r"""
     // grid.y selects the tensor (0 keys, 1 values); one thread per 16-byte word of its out
@@ -258,7 +256,8 @@ def resident_scores(queries, scale: float, rk, rtok, n: int):
     """The step's start in one launch: queries (1, Hq, 1, D) in any float dtype, scaled to
     q (Hq, D) float32; the resident set's exact scores s (Hq, R) float32 (-inf on empty
     slots); cols (Hq, R) int32, the token each score replaces in the codebook scores (n for
-    an empty slot: a spare column). :func:`resident_scores_ops` is the MLX reference."""
+    an empty slot: a spare column). The MLX reference:
+    :func:`tiered.attend_reference.resident_scores_ops`."""
     Hq, D = queries.shape[1], queries.shape[3]
     H, R = rtok.shape
     return _kernel("resident")(
@@ -267,16 +266,6 @@ def resident_scores(queries, scale: float, rk, rtok, n: int):
         output_dtypes=[mx.float32, mx.float32, mx.int32],
         grid=(H * R * 32, 1, 1), threadgroup=(256, 1, 1),
         template=[("H", H), ("REP", Hq // H), ("D", D)])
-
-
-def resident_scores_ops(queries, scale: float, rk, rtok, n: int):
-    """:func:`resident_scores` with MLX ops, in float32."""
-    Hq, D = queries.shape[1], queries.shape[3]
-    H, R = rtok.shape
-    q = queries[0, :, 0, :].astype(mx.float32) * scale
-    s = (q.reshape(H, Hq // H, D) @ rk.astype(mx.float32).swapaxes(-1, -2)).reshape(Hq, R)
-    tok = mx.repeat(rtok, Hq // H, axis=0)
-    return q, mx.where(tok >= 0, s, -mx.inf), mx.where(tok >= 0, tok, n)
 
 
 def gather_kv(tables: DeviceTables, host, idx: mx.array, count: mx.array, flags: mx.array,
@@ -320,7 +309,7 @@ def approx_attend(z, s_r, vals, ok, idx, res_v, sinks, rep: int):
     On CUDA two launches (the splits kernel with the scores given, then :func:`attend`'s
     merge): as MLX ops it was ~45 primitives and two cuBLAS products per layer, each product
     a graph commit of its own (~0.4 ms of host time per layer at 1M tokens on an H200).
-    :func:`approx_attend_ops` is the MLX reference."""
+    :func:`tiered.attend_reference.approx_attend_ops` is the MLX reference."""
     H, T, D = vals.shape
     if accelerator() != "cuda" or D % 32:
         return approx_attend_ops(z, s_r, vals, ok, idx, res_v, sinks, rep)
@@ -340,24 +329,6 @@ def approx_attend(z, s_r, vals, ok, idx, res_v, sinks, rep: int):
         inputs=[pm, pl, po, cnt, sink, dims], output_shapes=[(Hq, D), (Hq, 2)],
         output_dtypes=[mx.float32, mx.float32], grid=(Hq * D, 1, 1), threadgroup=(D, 1, 1),
         template=tmpl + [("HAS_SINK", sinks is not None), ("OutT", mx.float32)])
-
-
-def approx_attend_ops(z, s_r, vals, ok, idx, res_v, sinks, rep: int):
-    """:func:`approx_attend` with MLX ops (the reference, and the path off CUDA)."""
-    H = vals.shape[0]
-    Hq = H * rep
-    tok = chunk_token_ids(idx)
-    s_c = mx.take_along_axis(z.reshape(H, rep, -1),
-                             mx.broadcast_to(tok[:, None, :], (H, rep, tok.shape[1])), axis=2)
-    s_c = mx.where(ok[:, None, :], s_c, -mx.inf)
-    o_c, lse_c = ops.softmax_partial(s_c, vals)
-    o_r, lse_r = ops.softmax_partial(s_r.reshape(H, rep, -1), res_v)
-    lse_r = lse_r.reshape(Hq)
-    sink = None if sinks is None else mx.array(sinks).astype(mx.float32).reshape(Hq)
-    o, lse = merge_partials(o_r.reshape(Hq, -1), lse_r, o_c.reshape(Hq, -1), lse_c.reshape(Hq),
-                            sink)
-    count = mx.repeat(ok.astype(mx.float32).sum(axis=1), rep)
-    return o, mx.stack([count, mx.exp(lse_r - lse)], axis=1)
 
 
 def _split(R: int, T: int, H: int) -> int:
@@ -399,25 +370,3 @@ def attend(q, rk, rv, rtok, gk, gv, ok, sinks, out_dtype):
     return out, stats
 
 
-def attend_ops(q, rk, rv, rtok, gk, gv, ok, sinks, out_dtype):
-    """:func:`attend` with MLX ops (the reference): two exact partials and
-    :func:`tiered.primitives.merge_partials`."""
-    Hq, D = q.shape
-    H = rk.shape[0]
-    rep = Hq // H
-    qh = q.reshape(H, rep, D)
-
-    def partial(k, v, mask):
-        s = (qh @ k.astype(mx.float32).swapaxes(-1, -2))
-        s = mx.where(mask[:, None, :], s, -mx.inf)
-        lse = mx.logsumexp(s, axis=-1)
-        p = mx.exp(s - mx.where(mx.isfinite(lse), lse, 0)[..., None])
-        return (p @ v.astype(mx.float32)).reshape(Hq, D), lse.reshape(Hq)
-
-    o_r, lse_r = partial(rk, rv, rtok >= 0)
-    o_g, lse_g = partial(gk, gv, ok)
-    sink = None if sinks is None else mx.array(sinks).astype(mx.float32).reshape(Hq)
-    o, lse = merge_partials(o_r, lse_r, o_g, lse_g, sink)
-    count = mx.repeat(ok.sum(axis=1), rep).astype(mx.float32)
-    share = mx.where(lse_r > -mx.inf, mx.exp(lse_r - lse), 0.0)  # as the kernel: 0 if none
-    return o.astype(out_dtype), mx.stack([count, share], axis=1)
