@@ -284,8 +284,8 @@ def main(argv=None):
           + f"![memory over the prefill]({args.name}.png)\n")
     data = {"machine": info, "args": vars(args), "prefill": stats, "decode_ms": decode_ms,
             "host_to_device_gbs": host_bw, "streaming_ms_computed": streaming_ms,
-            "decode_step_s": times, "decode_queue_s": queue, "peaks": peaks, "checks": checks, "samples": samples,
-            "answer": answer, "key": key, "report": rep}
+            "decode_step_s": times, "decode_queue_s": queue, "peaks": peaks, "checks": checks,
+            "samples": samples, "answer": answer, "key": key, "report": rep}
     paths = write_results(args.name, data, md)
     plot(samples, args, os.path.join(RESULTS, f"{args.name}.png"))
     print(md)
