@@ -40,13 +40,8 @@ _GATHER_KV = r"""
     else reinterpret_cast<uint4*>(kout)[tid] = val;
 """
 
-_SPLITS_EXACT = r"""
-    // dims = [NRES, SPLIT, NS, NSR] (runtime). Block b: kv head h = b / NS, split s = b % NS;
-    // splits [0, NSR) cover the NRES resident
-    // slots, [NSR, NS) the NGAT gathered rows, SPLIT tokens each. NW warps stride the split's
-    // tokens; a lane holds D / 32 consecutive dims of each of the REP query heads. Outputs
-    // per (block, query head of h): the running max pm, the sum pl of exp(score - pm) and
-    // po = sum exp(score - pm) v (not normalized), and the attended tokens cnt.
+# Both splits kernels' block, warp and split bounds (see _SPLITS_EXACT's comment).
+_SPLITS_PROLOGUE = r"""
     constexpr int NW = 4, E = D / 32;
     const int NRES = dims[0], SPLIT = dims[1], NS = dims[2], NSR = dims[3];
     const int b = blockIdx.x, h = b / NS, s = b % NS;
@@ -54,7 +49,15 @@ _SPLITS_EXACT = r"""
     const bool res = s < NSR;
     const int len = res ? NRES : NGAT;
     const int lo = (res ? s : s - NSR) * SPLIT;
-    const int hi = min(lo + SPLIT, len);
+    const int hi = min(lo + SPLIT, len);"""
+
+_SPLITS_EXACT = r"""
+    // dims = [NRES, SPLIT, NS, NSR] (runtime). Block b: kv head h = b / NS, split s = b % NS;
+    // splits [0, NSR) cover the NRES resident
+    // slots, [NSR, NS) the NGAT gathered rows, SPLIT tokens each. NW warps stride the split's
+    // tokens; a lane holds D / 32 consecutive dims of each of the REP query heads. Outputs
+    // per (block, query head of h): the running max pm, the sum pl of exp(score - pm) and
+    // po = sum exp(score - pm) v (not normalized), and the attended tokens cnt.""" + _SPLITS_PROLOGUE + r"""
     float qv[REP][E], m[REP], l[REP], acc[REP][E];
     for (int r = 0; r < REP; ++r) {
         m[r] = -INFINITY; l[r] = 0.f;
@@ -90,15 +93,7 @@ _SPLITS_EXACT = r"""
 _SPLITS_GIVEN = r"""
     // Approximate rescoring (no keys gathered): the exact splits' loop with the scores
     // given: the resident slots' sres (Hq, NRES) (-inf: an empty slot), the gathered rows'
-    // from the code scores z (Hq, >= n) at their tokens (token j % C of chunk idx[h, j / C]).
-    constexpr int NW = 4, E = D / 32;
-    const int NRES = dims[0], SPLIT = dims[1], NS = dims[2], NSR = dims[3];
-    const int b = blockIdx.x, h = b / NS, s = b % NS;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const bool res = s < NSR;
-    const int len = res ? NRES : NGAT;
-    const int lo = (res ? s : s - NSR) * SPLIT;
-    const int hi = min(lo + SPLIT, len);
+    // from the code scores z (Hq, >= n) at their tokens (token j % C of chunk idx[h, j / C]).""" + _SPLITS_PROLOGUE + r"""
     const uint64_t ZW = z_shape[1];
     float m[REP], l[REP], acc[REP][E];
     for (int r = 0; r < REP; ++r) {
@@ -313,22 +308,8 @@ def approx_attend(z, s_r, vals, ok, idx, res_v, sinks, rep: int):
     H, T, D = vals.shape
     if accelerator() != "cuda" or D % 32:
         return approx_attend_ops(z, s_r, vals, ok, idx, res_v, sinks, rep)
-    Hq, R = s_r.shape
-    split = _split(R, T, H)
-    nsr, nsg = -(-R // split), max(1, -(-T // split))
-    ns = nsr + nsg
-    dims = device_ints(R, split, ns, nsr)
-    tmpl = [("H", H), ("REP", rep), ("D", D), ("NGAT", T)]
-    pm, pl, po, cnt = _kernel("splits_given")(
-        inputs=[s_r, z, idx, res_v, vals, ok, dims],
-        output_shapes=[(H * ns, rep), (H * ns, rep), (H * ns, rep, D), (H * ns, rep)],
-        output_dtypes=[mx.float32, mx.float32, mx.float32, mx.int32],
-        grid=(H * ns * 128, 1, 1), threadgroup=(128, 1, 1), template=tmpl + [("C", CHUNK)])
-    sink = kept((Hq,), 0.0) if sinks is None else mx.array(sinks).astype(mx.float32).reshape(Hq)
-    return _kernel("merge")(
-        inputs=[pm, pl, po, cnt, sink, dims], output_shapes=[(Hq, D), (Hq, 2)],
-        output_dtypes=[mx.float32, mx.float32], grid=(Hq * D, 1, 1), threadgroup=(D, 1, 1),
-        template=tmpl + [("HAS_SINK", sinks is not None), ("OutT", mx.float32)])
+    return _split_attend("splits_given", [s_r, z, idx, res_v, vals, ok], s_r.shape[0], H, D,
+                         res_v.shape[1], T, sinks, mx.float32, [("C", CHUNK)])
 
 
 def _split(R: int, T: int, H: int) -> int:
@@ -346,9 +327,15 @@ def attend(q, rk, rv, rtok, gk, gv, ok, sinks, out_dtype):
     attended where ok (H, T)), with an optional sink logit per query head. Returns
     (o (Hq, D) in out_dtype, stats (Hq, 2) float32: [gathered tokens attended, resident share
     of the mass])."""
-    Hq, D = q.shape
     H, R, _ = rk.shape
-    T = gk.shape[1]
+    return _split_attend("splits", [q, rk, rv, rtok, gk, gv, ok], q.shape[0], H, q.shape[1], R,
+                         gk.shape[1], sinks, out_dtype)
+
+
+def _split_attend(splits: str, inputs: list, Hq: int, H: int, D: int, R: int, T: int, sinks,
+                  out_dtype, extra: list = ()):
+    """The splits kernel ``splits`` over R resident slots and T gathered rows (``inputs``, then
+    the split plan), then the merge: (o (Hq, D) in out_dtype, stats (Hq, 2))."""
     rep = Hq // H
     split = _split(R, T, H)
     nsr, nsg = -(-R // split), max(1, -(-T // split))
@@ -357,16 +344,14 @@ def attend(q, rk, rv, rtok, gk, gv, ok, sinks, out_dtype):
     # plan are runtime values, so a refresh compiles nothing.
     dims = device_ints(R, split, ns, nsr)  # kept: the same in every layer
     tmpl = [("H", H), ("REP", rep), ("D", D), ("NGAT", T)]
-    pm, pl, po, cnt = _kernel("splits")(
-        inputs=[q, rk, rv, rtok, gk, gv, ok, dims],
+    pm, pl, po, cnt = _kernel(splits)(
+        inputs=inputs + [dims],
         output_shapes=[(H * ns, rep), (H * ns, rep), (H * ns, rep, D), (H * ns, rep)],
         output_dtypes=[mx.float32, mx.float32, mx.float32, mx.int32],
-        grid=(H * ns * 128, 1, 1), threadgroup=(128, 1, 1), template=tmpl)
+        grid=(H * ns * 128, 1, 1), threadgroup=(128, 1, 1), template=tmpl + list(extra))
     sink = kept((Hq,), 0.0) if sinks is None else mx.array(sinks).astype(mx.float32).reshape(Hq)
     out, stats = _kernel("merge")(
         inputs=[pm, pl, po, cnt, sink, dims], output_shapes=[(Hq, D), (Hq, 2)],
         output_dtypes=[out_dtype, mx.float32], grid=(Hq * D, 1, 1), threadgroup=(D, 1, 1),
         template=tmpl + [("HAS_SINK", sinks is not None), ("OutT", out_dtype)])
     return out, stats
-
-

@@ -25,7 +25,7 @@ class HeavyHitters:
         self.H, self.alpha, self.numpy_path = H, alpha, numpy_path
         self.acc: mx.array | None = None
         self._np: np.ndarray | None = None
-        self._queued = None  # ((count, lo, hi), (ids, values)) queued by prefetch
+        self._queued = None  # ((count, lo, hi), among, (ids,)) queued by prefetch
         self.grow(capacity, 0)
 
     def grow(self, capacity: int, n: int) -> None:
@@ -116,8 +116,8 @@ class HeavyHitters:
         Returns the lazy arrays, for the caller to evaluate with the step's graph."""
         self._queued = None
         if self._np is None and count > 0 and hi > lo:
-            self._queued = ((count, lo, hi, among), self._top_device(count, lo, hi, among))
-            return list(self._queued[1])
+            self._queued = ((count, lo, hi), among, self._top_device(count, lo, hi, among))
+            return list(self._queued[2])
         return []
 
     def _top_device(self, count: int, lo: int, hi: int, among: mx.array | None = None):
@@ -155,10 +155,8 @@ class HeavyHitters:
         if self._np is None and allowed is None:
             # On the accelerator only the chosen ids come to the host (a copy of every
             # accumulator and a host argpartition cost ~8 ms per layer at 128k).
-            key = (count, lo, hi, among)
-            (ids_d,) = (queued[1] if queued is not None and len(queued[0]) == 4
-                        and queued[0][:3] == key[:3] and queued[0][3] is among
-                        else self._top_device(count, lo, hi, among))
+            hit = queued is not None and queued[0] == (count, lo, hi) and queued[1] is among
+            (ids_d,) = queued[2] if hit else self._top_device(count, lo, hi, among)
             mx.eval(ids_d)
             ids = np.array(ids_d)
             if among is None:
