@@ -57,7 +57,8 @@ _SPLITS_EXACT = r"""
     // slots, [NSR, NS) the NGAT gathered rows, SPLIT tokens each. NW warps stride the split's
     // tokens; a lane holds D / 32 consecutive dims of each of the REP query heads. Outputs
     // per (block, query head of h): the running max pm, the sum pl of exp(score - pm) and
-    // po = sum exp(score - pm) v (not normalized), and the attended tokens cnt.""" + _SPLITS_PROLOGUE + r"""
+    // po = sum exp(score - pm) v (not normalized), and the attended tokens cnt.""" \
+    + _SPLITS_PROLOGUE + r"""
     float qv[REP][E], m[REP], l[REP], acc[REP][E];
     for (int r = 0; r < REP; ++r) {
         m[r] = -INFINITY; l[r] = 0.f;
@@ -93,7 +94,8 @@ _SPLITS_EXACT = r"""
 _SPLITS_GIVEN = r"""
     // Approximate rescoring (no keys gathered): the exact splits' loop with the scores
     // given: the resident slots' sres (Hq, NRES) (-inf: an empty slot), the gathered rows'
-    // from the code scores z (Hq, >= n) at their tokens (token j % C of chunk idx[h, j / C]).""" + _SPLITS_PROLOGUE + r"""
+    // from the code scores z (Hq, >= n) at their tokens (token j % C of chunk idx[h, j / C]).""" \
+    + _SPLITS_PROLOGUE + r"""
     const uint64_t ZW = z_shape[1];
     float m[REP], l[REP], acc[REP][E];
     for (int r = 0; r < REP; ++r) {
