@@ -62,3 +62,57 @@ def test_among_is_refused_on_the_numpy_path():
     hh = HeavyHitters(2, 64, alpha=0.9, numpy_path=True)
     with pytest.raises(ValueError, match="among"):
         hh.top(4, 0, 32, among=mx.zeros((2, 8), mx.int32))
+
+
+def _decode(model, cache, prompt, steps):
+    logits = model(prompt, cache=cache)[:, -1]
+    out = [logits]
+    for _ in range(steps):
+        logits = model(mx.argmax(logits, axis=-1)[:, None], cache=cache)[:, -1]
+        out.append(logits)
+    return mx.stack(out)
+
+
+@pytest.mark.parametrize("kernels", ["numba", "mlx"])
+def test_refresh_without_host_keys_is_skipped_only_where_it_keeps_the_set(monkeypatch, kernels):
+    """Without host keys a refresh whose layout does not change is skipped
+    (``refresh_keeps_all``). Wherever it is skipped, the refresh's own choice would have kept
+    every heavy token (the invariant the skip rests on); and a decode that runs every refresh
+    gives the same logits and, per head, the same resident tokens."""
+    from conftest import make_small_model
+
+    from tiered import TieredCache
+    from tiered.resident import ResidentSet
+
+    model = make_small_model("llama-gqa-d64", layers=2, seed=3)
+    prompt = mx.array(np.random.default_rng(21).integers(0, 49152, (1, 400)))
+    opts = dict(gpu_budget=0.25, page_size=64, recent=16, host_keys=False, refresh_every=2,
+                kernels=kernels)
+    skipped = []
+    keeps = ResidentSet.refresh_keeps_all
+
+    def checked(self):
+        if not keeps(self):
+            return False
+        R, S, W = self._refresh_layout(self.n, True)
+        chosen = self._choose_heavy(R - S - W, self.n, S, W)
+        held = self._res_tok_np[:, S + W :]
+        for h in range(self.H):
+            assert sorted(chosen[h][chosen[h] >= 0]) == sorted(held[h][held[h] >= 0])
+        skipped.append(self.n)
+        return True
+
+    monkeypatch.setattr(ResidentSet, "refresh_keeps_all", checked)
+    fast = TieredCache.for_model(model, **opts)
+    a = _decode(model, fast, prompt, 40)
+    assert len(skipped) >= 20
+    monkeypatch.setattr(ResidentSet, "refresh_keeps_all", lambda self: False)
+    full = TieredCache.for_model(model, **opts)
+    b = _decode(model, full, prompt, 40)
+    np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-4)
+    for lf, lb in zip(fast, full):
+        tf, tb = np.array(lf.compressed.res_tok), np.array(lb.compressed.res_tok)
+        for h in range(tf.shape[0]):
+            assert sorted(tf[h][tf[h] >= 0]) == sorted(tb[h][tb[h] >= 0])
+    fast.close()
+    full.close()

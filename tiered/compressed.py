@@ -335,7 +335,8 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         self.steps += 1
         self.parent.stats.record_step(mean_count, self.n, resident_mass)
         every = self.config.refresh_every
-        if self.heavy is not None and (self.steps + self.parent.layer) % every == 0:
+        if (self.heavy is not None and (self.steps + self.parent.layer) % every == 0
+                and not self.refresh_keeps_all()):
             if self.on_device:
                 self.queue_refresh()
             else:
