@@ -122,8 +122,9 @@ def main(argv=None):
     p.add_argument("--write-tokens", help="only write the document's token ids to this .npz")
     p.add_argument("--name", default=None)
     p.add_argument("--marks", default=None,
-                   help="a folder: touch prefill.go at 40%% of the prefill and decode.go after "
-                        "--mark-step decode steps, for a profiler attached from outside")
+                   help="a folder: touch compress.go before the chunk that compresses, "
+                        "prefill.go at 40%% of the prefill and decode.go after --mark-step "
+                        "decode steps, for a profiler attached from outside")
     p.add_argument("--mark-step", type=int, default=3)
     p.add_argument("--kernel-steps", type=int, default=0,
                    help="after decoding, this many steps under the CUDA kernel profiler")
@@ -182,6 +183,8 @@ def main(argv=None):
     def sample(done):
         if done >= 0.4 * len(ids) > done - args.chunk:
             mark("prefill.go")
+        if done + args.chunk >= args.prefill_window > done:  # the next chunk compresses
+            mark("compress.go")
         tb = cache.tier_bytes()
         samples.append({"tokens": done, "s": time.perf_counter() - t_start,
                         "rss": current_rss_bytes(), "transient": tb["transient"],

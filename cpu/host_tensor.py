@@ -27,6 +27,20 @@ def _alloc_block(shape, dtype: str):
     return arr
 
 
+def _block_ahead(shape, dtype: str) -> mx.array:
+    """A block like :func:`_alloc_block`'s, allocated and filled by MLX's CPU stream in the
+    background (read when adopted, by then long done)."""
+    arr = mx.full(shape, float("nan"), dtype=MX_DTYPES[dtype], stream=mx.cpu)
+    mx.async_eval(arr)
+    return arr
+
+
+# Allocate each tensor's next RAM block ahead of need. On MLX's CUDA backend a block is managed
+# memory: its allocation and first touch took ~6 ms per 8 MB block on the thread that needed
+# it (H200: a 1M-token prefill's chunks that grew the pages took 0.35 s against 0.15).
+AHEAD = bool(mx.cuda.is_available())
+
+
 def _host_copy(arr: mx.array) -> mx.array:
     out = mx.array(np.array(arr))
     mx.eval(out)
@@ -49,7 +63,7 @@ class HostTensor:
     """
 
     def __init__(self, n_kv_heads, page_size, head_dim, dtype, pages_per_block, *,
-                 budget=None, disk_dir=None, disk_budget=None, name="tensor"):
+                 budget=None, disk_dir=None, disk_budget=None, name="tensor", ahead=None):
         if dtype not in HOST_DTYPES:
             raise ValueError(f"Invalid host dtype {dtype!r}: expected one of {HOST_DTYPES}")
         self.n_kv_heads, self.page_size, self.head_dim = n_kv_heads, page_size, head_dim
@@ -65,6 +79,10 @@ class HostTensor:
         self.disk_index: list[int] = []  # -1: in RAM
         self.disk = None  # PageFile of the data blocks
         self.scale_disk = None
+        # ahead: the next RAM block is allocated in the background once one is adopted (its
+        # bytes reserved in the host budget; float dtypes). None: where it pays (AHEAD).
+        self.ahead = AHEAD if ahead is None else bool(ahead)
+        self._spare: mx.array | None = None
 
     @property
     def block_shape(self):
@@ -85,14 +103,21 @@ class HostTensor:
         """Whether the next :meth:`grow` moves a block to the disk tier (the host budget is
         spent)."""
         b = self.budget
-        return b is not None and b.limit is not None and b.used + self.block_bytes > b.limit
+        return (self._spare is None and b is not None and b.limit is not None
+                and b.used + self.block_bytes > b.limit)
 
     def grow(self):
         """One more block: in RAM while the host budget allows, else the oldest RAM block of
         this tensor moves to disk first (written and checked before its RAM is freed)."""
         b = self.budget
+        if self._spare is not None:  # allocated ahead, its bytes reserved then
+            spare, self._spare = self._spare, None
+            self._adopt(spare, None)
+            self._next_ahead()
+            return
         if b is None or b.reserve(self.block_bytes):
             self._adopt(_alloc_block(self.block_shape, self.dtype), None)
+            self._next_ahead()
             return
         ram = [i for i, d in enumerate(self.disk_index) if d < 0]
         if ram:
@@ -105,6 +130,19 @@ class HostTensor:
             self.block_shape, np.nan, NP_DTYPES[self.dtype])
         sfill = np.full(self.block_shape[:-1], np.nan, np.float32) if self.dtype == "int8" else None
         self._adopt_disk(fill, sfill)
+
+    def _next_ahead(self):
+        """Start allocating the next RAM block when the host budget has room for it too."""
+        if not self.ahead or self.dtype == "int8" or self._spare is not None:
+            return
+        if self.budget is None or self.budget.reserve(self.block_bytes):
+            self._spare = _block_ahead(self.block_shape, self.dtype)
+
+    def _drop_spare(self):
+        if self._spare is not None:
+            self._spare = None
+            if self.budget is not None:
+                self.budget.release(self.block_bytes)
 
     def _files(self):
         if self.disk is None:
@@ -231,6 +269,7 @@ class HostTensor:
                 f.close()
         if self.budget is not None:
             self.budget.release(self.nbytes)
+        self._drop_spare()
         self.blocks.clear()
         self.scale_blocks.clear()
 

@@ -244,3 +244,31 @@ def test_a_block_spills_only_after_the_queued_device_writes(tmp_path):
     store.reserve(1)  # a block spills now: the queued work ran before
     assert store.fence is None and store.disk_bytes > 0
     assert budget.used <= budget.limit
+
+
+@pytest.mark.parametrize("budget_blocks", [3, 100])
+def test_blocks_allocated_ahead_keep_the_budget_and_the_data(tmp_path, monkeypatch,
+                                                             budget_blocks):
+    """With blocks allocated ahead (the CUDA default, forced here): each tensor holds at most
+    one spare block, reserved in the budget; RAM stays within the budget, a tight budget
+    still spills, the rows read back, and closing gives every byte back."""
+    from tiered.cpu import host_tensor
+
+    monkeypatch.setattr(host_tensor, "AHEAD", True)
+    rng = np.random.default_rng(4)
+    store, budget = _store(tmp_path, budget_blocks)
+    block = store.values.block_bytes
+    v, k = _data(rng, 300), _data(rng, 300)
+    for i in range(0, 300, 50):
+        store.append(v[:, :, i : i + 50], k[:, :, i : i + 50])
+        assert budget.used <= budget.limit
+        spares = sum(t._spare is not None for t in store.tensors)
+        assert budget.used == sum(t.nbytes for t in store.tensors) + spares * block
+    if budget_blocks == 100:
+        assert spares == 2 and store.disk_bytes == 0
+    else:
+        assert store.disk_bytes > 0
+    np.testing.assert_allclose(store.read("values"), v[0], atol=1e-3, rtol=1e-3)
+    np.testing.assert_allclose(store.read("keys"), k[0], atol=1e-3, rtol=1e-3)
+    store.close()
+    assert budget.used == 0

@@ -65,3 +65,31 @@ def test_memory_stays_flat_over_a_200k_prefill(tmp_path):
     slack = 12 * 2**20
     assert grew <= tier_grew + slack < full * (n - acc[first][0]) / n, (grew, tier_grew, full)
     cache.close()
+
+
+def test_prefill_loop_leaves_the_cache_as_evaluating_state_does():
+    """tiered.prefill evaluates each chunk's lazy arrays without building ``state``
+    (``lazy_arrays``); mlx-lm evaluates ``state``. Both loops give the same cache: the same
+    logits after, and the same arrays in ``state``."""
+    from mlx.utils import tree_flatten
+
+    model = tiny_model()
+    ids = np.random.default_rng(3).integers(0, 1000, 6000).tolist()
+    opts = dict(gpu_budget=0.25, prefill_window=2048, anchor_tokens=512, page_size=64)
+    ours = tiered.TieredCache.for_model(model, **opts)
+    prefill(model, ours, ids, chunk=512)
+    theirs = tiered.TieredCache.for_model(model, **opts)
+    x = mx.array(ids)[None]
+    for i in range(0, len(ids), 512):
+        model.model(x[:, i : i + 512], cache=theirs)
+        mx.eval([c.state for c in theirs])
+    assert all(c.phase == "compressed" for c in ours)
+    q = mx.array([[7, 8, 9]])
+    np.testing.assert_allclose(np.array(model(q, cache=ours)), np.array(model(q, cache=theirs)),
+                               rtol=1e-5, atol=1e-5)
+    for a, b in zip(ours, theirs):
+        fa, fb = tree_flatten(a.state[3]), tree_flatten(b.state[3])
+        assert [k for k, _ in fa] == [k for k, _ in fb]
+        for (k, va), (_, vb) in zip(fa, fb):
+            if isinstance(va, mx.array) and va.size:
+                np.testing.assert_array_equal(np.array(va), np.array(vb), err_msg=k)

@@ -177,6 +177,11 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
     def state(self, st):
         layer_state.restore(self, st)
 
+    def lazy_arrays(self) -> list:
+        """The arrays a prompt chunk leaves lazy (``state``'s, without building it; see
+        :func:`tiered.layer_state.lazy_arrays`)."""
+        return layer_state.lazy_arrays(self)
+
     @property
     def meta_state(self):
         return layer_state.meta_of(self)
