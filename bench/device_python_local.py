@@ -55,6 +55,8 @@ def main():
     ap.add_argument("--no-async", action="store_true",
                     help="make mx.async_eval a no-op: on the CPU backend it evaluates the layers "
                          "so far (the fake kernels' zeros included) and its time is not the GPU's")
+    ap.add_argument("--no-host-keys", action="store_true",
+                    help="values only on the host (the 1M-token run's layout)")
     args = ap.parse_args()
     from decode_speed import LLAMA3_8B, seed_kv, tiered_caches
     from mlx_lm.utils import _get_classes
@@ -69,7 +71,8 @@ def main():
     if args.no_async:
         mx.async_eval = lambda *a, **k: None
     cache = tiered_caches(model, seed, args.context, args.budget,
-                          dict(calibration_tokens=2048, device_gather="on", kernels="mlx"))
+                          dict(calibration_tokens=2048, device_gather="on", kernels="mlx",
+                               host_keys=not args.no_host_keys))
     y = mx.array([[1]])
     for _ in range(3):
         y = mx.argmax(model(y, cache=cache)[:, -1], axis=-1)[:, None]

@@ -296,12 +296,12 @@ def gather_kv(tables: DeviceTables, host, idx: mx.array, count: mx.array, flags:
     return kout, vout, ok
 
 
-def approx_attend(z, s_r, vals, ok, idx, res_v, sinks, rep: int):
+def approx_attend(z, s_r, vals, ok, idx, res_v, sinks, rep: int, out_dtype=mx.float32):
     """Approximate rescoring (no keys gathered): the selected chunks' tokens take their code
     scores from z (Hq, >= n), the resident set its exact scores s_r (Hq, R); one softmax over
     the gathered values vals (H, T, dv) (attended where ok (H, T)) and res_v, with the model's
-    sink logits (Hq values, or None). Returns (o (Hq, dv) float32, stats (Hq, 2): [gathered
-    tokens attended, resident share of the mass], as :func:`attend` gives them).
+    sink logits (Hq values, or None). Returns (o (Hq, dv) in out_dtype, stats (Hq, 2):
+    [gathered tokens attended, resident share of the mass], as :func:`attend` gives them).
 
     On CUDA two launches (the splits kernel with the scores given, then :func:`attend`'s
     merge): as MLX ops it was ~45 primitives and two cuBLAS products per layer, each product
@@ -309,9 +309,10 @@ def approx_attend(z, s_r, vals, ok, idx, res_v, sinks, rep: int):
     :func:`tiered.attend_reference.approx_attend_ops` is the MLX reference."""
     H, T, D = vals.shape
     if accelerator() != "cuda" or D % 32:
-        return approx_attend_ops(z, s_r, vals, ok, idx, res_v, sinks, rep)
+        o, stats = approx_attend_ops(z, s_r, vals, ok, idx, res_v, sinks, rep)
+        return o.astype(out_dtype), stats
     return _split_attend("splits_given", [s_r, z, idx, res_v, vals, ok], s_r.shape[0], H, D,
-                         res_v.shape[1], T, sinks, mx.float32, [("C", CHUNK)])
+                         res_v.shape[1], T, sinks, out_dtype, [("C", CHUNK)])
 
 
 def _split(R: int, T: int, H: int) -> int:

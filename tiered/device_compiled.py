@@ -199,8 +199,7 @@ def _chain(key: tuple):
             vr, ok = device_decode.gather_chunks(None, host, host.values, idx, count, flags,
                                                  where=(pages, addrs_v, sizes, fence))
             o, stats = device_attend.approx_attend(z, s_r, vr, ok, idx, res_v,
-                                                   sink if has_sink else None, rep)
-            o = o.astype(out_dtype)
+                                                   sink if has_sink else None, rep, out_dtype)
         if alpha is None:
             return o, stats, q, ok, acc
         lse = mx.logsumexp(za, axis=1)  # the softmax total over the n tokens

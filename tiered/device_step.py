@@ -84,7 +84,7 @@ def decode(layer, queries, scale, sinks, tables: DeviceTables):
     else:  # approximate rescoring: only values gathered, the chunks' code scores
         vals, ok = gather_chunks(tables, host, host.values, idx, count, layer.flags)
         o, stats = device_attend.approx_attend(z, s_r, vals, ok, idx, layer.res_v, sinks,
-                                               rep)
+                                               rep, queries.dtype)
         mean_count, mass = Column(stats, 0), Column(stats, 1)  # reduced when read
     if layer._update:
         layer.journal.record(n, "step", (n, q, rep, layer.steps))

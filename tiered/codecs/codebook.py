@@ -14,6 +14,7 @@ import numpy as np
 
 from .pq import as_numpy, code_dtype, codebook_shape, decode, encode, encode_mx, keys_as_numpy
 from .pq import sub_dims
+from .kmeans_mx import kmeans_batched
 
 # Training points per k-means run (per head, or per head and group with per_group=True) before
 # seeded subsampling. 2**17 points of 4 dims x 256 centroids x 12 iterations: ~0.1 s with faiss on
@@ -73,6 +74,7 @@ def train_codebook(
     seed: int = 0,
     max_points: int = DEFAULT_MAX_POINTS,
     threads: int | None = None,
+    backend: str = "faiss",
 ) -> np.ndarray:
     """Train the PQ codebook of one layer with k-means (faiss).
 
@@ -88,6 +90,8 @@ def train_codebook(
         cores by default). faiss's OpenMP threads spin at barriers, so when other work occupies
         the cores (prefill, CPU attention workers) ``threads=1`` is much faster than fighting for
         them; the result does not depend on it.
+    backend: "faiss" (each run on the CPU) or "mlx" (every run of the layer as one batch of
+        MLX ops on the default device: :mod:`.kmeans_mx`; the accelerators' choice).
 
     Returns float32 ``(H, Gc, c, d // g)``. With fewer training points than ``c`` (short
     calibration), the codebook is the points themselves, repeated to fill ``c`` slots.
@@ -117,9 +121,24 @@ def train_codebook(
     ):
         raise ValueError(f"Invalid threads: {threads!r} (expected None or an integer >= 1)")
 
+    if backend not in ("faiss", "mlx"):
+        raise ValueError(f"Invalid backend: {backend!r} (expected 'faiss' or 'mlx')")
     Gc = groups if per_group else 1
     codebook = np.empty((H, Gc, size, ds), dtype=np.float32)
     sub = keys.reshape(H, n, groups, ds)
+    if backend == "mlx" and (n if per_group else n * groups) > size:
+        runs, rngs = [], []
+        for h in range(H):
+            for j in range(Gc):
+                points = sub[h, :, j] if per_group else sub[h].reshape(n * groups, ds)
+                rng = np.random.default_rng([seed, h, j])
+                if points.shape[0] > max_points:
+                    points = points[np.sort(rng.choice(points.shape[0], size=max_points,
+                                                       replace=False))]
+                runs.append(points)
+                rngs.append(rng)
+        got = kmeans_batched(np.stack(runs), size, iters=iters, rngs=rngs)
+        return np.ascontiguousarray(got.reshape(H, Gc, size, ds))
     with _faiss_threads(threads):
         for h in range(H):
             for j in range(Gc):
