@@ -8,14 +8,10 @@ import time
 
 import mlx.core as mx
 
-# Bytes of freed buffers MLX keeps for reuse during a prefill on an accelerator: an eighth of
-# its memory limit, 1 to 16 GiB. A 2048-token chunk of Llama-3-8B frees more than 4 GiB
-# (H200: with 4 GiB, device allocations and frees were ~14% of the prefill's host time).
-CACHE_FRACTION, CACHE_MIN, CACHE_MAX = 8, 1 << 30, 16 << 30
-
-
-def _cache_limit() -> int:
-    return int(min(CACHE_MAX, max(CACHE_MIN, mx.get_memory_limit() // CACHE_FRACTION)))
+# Bytes of freed buffers MLX keeps for reuse during a prefill. 16 GiB (an eighth of an H200's
+# memory limit) took a 1M-token prefill's device memory to 139 GiB (NVML) against 89 and saved
+# ~5 s of its 145: not kept.
+CACHE_LIMIT = 4 << 30
 
 
 def peak_rss_bytes() -> int:
@@ -58,9 +54,8 @@ def prefill(model, cache, tokens, *, chunk: int = 2048, progress=None, on_chunk=
     # allocations: ~10% of a 1M-token prefill's host time on an H200).
     # (On the CPU backend a cached buffer is resident memory: emptied every chunk there.)
     on_cpu = mx.default_device() == mx.cpu
-    want = _cache_limit()
-    limit = mx.set_cache_limit(want)
-    if limit < want:
+    limit = mx.set_cache_limit(CACHE_LIMIT)
+    if limit < CACHE_LIMIT:
         mx.set_cache_limit(limit)  # a smaller limit set by the caller stands
     try:
         while done < total:
