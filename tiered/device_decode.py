@@ -89,13 +89,18 @@ _WRITE = r"""
 _WRITE_ONE = r"""
     // A decode token written behind, keys and values in one launch (grid.y: 0 values,
     // 1 keys), its page looked up here: token ints[1] goes to slot ints[1] % P of logical
-    // page ints[1] / P (physical pages[...]). One thread per 16-byte word of a row (H, ROW).
+    // page ints[1] / P (physical pages[...]); ints[1] < 0 writes nothing (a launch that only
+    // compiles the kernel). One thread per 16-byte word of a row (H, ROW).
     const bool isk = blockIdx.y == 1;
     const uint32_t ROWB = isk ? ROWK : ROWV, WPR = ROWB / 16, ppb = isk ? PPBK : PPBV;
     const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (tid >= (uint64_t)H * WPR) return;
     const uint32_t h = tid / WPR, w = tid % WPR;
     const int64_t t = ints[1];
+    if (t < 0) {
+        if (tid == 0 && !isk) done[0] = 1;
+        return;
+    }
     const int64_t pp = pages[t / P];
     const uint64_t base = (isk ? addrs_k : addrs_v)[pp / ppb];
     const uint64_t off = (((uint64_t)(pp % ppb) * H + h) * P + t % P) * ROWB + (uint64_t)w * 16;
