@@ -237,8 +237,10 @@ def _warm_write(layer, keys, values, pages, addrs_k, addrs_v, host, kt, vt) -> N
     if key in _WARM:
         return
     _WARM.add(key)
-    dry = device_compiled._step_ints(0, -1)  # the same input dtypes and template as the
-    fence = device_compiled._placeholder((1,), mx.int32)  # real launch: the same module
+    # The same template and input dtypes as the real launch, or MLX compiles another module:
+    # its fence is then the step's gather's ``ok`` (bool; HostStore.device_op)
+    dry = device_compiled._step_ints(0, -1)
+    fence = device_compiled._placeholder((1,), mx.bool_)
     layer._later.append(_write_one(values, keys, pages, dry, addrs_v, addrs_k, fence,
                                    host.page_size, vt.pages_per_block, kt.pages_per_block,
                                    kt.dtype, vt.dtype, host.keys is not None))
