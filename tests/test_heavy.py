@@ -74,11 +74,12 @@ def _decode(model, cache, prompt, steps):
 
 
 @pytest.mark.parametrize("kernels", ["numba", "mlx"])
-def test_refresh_without_host_keys_is_skipped_only_where_it_keeps_the_set(monkeypatch, kernels):
+def test_refresh_without_host_keys_is_skipped_only_where_it_keeps_the_set(monkeypatch,
+                                                                          kernels):
     """Without host keys a refresh that keeps the sinks and the ring and does not shrink the
-    slots is skipped (``refresh_keeps_all``). Wherever it is skipped, the refresh's own choice would have kept
-    every heavy token (the invariant the skip rests on); and a decode that runs every refresh
-    gives the same logits and, per head, the same resident tokens."""
+    slots is skipped (``refresh_keeps_all``). Wherever it is skipped, the refresh's own choice
+    would have kept every heavy token (the invariant the skip rests on); and a decode that
+    runs every refresh gives the same logits and, per head, the same resident tokens."""
     from conftest import make_small_model
 
     from tiered import TieredCache
