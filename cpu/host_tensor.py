@@ -38,7 +38,7 @@ def _block_ahead(shape, dtype: str) -> mx.array:
 # Allocate each tensor's next RAM block ahead of need. On MLX's CUDA backend a block is managed
 # memory: its allocation and first touch took ~6 ms per 8 MB block on the thread that needed
 # it (H200: a 1M-token prefill's chunks that grew the pages took 0.35 s against 0.15).
-AHEAD = bool(mx.cuda.is_available())
+AHEAD = bool(getattr(getattr(mx, "cuda", None), "is_available", lambda: False)())
 
 
 def _host_copy(arr: mx.array) -> mx.array:
