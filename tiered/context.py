@@ -313,7 +313,7 @@ class SharedContext:
         if memo_key not in self.codebook_memo:
             # One faiss thread: its OpenMP workers spin at barriers and stall beside other work.
             # On an accelerator every run of the layer is one batch of MLX ops (faiss ran
-            # them one by one on the CPU: ~1.8 s per layer at Llama-3-8B's shape, H200)
+            # them one by one on the CPU: half of a 1M-token prefill's compression, H200)
             self.codebook_memo[memo_key] = train_codebook(
                 sample, groups=plan.groups, size=plan.centroids, per_group=plan.per_group,
                 iters=self.config.kmeans_iters, seed=self.config.seed + layer.layer, threads=1,

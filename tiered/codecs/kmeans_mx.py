@@ -2,11 +2,12 @@
 
 A layer's per-group codebook is H x g independent k-means runs (8 kv heads x 32 groups of 4
 dims, 64 centroids, 4096 points each for Llama-3-8B). faiss runs them one after another on the
-CPU, ~2.3 ms each of mostly per-call overhead: 1.8 s per layer, about 58 s of a 1M-token
-prefill on an H200 (issue 24). Here they are one batch of array ops on the default device:
-Lloyd iterations from distinct seeded points, as faiss's k-means starts. A centroid that
-loses all its points keeps its place (faiss splits the largest cluster instead); the quality
-is checked against faiss in tests/test_codecs.py.
+CPU, ~2.3 ms each of mostly per-call overhead (0.58 s per layer on the project's 2-core
+machine); on an H200's host they were half of the samples of a 1M-token prefill's compression
+(issue 24). Here they are one batch of array ops on the default device: Lloyd iterations from
+distinct seeded points, as faiss's k-means starts. A centroid that loses all its points keeps
+its place (faiss splits the largest cluster instead); the quality is checked against faiss in
+tests/test_kmeans_mx.py.
 """
 
 from __future__ import annotations
