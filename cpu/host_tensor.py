@@ -36,8 +36,9 @@ def _block_ahead(shape, dtype: str) -> mx.array:
 
 
 # Allocate each tensor's next RAM block ahead of need. On MLX's CUDA backend a block is managed
-# memory: its allocation and first touch took ~6 ms per 8 MB block on the thread that needed
-# it (H200: a 1M-token prefill's chunks that grew the pages took 0.35 s against 0.15).
+# memory, allocated and NaN-filled on the thread that needed it (H200, 1M-token prefill: the
+# chunks that grew the pages took 0.35 s against 0.15, ~6 ms more per layer; idle, an 8 MB
+# block's allocation and fill take 0.66 ms: bench/host_block_probe.py).
 AHEAD = bool(getattr(getattr(mx, "cuda", None), "is_available", lambda: False)())
 
 
