@@ -28,8 +28,8 @@ def _alloc_block(shape, dtype: str):
 
 
 def _block_ahead(shape, dtype: str) -> mx.array:
-    """A block like :func:`_alloc_block`'s, allocated and filled by MLX's CPU stream in the
-    background (read when adopted, by then long done)."""
+    """A block like :func:`_alloc_block`'s, queued on MLX's CPU stream ahead of need (its fill
+    runs there; read when adopted, by then done)."""
     arr = mx.full(shape, float("nan"), dtype=MX_DTYPES[dtype], stream=mx.cpu)
     mx.async_eval(arr)
     return arr
