@@ -59,9 +59,26 @@ def _train_one(points: np.ndarray, size: int, *, iters: int, rng: np.random.Gene
         # slots repeat them cyclically. A repeat never wins a nearest-centroid tie against its
         # first copy (argmin takes the lowest index), so codes stay canonical.
         return np.ascontiguousarray(points[np.arange(size) % m], dtype=np.float32)
-    if m > max_points:
-        points = points[np.sort(rng.choice(m, size=max_points, replace=False))]
+    points = _subsample(points, rng, max_points)
     return _kmeans(points, size, iters=iters, seed=int(rng.integers(1, 2**31 - 1)))
+
+
+def _subsample(points: np.ndarray, rng: np.random.Generator, max_points: int) -> np.ndarray:
+    """At most ``max_points`` of ``points``, a seeded uniform subsample kept in order."""
+    m = points.shape[0]
+    if m <= max_points:
+        return points
+    return points[np.sort(rng.choice(m, size=max_points, replace=False))]
+
+
+def _runs(sub: np.ndarray, per_group: bool, seed: int):
+    """Each k-means run's training points and seeded generator, head by head, then group by
+    group: ``sub`` (H, n, g, ds) gives a group's sub-vectors, or a head's pooled ones."""
+    H, n, groups, ds = sub.shape
+    for h in range(H):
+        for j in range(groups if per_group else 1):
+            points = sub[h, :, j] if per_group else sub[h].reshape(n * groups, ds)
+            yield points, np.random.default_rng([seed, h, j])
 
 
 def train_codebook(
@@ -127,25 +144,14 @@ def train_codebook(
     codebook = np.empty((H, Gc, size, ds), dtype=np.float32)
     sub = keys.reshape(H, n, groups, ds)
     if backend == "mlx" and (n if per_group else n * groups) > size:
-        runs, rngs = [], []
-        for h in range(H):
-            for j in range(Gc):
-                points = sub[h, :, j] if per_group else sub[h].reshape(n * groups, ds)
-                rng = np.random.default_rng([seed, h, j])
-                if points.shape[0] > max_points:
-                    points = points[np.sort(rng.choice(points.shape[0], size=max_points,
-                                                       replace=False))]
-                runs.append(points)
-                rngs.append(rng)
-        got = kmeans_batched(np.stack(runs), size, iters=iters, rngs=rngs)
+        runs = [(_subsample(p, rng, max_points), rng) for p, rng in _runs(sub, per_group, seed)]
+        got = kmeans_batched(np.stack([p for p, _ in runs]), size, iters=iters,
+                             rngs=[rng for _, rng in runs])
         return np.ascontiguousarray(got.reshape(H, Gc, size, ds))
     with _faiss_threads(threads):
-        for h in range(H):
-            for j in range(Gc):
-                points = sub[h, :, j] if per_group else sub[h].reshape(n * groups, ds)
-                rng = np.random.default_rng([seed, h, j])
-                codebook[h, j] = _train_one(points, size, iters=iters, rng=rng,
-                                            max_points=max_points)
+        for i, (points, rng) in enumerate(_runs(sub, per_group, seed)):
+            codebook[i // Gc, i % Gc] = _train_one(points, size, iters=iters, rng=rng,
+                                                   max_points=max_points)
     return codebook
 
 
