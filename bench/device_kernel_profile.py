@@ -18,18 +18,16 @@ import mlx.core as mx
 from decode_speed import build_model, device_profile_args, kv_caches, seed_kv, tiered_caches, time_decode
 
 
-def profile(model, cache, steps: int, spans: list | None = None):
-    """{kernel name: [launches, summed microseconds]} over ``steps`` decode steps; ``spans``
-    (a list) also gets each kernel's (start, end) in microseconds."""
+def cuda_kernels(fn, spans: list | None = None):
+    """{kernel name: [launches, summed microseconds]} of every CUDA kernel that ``fn()`` runs
+    (MLX's included: CUPTI sees the process); ``spans`` (a list) also gets each kernel's
+    (start, end) in microseconds."""
     import torch
     from torch.profiler import ProfilerActivity, profile as tprofile
 
     torch.cuda.init()
-    y = mx.array([[1]])
     with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            y = mx.argmax(model(y, cache=cache)[:, -1], axis=-1)[:, None]
-            mx.eval(y)
+        fn()
     kern = collections.defaultdict(lambda: [0, 0.0])
     for ev in prof.events():
         if ev.device_type.name == "CUDA":
@@ -39,6 +37,17 @@ def profile(model, cache, steps: int, spans: list | None = None):
             if spans is not None:
                 spans.append((ev.time_range.start, ev.time_range.end))
     return kern
+
+
+def profile(model, cache, steps: int, spans: list | None = None):
+    """:func:`cuda_kernels` of ``steps`` decode steps."""
+    def decode():
+        y = mx.array([[1]])
+        for _ in range(steps):
+            y = mx.argmax(model(y, cache=cache)[:, -1], axis=-1)[:, None]
+            mx.eval(y)
+
+    return cuda_kernels(decode, spans)
 
 
 def main():

@@ -319,6 +319,29 @@ def test_door_kernel_finds_the_first_non_finite_token(dtype):
     assert read(keys, values, 10, mx.array([40], mx.int32)) == 40
 
 
+@needs_cuda
+def test_door_kernel_over_a_prompt_chunk():
+    """A prompt chunk's door spans many blocks (each folds its minimum in): the first bad token
+    wherever it lies, keys or values, late or early; the previous value when it is earlier."""
+    from tiered.device_decode import NO_BAD, first_bad
+
+    rng = np.random.default_rng(1)
+    H, L, d = 8, 2048, 128
+    keys = rng.normal(size=(1, H, L, d)).astype(np.float16)
+    values = rng.normal(size=(1, H, L, d)).astype(np.float16)
+    read = lambda k, v, prev=None: int(first_bad(  # noqa: E731
+        mx.array(k), mx.array(v), 5000, prev).item())
+    assert read(keys, values) == NO_BAD
+    v2 = values.copy()
+    v2[0, 7, 2040, 127] = np.inf  # the very last block's region
+    assert read(keys, v2) == 5000 + 2040
+    k2 = keys.copy()
+    k2[0, 5, 1500, 3] = np.nan
+    k2[0, 6, 1200, 0] = -np.inf
+    assert read(k2, v2) == 5000 + 1200
+    assert read(k2, v2, mx.array([17], mx.int32)) == 17
+
+
 @pytest.mark.accelerator
 @needs_cuda
 def test_tokens_fed_without_evaluation_decode_as_evaluated_ones():
@@ -355,28 +378,32 @@ def test_tokens_fed_without_evaluation_decode_as_evaluated_ones():
 
 @pytest.mark.accelerator
 @needs_cuda
-@pytest.mark.parametrize("H,Gc,c,ds,d,dtype", [
-    (8, 32, 64, 4, 128, "float16"), (3, 1, 256, 8, 64, "float32"), (2, 16, 300, 4, 64,
-                                                                     "float16")])
-def test_encode_kernel_picks_a_nearest_centroid(H, Gc, c, ds, d, dtype):
+@pytest.mark.parametrize("H,Gc,c,ds,d,dtype,L", [
+    (8, 32, 64, 4, 128, "float16", 1), (3, 1, 256, 8, 64, "float32", 1),
+    (2, 16, 300, 4, 64, "float16", 1), (8, 32, 64, 4, 128, "float16", 777),
+    (3, 1, 256, 8, 64, "bfloat16", 130)])
+def test_encode_kernel_picks_a_nearest_centroid(H, Gc, c, ds, d, dtype, L):
     """tiered.device_encode: each group's code is a nearest centroid, as the MLX encoder's is
-    (their distances agree to float32 rounding; the codes agree where no two centroids tie)."""
+    (their distances agree to float32 rounding; the codes agree where no two centroids tie),
+    for a decode token and for a prompt chunk (read through a transposed view, as the model
+    hands its keys over)."""
     from tiered.codecs.pq import encode_mx
-    from tiered.device_encode import encode_one, norms
-    rng = np.random.default_rng(c)
+    from tiered.device_encode import encode, norms
+    rng = np.random.default_rng(c + L)
     g = d // ds
     book = rng.normal(size=(H, Gc, c, ds)).astype(np.float32)
-    keys = mx.array(rng.normal(size=(H, 1, d)).astype(np.float32)).astype(getattr(mx, dtype))
+    keys = mx.array(rng.normal(size=(L, H, d)).astype(np.float32)).astype(getattr(mx, dtype))
+    keys = keys.transpose(1, 0, 2)  # (H, L, d), not contiguous
     out_dtype = mx.uint8 if c <= 256 else mx.uint16
     codebook = mx.array(book)
-    got = np.array(encode_one(keys, codebook, norms(codebook), out_dtype)).astype(np.int64)
+    got = np.array(encode(keys, codebook, norms(codebook), out_dtype)).astype(np.int64)
     want = np.array(encode_mx(keys[None].astype(mx.float32), codebook)).astype(np.int64)
-    assert got.shape == want.shape == (H, 1, g)
-    x = np.array(keys.astype(mx.float32)).astype(np.float64).reshape(H, g, ds)
+    assert got.shape == want.shape == (H, L, g)
+    x = np.array(keys.astype(mx.float32)).astype(np.float64).reshape(H, L, g, ds)
     cb = book.astype(np.float64)[:, np.arange(g) if Gc == g else np.zeros(g, int)]  # (H, g, c, ds)
-    dist = ((x[:, :, None, :] - cb) ** 2).sum(-1)  # (H, g, c)
-    pick = lambda codes: np.take_along_axis(dist, codes[:, 0, :, None], axis=2)[..., 0]
-    best = dist.min(axis=2)
+    dist = ((x[:, :, :, None, :] - cb[:, None]) ** 2).sum(-1)  # (H, L, g, c)
+    pick = lambda codes: np.take_along_axis(dist, codes[..., None], axis=3)[..., 0]
+    best = dist.min(axis=3)
     np.testing.assert_allclose(pick(got), best, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(pick(want), best, rtol=1e-4, atol=1e-4)
     assert (got == want).mean() > 0.95

@@ -183,7 +183,7 @@ def _body(key: tuple):
         # the codebook and its squared norms for the kernel, else _codebook_terms)
         x, g = k_new.astype(mx.float32), i_codes.shape[2]
         if kernel:  # one launch instead of eight primitives
-            new_codes = device_encode.encode_one(k_new, cbt, norms, codes.dtype)
+            new_codes = device_encode.encode(k_new, cbt, norms, codes.dtype)
         elif shared:  # one codebook for every group: (H, g, ds) @ (H, ds, c)
             dist = norms - 2.0 * (x.reshape(H, g, -1) @ cbt)
             new_codes = mx.argmin(dist, axis=-1).reshape(H, 1, g)

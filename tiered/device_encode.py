@@ -1,11 +1,11 @@
-"""A decode token's key codes in one CUDA launch (issue 24).
+"""Key codes in one CUDA launch: a decode token's or a prompt chunk's (issue 24).
 
 The nearest centroid of each of the key's g groups, by the arithmetic of
 :func:`tiered.codecs.pq.encode_mx` (distance = |c|^2 - 2 x.c in float32, the lowest index on
 ties): there it took eight MLX primitives per layer and token (a reshape, two casts, two
 transposes, a matmul, the fused subtract, the argmin), each dispatched by the host, which
-bounds an accelerator step (tiered.device_append). One warp per (kv head, group) scans the
-codebook's c centroids.
+bounds an accelerator step (tiered.device_append). One warp per (kv head, token, group) scans
+the codebook's c centroids.
 
 The centroids' squared norms come from the caller (kept per codebook), computed by MLX as the
 reference computes them. The dot products are summed in order here and by a matmul there, so a
@@ -22,15 +22,19 @@ from .metal.compact import compact
 MAX_CENTROIDS = 4096  # a warp scans them all; larger codebooks take the MLX ops
 
 _SOURCE = r"""
-    // One warp per (kv head h, group i): code = argmin_k norms[h, gi, k] - 2 x_i . cb[h, gi, k]
-    // (gi = i, or 0 for a shared codebook), x_i = the key's DS values of group i.
-    const uint32_t gid = blockIdx.x * blockDim.x + threadIdx.x;
-    const uint32_t warp = gid / 32, lane = gid % 32;
-    const uint32_t H = keys_shape[0];
-    if (warp >= H * G) return;
-    const uint32_t h = warp / G, i = warp % G, gi = GC == 1 ? 0 : i;
+    // One warp per (kv head h, token t, group i): code = argmin_k norms[h, gi, k] -
+    // 2 x_i . cb[h, gi, k] (gi = i, or 0 for a shared codebook), x_i = the DS values of group
+    // i of token t's key, keys (H, L, G * DS).
+    const uint64_t gid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const uint64_t warp = gid / 32;
+    const uint32_t lane = gid % 32;
+    const uint32_t H = keys_shape[0], L = keys_shape[1];
+    if (warp >= (uint64_t)H * L * G) return;
+    const uint32_t i = warp % G, gi = GC == 1 ? 0 : i;
+    const uint64_t ht = warp / G;  // h * L + t
+    const uint32_t h = ht / L;
     float x[DS];
-    for (int e = 0; e < DS; ++e) x[e] = static_cast<float>(keys[(uint64_t)h * G * DS + i * DS + e]);
+    for (int e = 0; e < DS; ++e) x[e] = static_cast<float>(keys[ht * G * DS + i * DS + e]);
     const uint64_t row = ((uint64_t)h * GC + gi) * C;
     float best = INFINITY;
     int arg = 0;
@@ -46,7 +50,7 @@ _SOURCE = r"""
         const int oa = __shfl_xor_sync(0xffffffffu, arg, o);
         if (ob < best || (ob == best && oa < arg)) { best = ob; arg = oa; }
     }
-    if (lane == 0) codes[(uint64_t)h * G + i] = static_cast<OutT>(arg);
+    if (lane == 0) codes[warp] = static_cast<OutT>(arg);
 """
 
 _kernel = None
@@ -65,19 +69,23 @@ def norms(codebook: mx.array) -> mx.array:
     return (cb * cb).sum(axis=-1)
 
 
-def encode_one(keys: mx.array, codebook: mx.array, sq_norms: mx.array, out_dtype) -> mx.array:
-    """Codes (H, 1, g) in ``out_dtype`` of one token's keys (H, 1, d) (any float dtype, read as
-    float32) against ``codebook`` (H, Gc, c, ds) float32 with ``sq_norms`` from :func:`norms`."""
+def encode(keys: mx.array, codebook: mx.array, sq_norms: mx.array, out_dtype) -> mx.array:
+    """Codes (H, L, g) in ``out_dtype`` of keys (H, L, d) (any float dtype, read as float32)
+    against ``codebook`` (H, Gc, c, ds) float32 with ``sq_norms`` from :func:`norms`: a decode
+    token's, or a prompt chunk's (there the reference's MLX ops took ~20 ms of an H200's time
+    per 2048-token chunk of a Llama-3-8B, most in an argmin over a (H, g, L, c) float32
+    distance tensor; bench/prefill_profile.py)."""
     global _kernel
     if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(name="tiered_encode_one",
+        _kernel = mx.fast.cuda_kernel(name="tiered_encode",
                                       input_names=["keys", "codebook", "norms"],
                                       output_names=["codes"], source=compact(_SOURCE))
     H, Gc, c, ds = codebook.shape
+    L = keys.shape[1]
     g = keys.shape[-1] // ds
     (codes,) = _kernel(
-        inputs=[keys, codebook, sq_norms], output_shapes=[(H, 1, g)], output_dtypes=[out_dtype],
-        grid=(-(-H * g * 32 // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
+        inputs=[keys, codebook, sq_norms], output_shapes=[(H, L, g)], output_dtypes=[out_dtype],
+        grid=(-(-H * L * g * 32 // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
         template=[("G", g), ("C", c), ("DS", ds), ("GC", Gc),
                   ("OutT", out_dtype)])
     return codes

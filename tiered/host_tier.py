@@ -10,10 +10,14 @@ import numpy as np
 from tiered.cpu import HostStore
 from tiered.cpu.disk import disk_room
 
-from . import device_decode, ops
+from . import device_decode, ops, uva
 
 HOST_COPY_TOKENS = 4096  # tokens per pass when the exact K/V move to the host pages
-MAX_PAGES_PER_BLOCK = 16  # host pages per allocation, at most
+# Host pages per allocation, at most. A prompt chunk that grows every layer's pages took ~70 ms
+# more than one that does not with 16 pages (8 MB of Llama-3-8B values per layer), ~126 ms
+# more with 64 (H200), so larger blocks grow less in all: steady 2048-token chunks ran at
+# 13.0k tok/s with 64 pages, 11.1k with 16 (bench/prefill_profile.py --pages-per-block).
+MAX_PAGES_PER_BLOCK = 64
 
 
 def _to_numpy(x: mx.array) -> np.ndarray:
@@ -30,10 +34,14 @@ class HostTier:
         every score of its head NaN): a ValueError naming the layer, before anything changes.
         On the CPU backend the check is immediate (the arrays are read anyway); on a GPU it is
         queued with the step and read where the tokens reach the host (a sync of its own per
-        layer and token would cost more than the step: see issue 24)."""
+        layer and token would cost more than the step: see issue 24). On MLX's CUDA backend a
+        prompt chunk's check is the door kernel too (device_decode.first_bad)."""
         if (getattr(self.compressed, "on_device", False)
                 and keys.shape[2] <= device_decode.DOOR_TOKENS):
             return  # the append queues it, evaluated with the step (CompressedLayer.append)
+        if uva.available():
+            self.door_on_device(keys, values)
+            return
         ok = mx.isfinite(keys).all() & mx.isfinite(values).all()
         if ops.on_cpu_backend():
             if not ok.item():
@@ -120,7 +128,8 @@ class HostTier:
 
     def _new_host(self, n: int = 0) -> HostStore:
         """Host pages for this layer; blocks sized to the tokens it holds now (a power of two
-        of pages, up to 16): a short context does not take 16 pages per layer."""
+        of pages, up to MAX_PAGES_PER_BLOCK): a short context does not take a whole block of them
+        per layer."""
         g = self.geometry
         host = self.config.host
         pages = max(1, -(-n // host.page_size))

@@ -68,8 +68,8 @@ class CodebookKeys:
         if self.numpy_path:
             k32 = np.ascontiguousarray(numpy_view(keys.astype(mx.float32)))
             self._codes_np[:, n0 : n0 + L] = K.codebook_encode(k32, self._codebook_np)
-        elif L == 1 and device_encode.applicable(self.codebook):  # one launch (CUDA)
-            self.codes[:, n0 : n0 + L] = device_encode.encode_one(
+        elif device_encode.applicable(self.codebook):  # one launch (CUDA)
+            self.codes[:, n0 : n0 + L] = device_encode.encode(
                 keys, self.codebook, self.sq_norms(), self.code_dtype)
         elif L == 1:  # a decode step: one compiled graph (its shapes are the same every step)
             self.codes[:, n0 : n0 + L] = _encode_one(keys, self.codebook)

@@ -1,0 +1,155 @@
+"""Where a long prefill's chunks go on an accelerator (issue 24: 1M-token prefill >= 20k tok/s).
+
+Builds the cache as bench/million.py does (budget 0.125, values only on the host, block-wise
+prefill past --prefill-window), prefills --warm tokens of the document (past the compression),
+then, at the steady state:
+
+- the wall time of each of --chunks chunks, split by whether the chunk grew the host pages
+  (a new host block per layer) or not;
+- the GPU kernels of --kernel-chunks chunks (PyTorch's CUPTI profiler): kernels per chunk,
+  their summed time, the time the GPU is busy, and the kernels by total time;
+- the floor for the same tokens: the model's body over one chunk with a fresh mlx-lm cache
+  (the weights' GEMMs and attention within the chunk, nothing of tiered's).
+
+Each --chunk size gets its own cache. --marks DIR touches DIR/chunks.go when the timed chunks
+start (bench/spy_phases.sh attaches py-spy then).
+
+    python3 bench/prefill_profile.py --model llama3-8b --tokens-file ../.device/million_tokens.npz
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import common  # noqa: F401  (tiered before mlx)
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+from device_kernel_profile import cuda_kernels
+from device_probe import busy
+from million import build_model
+
+import tiered
+from tiered import host_tier
+from tiered.prefill import prefill
+
+
+def floor_ms(model, ids, reps: int = 3) -> float:
+    """One chunk through the model's body with a fresh mlx-lm cache, median of reps."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    body = model.model
+    x = mx.array(ids)[None]
+    times = []
+    for _ in range(reps + 1):
+        c = make_prompt_cache(model)
+        t = time.perf_counter()
+        mx.eval(body(x, cache=c))
+        times.append(time.perf_counter() - t)
+    return 1e3 * float(np.median(times[1:]))
+
+
+def graph_ops(model, cache, ids, path="/tmp/chunk.dot"):
+    """Prints the primitives of one chunk's graph by name (MLX dispatches each one)."""
+    import collections
+    import re
+
+    body = model.model
+    outs = [body(mx.array(ids)[None], cache=cache)]
+    for c in cache:  # what lazy_arrays() returns, without its flush (that reads the door)
+        outs += c.pending_device_work()
+        if c.compressed is not None:
+            outs += [a for _, a in tree_flatten(c.compressed.state()) if isinstance(a, mx.array)]
+    mx.export_to_dot(path, *outs)
+    mx.eval(outs)
+    mx.eval([c.lazy_arrays() for c in cache])
+    ops = collections.Counter(re.findall(r'label ="([^"]+)", shape=rectangle', open(path).read()))
+    print(f"  one chunk's graph: {sum(ops.values())} primitives; by name: "
+          + ", ".join(f"{k} {v}" for k, v in ops.most_common()), flush=True)
+
+
+def run(model, ids, chunk, args):
+    cache = tiered.TieredCache.for_model(
+        model, gpu_budget=args.budget, host_budget=args.host_budget, disk_dir=args.disk_dir,
+        host_dtype="float16", host_keys=False, prefill_window=args.prefill_window,
+        anchor_tokens=chunk)
+    t = time.perf_counter()
+    warm = ids[: args.warm]
+    prefill(model, cache, warm, chunk=chunk)
+    print(f"chunk {chunk}: {len(warm)} warm-up tokens in {time.perf_counter() - t:.1f} s "
+          "(compiles and the compression included)", flush=True)
+    at = args.warm
+    if args.graph:
+        graph_ops(model, cache, ids[at: at + chunk])
+        at += chunk
+    if args.marks:
+        os.makedirs(args.marks, exist_ok=True)
+        open(os.path.join(args.marks, "chunks.go"), "w").close()
+    marks = [(time.perf_counter(), cache.tier_bytes()["host"])]
+    prefill(model, cache, ids[at: at + args.chunks * chunk], chunk=chunk,
+            on_chunk=lambda done: marks.append((time.perf_counter(),
+                                                cache.tier_bytes()["host"])))
+    at += args.chunks * chunk
+    grew, flat = [], []
+    for (t0, h0), (t1, h1) in zip(marks, marks[1:]):
+        (grew if h1 > h0 else flat).append(1e3 * (t1 - t0))
+    mean = (sum(grew) + sum(flat)) / max(1, len(grew) + len(flat))
+    for name, xs in (("grew the host pages", grew), ("did not", flat)):
+        if xs:
+            print(f"  {len(xs)} chunks that {name}: median {np.median(xs):.1f} ms "
+                  f"(min {min(xs):.1f}, max {max(xs):.1f})", flush=True)
+    print(f"  mean {mean:.1f} ms per chunk = {1e3 * chunk / mean:,.0f} tok/s", flush=True)
+    if args.kernel_chunks:
+        spans = []
+        part = ids[at: at + args.kernel_chunks * chunk]
+        kern = cuda_kernels(lambda: prefill(model, cache, part, chunk=chunk), spans)
+        n = args.kernel_chunks
+        print(f"  kernels: {sum(c for c, _ in kern.values()) / n:.0f} per chunk, "
+              f"{sum(us for _, us in kern.values()) / n / 1e3:.1f} ms summed, "
+              f"{busy(spans) / n / 1e3:.1f} ms with the GPU busy", flush=True)
+        for k, (c, us) in sorted(kern.items(), key=lambda kv: -kv[1][1])[: args.top]:
+            print(f"  {us / n / 1e3:8.2f} ms {c / n:7.1f}x  {k}")
+    print(f"  floor: the body over one chunk with a fresh mlx-lm cache "
+          f"{floor_ms(model, ids[:chunk]):.1f} ms", flush=True)
+    cache.close()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="llama3-8b", choices=["llama3-8b", "llama3-8b-2l"])
+    p.add_argument("--tokens-file", required=True, help="bench/million.py --write-tokens output")
+    p.add_argument("--chunk", type=int, nargs="+", default=[2048])
+    p.add_argument("--warm", type=int, default=24576, help="tokens before the timed chunks")
+    p.add_argument("--chunks", type=int, default=8, help="timed chunks")
+    p.add_argument("--kernel-chunks", type=int, default=2)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--budget", type=float, default=0.125)
+    p.add_argument("--host-budget", default="80GB")
+    p.add_argument("--disk-dir", default="/tmp/pages")
+    p.add_argument("--prefill-window", type=int, default=16384)
+    p.add_argument("--pages-per-block", type=int, default=None,
+                   help="host pages per allocated block, at most (default: tiered's)")
+    p.add_argument("--graph", action="store_true",
+                   help="print one chunk's primitives by name (before the timed chunks)")
+    p.add_argument("--marks", default=None)
+    args = p.parse_args(argv)
+    if args.pages_per_block:
+        host_tier.MAX_PAGES_PER_BLOCK = args.pages_per_block
+    model, _ = build_model(args.model, None, tokenizer=False)
+    vocab = model.args.vocab_size  # the 2-layer slice's is 4096 (ids past it crash MLX)
+    ids = [i % vocab for i in np.load(args.tokens_file)["ids"].tolist()]
+    need = args.warm + (args.chunks + args.kernel_chunks + 1) * max(args.chunk)
+    if need > len(ids):
+        p.error(f"the document has {len(ids)} tokens; these settings need {need}")
+    print(f"model {args.model}; host blocks of at most {host_tier.MAX_PAGES_PER_BLOCK} pages",
+          flush=True)
+    for chunk in args.chunk:
+        run(model, ids, chunk, args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
