@@ -25,7 +25,9 @@ from . import uva
 from .metal import device_ints
 from .metal.compact import compact
 
-NO_BAD = np.iinfo(np.int32).max  # the door's lazy flag: no non-finite position seen
+# The door's lazy flag: no non-finite position seen. A power of two: MLX passes a kernel's
+# init_value as a float, and INT32_MAX is not one (it came back as INT32_MIN).
+NO_BAD = 1 << 30
 
 CHUNK = 8  # tokens per selected chunk (Quest / ShadowKV use 8-16)
 SMALL_WRITE = 16  # tokens a write takes its page and slot ids for from the kept arrays
@@ -112,7 +114,7 @@ _DOOR = r"""
     // The door (tiered.host_tier): bad[0] = min(prev[0], start + the first token of keys /
     // values (1, H, L, d) holding a NaN or Inf), NO_BAD when none. A grid-stride loop over
     // every element; each block folds its minimum in with one atomicMin (bad[0] starts at
-    // INT_MAX: the launch's init_value).
+    // NO_BAD: the launch's init_value).
     __shared__ int red[256];
     const uint32_t tid = threadIdx.x;
     const uint64_t L = keys_shape[2], dk = keys_shape[3], dv = values_shape[3];
@@ -293,7 +295,7 @@ def first_bad(keys: mx.array, values: mx.array, start: int, prev: mx.array | Non
     (bad,) = _kernel("door")(
         inputs=[keys, values, prev, device_ints(start)], output_shapes=[(1,)],
         output_dtypes=[mx.int32], grid=(256 * blocks, 1, 1), threadgroup=(256, 1, 1),
-        init_value=0x7FFFFFFF)
+        init_value=NO_BAD)
     return bad
 
 
