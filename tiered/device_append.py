@@ -178,7 +178,7 @@ def _body(key: tuple):
         v_new = values.reshape(H, 1, dv).astype(dtype)
         (bad,) = _kernel("door")(inputs=[keys, values, bad, ints], output_shapes=[(1,)],
                                  output_dtypes=[mx.int32], grid=(256, 1, 1),
-                                 threadgroup=(256, 1, 1))
+                                 threadgroup=(256, 1, 1), init_value=NO_BAD)
         # the key's nearest centroids, as tiered.codecs.pq.encode_mx computes them (cbt, norms:
         # the codebook and its squared norms for the kernel, else _codebook_terms)
         x, g = k_new.astype(mx.float32), i_codes.shape[2]
