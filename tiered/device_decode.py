@@ -112,29 +112,30 @@ _WRITE_ONE = r"""
 
 _DOOR = r"""
     // The door (tiered.host_tier): bad[0] = min(prev[0], start + the first token of keys /
-    // values (1, H, L, d) holding a NaN or Inf), NO_BAD when none. A grid-stride loop over
-    // every element; each block folds its minimum in with one atomicMin (bad[0] starts at
-    // NO_BAD: the launch's init_value).
-    __shared__ int red[256];
-    const uint32_t tid = threadIdx.x;
-    const uint64_t L = keys_shape[2], dk = keys_shape[3], dv = values_shape[3];
-    const uint64_t nk = (uint64_t)keys_shape[0] * keys_shape[1] * L * dk;
-    const uint64_t nv = (uint64_t)values_shape[0] * values_shape[1] * L * dv;
-    const uint64_t first = (uint64_t)blockIdx.x * blockDim.x + tid;
-    int found = first == 0 ? prev[0] : 0x7fffffff;
-    for (uint64_t i = first; i < nk + nv; i += (uint64_t)gridDim.x * blockDim.x) {
-        const bool key = i < nk;
-        const float x = key ? static_cast<float>(keys[i]) : static_cast<float>(values[i - nk]);
-        if (!isfinite(x))
-            found = min(found, start[0] + (int)(key ? (i / dk) % L : ((i - nk) / dv) % L));
+    // values (B, H, L, d) holding a NaN or Inf), NO_BAD when none. Blocks take tokens in
+    // turn (no division per element: a flat index's token took a 64-bit division, 1.25 ms per
+    // 2048-token chunk of a Llama-3-8B layer); a block folds the first it finds in with
+    // atomicMin (bad[0] starts at NO_BAD: the launch's init_value).
+    const uint32_t B = keys_shape[0], Hk = keys_shape[1], L = keys_shape[2], dk = keys_shape[3];
+    const uint32_t Hv = values_shape[1], dv = values_shape[3];
+    if (blockIdx.x == 0 && threadIdx.x == 0) atomicMin(&bad[0], prev[0]);
+    for (uint32_t t = blockIdx.x; t < L; t += gridDim.x) {
+        bool found = false;
+        for (uint32_t bh = 0; bh < B * Hk; ++bh) {
+            const uint64_t row = ((uint64_t)bh * L + t) * dk;
+            for (uint32_t e = threadIdx.x; e < dk; e += blockDim.x)
+                found |= !isfinite(static_cast<float>(keys[row + e]));
+        }
+        for (uint32_t bh = 0; bh < B * Hv; ++bh) {
+            const uint64_t row = ((uint64_t)bh * L + t) * dv;
+            for (uint32_t e = threadIdx.x; e < dv; e += blockDim.x)
+                found |= !isfinite(static_cast<float>(values[row + e]));
+        }
+        if (__syncthreads_or(found)) {  // the same answer in every thread of the block
+            if (threadIdx.x == 0) atomicMin(&bad[0], start[0] + (int)t);
+            return;  // this block's later tokens come after it
+        }
     }
-    red[tid] = found;
-    __syncthreads();
-    for (uint32_t w = blockDim.x / 2; w > 0; w /= 2) {
-        if (tid < w) red[tid] = min(red[tid], red[tid + w]);
-        __syncthreads();
-    }
-    if (tid == 0) atomicMin(&bad[0], red[0]);
 """
 
 _kernels: dict = {}
@@ -261,7 +262,8 @@ def write_tokens(tables: DeviceTables, host, keys: mx.array, values: mx.array) -
     for tensor, x in ((host.values, values), (host.keys, keys)):
         if tensor is None:
             continue
-        x = x[0].astype(host_mx_dtype(tensor.dtype))
+        x = (x.reshape(x.shape[1:]) if x.shape[0] == 1 else x[0]).astype(  # x[0]: a gather
+            host_mx_dtype(tensor.dtype))
         row = x.shape[-1] * x.dtype.size
         (done,) = _kernel("write")(
             inputs=[x, page, slot, tables.addrs(tensor), page_fence(host)],
@@ -280,21 +282,20 @@ def page_fence(host) -> mx.array:
     return device_ints(0) if host.fence is None else host.fence
 
 
-DOOR_ELEMENTS_PER_THREAD = 16  # a prompt chunk's door: enough blocks to fill the GPU
+DOOR_BLOCKS = 2048  # a prompt chunk's door: blocks of 128 threads, a token each in turn
 
 
 def first_bad(keys: mx.array, values: mx.array, start: int, prev: mx.array | None) -> mx.array:
     """(1,) int32, lazy: the first position of a non-finite key or value so far (``prev``, then
-    tokens [start, start + L) of keys / values (1, H, L, d)), NO_BAD when none: the door's
+    tokens [start, start + L) of keys / values (B, H, L, d)), NO_BAD when none: the door's
     check and its fold in one launch (for a decode token six MLX ops, and a chain that grew
     every step; for a 2048-token prompt chunk of a Llama-3-8B layer ~8 MLX launches and
     0.44 ms of GPU time on an H200, bench/prefill_profile.py)."""
     prev = device_ints(NO_BAD) if prev is None else prev
-    n = keys.size + values.size
-    blocks = max(1, min(4096, -(-n // (256 * DOOR_ELEMENTS_PER_THREAD))))
+    blocks = max(1, min(DOOR_BLOCKS, keys.shape[2]))
     (bad,) = _kernel("door")(
         inputs=[keys, values, prev, device_ints(start)], output_shapes=[(1,)],
-        output_dtypes=[mx.int32], grid=(256 * blocks, 1, 1), threadgroup=(256, 1, 1),
+        output_dtypes=[mx.int32], grid=(128 * blocks, 1, 1), threadgroup=(128, 1, 1),
         init_value=NO_BAD)
     return bad
 

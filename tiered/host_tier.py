@@ -13,11 +13,11 @@ from tiered.cpu.disk import disk_room
 from . import device_decode, ops, uva
 
 HOST_COPY_TOKENS = 4096  # tokens per pass when the exact K/V move to the host pages
-# Host pages per allocation, at most. A prompt chunk that grows every layer's pages took ~70 ms
-# more than one that does not with 16 pages (8 MB of Llama-3-8B values per layer), ~126 ms
-# more with 64 (H200), so larger blocks grow less in all: steady 2048-token chunks ran at
-# 13.0k tok/s with 64 pages, 11.1k with 16 (bench/prefill_profile.py --pages-per-block).
-MAX_PAGES_PER_BLOCK = 64
+# Host pages per allocation, at most. A prompt chunk that grows every layer's pages costs about
+# in proportion to the new blocks' bytes: in one H200 lease, steady 2048-token prefill chunks
+# of a Llama-3-8B ran at 13.7k tok/s with 16 pages (8 MB of values per layer) and with 64
+# (bench/prefill_profile.py --pages-per-block); the smaller blocks waste less.
+MAX_PAGES_PER_BLOCK = 16
 
 
 def _to_numpy(x: mx.array) -> np.ndarray:
