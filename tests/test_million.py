@@ -6,6 +6,7 @@ import gc
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from mlx_lm.utils import _get_classes
 
 import tiered
@@ -93,3 +94,21 @@ def test_prefill_loop_leaves_the_cache_as_evaluating_state_does():
         for (k, va), (_, vb) in zip(fa, fb):
             if isinstance(va, mx.array) and va.size:
                 np.testing.assert_array_equal(np.array(va), np.array(vb), err_msg=k)
+
+
+@pytest.mark.parametrize("at", [700, 3000, 5990])  # exact window, a middle chunk, the last
+def test_a_non_finite_prompt_token_stops_the_prefill(at):
+    """A token whose keys are non-finite stops tiered.prefill with the door's ValueError naming
+    the first layer, wherever it lies: on accelerators the chunks are queued one ahead and a
+    chunk's checks are read after the next one is queued, the last chunk's before returning."""
+    model = tiny_model()
+    emb = model.model.embed_tokens.weight
+    emb[999] = float("inf")  # the token's hidden state, then its keys, are not finite
+    mx.eval(emb)
+    ids = np.random.default_rng(4).integers(0, 998, 6000).tolist()
+    ids[at] = 999
+    cache = tiered.TieredCache.for_model(model, gpu_budget=0.25, prefill_window=2048,
+                                         anchor_tokens=512, page_size=64)
+    with pytest.raises(ValueError, match="layer 0: non-finite keys or values"):
+        prefill(model, cache, ids, chunk=512)
+    cache.close()

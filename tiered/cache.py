@@ -177,10 +177,11 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
     def state(self, st):
         layer_state.restore(self, st)
 
-    def lazy_arrays(self) -> list:
+    def lazy_arrays(self, door: bool = True) -> list:
         """The arrays a prompt chunk leaves lazy (``state``'s, without building it; see
-        :func:`tiered.layer_state.lazy_arrays`)."""
-        return layer_state.lazy_arrays(self)
+        :func:`tiered.layer_state.lazy_arrays`); ``door=False`` leaves the door's checks
+        queued (:meth:`take_door`)."""
+        return layer_state.lazy_arrays(self, door)
 
     @property
     def meta_state(self):

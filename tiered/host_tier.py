@@ -67,11 +67,22 @@ class HostTier:
 
     def _check_finite_queued(self):
         """The GPU path's queued checks (see _door), read when the tokens reach the host."""
-        checks, self._finite_checks = self._finite_checks, []
+        self.check_door(self.take_door())
+
+    def take_door(self) -> tuple:
+        """The door's queued checks, lazy, handed over (the next tokens start a new chain):
+        tiered.prefill reads a chunk's once the next one is queued."""
+        flags = (self._finite_checks, self._finite_bad)
+        self._finite_checks, self._finite_bad = [], None
+        return flags
+
+    def check_door(self, flags: tuple) -> None:
+        """Read checks from :meth:`take_door`; a ValueError naming the layer and the first
+        non-finite position."""
+        checks, bad = flags
         for start, L, ok in checks:
             if not ok.item():
                 raise ValueError(self._non_finite(start, L))
-        bad, self._finite_bad = self._finite_bad, None
         if bad is not None and bad.item() < device_decode.NO_BAD:
             raise ValueError(self._non_finite(bad.item(), 1))
 
@@ -142,11 +153,13 @@ class HostTier:
             name=f"layer{self.layer}",
         )
 
-    def flush(self):
+    def flush(self, door: bool = True):
         """The write-behind queue into the host pages, all or nothing (a full disk tier leaves
-        the queue and the pages as they were)."""
+        the queue and the pages as they were). ``door=False``: with nothing queued, the
+        door's checks stay queued (see :meth:`take_door`)."""
         if not self._pending:
-            self._check_finite_queued()  # a prompt chunk written by the device (write_behind)
+            if door:
+                self._check_finite_queued()  # a prompt chunk written by the device
             return
         if self.compressed is not None and hasattr(self.compressed, "spill_join"):
             self.compressed.spill_join()  # a lookahead move reading these pages finishes first
