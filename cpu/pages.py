@@ -207,6 +207,16 @@ class HostStore(PageReads):
         blocks = -(-max(0, over) // self.values.pages_per_block)
         return blocks * sum(t.block_bytes for t in self.tensors)
 
+    def spills_to_append(self, tokens: int) -> bool:
+        """Whether appending ``tokens`` moves a block to the disk tier (the host budget cannot
+        hold the blocks it allocates; those allocated ahead are held already)."""
+        need = self.bytes_to_append(tokens)
+        b = self.values.budget
+        if not need or b is None or b.limit is None:
+            return False
+        ahead = sum(t.block_bytes for t in self.tensors if t._spare is not None)
+        return b.used - ahead + need > b.limit
+
     def check_array(self, x, name, dim):
         expected = (self.batch, self.n_kv_heads, None, dim)
         if x.ndim != 4 or any(e is not None and e != s for e, s in zip(expected, x.shape)):

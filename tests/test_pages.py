@@ -154,3 +154,27 @@ def test_bad_input_is_rejected():
     with pytest.raises(ValueError, match="host dtype"):
         HostStore(2, 4, dtype="int4")
     assert store.length == 0
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_spills_to_append_says_when_the_budget_moves_a_block_to_disk(tmp_path, ahead):
+    """HostStore.spills_to_append foretells each append: True exactly when the append moves a
+    block to the disk tier (the host budget spent), with or without blocks allocated ahead."""
+    from tiered.cpu.disk import HostBudget
+
+    block = 2 * 2 * 8 * 8 * 2  # pages_per_block x H x page_size x d x fp16, per tensor
+    store = HostStore(2, 8, page_size=8, dtype="float16", pages_per_block=2,
+                      budget=HostBudget(5 * block), disk_dir=str(tmp_path))
+    for t in store.tensors:
+        t.ahead = ahead
+    rng = np.random.default_rng(0)
+    x = lambda n: rng.normal(size=(1, 2, n, 8)).astype(np.float16)  # noqa: E731
+    said = []
+    for n in (16, 5, 11, 16, 1, 30, 2, 16, 16):
+        predicted = store.spills_to_append(n)
+        before = store.disk_bytes
+        store.append(x(n), x(n))
+        said.append(predicted)
+        assert predicted == (store.disk_bytes > before), (n, said)
+    assert said[0] is False and said[-1] is True
+    store.close()

@@ -91,7 +91,7 @@ class HostTier:
         """Queue new tokens for the host pages; flushed once they are surely evaluated."""
         self._pending.append((keys, values))
         self._pending_tokens += keys.shape[2]
-        if keys.shape[2] > 1 and self._chunks_on_device():
+        if keys.shape[2] > 1 and self._chunks_on_device(self._pending_tokens):
             # A prompt chunk on the device path: the device writes it into the pages, queued
             # with the chunk (the CPU read it back and copied it, waiting for every layer:
             # 3.1k tok/s over a 1M-token prefill on an H200). The door's checks are read where
@@ -103,11 +103,17 @@ class HostTier:
         if self._pending_tokens >= self.config.page_size and not on_device:
             self.flush()  # on the device path the step writes them (flush_on_device)
 
-    def _chunks_on_device(self) -> bool:
-        """Whether this layer's prompt chunks go to the host pages by the device: compressed,
-        with pages the device path can write (tiered.device_decode.supported)."""
+    def _chunks_on_device(self, tokens: int) -> bool:
+        """Whether this layer's prompt chunks (the next ``tokens``) go to the host pages by the
+        device: compressed, with pages the device path can write (device_decode.supported).
+        Tokens that move a block to the disk tier turn the device path off for good: it
+        advises every block as managed memory and reads it by address, and a block on the
+        disk tier is neither (cuMemAdvise refused one: "invalid argument")."""
         comp = self.compressed
         if self.host is None or not hasattr(comp, "_device_tables"):
+            return False
+        if self.host.spills_to_append(tokens):
+            comp._tables = None  # the CPU path from here, as _device_tables decides on disk pages
             return False
         if comp._tables is None and (comp.config.device_gather == "off"
                                      or device_decode.supported(comp) is not None):
