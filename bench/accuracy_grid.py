@@ -10,8 +10,9 @@ Tasks, all offline, every document ~2k tokens (the model is weak past ~4k):
 - ppl: perplexity of held-out pydoc tokens scored one by one after a 2k context, the compressed
   cache in the loop (the same tokens for every method: paired).
 
-Methods: mlx-lm ``KVCache`` (full); tiered with the uniform planner (the default) and with the
-layer-aware planner (``planner="layers"``); the two strongest baselines of
+Methods: mlx-lm ``KVCache`` (full); tiered with the uniform planner (``planner="uniform"``; the
+default, "auto", is this one at 1/8 and above and the layer-aware one below where a profile is at
+hand) and with the layer-aware planner (``planner="layers"``); the two strongest baselines of
 bench/memory_accuracy.py: this runtime's HCAttention configuration (codebook keys g = d/4, tau 0.9,
 approximate weights, every value on the host) and mlx-lm's ``QuantizedKVCache`` (group 64, at the
 widest of 4 / 2 bits that fits each budget). Every method continues from one shared exact prefill
@@ -56,7 +57,9 @@ from tiered.tasks_retrieval import kv_retrieval, planted_facts
 
 BUDGETS = [0.25, 0.125, 0.0625, 0.03125]
 METHODS = ["full", "tiered", "tiered_layers", "hcattention", "quantized"]
-LABELS = {"full": "KVCache (full)", "tiered": "tiered (uniform planner, default)",
+EXTRA_METHODS = ["default"]  # on request: tiered as configured by default (planner="auto")
+LABELS = {"full": "KVCache (full)", "tiered": "tiered (uniform planner)",
+          "default": "tiered (default: planner='auto')",
           "tiered_layers": "tiered (layer-aware planner)",
           "hcattention": "HCAttention config (this runtime)",
           "quantized": "QuantizedKVCache (4 / 2-bit)"}
@@ -99,7 +102,8 @@ def method_caches(base, budgets, methods):
                 else:
                     yield m, b, quantized(base, bits), f"{bits}-bit"
                 continue
-            opts = dict(tiered=dict(method="tiered"), hcattention=dict(method="hcattention"),
+            opts = dict(default=dict(), tiered=dict(method="tiered", planner="uniform"),
+                        hcattention=dict(method="hcattention", planner="uniform"),
                         tiered_layers=dict(method="tiered", planner="layers"))[m]
             try:
                 yield m, b, base.fork(gpu_budget=b, **opts), ""
@@ -209,7 +213,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--tasks", nargs="+", default=TASKS, choices=TASKS)
-    p.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    p.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS + EXTRA_METHODS)
     p.add_argument("--budgets", nargs="+", type=float, default=BUDGETS)
     p.add_argument("--docs", type=int, default=None, help="documents per retrieval task")
     p.add_argument("--first-doc", type=int, default=0)

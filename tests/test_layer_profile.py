@@ -182,3 +182,66 @@ def test_a_profile_for_another_model_is_refused(small, tmp_path):
     path = save_profile(synthetic(5, sensitive=()), str(tmp_path / "p.json"))
     with pytest.raises(ValueError, match="layers"):
         tiered.TieredCache.for_model(small, 0.0625, planner="layers", layer_profile=path)
+
+
+def test_auto_planner_is_layer_aware_below_an_eighth_with_a_profile_at_hand(small, tmp_path):
+    """planner="auto" (the default): the layer-aware planner below 1/8 of the full cache when a
+    profile is at hand, the uniform one at 1/8; report() says which and why."""
+    path = save_profile(synthetic(3, sensitive=(1,)), str(tmp_path / "profile.json"))
+    x = mx.array(np.random.default_rng(5).integers(0, 1000, size=(1, 4200)))
+    for budget, used in ((0.0625, "layers"), (0.125, "uniform")):
+        cache = tiered.TieredCache.for_model(small, budget, layer_profile=path)
+        assert cache.config.planner == "auto" and cache.context.planner == used
+        small(x[:, :-1], cache=cache)
+        small(x[:, -1:], cache=cache)
+        rep = tiered.report_dict(cache)
+        assert rep["phases"] == ["compressed"] and rep["planner"] == {"asked": "auto",
+                                                                      "used": used}
+        assert rep["bytes"]["accelerator"] <= rep["budget_bytes"]
+        assert (cache.context.layer_plans is not None) == (used == "layers")
+        text = tiered.report(cache)
+        assert ("layer-aware (planner='auto')" in text) == (used == "layers")
+        assert ("planner='auto': uniform" in text) == (used == "uniform")
+        cache.close()
+
+
+def test_auto_planner_without_a_profile_measures_nothing(small, tmp_path, monkeypatch):
+    """No profile at hand (an empty cache_dir, none shipped for this model): "auto" plans
+    uniformly and never starts the minutes-long measurement."""
+    import tiered.layer_profile as LP
+
+    def measure(*a, **k):
+        raise AssertionError("auto must not measure a profile")
+
+    monkeypatch.setattr(LP, "measure", measure)
+    cache = tiered.TieredCache.for_model(small, 0.0625, cache_dir=str(tmp_path))
+    small(mx.array(np.random.default_rng(6).integers(0, 1000, size=(1, 4200))), cache=cache)
+    assert cache.context.planner == "uniform" and cache.context.layer_plans is None
+    assert tiered.report_dict(cache)["planner"] == {"asked": "auto", "used": "uniform"}
+    cache.close()
+
+
+def test_find_profile_order_and_the_shipped_one(small, embedded, tmp_path, monkeypatch):
+    """find_profile: the per-model cache file first, then a shipped one named by the model's
+    fingerprint; layer_profile= alone when given. tiered ships the embedded model's."""
+    import tiered.layer_profile as LP
+    from tiered.codecs import model_fingerprint
+
+    fid = model_fingerprint(small)
+    shipped, cached = tmp_path / "shipped", tmp_path / "cache"
+    mk = lambda s: LayerProfile(model_id=fid, layers=3, head_dim=64, groups=[4, 8, 16],  # noqa
+                                output_error=[[s, s, s]] * 3, entropy=[0.5] * 3)
+    save_profile(mk(0.1), str(shipped / f"{fid}.json"))
+    monkeypatch.setattr(LP, "PACKAGED", str(shipped))
+    cfg = lambda **k: tiered.TieredConfig(gpu_budget=0.0625, cache_dir=str(cached), **k)  # noqa
+    assert LP.find_profile(small, cfg()).output_error[0][0] == 0.1
+    save_profile(mk(0.2), LP.profile_path(str(cached), fid))
+    assert LP.find_profile(small, cfg()).output_error[0][0] == 0.2
+    other = save_profile(mk(0.3), str(tmp_path / "named.json"))
+    assert LP.find_profile(small, cfg(layer_profile=other)).output_error[0][0] == 0.3
+    assert LP.find_profile(None, cfg()) is None
+    monkeypatch.undo()
+    model, _ = embedded
+    prof = LP.find_profile(model, tiered.TieredConfig(cache_dir=str(tmp_path / "empty")))
+    assert prof is not None and prof.model_id == model_fingerprint(model)
+    assert prof.layers == len(model.layers)

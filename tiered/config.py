@@ -16,7 +16,7 @@ METHODS = ("tiered", "hcattention", "h2o")
 KEY_CODECS = ("auto", "codebook", "affine")
 RESCORE = ("approx", "exact")
 CALIBRATION = ("self",)  # or a path to a text file
-PLANNERS = ("uniform", "layers")
+PLANNERS = ("auto", "uniform", "layers")
 LAYER_WEIGHTINGS = ("error", "grad", "measured")
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -186,10 +186,12 @@ class TieredConfig(OptionGroups):
     kmeans_iters: int = 12
     cache_dir: str = field(default_factory=default_cache_dir)
     # how the budget is spread over layers: "uniform" (every layer the same codec and resident
-    # set) or "layers" (tiered.layer_planner: by the model's layer profile, measured once and
+    # set), "layers" (tiered.layer_planner: by the model's layer profile, measured once and
     # cached in cache_dir, or read from ``layer_profile``; ``layer_weighting`` is how the
-    # profile weighs layers, see tiered.layer_profile.LayerProfile.weights)
-    planner: str = "uniform"
+    # profile weighs layers, see tiered.layer_profile.LayerProfile.weights) or "auto" ("layers"
+    # below 1/8 of the full cache when a profile is at hand without measuring: the cached
+    # one, ``layer_profile``'s, or the one shipped for the embedded model; else "uniform")
+    planner: str = "auto"
     layer_profile: str | None = None
     layer_weighting: str = "error"
     # runtime

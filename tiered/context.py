@@ -38,6 +38,13 @@ def collect_keys(model, tokens: list[int], n_tokens: int, layers: list[int],
     return out
 
 
+# planner="auto": layer-aware below this fraction of the full cache. The two planners answered
+# alike at 1/4 and 1/8 on 60 documents per task; at 1/16 the layer-aware one kept passkeys and
+# needles inside the full cache's intervals where the uniform one lost 37 and 20 points
+# (docs/accuracy-grid.md).
+AUTO_LAYERS_BELOW = 0.125
+
+
 class SharedContext:
     def __init__(self, config, *, layers: int, model=None):
         self.config = config
@@ -59,6 +66,7 @@ class SharedContext:
         # they come from, and where to measure it (the model, weakly; its tokenizer)
         self.layer_plans: dict[int, Plan] | None = None
         self.layer_profile = None
+        self._auto_layers: bool | None = None  # planner="auto": decided at first use
         self.tiered_layers: list[int] | None = None
         self.model_ref = weakref.ref(model) if model is not None else None
         self.tokenizer = None
@@ -138,7 +146,37 @@ class SharedContext:
 
     # ---- layer-aware plans (planner="layers") ---------------------------------------------
     def _layered(self) -> bool:
-        return self.config.planner == "layers" and not self.config.exact
+        """Whether the layer-aware planner plans this cache: planner="layers", or "auto" below
+        AUTO_LAYERS_BELOW of the full cache with a layer profile at hand (decided once)."""
+        cfg = self.config
+        if cfg.exact or cfg.planner == "uniform":
+            return False
+        if cfg.planner == "layers":
+            return True
+        if self._auto_layers is None:
+            self._auto_layers = self._auto_profile() is not None
+        return self._auto_layers
+
+    def _auto_profile(self):
+        """planner="auto": the layer profile when the budget is a fraction below
+        AUTO_LAYERS_BELOW and one is at hand without measuring (tiered.layer_profile.
+        find_profile), else None (the uniform planner: measuring one takes minutes, asked for
+        with planner="layers")."""
+        frac = self.config.budget_fraction
+        if frac is None or frac >= AUTO_LAYERS_BELOW:
+            return None
+        from .layer_profile import find_profile
+
+        model = self.model_ref() if self.model_ref is not None else None
+        prof = find_profile(model, self.config)
+        if prof is not None:
+            self.layer_profile = prof
+        return prof
+
+    @property
+    def planner(self) -> str:
+        """The planner in use: "layers" or "uniform" (what "auto" chose)."""
+        return "layers" if self._layered() else "uniform"
 
     def profile(self):
         """The model's layer profile (tiered.layer_profile), loaded or measured once."""

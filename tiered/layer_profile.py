@@ -258,15 +258,26 @@ def loss_increase(model, seqs, books, *, tau, start, base_loss, progress=None) -
     return out
 
 
-def get_profile(model, tokenizer, config, *, progress=None) -> LayerProfile:
-    """The profile for ``model``: ``config.layer_profile`` when given (measured and written
-    there if the file does not exist), else the per-model cache file, measured on first use."""
+PACKAGED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
+
+
+def find_profile(model, config) -> LayerProfile | None:
+    """The profile at hand for ``model``, without measuring: ``config.layer_profile`` when the
+    file exists, else the per-model cache file, else one shipped with tiered (the embedded
+    model's, measured once by ``measure``); None when there is none. ``model`` may be None
+    (only ``config.layer_profile`` is looked at). A profile that does not fit the model is a
+    ValueError."""
     from .codecs import model_fingerprint
 
+    if model is None:
+        return load_profile(config.layer_profile) if config.layer_profile else None
     model_id = model_fingerprint(model)
-    path = config.layer_profile or profile_path(config.cache_dir, model_id)
-    prof = load_profile(path)
-    if prof is not None:
+    paths = ([config.layer_profile] if config.layer_profile else
+             [profile_path(config.cache_dir, model_id), os.path.join(PACKAGED, f"{model_id}.json")])
+    for path in paths:
+        prof = load_profile(path)
+        if prof is None:
+            continue
         if config.layer_profile is None and prof.model_id != model_id:
             raise ValueError(f"Invalid layer profile {path}: made for {prof.model_id}, not "
                              f"{model_id} (delete it to measure again)")
@@ -274,6 +285,19 @@ def get_profile(model, tokenizer, config, *, progress=None) -> LayerProfile:
             raise ValueError(f"Invalid layer profile {path}: {prof.layers} layers, the model "
                              f"has {len(model.layers)}")
         return prof
+    return None
+
+
+def get_profile(model, tokenizer, config, *, progress=None) -> LayerProfile:
+    """The profile for ``model``: :func:`find_profile`'s, else measured on first use and
+    written to ``config.layer_profile`` when given, else to the per-model cache file."""
+    from .codecs import model_fingerprint
+
+    prof = find_profile(model, config)
+    if prof is not None:
+        return prof
+    model_id = model_fingerprint(model)
+    path = config.layer_profile or profile_path(config.cache_dir, model_id)
     if tokenizer is None:
         raise ValueError("planner='layers' needs a layer profile: pass tokenizer= to "
                          "TieredCache.for_model to measure one (cached in cache_dir), or "

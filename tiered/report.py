@@ -135,6 +135,8 @@ def report_dict(caches) -> dict:
         if budget is not None:
             out["budget_bytes"] = budget
     ctx = getattr(caches, "context", None)
+    if ctx is not None and hasattr(ctx, "planner"):
+        out["planner"] = {"asked": ctx.config.planner, "used": ctx.planner}
     if ctx is not None and getattr(ctx, "layer_plans", None):
         out["layer_plans"] = {"summary": layer_plan_lines(ctx.layer_plans), "per_layer": {
             i: {"codec": p.describe_codec(), "resident_layout": p.keep_values_resident,
@@ -194,10 +196,15 @@ def report(caches) -> str:
         which = "all tiered layers" if len(ids) == d["tiered_layers"] else f"layers {_ranges(ids)}"
         lines.append(f"  {which}: {note}")
     if "layer_plans" in d and any(c != "exact" for c in d["phases"]):
-        lines.append("  plan: layer-aware (planner='layers'), by the model's layer profile:")
+        asked = d.get("planner", {}).get("asked", "layers")
+        lines.append(f"  plan: layer-aware (planner='{asked}'), by the model's layer profile:")
         lines += [f"    {line}" for line in d["layer_plans"]["summary"]]
     elif "plan" in d and any(c != "exact" for c in d["phases"]):
-        lines.append(f"  plan: {d['plan']}")
+        why = ""
+        if d.get("planner", {}).get("asked") == "auto":
+            why = (" (planner='auto': uniform at 1/8 and above, or where no layer profile is at "
+                   "hand; planner='layers' measures one)")
+        lines.append(f"  plan: {d['plan']}{why}")
     if "selection" in d:
         s = d["selection"]
         lines.append(
