@@ -95,7 +95,8 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         flags = mx.zeros((H, capacity), mx.uint8)
         if self.flags is not None and n:
             flags[:, :n] = self.flags[:, :n]
-        mx.eval(flags)
+        if self.numpy_path:  # a view follows; on an accelerator it stays lazy (no host wait)
+            mx.eval(flags)
         self.flags = flags
         self._flags_np = ops.numpy_view(flags) if self.numpy_path else None
         if self.heavy is not None:
@@ -229,7 +230,9 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         # (~0.26 ms on MLX CUDA, more than the step's kernels): one decode token (L == 1) goes
         # into its slot by a static slice (no index arrays), and its token id, the same in
         # every layer, comes from the per-value cache of device arrays.
-        idx = slice(int(slots[0]), int(slots[0]) + 1) if L == 1 else mx.array(slots)
+        # consecutive slots (one token; a prompt chunk starting at a multiple of W) as a slice
+        run = int(slots[-1]) - int(slots[0]) + 1 == len(slots)
+        idx = slice(int(slots[0]), int(slots[-1]) + 1) if run else mx.array(slots)
         k_new = k[:, first - n0 :].astype(self.dtype)
         v_new = v[:, first - n0 :].astype(self.dtype)
         self.res_k[:, idx] = k_new

@@ -34,7 +34,8 @@ class HeavyHitters:
         acc = mx.zeros((self.H, capacity), mx.float32)
         if self.acc is not None and n:
             acc[:, :n] = self.acc[:, :n]
-        mx.eval(acc)
+        if self.numpy_path:  # a view follows; on an accelerator it stays lazy (no host wait)
+            mx.eval(acc)
         self.acc = acc
         self._high = n  # columns from here on are 0 (clear has nothing to do there)
         self._np = ops.numpy_view(acc) if self.numpy_path else None

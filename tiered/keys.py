@@ -47,7 +47,8 @@ class CodebookKeys:
         codes = mx.zeros((self.H, capacity, g), self.code_dtype)
         if old is not None and n:
             codes[:, :n] = old[:, :n]
-        mx.eval(codes)
+        if self.numpy_path:  # a view follows; on an accelerator it stays lazy (no host wait)
+            mx.eval(codes)
         self.codes = codes
         self._codes_np = np.array(codes, copy=False) if self.numpy_path else None
 
