@@ -44,6 +44,11 @@ def graph_ops(model, cache, path="/tmp/step.dot"):
         mx.eval(y)
     finally:
         device_step.ASYNC_EVERY = was
+    return dot_ops(path)
+
+
+def dot_ops(path: str):
+    """Primitives by name in a graph written by ``mx.export_to_dot``."""
     import collections
     import re
     return collections.Counter(re.findall(r'label ="([^"]+)", shape=rectangle', open(path).read()))

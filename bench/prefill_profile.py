@@ -53,8 +53,7 @@ def floor_ms(model, ids, reps: int = 3) -> float:
 
 def graph_ops(model, cache, ids, path="/tmp/chunk.dot"):
     """Prints the primitives of one chunk's graph by name (MLX dispatches each one)."""
-    import collections
-    import re
+    from device_host_profile import dot_ops
 
     body = model.model
     outs = [body(mx.array(ids)[None], cache=cache)]
@@ -65,7 +64,7 @@ def graph_ops(model, cache, ids, path="/tmp/chunk.dot"):
     mx.export_to_dot(path, *outs)
     mx.eval(outs)
     mx.eval([c.lazy_arrays() for c in cache])
-    ops = collections.Counter(re.findall(r'label ="([^"]+)", shape=rectangle', open(path).read()))
+    ops = dot_ops(path)
     print(f"  one chunk's graph: {sum(ops.values())} primitives; by name: "
           + ", ".join(f"{k} {v}" for k, v in ops.most_common()), flush=True)
 

@@ -42,8 +42,9 @@ class ChunkAttention:
         if S:
             parts_k.append(self.res_k[:, :S])
             parts_v.append(self.res_v[:, :S])
-        parts_k.append(ops.batch0(keys).astype(self.dtype))
-        parts_v.append(ops.batch0(values).astype(self.dtype))
+        k0, v0 = ops.batch0(keys).astype(self.dtype), ops.batch0(values).astype(self.dtype)
+        parts_k.append(k0)
+        parts_v.append(v0)
         k = mx.concatenate(parts_k, axis=1)[None]
         v = mx.concatenate(parts_v, axis=1)[None]
         if sinks is None and queries.shape[0] == 1:
@@ -58,8 +59,7 @@ class ChunkAttention:
             self.journal.record(self.n, "chunk", (self.local_start, self.local_k, self.local_v,
                                                   self._prev_local))
             self._prev_local = (self.local_start, self.local_k, self.local_v)
-            self.local_k = ops.batch0(keys).astype(self.dtype)
-            self.local_v = ops.batch0(values).astype(self.dtype)
+            self.local_k, self.local_v = k0, v0
             self.local_start = n0
         return out
 

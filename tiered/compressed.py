@@ -200,15 +200,16 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
             return keys, values
         if self.on_device and L <= device_decode.DOOR_TOKENS:
             self.parent.door_on_device(keys, values)
+        k0, v0 = ops.batch0(keys), ops.batch0(values)
         if self.numpy_path:  # the numba encoder's threads (each setting costs ~0.06 ms)
             with ops.kernel_threads(self.config.kernel_threads if L == 1 else 1 << 16):
-                self.keys.append(ops.batch0(keys), n0)
+                self.keys.append(k0, n0)
         else:
-            self.keys.append(ops.batch0(keys), n0)
+            self.keys.append(k0, n0)
         self.n = n0 + L  # new tokens' accumulators start at 0 (fresh buffers are zeroed)
         if self.heavy is not None:
             self.heavy.clear(n0, L)
-        self._ring_insert(ops.batch0(keys), ops.batch0(values), n0)
+        self._ring_insert(k0, v0, n0)
         return keys, values
 
     def _ring_insert(self, k: mx.array, v: mx.array, n0: int):

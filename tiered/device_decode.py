@@ -21,7 +21,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from . import uva
+from . import ops, uva
 from .metal import device_ints
 from .metal.compact import compact
 
@@ -262,8 +262,7 @@ def write_tokens(tables: DeviceTables, host, keys: mx.array, values: mx.array) -
     for tensor, x in ((host.values, values), (host.keys, keys)):
         if tensor is None:
             continue
-        x = (x.reshape(x.shape[1:]) if x.shape[0] == 1 else x[0]).astype(  # x[0]: a gather
-            host_mx_dtype(tensor.dtype))
+        x = ops.batch0(x).astype(host_mx_dtype(tensor.dtype))
         row = x.shape[-1] * x.dtype.size
         (done,) = _kernel("write")(
             inputs=[x, page, slot, tables.addrs(tensor), page_fence(host)],
