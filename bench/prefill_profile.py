@@ -28,6 +28,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 from device_kernel_profile import cuda_kernels
+from call_timers import CallTimers
 from device_probe import busy
 from million import build_model
 
@@ -69,6 +70,31 @@ def graph_ops(model, cache, ids, path="/tmp/chunk.dot"):
           + ", ".join(f"{k} {v}" for k, v in ops.most_common()), flush=True)
 
 
+# --timers: host wall time per chunk in these calls (inclusive), split as the chunk times are
+TIMED = {"mx.eval", "mx.async_eval", "tiered.cpu.host_tensor.HostTensor.grow",
+         "tiered.cpu.host_tensor._block_ahead", "tiered.cpu.host_tensor._alloc_block",
+         "tiered.uva.advise_host", "tiered.device_decode.DeviceTables.addrs",
+         "tiered.device_decode.DeviceTables.pages", "tiered.prefill._finish"}
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _print_timers(split):
+    keys = sorted({k for rows in split.values() for r in rows for k in r})
+    for grew, rows in split.items():
+        if rows:
+            cells = ", ".join(f"{k.split('.', 2)[-1]} {np.mean([r.get(k, 0) for r in rows]):.1f}"
+                              for k in keys)
+            print(f"  host ms per chunk that {'grew' if grew else 'did not grow'} the pages "
+                  f"(mean of {len(rows)}): {cells}", flush=True)
+
+
 def run(model, ids, chunk, args):
     cache = tiered.TieredCache.for_model(
         model, gpu_budget=args.budget, host_budget=args.host_budget, disk_dir=args.disk_dir,
@@ -86,20 +112,26 @@ def run(model, ids, chunk, args):
     if args.marks:
         os.makedirs(args.marks, exist_ok=True)
         open(os.path.join(args.marks, "chunks.go"), "w").close()
-    marks = [(time.perf_counter(), cache.tier_bytes()["host"])]
-    prefill(model, cache, ids[at: at + args.chunks * chunk], chunk=chunk,
-            on_chunk=lambda done: marks.append((time.perf_counter(),
-                                                cache.tier_bytes()["host"])))
+    timers = CallTimers(only=TIMED) if args.timers else None
+    snap = (lambda: dict(timers.total)) if timers else dict
+    marks = [(time.perf_counter(), cache.tier_bytes()["host"], snap())]
+    with timers or _nothing():
+        prefill(model, cache, ids[at: at + args.chunks * chunk], chunk=chunk,
+                on_chunk=lambda done: marks.append((time.perf_counter(),
+                                                    cache.tier_bytes()["host"], snap())))
     at += args.chunks * chunk
-    grew, flat = [], []
-    for (t0, h0), (t1, h1) in zip(marks, marks[1:]):
+    grew, flat, split = [], [], {True: [], False: []}
+    for (t0, h0, s0), (t1, h1, s1) in zip(marks, marks[1:]):
         (grew if h1 > h0 else flat).append(1e3 * (t1 - t0))
+        split[h1 > h0].append({k: 1e3 * (v - s0.get(k, 0.0)) for k, v in s1.items()})
     mean = (sum(grew) + sum(flat)) / max(1, len(grew) + len(flat))
     for name, xs in (("grew the host pages", grew), ("did not", flat)):
         if xs:
             print(f"  {len(xs)} chunks that {name}: median {np.median(xs):.1f} ms "
                   f"(min {min(xs):.1f}, max {max(xs):.1f})", flush=True)
     print(f"  mean {mean:.1f} ms per chunk = {1e3 * chunk / mean:,.0f} tok/s", flush=True)
+    if timers:
+        _print_timers(split)
     if args.kernel_chunks:
         spans = []
         part = ids[at: at + args.kernel_chunks * chunk]
@@ -134,6 +166,8 @@ def main(argv=None):
     p.add_argument("--graph", action="store_true",
                    help="print one chunk's primitives by name (before the timed chunks)")
     p.add_argument("--marks", default=None)
+    p.add_argument("--timers", action="store_true",
+                   help="host time in the allocation, advice, evaluation calls per chunk")
     args = p.parse_args(argv)
     if args.pages_per_block:
         host_tier.MAX_PAGES_PER_BLOCK = args.pages_per_block
