@@ -41,27 +41,30 @@ def cpu_block():
     return arr
 
 
-def case_before(occupy):
-    arr = cpu_block()
-    time.sleep(0.01)
-    work = occupy()
+def _read_wait(occupy, block_first: bool) -> float:
+    """Milliseconds to read a CPU-stream block 20 ms into the GPU work; the block queued (and
+    filled, 10 ms) before that work, or after it."""
+    if block_first:
+        arr = cpu_block()
+        time.sleep(0.01)
+        work = occupy()
+    else:
+        work = occupy()
+        arr = cpu_block()
     time.sleep(0.02)
     t = time.perf_counter()
     np.array(arr, copy=False)
     wait = ms(t)
     mx.eval(work)
     return wait
+
+
+def case_before(occupy):
+    return _read_wait(occupy, block_first=True)
 
 
 def case_during(occupy):
-    work = occupy()
-    arr = cpu_block()
-    time.sleep(0.02)
-    t = time.perf_counter()
-    np.array(arr, copy=False)
-    wait = ms(t)
-    mx.eval(work)
-    return wait
+    return _read_wait(occupy, block_first=False)
 
 
 def case_numpy(occupy):

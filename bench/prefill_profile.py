@@ -20,6 +20,7 @@ start (bench/spy_phases.sh attaches py-spy then).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 
@@ -77,14 +78,6 @@ TIMED = {"mx.eval", "mx.async_eval", "tiered.cpu.host_tensor.HostTensor.grow",
          "tiered.device_decode.DeviceTables.pages", "tiered.prefill._finish"}
 
 
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
 def _print_timers(split):
     keys = sorted({k for rows in split.values() for r in rows for k in r})
     for grew, rows in split.items():
@@ -115,7 +108,7 @@ def run(model, ids, chunk, args):
     timers = CallTimers(only=TIMED) if args.timers else None
     snap = (lambda: dict(timers.total)) if timers else dict
     marks = [(time.perf_counter(), cache.tier_bytes()["host"], snap())]
-    with timers or _nothing():
+    with timers or contextlib.nullcontext():
         prefill(model, cache, ids[at: at + args.chunks * chunk], chunk=chunk,
                 on_chunk=lambda done: marks.append((time.perf_counter(),
                                                     cache.tier_bytes()["host"], snap())))
