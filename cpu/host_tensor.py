@@ -10,6 +10,8 @@ import tempfile
 import mlx.core as mx
 import numpy as np
 
+from .block_maker import MAKER, Ticket
+from .block_maker import np_view as _np_view
 from .disk import DiskTierError, PageFile
 
 HOST_DTYPES = ("float16", "float32", "int8")
@@ -27,32 +29,28 @@ def _alloc_block(shape, dtype: str):
     return arr
 
 
-def _block_ahead(shape, dtype: str) -> mx.array:
+def _block_ahead(shape, dtype: str, prepare=None) -> Ticket:
     """A block like :func:`_alloc_block`'s, queued on MLX's CPU stream ahead of need (its fill
-    runs there; read when adopted, by then done)."""
+    runs there) and read (and prepared) by the block maker's thread, not this one."""
     arr = mx.full(shape, float("nan"), dtype=MX_DTYPES[dtype], stream=mx.cpu)
     mx.async_eval(arr)
-    return arr
+    return MAKER.submit(arr, prepare)
 
 
-# Allocate each tensor's next RAM block ahead of need. On MLX's CUDA backend a block is managed
+# Allocate each tensor's next RAM blocks ahead of need. On MLX's CUDA backend a block is managed
 # memory, allocated and NaN-filled on the thread that needed it (H200, 1M-token prefill: the
 # chunks that grew the pages took 0.35 s against 0.15, ~6 ms more per layer; idle, an 8 MB
-# block's allocation and fill take 0.66 ms: bench/host_block_probe.py).
+# block's allocation and fill take 0.66 ms: bench/host_block_probe.py). Its first read waits
+# for the GPU work queued before it (see tiered.cpu.block_maker), so blocks are queued
+# AHEAD_BLOCKS ahead: a 2048-token prompt chunk fills half a block of 16 pages per layer.
 AHEAD = bool(getattr(getattr(mx, "cuda", None), "is_available", lambda: False)())
+AHEAD_BLOCKS = 2
 
 
 def _host_copy(arr: mx.array) -> mx.array:
     out = mx.array(np.array(arr))
     mx.eval(out)
     return out
-
-
-def _np_view(arr: mx.array) -> np.ndarray:
-    view = np.array(arr, copy=False)
-    if not view.flags.writeable or not view.flags.c_contiguous:
-        raise RuntimeError("host block is not a writable contiguous buffer")
-    return view
 
 
 class HostTensor:
@@ -80,10 +78,14 @@ class HostTensor:
         self.disk_index: list[int] = []  # -1: in RAM
         self.disk = None  # PageFile of the data blocks
         self.scale_disk = None
-        # ahead: the next RAM block is allocated in the background once one is adopted (its
+        # ahead: the next RAM blocks are allocated in the background once one is adopted (their
         # bytes reserved in the host budget; float dtypes). None: where it pays (AHEAD).
         self.ahead = AHEAD if ahead is None else bool(ahead)
-        self._spare: mx.array | None = None
+        self._spares: list[Ticket] = []  # oldest first
+        # prepare(view): run on each block allocated ahead before it is adopted, off the main
+        # thread (the device path's advice); the addresses it ran on are in ``prepared``.
+        self.prepare = None
+        self.prepared: set[int] = set()
 
     @property
     def block_shape(self):
@@ -104,16 +106,29 @@ class HostTensor:
         """Whether the next :meth:`grow` moves a block to the disk tier (the host budget is
         spent)."""
         b = self.budget
-        return (self._spare is None and b is not None and b.limit is not None
+        return (not self._spares and b is not None and b.limit is not None
                 and b.used + self.block_bytes > b.limit)
+
+    @property
+    def spare_bytes(self) -> int:
+        """Bytes of the blocks allocated ahead (reserved in the host budget, not adopted)."""
+        return len(self._spares) * self.block_bytes
 
     def grow(self):
         """One more block: in RAM while the host budget allows, else the oldest RAM block of
         this tensor moves to disk first (written and checked before its RAM is freed)."""
         b = self.budget
-        if self._spare is not None:  # allocated ahead, its bytes reserved then
-            spare, self._spare = self._spare, None
-            self._adopt(spare, None)
+        if self._spares:  # allocated ahead, its bytes reserved then
+            ticket = self._spares.pop(0)
+            try:
+                view = ticket.result()
+            except BaseException:
+                if b is not None:  # the block is dropped: its bytes go back
+                    b.release(self.block_bytes)
+                raise
+            self._adopt(ticket.arr, None, view)
+            if ticket.prepared:
+                self.prepared.add(view.ctypes.data)
             self._next_ahead()
             return
         if b is None or b.reserve(self.block_bytes):
@@ -133,17 +148,19 @@ class HostTensor:
         self._adopt_disk(fill, sfill)
 
     def _next_ahead(self):
-        """Start allocating the next RAM block when the host budget has room for it too."""
-        if not self.ahead or self.dtype == "int8" or self._spare is not None:
+        """Start allocating the next RAM blocks while the host budget has room for them too."""
+        if not self.ahead or self.dtype == "int8":
             return
-        if self.budget is None or self.budget.reserve(self.block_bytes):
-            self._spare = _block_ahead(self.block_shape, self.dtype)
+        while len(self._spares) < AHEAD_BLOCKS and (
+                self.budget is None or self.budget.reserve(self.block_bytes)):
+            self._spares.append(_block_ahead(self.block_shape, self.dtype, self.prepare))
 
-    def _drop_spare(self):
-        if self._spare is not None:
-            self._spare = None
+    def _drop_spares(self):
+        for ticket in self._spares:
+            ticket.done.wait()  # the worker lets go of it first
             if self.budget is not None:
                 self.budget.release(self.block_bytes)
+        self._spares.clear()
 
     def _files(self):
         if self.disk is None:
@@ -186,16 +203,18 @@ class HostTensor:
         """Move RAM block ``blk`` to the disk tier. Its RAM is released only after the disk
         holds it (a DiskTierError leaves everything as it was)."""
         scales = self.scale_views[blk] if self.dtype == "int8" else None
+        ram = int(self.addrs[blk])
         self._adopt_disk(self.views[blk], scales, at=blk)
+        self.prepared.discard(ram)  # its memory may serve another block, unprepared
         self.blocks[blk] = None
         if self.dtype == "int8":
             self.scale_blocks[blk] = None
         if self.budget is not None:
             self.budget.release(self.block_bytes)
 
-    def _adopt(self, blk, scales):
+    def _adopt(self, blk, scales, view=None):
         self.blocks.append(blk)
-        view = _np_view(blk)
+        view = _np_view(blk) if view is None else view
         self.views.append(view)
         self.addrs = np.append(self.addrs, np.int64(view.ctypes.data))
         self.disk_index.append(-1)
@@ -270,7 +289,7 @@ class HostTensor:
                 f.close()
         if self.budget is not None:
             self.budget.release(self.nbytes)
-        self._drop_spare()
+        self._drop_spares()
         self.blocks.clear()
         self.scale_blocks.clear()
 

@@ -214,7 +214,7 @@ class HostStore(PageReads):
         b = self.values.budget
         if not need or b is None or b.limit is None:
             return False
-        ahead = sum(t.block_bytes for t in self.tensors if t._spare is not None)
+        ahead = sum(t.spare_bytes for t in self.tensors)
         return b.used - ahead + need > b.limit
 
     def check_array(self, x, name, dim):

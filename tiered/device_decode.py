@@ -192,7 +192,8 @@ def supported(layer) -> str | None:
 
 class DeviceTables:
     """Per host tensor: the device copies of its block addresses and of the page table,
-    rebuilt only when a block or a page is added; blocks advised once."""
+    rebuilt only when a block or a page is added; blocks advised once (here, or off the main
+    thread as they are allocated ahead: ``HostTensor.prepare``)."""
 
     def __init__(self):
         self._addrs: dict[int, tuple[int, mx.array]] = {}
@@ -205,9 +206,11 @@ class DeviceTables:
         n = len(tensor.addrs)
         got = self._addrs.get((id(tensor), width))
         if got is None or got[0] != n:
+            # blocks allocated from now on are advised by the block maker's thread
+            tensor.prepare = uva.advise_host
             for b in range(n):
                 addr = int(tensor.addrs[b])
-                if addr not in self._advised:
+                if addr not in self._advised and addr not in tensor.prepared:
                     uva.advise_host(tensor.views[b])
                     self._advised.add(addr)
             addrs = tensor.addrs.astype(np.uint64)
