@@ -32,7 +32,7 @@ from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from tiered.cpu import HostStore
 
-from . import cache_list, contract, layer_state
+from . import cache_list, contract, layer_state, steady_gc
 from .cache_list import TieredCacheList  # noqa: F401  (it lived here: old imports keep working)
 from .cache_protocol import CacheProtocol
 from .config import TieredConfig
@@ -111,6 +111,8 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
                 self._check_room(L)
                 self._preflight(L)
                 self._door(keys, values)
+                if L == 1:  # a decode step: the collector's walk of all objects out of it
+                    steady_gc.freeze_once()
                 out = self.compressed.append(keys, values)
                 self.offset += L
             else:
