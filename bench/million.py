@@ -15,6 +15,7 @@ the device memory in use, from NVML) and the disk tier's bytes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import sys
@@ -24,6 +25,7 @@ import time
 import common  # noqa: F401  (tiered before mlx)
 from common import (RESULTS, figure, finish_axes, machine, md_table, save_figure,
                     write_results)
+from step_timers import StepTimers
 from streaming_cache import host_copy_rate
 
 import mlx.core as mx
@@ -103,6 +105,18 @@ class DeviceMemory:
             self.peak = max(self.peak, self._read())
 
 
+def decode_step(model, cache, y, times, queue, out):
+    """One greedy step; its wall time and its graph building's (Python, MLX dispatch)."""
+    t = time.perf_counter()
+    logits = model(y, cache=cache)
+    y = mx.argmax(logits[:, -1], axis=-1)[:, None]
+    queue.append(time.perf_counter() - t)
+    mx.eval(y)
+    times.append(time.perf_counter() - t)
+    out.append(int(y.item()))
+    return y
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="embedded", choices=["embedded", "llama3-8b", "llama3-8b-2l"])
@@ -126,6 +140,9 @@ def main(argv=None):
                         "prefill.go at 40%% of the prefill and decode.go after --mark-step "
                         "decode steps, for a profiler attached from outside")
     p.add_argument("--mark-step", type=int, default=3)
+    p.add_argument("--step-timers", action="store_true",
+                   help="time every call site per decode step and print the slow steps' "
+                        "(slows every step: a diagnosis, not a timing)")
     p.add_argument("--kernel-steps", type=int, default=0,
                    help="after decoding, this many steps under the CUDA kernel profiler")
     args = p.parse_args(argv)
@@ -200,16 +217,15 @@ def main(argv=None):
     # decode at 1M: the last prompt token, then greedy steps
     times, queue, out = [], [], []
     y = mx.array([[ids[-1]]])
-    for i in range(args.decode_steps):
-        if i == args.mark_step:
-            mark("decode.go")
-        t = time.perf_counter()
-        logits = model(y, cache=cache)
-        y = mx.argmax(logits[:, -1], axis=-1)[:, None]
-        queue.append(time.perf_counter() - t)  # building the graph (Python, MLX dispatch)
-        mx.eval(y)
-        times.append(time.perf_counter() - t)
-        out.append(int(y.item()))
+    st = StepTimers() if args.step_timers else None
+    with st or contextlib.nullcontext():
+        for i in range(args.decode_steps):
+            if i == args.mark_step:
+                mark("decode.go")
+            y = decode_step(model, cache, y, times, queue, out)
+            if st:
+                st.step()
+    slow = st.print_slow(times) if st else None
     if len(times) > 3:
         q = 1e3 * np.median(queue[3:])
         print(f"decode after the first 3 steps: median {1e3 * np.median(times[3:]):.1f} ms/token"
@@ -287,7 +303,8 @@ def main(argv=None):
           + f"![memory over the prefill]({args.name}.png)\n")
     data = {"machine": info, "args": vars(args), "prefill": stats, "decode_ms": decode_ms,
             "host_to_device_gbs": host_bw, "streaming_ms_computed": streaming_ms,
-            "decode_step_s": times, "decode_queue_s": queue, "peaks": peaks, "checks": checks,
+            "decode_step_s": times, "decode_queue_s": queue, "slow_steps": slow, "peaks": peaks,
+            "checks": checks,
             "samples": samples, "answer": answer, "key": key, "report": rep}
     paths = write_results(args.name, data, md)
     plot(samples, args, os.path.join(RESULTS, f"{args.name}.png"))
