@@ -41,10 +41,11 @@ def _block_ahead(shape, dtype: str, prepare=None) -> Ticket:
 # memory, allocated and NaN-filled on the thread that needed it (H200, 1M-token prefill: the
 # chunks that grew the pages took 0.35 s against 0.15, ~6 ms more per layer; idle, an 8 MB
 # block's allocation and fill take 0.66 ms: bench/host_block_probe.py). Its first read waits
-# for the GPU work queued before it (see tiered.cpu.block_maker), so blocks are queued
-# AHEAD_BLOCKS ahead: a 2048-token prompt chunk fills half a block of 16 pages per layer.
+# for the GPU work queued before it (see tiered.cpu.block_maker), so the block maker's thread
+# takes that wait. One block ahead per tensor: a second one held budget a tight host budget
+# needed for data (GPU tests: tests/test_disk.py spilled every block with two ahead).
 AHEAD = bool(getattr(getattr(mx, "cuda", None), "is_available", lambda: False)())
-AHEAD_BLOCKS = 2
+AHEAD_BLOCKS = 1
 
 
 def _host_copy(arr: mx.array) -> mx.array:
