@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import threading
 import time
 
 import common  # noqa: F401  (tiered before mlx)
 import mlx.core as mx
 import numpy as np
-from host_block_probe import _FILL, _occupier
-from host_wait_probe import main_loop
+from host_block_probe import _occupier, fill_kernel
+from host_wait_probe import beside
+from million import DeviceMemory
 
 from tiered import uva
 
@@ -53,20 +53,6 @@ def blocks(n: int) -> list[np.ndarray]:
     return arrs, [np.array(a, copy=False) for a in arrs]
 
 
-def nvml_used() -> int | None:
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used
-    except Exception:
-        try:
-            import torch
-            free, total = torch.cuda.mem_get_info()
-            return total - free
-        except Exception:
-            return None
-
-
 def per_block_ms(views, mode, occupy=None) -> float:
     work = occupy() if occupy else None
     t = time.perf_counter()
@@ -79,16 +65,12 @@ def per_block_ms(views, mode, occupy=None) -> float:
 
 
 def beside_thread(views, mode) -> str:
-    alone = main_loop()
-    th = threading.Thread(target=lambda: [advise(v, mode) for v in views])
-    th.start()
-    beside = main_loop()
-    th.join()
-    return f"launch loop {alone:.1f} ms alone, {beside:.1f} beside the advising thread"
+    alone, together, _ = beside(lambda: [advise(v, mode) for v in views])
+    return f"launch loop {alone:.1f} ms alone, {together:.1f} beside the advising thread"
 
 
-def writes_and_reads(kern, views) -> str:
-    used0 = nvml_used()
+def writes_and_reads(kern, views, dev) -> str:
+    used0 = dev.used()
     words = views[0].nbytes // 16
     ins = [uva.address_array([v.ctypes.data for v in views]), mx.array([words], mx.int64)]
     times = []
@@ -100,7 +82,7 @@ def writes_and_reads(kern, views) -> str:
                            threadgroup=(256, 1, 1))
             mx.eval(done)
         times.append(1e3 * (time.perf_counter() - t) / len(views))
-    used1 = nvml_used()
+    used1 = dev.used()
     t = time.perf_counter()
     total = sum(int(v.view(np.uint32)[::1024].sum()) for v in views)
     read = 1e3 * (time.perf_counter() - t) / len(views)
@@ -120,11 +102,12 @@ def main():
     ap.add_argument("--busy", type=float, default=100.0)
     args = ap.parse_args()
     occupy = _occupier(args.busy)
-    kern = mx.fast.cuda_kernel(name="probe_fill", input_names=["addr", "n"],
-                               output_names=["done"], source=_FILL)
+    kern = fill_kernel()
+    dev = DeviceMemory()
     _, warm = blocks(1)
     advise(warm[0], "both")
-    writes_and_reads(kern, warm)  # compiles the kernel
+    writes_and_reads(kern, warm, dev)  # compiles the kernel
+    held = []  # every mode's blocks stay allocated: freed ones come back with their advice
     for mode in MODES:
         keep, views = blocks(args.blocks)
         idle = per_block_ms(views[: args.blocks // 2], mode)
@@ -132,8 +115,9 @@ def main():
         keep2, views2 = blocks(args.blocks)
         side = beside_thread(views2, mode)
         print(f"{mode}: advice {idle:.3f} ms per block idle, {busy:.3f} with the GPU busy; "
-              f"{side}; {writes_and_reads(kern, views)}", flush=True)
-        del keep, keep2, views, views2
+              f"{side}; {writes_and_reads(kern, views, dev)}", flush=True)
+        held += [keep, keep2]
+    dev.stop()
 
 
 if __name__ == "__main__":

@@ -58,14 +58,19 @@ def _occupier(ms: float):
     return occupy
 
 
+def fill_kernel():
+    """A kernel writing ``n[0]`` 16-byte words at ``addr[0]`` (a host block, by address)."""
+    return mx.fast.cuda_kernel(name="probe_fill", input_names=["addr", "n"],
+                               output_names=["done"], source=_FILL)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--busy", type=float, default=0.0, help="ms of queued GPU work per step")
     args = ap.parse_args()
     occupy = _occupier(args.busy)
-    kern = mx.fast.cuda_kernel(name="probe_fill", input_names=["addr", "n"],
-                               output_names=["done"], source=_FILL)
+    kern = fill_kernel()
     dtype = host_mx_dtype("float16")
     for mb in (8, 32):
         rows = {k: [] for k in ("queue", "wait", "advise", "left", "write1", "write2")}

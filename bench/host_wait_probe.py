@@ -100,24 +100,30 @@ def main_loop(n=400):
     return took
 
 
+def beside(work) -> tuple[float, float, float]:
+    """Milliseconds of :func:`main_loop` alone, then beside a thread running ``work()``, and
+    the thread's own."""
+    alone = main_loop()
+    took = {}
+
+    def run():
+        t = time.perf_counter()
+        work()
+        took["thread"] = ms(t)
+
+    th = threading.Thread(target=run)
+    th.start()
+    together = main_loop()
+    th.join()
+    return alone, together, took["thread"]
+
+
 def case_thread(_occupy):
     blocks = [mx.full(SHAPE, float("nan"), dtype=mx.float16, stream=mx.cpu) for _ in range(32)]
     mx.eval(blocks)
     views = [np.array(b, copy=False) for b in blocks]
-    alone = main_loop()
-    took = {}
-
-    def advise():
-        t = time.perf_counter()
-        for v in views:
-            uva.advise_host(v)
-        took["thread"] = ms(t)
-
-    th = threading.Thread(target=advise)
-    th.start()
-    beside = main_loop()
-    th.join()
-    return f"main loop alone {alone:.1f}, beside the thread {beside:.1f}, thread {took['thread']:.1f}"
+    alone, beside_ms, thread = beside(lambda: [uva.advise_host(v) for v in views])
+    return f"main loop alone {alone:.1f}, beside the thread {beside_ms:.1f}, thread {thread:.1f}"
 
 
 def main():

@@ -42,10 +42,9 @@ def _block_ahead(shape, dtype: str, prepare=None) -> Ticket:
 # chunks that grew the pages took 0.35 s against 0.15, ~6 ms more per layer; idle, an 8 MB
 # block's allocation and fill take 0.66 ms: bench/host_block_probe.py). Its first read waits
 # for the GPU work queued before it (see tiered.cpu.block_maker), so the block maker's thread
-# takes that wait. One block ahead per tensor: a second one held budget a tight host budget
-# needed for data (GPU tests: tests/test_disk.py spilled every block with two ahead).
+# takes that wait. One block ahead per tensor: with two, a spare held budget a tight host
+# budget needed for data (GPU tests: tests/test_disk.py spilled every block).
 AHEAD = bool(getattr(getattr(mx, "cuda", None), "is_available", lambda: False)())
-AHEAD_BLOCKS = 1
 
 
 def _host_copy(arr: mx.array) -> mx.array:
@@ -79,10 +78,10 @@ class HostTensor:
         self.disk_index: list[int] = []  # -1: in RAM
         self.disk = None  # PageFile of the data blocks
         self.scale_disk = None
-        # ahead: the next RAM blocks are allocated in the background once one is adopted (their
+        # ahead: the next RAM block is allocated in the background once one is adopted (its
         # bytes reserved in the host budget; float dtypes). None: where it pays (AHEAD).
         self.ahead = AHEAD if ahead is None else bool(ahead)
-        self._spares: list[Ticket] = []  # oldest first
+        self._spare: Ticket | None = None
         # prepare(view): run on each block allocated ahead before it is adopted, off the main
         # thread (the device path's advice); the addresses it ran on are in ``prepared``.
         self.prepare = None
@@ -107,20 +106,20 @@ class HostTensor:
         """Whether the next :meth:`grow` moves a block to the disk tier (the host budget is
         spent)."""
         b = self.budget
-        return (not self._spares and b is not None and b.limit is not None
+        return (self._spare is None and b is not None and b.limit is not None
                 and b.used + self.block_bytes > b.limit)
 
     @property
     def spare_bytes(self) -> int:
-        """Bytes of the blocks allocated ahead (reserved in the host budget, not adopted)."""
-        return len(self._spares) * self.block_bytes
+        """Bytes of the block allocated ahead (reserved in the host budget, not adopted)."""
+        return 0 if self._spare is None else self.block_bytes
 
     def grow(self):
         """One more block: in RAM while the host budget allows, else the oldest RAM block of
         this tensor moves to disk first (written and checked before its RAM is freed)."""
         b = self.budget
-        if self._spares:  # allocated ahead, its bytes reserved then
-            ticket = self._spares.pop(0)
+        if self._spare is not None:  # allocated ahead, its bytes reserved then
+            ticket, self._spare = self._spare, None
             try:
                 view = ticket.result()
             except BaseException:
@@ -149,19 +148,18 @@ class HostTensor:
         self._adopt_disk(fill, sfill)
 
     def _next_ahead(self):
-        """Start allocating the next RAM blocks while the host budget has room for them too."""
-        if not self.ahead or self.dtype == "int8":
+        """Start allocating the next RAM block when the host budget has room for it too."""
+        if not self.ahead or self.dtype == "int8" or self._spare is not None:
             return
-        while len(self._spares) < AHEAD_BLOCKS and (
-                self.budget is None or self.budget.reserve(self.block_bytes)):
-            self._spares.append(_block_ahead(self.block_shape, self.dtype, self.prepare))
+        if self.budget is None or self.budget.reserve(self.block_bytes):
+            self._spare = _block_ahead(self.block_shape, self.dtype, self.prepare)
 
-    def _drop_spares(self):
-        for ticket in self._spares:
-            ticket.done.wait()  # the worker lets go of it first
+    def _drop_spare(self):
+        if self._spare is not None:
+            self._spare.done.wait()  # the worker lets go of it first
+            self._spare = None
             if self.budget is not None:
                 self.budget.release(self.block_bytes)
-        self._spares.clear()
 
     def _files(self):
         if self.disk is None:
@@ -290,7 +288,7 @@ class HostTensor:
                 f.close()
         if self.budget is not None:
             self.budget.release(self.nbytes)
-        self._drop_spares()
+        self._drop_spare()
         self.blocks.clear()
         self.scale_blocks.clear()
 

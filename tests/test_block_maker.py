@@ -8,7 +8,6 @@ import threading
 import numpy as np
 import pytest
 
-from tiered.cpu import host_tensor
 from tiered.cpu.block_maker import MAKER
 from tiered.cpu.disk import HostBudget
 from tiered.cpu.pages import HostStore
@@ -38,9 +37,8 @@ def test_blocks_ahead_are_prepared_off_the_main_thread_and_read_back():
     data = [_x(rng, 16) for _ in range(6)]  # 16 tokens: a block of 2 pages of 8 each
     for x in data:
         store.append(x)
-    assert len(t._spares) == host_tensor.AHEAD_BLOCKS
-    for ticket in t._spares:
-        ticket.result()
+    assert t._spare is not None
+    t._spare.result()
     assert seen and all(name == "tiered-blocks" for name, _, _ in seen)
     assert all(n == t.block_bytes for _, _, n in seen)
     # every block adopted after the first carries the hook's mark; the addresses are the views'
@@ -60,9 +58,8 @@ def test_a_failed_preparation_raises_where_the_block_is_needed_and_returns_its_b
     store = _store()
     t = store.values
     first = _x(rng, 16)
-    store.append(first)  # one block adopted, AHEAD_BLOCKS queued without a hook
-    t._spares.clear()  # forget them (their bytes stay reserved) ...
-    t.budget.release(host_tensor.AHEAD_BLOCKS * t.block_bytes)  # ... and give the bytes back
+    store.append(first)  # one block adopted, the next queued without a hook
+    t._drop_spare()
 
     def prepare(view):
         raise RuntimeError("advice refused")
@@ -75,7 +72,7 @@ def test_a_failed_preparation_raises_where_the_block_is_needed_and_returns_its_b
     assert (store.length, len(t.blocks)) == before[:2]
     assert t.budget.used == before[2] - t.block_bytes  # the failed block's bytes are back
     t.prepare = None
-    t._drop_spares()  # the other spare met the same hook
+    assert t._spare is None  # the failed one was taken, none queued after it
     x = _x(rng, 4)
     store.append(x)
     assert store.length == 20

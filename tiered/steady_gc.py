@@ -26,9 +26,11 @@ def enabled() -> bool:
 def freeze_once() -> bool:
     """Collect, then freeze every tracked object, once per process (True when it did)."""
     global _done
-    if _done or not enabled():
+    if _done:
         return False
-    _done = True
+    _done = True  # asked once: the environment is read at the first decode step
+    if not enabled():
+        return False
     gc.collect()
     gc.freeze()
     return True
