@@ -37,13 +37,14 @@ def split_times(model, cache, steps):
 def graph_ops(model, cache, path="/tmp/step.dot"):
     """Primitives in one token's graph, by name (each one is dispatched by MLX at eval)."""
     from tiered import device_step
-    was, device_step.ASYNC_EVERY = device_step.ASYNC_EVERY, 0
+    was = device_step.ASYNC_EVERY, device_step.DISPATCH_EVERY
+    device_step.ASYNC_EVERY = device_step.DISPATCH_EVERY = 0  # the whole token unevaluated
     try:
         y = mx.argmax(model(mx.array([[1]]), cache=cache)[:, -1], axis=-1)
         mx.export_to_dot(path, y)
         mx.eval(y)
     finally:
-        device_step.ASYNC_EVERY = was
+        device_step.ASYNC_EVERY, device_step.DISPATCH_EVERY = was
     return dot_ops(path)
 
 

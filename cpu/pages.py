@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from tiered import dispatch
+
 from .host_tensor import HOST_DTYPES, NP_DTYPES, HostTensor  # noqa: F401 (re-exported)
 from .page_reads import PageReads
 
@@ -167,7 +169,7 @@ class HostStore(PageReads):
         CPU reads or changes them. Queued is not enough: a lazy graph nobody evaluated yet
         has not reached the device."""
         if self.fence is not None:
-            mx.eval(self.fence)
+            dispatch.eval(self.fence)
             self.fence = None
 
     def _advance(self, n: int, values, keys):

@@ -20,6 +20,7 @@ from importlib import resources
 
 import mlx.core as mx
 
+from .. import dispatch
 from .compact import compact
 
 BACKENDS = ("metal", "cuda")
@@ -226,7 +227,7 @@ def _device_array(values: tuple, dtype) -> mx.array:
             _param_cache.move_to_end(key)
             return arr
     arr = mx.array(list(values), dtype=dtype)
-    mx.eval(arr)
+    dispatch.eval(arr)
     with _param_lock:
         _param_cache[key] = arr
         while len(_param_cache) > PARAM_CACHE_SIZE:

@@ -32,7 +32,7 @@ from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from tiered.cpu import HostStore
 
-from . import cache_list, contract, layer_state, steady_gc
+from . import cache_list, contract, dispatch, layer_state, steady_gc
 from .cache_list import TieredCacheList  # noqa: F401  (it lived here: old imports keep working)
 from .cache_protocol import CacheProtocol
 from .config import TieredConfig
@@ -103,8 +103,10 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
         Invalid input, and an absolute budget no layout meets, raise before anything changes.
         """
         self._require_open()
-        contract.check_update(keys, values, self.geometry)
         L, before, first = keys.shape[2], self.offset, self.geometry is None
+        if not (L == 1 and self.phase == "compressed"):
+            dispatch.drain()  # only a device decode step runs beside the dispatcher thread
+        contract.check_update(keys, values, self.geometry)
         try:
             if self.phase == "compressed":
                 self._require_routing()
@@ -124,6 +126,7 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
                 self._preflight(L)
                 out = self._append_exact(keys, values)
         except BaseException:
+            dispatch.drain_quietly()
             if first and self.offset == before:
                 self.geometry = None
             self.context.abort_step(self, before, L)  # the step is applied whole or not at all
@@ -141,6 +144,7 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
         Compressed phase: a lazy view of the host pages (nothing is read unless evaluated;
         attention routed to this cache ignores it)."""
         self._require_open()
+        dispatch.drain()
         if self.geometry is None:
             return None, None
         if self.phase == "exact":
@@ -237,13 +241,24 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
         step's tokens gives them back (the step is applied whole or not at all)."""
         self._require_open()
         fresh = self._fresh
+        if not (fresh and queries.shape[2] == 1 and self.phase == "compressed"):
+            dispatch.drain()
         try:
-            return self._attention(queries, keys, values, scale, mask, sinks)
+            out = self._attention(queries, keys, values, scale, mask, sinks)
+            if self._last_layer():  # mlx-lm reads the token next: nothing left on the thread
+                dispatch.drain()
+            return out
         except BaseException:
+            dispatch.drain_quietly()
             if fresh:
                 L = queries.shape[2]
                 self.context.abort_step(self, self.offset - L, L)
             raise
+
+    def _last_layer(self) -> bool:
+        """Whether this is the model's last tiered layer (the end of a step's dispatch)."""
+        tiered = self.context.tiered_layers
+        return self.layer == (tiered[-1] if tiered else self.context.layers - 1)
 
     def _attention(self, queries, keys, values, scale, mask, sinks):
         fresh, self._fresh = self._fresh, False

@@ -15,7 +15,7 @@ import sys
 
 from mlx_lm.models.cache import KVCache
 
-from . import integration, persist
+from . import dispatch, integration, persist
 from .config import TieredConfig
 from .context import SharedContext
 from .contract import mla_reason
@@ -70,6 +70,8 @@ def for_model(cls, model, gpu_budget=0.125, *, install: bool = True, tokenizer=N
     cfg = TieredConfig.from_kwargs(gpu_budget=gpu_budget, **config)
     if install:
         integration.install()
+    if not cfg.exact:
+        dispatch.share_streams()  # CUDA: decode steps dispatched from a second thread
     base = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in layers]
     reused = _reused_whole(model, len(base))
     tiered, kept, reasons = [], [], {}

@@ -30,7 +30,7 @@ import numpy as np
 
 from tiered import metal
 
-from . import device_append, device_decode, device_step, ops, undo
+from . import device_append, device_decode, device_step, dispatch, ops, undo
 from .chunked import ChunkAttention
 from .compressed_state import CompressedState
 from .decode_paths import DecodePaths
@@ -96,7 +96,7 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         if self.flags is not None and n:
             flags[:, :n] = self.flags[:, :n]
         if self.numpy_path:  # a view follows; on an accelerator it stays lazy (no host wait)
-            mx.eval(flags)
+            dispatch.eval(flags)
         self.flags = flags
         self._flags_np = ops.numpy_view(flags) if self.numpy_path else None
         if self.heavy is not None:
@@ -132,7 +132,7 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         if not missing or W == 0:
             return
         blk_k, blk_v = mx.array(self.res_k[:, S : S + W]), mx.array(self.res_v[:, S : S + W])
-        mx.async_eval(blk_k, blk_v)
+        dispatch.async_eval(blk_k, blk_v)
         for t in missing:
             j = t % W
             self.ring_src[t] = (blk_k[:, j : j + 1], blk_v[:, j : j + 1])
@@ -180,7 +180,7 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
                 self.local_k = keys[0, :, lo:n0].astype(self.dtype)
                 self.local_v = values[0, :, lo:n0].astype(self.dtype)
                 self.local_start = lo
-            mx.eval(self.anchor_k, self.anchor_v,
+            dispatch.eval(self.anchor_k, self.anchor_v,
                     *[a for a in (self.local_k, self.local_v) if a is not None])
         return self
 
@@ -249,7 +249,7 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
             for h in range(self.H):
                 self._flags_np[h, old[h][old[h] >= 0]] = 0
             self._flags_np[:, first : n0 + L] = 1
-            mx.eval(self.res_k, self.res_v)
+            dispatch.eval(self.res_k, self.res_v)
         else:
             heads = np.repeat(np.arange(self.H, dtype=np.int32), old.shape[1])
             gone = old.reshape(-1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from . import ops, undo
+from . import dispatch, ops, undo
 from .keys import AffineKeys, CodebookKeys
 from .planner import capacity
 
@@ -29,7 +29,7 @@ class CompressedState:
         if not self.numpy_path:
             z, sel = self._select_device(q, s_r, Hq, rep)
             return z, sel.m, sel.s
-        mx.eval(q, s_r)
+        dispatch.eval(q, s_r)
         z = self._scores_with_resident(q, np.array(q), s_r, rep)
         cap, floor = self._cap(self.n)
         sel = ops.select(z, self.n, self._flags_np, self.config.tau, cap, floor)

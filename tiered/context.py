@@ -9,7 +9,7 @@ import weakref
 import mlx.core as mx
 import numpy as np
 
-from . import layout, ops
+from . import dispatch, layout, ops
 from .codecs import (CalibrationKey, calibrate, load_calibration, model_fingerprint,
                      save_calibration, train_codebook)
 from .cpu.disk import HostBudget
@@ -30,7 +30,7 @@ def collect_keys(model, tokens: list[int], n_tokens: int, layers: list[int],
         KVCache() for _ in model.layers]
     for i in range(0, ids.shape[1], chunk):
         model(ids[:, i : i + chunk], cache=caches)
-        mx.eval([c.state for c in caches])
+        dispatch.eval([c.state for c in caches])
     out = []
     for i in layers:
         k = caches[i].keys[..., : caches[i].offset, :]

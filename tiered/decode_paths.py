@@ -12,7 +12,7 @@ import numpy as np
 
 from tiered import metal
 
-from . import ops
+from . import dispatch, ops
 from .primitives import merge_partials
 
 
@@ -70,7 +70,7 @@ class DecodePaths:
         cfg = self.config
         n = self.n
         Hq, rep, q, s_r = self._decode_start(queries, scale)
-        mx.eval(q, s_r)
+        dispatch.eval(q, s_r)
         marks.append(("sync", time.perf_counter()))
         q_np = np.array(q)
         z = self._scores_with_resident(q, q_np, s_r, rep)
@@ -84,7 +84,7 @@ class DecodePaths:
         t_acc = time.perf_counter()
         marks.append(("submit", t_acc))
         o_r, lse_r = self._resident_partial(s_r)
-        mx.eval(o_r, lse_r)
+        dispatch.eval(o_r, lse_r)
         if self._update:
             self.journal.record(n, "step", (n, q, rep, self.steps))
             if self.heavy is not None:
@@ -136,7 +136,7 @@ class DecodePaths:
         if self._update:
             self._step_done(mean_count, resident_mass)
         if not keep_later and self._later:
-            mx.async_eval(*self._take_later())
+            dispatch.async_eval(*self._take_later())
         marks.append(("finish", time.perf_counter()))
         self.parent.stats.last_step_s = marks[-1][1] - marks[0][1]
         self.parent.stats.record_phases(marks)
@@ -168,7 +168,7 @@ class DecodePaths:
         packed = mx.concatenate([sel.idx.reshape(-1), sel.count,
                                  extra.astype(mx.float32).reshape(-1).view(mx.int32)])
         marks.append(("build", time.perf_counter()))  # host time queuing scores and selection
-        mx.eval(packed)  # the one sync of the step
+        dispatch.eval(packed)  # the one sync of the step
         marks.append(("sync", time.perf_counter()))  # device work since the previous sync
         flat = np.array(packed)
         idx = flat[: H * cap_alloc].reshape(H, cap_alloc)
@@ -187,7 +187,7 @@ class DecodePaths:
             self.journal.record(self.n, "step", (self.n, q, rep, self.steps))
         if self.heavy is not None and self._update:  # one kernel pass (metal/h2o_acc.h)
             lazy.append(self.heavy.update(z, sel.m, sel.s, self.n, rep))
-        mx.async_eval(*lazy)  # the device works while the CPU gathers
+        dispatch.async_eval(*lazy)  # the device works while the CPU gathers
         marks.append(("resident", time.perf_counter()))  # launching it (runs on asynchronously)
         o_c, lse_c = ops.wait_gather(handle, marks[-1][1] - t_acc)
         marks.append(("wait", time.perf_counter()))

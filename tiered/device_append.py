@@ -40,7 +40,7 @@ from collections import OrderedDict
 import mlx.core as mx
 import numpy as np
 
-from . import device_compiled, device_encode, undo
+from . import device_compiled, device_encode, dispatch, undo
 from .device_decode import NO_BAD, _kernel, host_mx_dtype
 
 MAX_FUNCTIONS = 16
@@ -135,7 +135,7 @@ def _codebook_terms(keys) -> tuple[mx.array, mx.array]:
             norms, cbt = norms[:, 0][:, None, :], cbt[:, 0]  # (H, 1, c), (H, ds, c)
         else:
             norms = norms[:, :, None, :]  # (H, g, 1, c)
-        mx.eval(norms, cbt)
+        dispatch.eval(norms, cbt)
         got = keys._append_terms = (keys.codebook, cbt, norms)
     return got[1], got[2]
 
@@ -159,7 +159,7 @@ def _columns(H: int, g: int, dk: int, dv: int, n0: int, slot: int, gone: int) ->
             np.full((H, 1, dv), slot, np.int32), np.full((H, 1), slot, np.int32),
             np.full((H, 1), n0, np.int32), np.tile(np.array([cols], np.int32), (H, 1)),
             np.tile(np.array([vals], np.uint8), (H, 1))))
-        mx.eval(*got)
+        dispatch.eval(*got)
         _COLUMNS[key] = got
         while len(_COLUMNS) > 64:
             _COLUMNS.popitem(last=False)

@@ -33,7 +33,7 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 
-from . import device_attend, device_decode, metal
+from . import device_attend, device_decode, dispatch, metal
 from .device_chunks import chunk_logits, chunk_widths
 from .device_decode import CHUNK, kept
 from .keys import CodebookKeys
@@ -139,7 +139,7 @@ def _placeholder(shape: tuple, dtype=mx.float32) -> mx.array:
     got = _placeholders.get((shape, dtype))
     if got is None:
         got = _placeholders[(shape, dtype)] = mx.zeros(shape, dtype)
-        mx.eval(got)
+        dispatch.eval(got)
     return got
 
 
@@ -154,7 +154,7 @@ def _step_ints(*values: int) -> mx.array:
         if len(_ints) >= 512:
             _ints.clear()
         got = _ints[values] = mx.array(values, mx.int32)
-        mx.eval(got)
+        dispatch.eval(got)
     return got
 
 

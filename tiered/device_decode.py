@@ -21,7 +21,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from . import ops, uva
+from . import dispatch, ops, uva
 from .metal import device_ints
 from .metal.compact import compact
 
@@ -242,7 +242,7 @@ def kept(shape: tuple, value: float) -> mx.array:
     got = _KEPT.get((shape, value))
     if got is None:
         got = _KEPT[(shape, value)] = mx.full(shape, value, mx.float32)
-        mx.eval(got)
+        dispatch.eval(got)
     return got
 
 

@@ -29,7 +29,7 @@ import time
 
 import mlx.core as mx
 
-from . import device_attend, device_compiled, metal
+from . import device_attend, device_compiled, dispatch, metal
 from .device_chunks import chunk_logits
 from .device_decode import CHUNK, DeviceTables, gather_chunks, kept
 from .stats import Column
@@ -38,7 +38,12 @@ from .stats import Column
 # token's read evaluates it all). Each hand-off costs host time (a command buffer to commit):
 # H200, Llama-3-8B shape, 128k, back to back on one cache (bench/device_eval_probe.py --every):
 # every 1 layer 48.8 ms/token, 2: 46.1, 4: 43.4, never: 46.7 (the device starts late).
-ASYNC_EVERY = int(os.environ.get("TIERED_ASYNC_EVERY", "4"))
+# With the dispatcher thread (tiered.dispatch) a hand-off costs the main thread nothing, and
+# every 2 layers gave the best step (H200, 128k, interleaved rounds, bench/dispatch_probe.py:
+# every 1 layer 35.4 ms/token, 2: 34.1, 4: 35.7, 8: 35.8; main thread every 4: 39.6).
+_EVERY = os.environ.get("TIERED_ASYNC_EVERY")
+ASYNC_EVERY = int(_EVERY or 4)
+DISPATCH_EVERY = int(_EVERY or 2)
 
 
 def decode(layer, queries, scale, sinks, tables: DeviceTables):
@@ -104,6 +109,11 @@ def _finish(layer, queries, o, mass, mean_count, marks, writes):
     # The device starts on these layers while Python queues the next ones: a token's graph is
     # otherwise built for every layer before any of it runs (host time then adds to device
     # time instead of hiding under it).
-    if ASYNC_EVERY and (layer.parent.layer + 1) % ASYNC_EVERY == 0:
-        mx.async_eval(out)
+    # From a layer's second decode step on (the first evaluates what the prefill left lazy),
+    # on the shared stream the dispatcher thread hands it over while this thread builds the
+    # next layers (tiered.dispatch)
+    threaded = layer.steps > 1 and dispatch.on_shared_stream()
+    every = DISPATCH_EVERY if threaded else ASYNC_EVERY
+    if every and (layer.parent.layer + 1) % every == 0:
+        (dispatch.submit if threaded else dispatch.async_eval)(out)
     return out

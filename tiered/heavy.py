@@ -15,7 +15,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from . import metal, ops
+from . import dispatch, metal, ops
 
 
 class HeavyHitters:
@@ -35,7 +35,7 @@ class HeavyHitters:
         if self.acc is not None and n:
             acc[:, :n] = self.acc[:, :n]
         if self.numpy_path:  # a view follows; on an accelerator it stays lazy (no host wait)
-            mx.eval(acc)
+            dispatch.eval(acc)
         self.acc = acc
         self._high = n  # columns from here on are 0 (clear has nothing to do there)
         self._np = ops.numpy_view(acc) if self.numpy_path else None
@@ -158,7 +158,7 @@ class HeavyHitters:
             # accumulator and a host argpartition cost ~8 ms per layer at 128k).
             hit = queued is not None and queued[0] == (count, lo, hi) and queued[1] is among
             (ids_d,) = queued[2] if hit else self._top_device(count, lo, hi, among)
-            mx.eval(ids_d)
+            dispatch.eval(ids_d)
             ids = np.array(ids_d)
             if among is None:
                 out[:, : ids.shape[1]] = ids

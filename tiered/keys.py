@@ -16,7 +16,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from tiered import device_encode, metal
+from tiered import device_encode, dispatch, metal
 from tiered.codecs import encode_mx, random_rotation
 from tiered.cpu import kernels as K
 
@@ -35,7 +35,7 @@ class CodebookKeys:
                  numpy_path: bool):
         self.H, self.step, self.numpy_path = H, step, numpy_path
         self.codebook = mx.array(np.ascontiguousarray(codebook, np.float32))
-        mx.eval(self.codebook)
+        dispatch.eval(self.codebook)
         self._codebook_np = np.array(self.codebook)
         self.c = codebook.shape[2]
         self.code_dtype = mx.uint8 if self.c <= 256 else mx.uint16
@@ -48,7 +48,7 @@ class CodebookKeys:
         if old is not None and n:
             codes[:, :n] = old[:, :n]
         if self.numpy_path:  # a view follows; on an accelerator it stays lazy (no host wait)
-            mx.eval(codes)
+            dispatch.eval(codes)
         self.codes = codes
         self._codes_np = np.array(codes, copy=False) if self.numpy_path else None
 
@@ -81,7 +81,7 @@ class CodebookKeys:
         """The centroids' squared norms (H, Gc, c), kept (tiered.device_encode)."""
         if getattr(self, "_sq_norms", None) is None or self._sq_norms[0] is not self.codebook:
             got = device_encode.norms(self.codebook)
-            mx.eval(got)
+            dispatch.eval(got)
             self._sq_norms = (self.codebook, got)
         return self._sq_norms[1]
 
@@ -136,7 +136,7 @@ class AffineKeys:
         if self.wq is not None and n:
             wq[:, :n], sc[:, :n], bi[:, :n] = self.wq[:, :n], self.scales[:, :n], self.biases[:, :n]
         self.wq, self.scales, self.biases = wq, sc, bi
-        mx.eval(self.wq, self.scales, self.biases)
+        dispatch.eval(self.wq, self.scales, self.biases)
 
     @property
     def capacity(self) -> int:
@@ -154,7 +154,7 @@ class AffineKeys:
         self.wq[:, n0 : n0 + L] = wq
         self.scales[:, n0 : n0 + L] = sc
         self.biases[:, n0 : n0 + L] = bi
-        mx.eval(self.wq, self.scales, self.biases)
+        dispatch.eval(self.wq, self.scales, self.biases)
 
     def scores(self, q: mx.array, n: int, rep: int, q_np: np.ndarray | None = None):
         qr = self._rotate(q).astype(mx.float32)
@@ -189,5 +189,5 @@ class AffineKeys:
         self._alloc(capacity(n, step))
         if n:
             self.wq[:, :n], self.scales[:, :n], self.biases[:, :n] = st["wq"], st["scales"], st["biases"]
-        mx.eval(self.wq, self.scales, self.biases)
+        dispatch.eval(self.wq, self.scales, self.biases)
         return self

@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 
 
-from . import ops
+from . import dispatch, ops
 
 
 def _spill_move(idx, count, res_tok, n, spill_tok, host):
@@ -55,7 +55,7 @@ class Lookahead:
         self.journal.record(self.n, "step", (self.n, q, rep, self.steps))
         if self.heavy is not None:
             lazy.append(self.heavy.update(z, sel.m, sel.s, self.n, rep))
-        mx.async_eval(*lazy)
+        dispatch.async_eval(*lazy)
         marks.append(("build", time.perf_counter()))
         return self._end_step(queries, o, mx.exp(lse_r - lse).mean(), float(np.mean(count)),
                               marks)
@@ -138,4 +138,4 @@ class Lookahead:
         self.spill_k, self.spill_v = k, v
         self._spill_tok_np = np.ascontiguousarray(tok[:, : size - 1])
         self.spill_tok = mx.array(tok)
-        mx.eval(self.spill_k, self.spill_v, self.spill_tok)
+        dispatch.eval(self.spill_k, self.spill_v, self.spill_tok)

@@ -13,6 +13,7 @@ import contextlib
 import mlx.core as mx
 import numpy as np
 
+from tiered import dispatch
 from tiered.cpu import kernels as K
 from tiered.cpu.attention import causal_attention
 from tiered.cpu.h2o import acc_update  # noqa: F401  (re-exported)
@@ -40,7 +41,7 @@ def numpy_path(config) -> bool:
 
 def numpy_view(a: mx.array) -> np.ndarray:
     """Zero-copy numpy view of an evaluated MLX array (CPU memory)."""
-    mx.eval(a)
+    dispatch.eval(a)
     return np.array(a, copy=False)
 
 

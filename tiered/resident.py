@@ -7,7 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from . import device_decode, undo
+from . import device_decode, dispatch, undo
 from .cpu.resident_maps import Swap
 from .planner import BudgetError
 
@@ -153,7 +153,7 @@ class ResidentSet:
         valid = mx.array(tok >= 0)[..., None]
         k = mx.where(valid, mx.take_along_axis(keys, idx, axis=1), 0).astype(self.dtype)
         v = mx.where(valid, mx.take_along_axis(values, idx, axis=1), 0).astype(self.dtype)
-        (mx.eval if self.numpy_path else mx.async_eval)(k, v)  # no wait on an accelerator
+        (dispatch.eval if self.numpy_path else dispatch.async_eval)(k, v)  # no wait on a GPU
         return k, v
 
     def _swap_resident(self, tok: np.ndarray, S: int, W: int, journal: bool):
@@ -206,7 +206,7 @@ class ResidentSet:
         elif heads.size:
             self.flags[heads_d, toks_d] = value_d.astype(mx.uint8)
         if self.numpy_path:
-            mx.eval(k, v, *((rows_k, rows_v) if journal else ()))
+            dispatch.eval(k, v, *((rows_k, rows_v) if journal else ()))
         else:  # evaluated with the next step (no wait, and no hand-off of their own)
             self._later += [k, v] + ([rows_k, rows_v] if journal else [])
         self.S_eff, self.W_eff = S, W

@@ -25,6 +25,7 @@ import logging
 import mlx.core as mx
 import numpy as np
 
+from . import dispatch
 from .cpu.resident_maps import Swap
 
 log = logging.getLogger("tiered")
@@ -86,7 +87,7 @@ def ring_rows(layer, slots) -> tuple:
     idx = _slot_index(slots)
     k, v = mx.array(layer.res_k[:, idx]), mx.array(layer.res_v[:, idx])
     if layer.numpy_path:
-        mx.eval(k, v)
+        dispatch.eval(k, v)
     else:  # evaluated with the layer's next step (CompressedLayer._later): no hand-off
         layer._later += [k, v]
     return old_tok, k, v
@@ -119,7 +120,7 @@ def undo_refresh(layer, old_tok, S_eff, W_eff, toks, rows_k, rows_v) -> None:
     v = mx.take_along_axis(mx.concatenate([layer.res_v, rows_v], axis=1), idx, axis=1)
     valid = mx.array(old_tok >= 0)[..., None]
     k, v = mx.where(valid, k, 0), mx.where(valid, v, 0)
-    mx.eval(k, v)
+    dispatch.eval(k, v)
     layer.S_eff, layer.W_eff = S_eff, W_eff
     layer._set_resident(k, v, old_tok)
     flags_from_resident(layer)

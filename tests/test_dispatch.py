@@ -1,0 +1,129 @@
+"""tiered.dispatch: the dispatcher thread hands graphs to the device in order, raises what
+fails where the caller waits, takes over what it cannot evaluate, and (on CUDA) decodes the
+same tokens as the main thread's hand-offs."""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import make_small_model
+
+from tiered import TieredCache, device_step, dispatch, uva
+
+needs_cuda = pytest.mark.skipif(not uva.available(),
+                                reason="the dispatcher runs on CUDA (shared stream)")
+
+
+def _chain(x, n):
+    for i in range(n):
+        x = x * 1.5 + i
+    return x
+
+
+def test_dispatcher_evaluates_in_order_on_a_shared_stream():
+    d = dispatch.Dispatcher()
+    s = mx.new_thread_unsafe_stream(mx.cpu)
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal((64, 64)).astype(np.float32) for _ in range(6)]
+    with mx.stream(s):
+        outs = []
+        prev = mx.zeros((64, 64))
+        for x in xs:  # each graph takes the previous one's output: order matters
+            prev = _chain(mx.array(x) + prev, 20)
+            outs.append(prev)
+            d.submit([prev])
+    d.drain()
+    assert not d.busy and d.busy_s > 0
+    ref = np.zeros((64, 64), np.float32)
+    for x, got in zip(xs, outs):
+        ref = x + ref
+        for i in range(20):
+            ref = ref * np.float32(1.5) + np.float32(i)
+        np.testing.assert_allclose(np.array(got), ref, rtol=1e-5)
+
+
+def test_an_error_on_the_thread_is_raised_by_drain(monkeypatch):
+    d = dispatch.Dispatcher()
+    calls = []
+
+    def failing(*arrays):
+        calls.append(len(arrays))
+        raise ValueError("kernel failed")
+
+    monkeypatch.setattr(mx, "async_eval", failing)
+    s = mx.new_thread_unsafe_stream(mx.cpu)
+    with mx.stream(s):
+        a = mx.ones((4,)) * 2
+        d.submit([a])
+        d.submit([a + 1])  # after the failure nothing more is handed over
+    with pytest.raises(ValueError, match="kernel failed"):
+        d.drain()
+    assert calls == [1]
+    d.drain()  # raised once: the dispatcher is usable again
+
+
+def test_arrays_of_a_thread_local_stream_are_taken_by_the_main_thread(monkeypatch, caplog):
+    monkeypatch.setattr(dispatch, "_enabled", True)
+    d = dispatch.Dispatcher()
+    local = mx.new_stream(mx.cpu)  # usable on this thread only
+    with mx.stream(local):
+        a = _chain(mx.arange(8, dtype=mx.float32), 5)
+        b = a * 2
+    d.submit([a])
+    d.submit([b])
+    with caplog.at_level(logging.WARNING, logger="tiered"):
+        d.drain()
+    assert not dispatch.enabled()  # off for the process from then on
+    assert "thread-local" in caplog.text
+    ref = np.arange(8, dtype=np.float32)
+    for i in range(5):
+        ref = ref * np.float32(1.5) + np.float32(i)
+    np.testing.assert_allclose(np.array(a), ref)
+    np.testing.assert_allclose(np.array(b), 2 * ref)
+
+
+def test_wrappers_wait_for_the_thread_first(monkeypatch):
+    order = []
+    monkeypatch.setattr(dispatch.DISPATCHER, "drain", lambda: order.append("drain"))
+    monkeypatch.setattr(dispatch.DISPATCHER, "_queued", 1)
+    real_eval = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a: (order.append("eval"), real_eval(*a)))
+    dispatch.eval(mx.ones((2,)))
+    assert order == ["drain", "eval"]
+
+
+@pytest.mark.accelerator
+@needs_cuda
+def test_dispatched_steps_decode_as_the_main_thread(monkeypatch):
+    """Every layer handed over by the thread (DISPATCH_EVERY=1) against every hand-off on the main
+    thread: the same kernels in the same order, so the same outputs, pages and state."""
+    model = make_small_model("llama-gqa-d64", layers=3, seed=4)
+    rng = np.random.default_rng(5)
+    prompt, toks = rng.integers(10, 49000, 400).tolist(), rng.integers(10, 49000, 40).tolist()
+    monkeypatch.setattr(device_step, "ASYNC_EVERY", 1)
+    monkeypatch.setattr(device_step, "DISPATCH_EVERY", 1)
+    runs = []
+    for on in (False, True):
+        monkeypatch.setattr(dispatch, "_enabled", on)
+        busy = dispatch.DISPATCHER.busy_s
+        cache = TieredCache.for_model(model, gpu_budget=0.25, page_size=64, recent=16,
+                                      device_gather="on", compress_from=1, host_keys=False)
+        assert dispatch.on_shared_stream() == on
+        mx.eval(model(mx.array([prompt]), cache=cache))
+        outs = []
+        for t in toks:
+            outs.append(model(mx.array([[t]]), cache=cache))
+            assert not dispatch.DISPATCHER.busy  # the last layer drained
+            mx.eval(outs[-1])
+        assert (dispatch.DISPATCHER.busy_s > busy) == on
+        layers = [c for c in cache if isinstance(c, TieredCache)]
+        runs.append((np.array(mx.concatenate(outs, axis=1)),
+                     [c.host.read("values", 0, 0, c.host.length) for c in layers],
+                     [np.array(c.compressed.heavy.acc) for c in layers]))
+        cache.close()
+    for x, y in zip(runs[0], runs[1]):
+        for u, v in zip(x if isinstance(x, list) else [x], y if isinstance(y, list) else [y]):
+            np.testing.assert_array_equal(u, v)

@@ -1,0 +1,204 @@
+"""A second thread hands a decode step's layers to the accelerator (issue 24).
+
+On an H200 a token's host time is two parts of about equal size, run one after the other on
+the main thread: Python building each layer's graph (mlx-lm's layer, tiered's append and
+step), and MLX dispatching it inside ``mx.async_eval`` (each primitive's ``eval_gpu``,
+encoding kernels into CUDA graphs; ~15 of 37 ms per token at 1M tokens, bench/million.py
+--step-timers). MLX releases the GIL while it dispatches, so here a daemon thread
+("tiered-dispatch") runs those ``mx.async_eval`` calls while the main thread builds the next
+layers: the two parts overlap.
+
+What makes that safe:
+
+- **A shared stream.** MLX 0.32 gives every thread its own GPU streams; a thread cannot
+  evaluate arrays made on another thread's stream ("There is no Stream(gpu, n) in current
+  thread"). :func:`stream` is one ``mx.new_thread_unsafe_stream`` per process;
+  :func:`tiered.integration.install` makes it mlx-lm's generation stream. Steps built on any
+  other stream are dispatched on the main thread as before.
+- **One thread encodes at a time.** A thread-unsafe stream has one command encoder, so every
+  evaluation in tiered goes through :func:`eval` / :func:`async_eval` here, which wait for the
+  dispatcher to finish (:func:`drain`) first, and the last layer of a step drains before
+  mlx-lm reads the token (:meth:`tiered.cache.TieredCache.attention`); so does a failed step.
+- **Errors reach the caller.** An error raised on the dispatcher is raised by the next
+  :func:`drain`; an array it could not evaluate because it was made on a thread-local stream
+  is evaluated on the main thread instead, and the dispatcher is turned off for the process.
+
+``TIERED_DISPATCH_THREAD=0`` turns it off (every hand-off on the main thread, as before).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+
+import mlx.core as mx
+
+log = logging.getLogger("tiered")
+
+# While the dispatcher runs, Python hands the GIL to a waiting thread after this long (the
+# default 5 ms would hold each hand-off back by up to that much while the main thread runs
+# Python).
+SWITCH_INTERVAL_S = float(os.environ.get("TIERED_DISPATCH_SWITCH_S", "0.0002"))
+
+_enabled = os.environ.get("TIERED_DISPATCH_THREAD", "1") not in ("0", "false", "no", "off")
+_stream: mx.Stream | None = None
+_lock = threading.Lock()
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def stream() -> mx.Stream | None:
+    """The process's shared (thread-unsafe) stream on the default device; None where the
+    dispatcher is off or there is no accelerator."""
+    global _stream
+    if _stream is None and _enabled and _cuda():
+        with _lock:
+            if _stream is None:
+                _stream = mx.new_thread_unsafe_stream(mx.default_device())
+    return _stream
+
+
+def _cuda() -> bool:
+    # CUDA only: Metal's streams were never measured with a second thread encoding
+    cuda = getattr(mx, "cuda", None)
+    return (cuda is not None and cuda.is_available()
+            and mx.default_device().type == mx.DeviceType.gpu)
+
+
+def on_shared_stream() -> bool:
+    """Whether the ops being built now go to the shared stream (a step the dispatcher may
+    take)."""
+    return (_enabled and _stream is not None
+            and mx.default_stream(mx.default_device()) == _stream)
+
+
+def share_streams() -> bool:
+    """Build on the shared stream from now on: the calling thread's default stream and
+    mlx-lm's generation stream (``generate`` and ``stream_generate`` run the model inside
+    ``mx.stream(generation_stream)``, a stream local to each thread). False (nothing changed)
+    where the dispatcher is off or there is no CUDA device."""
+    s = stream()
+    if s is None:
+        return False
+    mx.set_default_stream(s)
+    gen = importlib.import_module("mlx_lm.generate")  # mlx_lm.generate is also a function
+
+    old = gen.generation_stream
+    if old is not s:
+        for fn in vars(gen).values():  # defaults bound when mlx-lm was imported
+            if callable(fn) and getattr(fn, "__defaults__", None):
+                if any(d is old for d in fn.__defaults__):
+                    fn.__defaults__ = tuple(s if d is old else d for d in fn.__defaults__)
+        gen.generation_stream = s
+    return True
+
+
+class Dispatcher:
+    """One worker thread that runs ``mx.async_eval`` on what it is handed, in order."""
+
+    def __init__(self):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._cv = threading.Condition()
+        self._queued = 0
+        self._error: BaseException | None = None
+        self._left: list = []  # what it could not evaluate, for the main thread
+        self._thread: threading.Thread | None = None
+        self.busy_s = 0.0  # seconds the worker spent handing graphs over (bench/dispatch_probe)
+        self.wait_s = 0.0  # seconds the main thread waited for it in drain
+
+    @property
+    def busy(self) -> bool:
+        return self._queued > 0
+
+    def submit(self, arrays: list) -> None:
+        """Queue ``mx.async_eval(*arrays)`` on the worker."""
+        with self._cv:
+            if self._thread is None or not self._thread.is_alive():
+                if sys.getswitchinterval() > SWITCH_INTERVAL_S:
+                    sys.setswitchinterval(SWITCH_INTERVAL_S)
+                self._thread = threading.Thread(target=self._run, name="tiered-dispatch",
+                                                daemon=True)
+                self._thread.start()
+            self._queued += 1
+        self._q.put(arrays)
+
+    def drain(self) -> None:
+        """Wait until everything submitted was handed to the device; raise what the worker
+        raised. Arrays it could not take are evaluated here (asynchronously)."""
+        global _enabled
+        if self._queued:
+            t = time.perf_counter()
+            with self._cv:
+                while self._queued:
+                    self._cv.wait()
+            self.wait_s += time.perf_counter() - t
+        left, self._left = self._left, []
+        if left:
+            _enabled = False
+            log.warning("tiered: decode steps built on a thread-local MLX stream: handed to the "
+                        "device on the main thread from now on")
+            mx.async_eval(*left)
+        err, self._error = self._error, None
+        if err is not None:
+            raise err
+
+    def _run(self):
+        while True:
+            arrays = self._q.get()
+            try:
+                if self._left:  # the main thread takes the rest of the step (see drain)
+                    self._left += arrays
+                elif self._error is None:  # after an error the step fails: nothing more
+                    t = time.perf_counter()
+                    mx.async_eval(*arrays)
+                    self.busy_s += time.perf_counter() - t
+            except RuntimeError as e:
+                if "in current thread" in str(e):  # made on another thread's stream
+                    self._left += arrays
+                else:
+                    self._error = e
+            except BaseException as e:  # raised by the main thread's next drain
+                self._error = e
+            finally:
+                with self._cv:
+                    self._queued -= 1
+                    self._cv.notify_all()
+
+
+DISPATCHER = Dispatcher()
+
+
+def submit(*arrays) -> None:
+    DISPATCHER.submit(list(arrays))
+
+
+def drain() -> None:
+    """Nothing of tiered's is being dispatched on another thread after this returns."""
+    if DISPATCHER.busy or DISPATCHER._left or DISPATCHER._error is not None:
+        DISPATCHER.drain()
+
+
+def drain_quietly() -> None:
+    """:func:`drain` where an error is being raised already (the dispatcher's own is dropped:
+    the step fails with the first)."""
+    try:
+        drain()
+    except BaseException as e:  # noqa: BLE001
+        log.warning("tiered: the dispatcher also failed: %r", e)
+
+
+def eval(*arrays) -> None:  # noqa: A001  (mx.eval's drop-in)
+    drain()
+    mx.eval(*arrays)
+
+
+def async_eval(*arrays) -> None:
+    drain()
+    mx.async_eval(*arrays)
