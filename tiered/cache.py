@@ -104,8 +104,8 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
         """
         self._require_open()
         L, before, first = keys.shape[2], self.offset, self.geometry is None
-        if not (L == 1 and self.phase == "compressed"):
-            dispatch.drain()  # only a device decode step runs beside the dispatcher thread
+        if not self._beside_dispatch():
+            dispatch.drain()
         contract.check_update(keys, values, self.geometry)
         try:
             if self.phase == "compressed":
@@ -241,7 +241,7 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
         step's tokens gives them back (the step is applied whole or not at all)."""
         self._require_open()
         fresh = self._fresh
-        if not (fresh and queries.shape[2] == 1 and self.phase == "compressed"):
+        if not (fresh and self._beside_dispatch()):
             dispatch.drain()
         try:
             out = self._attention(queries, keys, values, scale, mask, sinks)
@@ -254,6 +254,13 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
                 L = queries.shape[2]
                 self.context.abort_step(self, self.offset - L, L)
             raise
+
+    def _beside_dispatch(self) -> bool:
+        """Whether this layer's step may be built while the dispatcher thread hands earlier
+        work to the device: the device path of a compressed layer, whose evaluations all go
+        through tiered.dispatch (which waits for the thread) and whose reads of device arrays
+        follow them. Any other step waits for the thread first."""
+        return self.phase == "compressed" and bool(getattr(self.compressed, "on_device", False))
 
     def _last_layer(self) -> bool:
         """Whether this is the model's last tiered layer (the end of a step's dispatch)."""

@@ -117,8 +117,9 @@ class Dispatcher:
     def busy(self) -> bool:
         return self._queued > 0
 
-    def submit(self, arrays: list) -> None:
-        """Queue ``mx.async_eval(*arrays)`` on the worker."""
+    def submit(self, arrays: list) -> threading.Event:
+        """Queue ``mx.async_eval(*arrays)`` on the worker; the event is set once it ran (see
+        :meth:`wait_handed`)."""
         with self._cv:
             if self._thread is None or not self._thread.is_alive():
                 if sys.getswitchinterval() > SWITCH_INTERVAL_S:
@@ -127,7 +128,16 @@ class Dispatcher:
                                                 daemon=True)
                 self._thread.start()
             self._queued += 1
-        self._q.put(arrays)
+        done = threading.Event()
+        self._q.put((arrays, done))
+        return done
+
+    def wait_handed(self, done: threading.Event) -> None:
+        """Wait until one submission was handed to the device (not the ones queued after it):
+        its arrays are scheduled then, and reading them only waits for the device."""
+        done.wait()
+        if self._error is not None or self._left:
+            self.drain()
 
     def drain(self) -> None:
         """Wait until everything submitted was handed to the device; raise what the worker
@@ -151,7 +161,7 @@ class Dispatcher:
 
     def _run(self):
         while True:
-            arrays = self._q.get()
+            arrays, done = self._q.get()
             try:
                 if self._left:  # the main thread takes the rest of the step (see drain)
                     self._left += arrays
@@ -170,13 +180,18 @@ class Dispatcher:
                 with self._cv:
                     self._queued -= 1
                     self._cv.notify_all()
+                done.set()
 
 
 DISPATCHER = Dispatcher()
 
 
-def submit(*arrays) -> None:
-    DISPATCHER.submit(list(arrays))
+def submit(*arrays) -> threading.Event:
+    return DISPATCHER.submit(list(arrays))
+
+
+def wait_handed(done: threading.Event) -> None:
+    DISPATCHER.wait_handed(done)
 
 
 def drain() -> None:

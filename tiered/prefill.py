@@ -8,6 +8,8 @@ import time
 
 import mlx.core as mx
 
+from . import dispatch
+
 # Bytes of freed buffers MLX keeps for reuse during a prefill. 16 GiB (an eighth of an H200's
 # memory limit) took a 1M-token prefill's device memory to 139 GiB (NVML) against 89 and saved
 # ~5 s of its 145: not kept.
@@ -36,11 +38,31 @@ def _body(model):
     return model
 
 
-def _finish(work, doors):
-    """Wait for a queued chunk, then read its door checks (a non-finite chunk raises)."""
+def _finish(work, doors, handed):
+    """Wait for a queued chunk, then read its door checks (a non-finite chunk raises).
+    ``handed``: the dispatcher's event of the chunk (tiered.dispatch), or None."""
+    if handed is not None:
+        dispatch.wait_handed(handed)  # scheduled then: the reads below only wait
+    else:
+        dispatch.drain()
     mx.eval(work)
     for c, flags in doors:
         c.check_door(flags)
+
+
+def _beside(cache) -> bool:
+    """Whether every layer builds its next chunk beside the dispatcher thread (a compressed
+    layer on the device path; see TieredCache._beside_dispatch); else the chunk is handed to
+    the device on this thread."""
+    layers = [c for c in cache if hasattr(c, "_beside_dispatch")]
+    return bool(layers) and all(c._beside_dispatch() for c in layers)
+
+
+def _door_arrays(doors) -> list:
+    got = []
+    for _, (checks, bad) in doors:
+        got += [ok for _, _, ok in checks] + ([bad] if bad is not None else [])
+    return got
 
 
 def prefill(model, cache, tokens, *, chunk: int = 2048, progress=None, on_chunk=None) -> dict:
@@ -81,14 +103,21 @@ def prefill(model, cache, tokens, *, chunk: int = 2048, progress=None, on_chunk=
                 # device runs this one (an H200 ran a 2048-token chunk of a Llama-3-8B in
                 # 71 ms, the host built and dispatched it in ~110). The door's checks of a
                 # chunk are read once the next one is queued.
-                mx.async_eval(work, out, [c.lazy_arrays(door=False) if hasattr(
-                    c, "lazy_arrays") else c.state for c in cache])
+                lazy = [c.lazy_arrays(door=False) if hasattr(c, "lazy_arrays") else c.state
+                        for c in cache]
                 doors = [(c, c.take_door()) for c in cache if hasattr(c, "take_door")]
+                # On the shared stream the dispatcher thread hands the chunk over while this
+                # thread builds the next one (tiered.dispatch), the door flags with it
+                handed = None
+                if dispatch.on_shared_stream() and _beside(cache):
+                    handed = dispatch.submit(work, out, lazy, _door_arrays(doors))
+                else:
+                    dispatch.async_eval(work, out, lazy)
                 if prev is not None:
                     _finish(*prev)
                 # what the next chunk waits for: the output and the page writes' fences, not
                 # the cache's arrays (held, they could not be updated in place)
-                prev = ([out] + work, doors)
+                prev = ([out] + work, doors, handed)
             done += step.shape[1]
             if progress:
                 progress(done, total)
@@ -99,6 +128,7 @@ def prefill(model, cache, tokens, *, chunk: int = 2048, progress=None, on_chunk=
         if prev is not None:
             _finish(*prev)
     finally:
+        dispatch.drain_quietly()  # a failed chunk: nothing left on the thread
         mx.set_cache_limit(limit)
         mx.clear_cache()
     seconds = time.perf_counter() - t0
