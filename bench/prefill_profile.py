@@ -75,7 +75,8 @@ def graph_ops(model, cache, ids, path="/tmp/chunk.dot"):
 TIMED = {"mx.eval", "mx.async_eval", "tiered.cpu.host_tensor.HostTensor.grow",
          "tiered.cpu.host_tensor._block_ahead", "tiered.cpu.host_tensor._alloc_block",
          "tiered.uva.advise_host", "tiered.device_decode.DeviceTables.addrs",
-         "tiered.device_decode.DeviceTables.pages", "tiered.prefill._finish"}
+         "tiered.device_decode.DeviceTables.pages", "tiered.prefill._finish",
+         "tiered.dispatch.Dispatcher.wait_handed", "tiered.dispatch.Dispatcher.drain"}
 
 
 def _print_timers(split):

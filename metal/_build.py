@@ -20,7 +20,6 @@ from importlib import resources
 
 import mlx.core as mx
 
-from .. import dispatch
 from .compact import compact
 
 BACKENDS = ("metal", "cuda")
@@ -227,7 +226,7 @@ def _device_array(values: tuple, dtype) -> mx.array:
             _param_cache.move_to_end(key)
             return arr
     arr = mx.array(list(values), dtype=dtype)
-    dispatch.eval(arr)
+    mx.eval(arr)  # made from host values: encodes nothing (no wait for tiered.dispatch)
     with _param_lock:
         _param_cache[key] = arr
         while len(_param_cache) > PARAM_CACHE_SIZE:

@@ -159,7 +159,7 @@ def _columns(H: int, g: int, dk: int, dv: int, n0: int, slot: int, gone: int) ->
             np.full((H, 1, dv), slot, np.int32), np.full((H, 1), slot, np.int32),
             np.full((H, 1), n0, np.int32), np.tile(np.array([cols], np.int32), (H, 1)),
             np.tile(np.array([vals], np.uint8), (H, 1))))
-        dispatch.eval(*got)
+        mx.eval(*got)  # made from host values: encodes nothing (no wait for tiered.dispatch)
         _COLUMNS[key] = got
         while len(_COLUMNS) > 64:
             _COLUMNS.popitem(last=False)

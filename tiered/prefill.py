@@ -40,11 +40,10 @@ def _body(model):
 
 def _finish(work, doors, handed):
     """Wait for a queued chunk, then read its door checks (a non-finite chunk raises).
-    ``handed``: the dispatcher's event of the chunk (tiered.dispatch), or None."""
+    ``handed``: the dispatcher's event of the chunk (tiered.dispatch), or None (the chunk was
+    handed to the device on this thread). Once it is handed over, the reads below only wait."""
     if handed is not None:
-        dispatch.wait_handed(handed)  # scheduled then: the reads below only wait
-    else:
-        dispatch.drain()
+        dispatch.wait_handed(handed)
     mx.eval(work)
     for c, flags in doors:
         c.check_door(flags)
