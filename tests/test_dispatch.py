@@ -127,3 +127,38 @@ def test_dispatched_steps_decode_as_the_main_thread(monkeypatch):
     for x, y in zip(runs[0], runs[1]):
         for u, v in zip(x if isinstance(x, list) else [x], y if isinstance(y, list) else [y]):
             np.testing.assert_array_equal(u, v)
+
+
+def test_share_streams_puts_mlx_lm_generation_on_the_shared_stream(monkeypatch):
+    """for_model's share_streams: the thread's default stream and mlx-lm's generation stream
+    become the shared one (here a CPU stream standing in for CUDA's), and mlx-lm's greedy
+    generation gives the same tokens on it."""
+    import importlib
+    import itertools
+
+    from mlx_lm.generate import generate_step
+
+    gen = importlib.import_module("mlx_lm.generate")
+    model = make_small_model("llama-gqa-d64", layers=2, seed=3)
+    prompt = mx.array(np.random.default_rng(1).integers(10, 49000, 40))
+
+    def tokens():
+        steps = itertools.islice(gen.generate_step(prompt, model), 12)
+        return [int(t) for t, _ in steps]
+
+    before = tokens()
+    monkeypatch.setattr(dispatch, "_cuda", lambda: True)
+    monkeypatch.setattr(dispatch, "_stream", None)
+    monkeypatch.setattr(gen, "generation_stream", gen.generation_stream)
+    for fn in vars(gen).values():
+        if callable(fn) and getattr(fn, "__defaults__", None):
+            monkeypatch.setattr(fn, "__defaults__", fn.__defaults__)
+    default = mx.default_stream(mx.default_device())
+    try:
+        assert dispatch.share_streams()
+        s = dispatch.stream()
+        assert dispatch.on_shared_stream() and gen.generation_stream is s
+        assert any(d is s for d in generate_step.__defaults__)
+        assert tokens() == before
+    finally:
+        mx.set_default_stream(default)
