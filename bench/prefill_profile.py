@@ -89,6 +89,34 @@ def _print_timers(split):
                   f"(mean of {len(rows)}): {cells}", flush=True)
 
 
+def _window(model, cache, part, chunk) -> tuple[float, dict]:
+    """ms per chunk over ``part`` and every call site's inclusive ms per chunk."""
+    n = len(part) // chunk
+    with CallTimers() as timers:
+        t = time.perf_counter()
+        prefill(model, cache, part, chunk=chunk)
+        ms = 1e3 * (time.perf_counter() - t) / n
+    return ms, {k: 1e3 * v / n for k, v in timers.total.items()}
+
+
+def compare_windows(model, cache, ids, at: int, chunk: int, args) -> int:
+    """--compare-at: every call site timed over --chunks chunks here and again from
+    --compare-at tokens on (untimed prefill in between); the sites whose time per chunk grew
+    the most. The timers slow both windows alike."""
+    n = args.chunks * chunk
+    ms_a, a = _window(model, cache, ids[at: at + n], chunk)
+    t = time.perf_counter()
+    prefill(model, cache, ids[at + n: args.compare_at], chunk=chunk)
+    print(f"  (untimed prefill to {args.compare_at} tokens: {time.perf_counter() - t:.1f} s)",
+          flush=True)
+    ms_b, b = _window(model, cache, ids[args.compare_at: args.compare_at + n], chunk)
+    print(f"  all call sites timed: {ms_a:.1f} ms per chunk at {at} tokens, {ms_b:.1f} at "
+          f"{args.compare_at}; the sites that grew most (ms per chunk, inclusive):", flush=True)
+    for k in sorted(set(a) | set(b), key=lambda k: a.get(k, 0) - b.get(k, 0))[: args.top]:
+        print(f"  {a.get(k, 0):8.2f} -> {b.get(k, 0):8.2f}  {k}", flush=True)
+    return args.compare_at + n
+
+
 def run(model, ids, chunk, args):
     cache = tiered.TieredCache.for_model(
         model, gpu_budget=args.budget, host_budget=args.host_budget, disk_dir=args.disk_dir,
@@ -126,6 +154,8 @@ def run(model, ids, chunk, args):
     print(f"  mean {mean:.1f} ms per chunk = {1e3 * chunk / mean:,.0f} tok/s", flush=True)
     if timers:
         _print_timers(split)
+    if args.compare_at:
+        at = compare_windows(model, cache, ids, at, chunk, args)
     if args.kernel_chunks:
         spans = []
         part = ids[at: at + args.kernel_chunks * chunk]
@@ -160,6 +190,9 @@ def main(argv=None):
     p.add_argument("--graph", action="store_true",
                    help="print one chunk's primitives by name (before the timed chunks)")
     p.add_argument("--marks", default=None)
+    p.add_argument("--compare-at", type=int, default=None,
+                   help="time every call site over --chunks chunks after the warm-up and "
+                        "again from this many tokens on; print the sites that grew")
     p.add_argument("--timers", action="store_true",
                    help="host time in the allocation, advice, evaluation calls per chunk")
     args = p.parse_args(argv)
@@ -168,7 +201,8 @@ def main(argv=None):
     model, _ = build_model(args.model, None, tokenizer=False)
     vocab = model.args.vocab_size  # the 2-layer slice's is 4096 (ids past it crash MLX)
     ids = [i % vocab for i in np.load(args.tokens_file)["ids"].tolist()]
-    need = args.warm + (args.chunks + args.kernel_chunks + 1) * max(args.chunk)
+    need = (max(args.warm, args.compare_at or 0)
+            + (2 * args.chunks + args.kernel_chunks + 1) * max(args.chunk))
     if need > len(ids):
         p.error(f"the document has {len(ids)} tokens; these settings need {need}")
     print(f"model {args.model}; host blocks of at most {host_tier.MAX_PAGES_PER_BLOCK} pages",
