@@ -24,6 +24,8 @@ What makes that safe:
   is evaluated on the main thread instead, and the dispatcher is turned off for the process.
 
 ``TIERED_DISPATCH_THREAD=0`` turns it off (every hand-off on the main thread, as before).
+Turn it off too where several threads of one process run models at the same time: mlx-lm
+gives each thread its own generation stream, and here they would share one.
 """
 
 from __future__ import annotations
