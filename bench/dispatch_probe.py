@@ -26,19 +26,17 @@ import common  # noqa: F401  (tiered before mlx)
 import mlx.core as mx
 import numpy as np
 from decode_speed import build_model, kv_caches, seed_kv, tiered_caches
+from million import decode_step
 
 from tiered import device_step, dispatch
 
 
 def steps(model, cache, y, n):
+    """n greedy steps (million.decode_step): the new y, each step's wall time and its model
+    call's."""
     total, call = [], []
     for _ in range(n):
-        t = time.perf_counter()
-        logits = model(y, cache=cache)
-        y = mx.argmax(logits[:, -1], axis=-1)[:, None]
-        call.append(time.perf_counter() - t)
-        mx.eval(y)
-        total.append(time.perf_counter() - t)
+        y = decode_step(model, cache, y, total, call, [])
     return y, total, call
 
 

@@ -139,12 +139,14 @@ class Dispatcher:
         its arrays are scheduled then, and reading them only waits for the device."""
         done.wait()
         if self._error is not None or self._left:
-            self.drain()
+            self.drain()  # raise what failed, or evaluate what it handed back
 
     def drain(self) -> None:
         """Wait until everything submitted was handed to the device; raise what the worker
         raised. Arrays it could not take are evaluated here (asynchronously)."""
         global _enabled
+        if not (self._queued or self._left or self._error is not None):
+            return
         if self._queued:
             t = time.perf_counter()
             with self._cv:
@@ -198,8 +200,7 @@ def wait_handed(done: threading.Event) -> None:
 
 def drain() -> None:
     """Nothing of tiered's is being dispatched on another thread after this returns."""
-    if DISPATCHER.busy or DISPATCHER._left or DISPATCHER._error is not None:
-        DISPATCHER.drain()
+    DISPATCHER.drain()
 
 
 def drain_quietly() -> None:
