@@ -345,18 +345,33 @@ class SharedContext:
                 return book
         n = min(keys.shape[2], self.config.calibration_tokens)
         sample = np.ascontiguousarray(np.array(keys[0, :, :n, :].astype(mx.float32)))
-        memo_key = (layer.layer, plan.groups, plan.centroids, plan.per_group,
-                    self.config.kmeans_iters, self.config.seed,
-                    hashlib.sha1(sample.tobytes()).hexdigest())
-        if memo_key not in self.codebook_memo:
-            # One faiss thread: its OpenMP workers spin at barriers and stall beside other work.
-            # On an accelerator every run of the layer is one batch of MLX ops (faiss ran
-            # them one by one on the CPU: half of a 1M-token prefill's compression, H200)
-            self.codebook_memo[memo_key] = train_codebook(
-                sample, groups=plan.groups, size=plan.centroids, per_group=plan.per_group,
-                iters=self.config.kmeans_iters, seed=self.config.seed + layer.layer, threads=1,
-                backend="faiss" if ops.on_cpu_backend() else "mlx")
-        return self.codebook_memo[memo_key]
+        cfg = self.config
+        prefix = (layer.layer, plan.groups, plan.centroids, plan.per_group, cfg.kmeans_iters,
+                  cfg.seed)
+        # The memo's key holds the sample's digest (~16 ms of SHA-1 per 16 MB sample on a
+        # Llama-3-8B layer): read here only when an entry could match, else made on a thread
+        # (hashlib lets go of the GIL) while the codebook trains.
+        maybe = any(k[:len(prefix)] == prefix for k in self.codebook_memo)
+        digest = _digest(sample) if maybe else None
+        if digest is not None and prefix + (digest,) in self.codebook_memo:
+            return self.codebook_memo[prefix + (digest,)]
+        pending, box = None, []
+        if digest is None:
+            pending = threading.Thread(target=lambda: box.append(_digest(sample)),
+                                       name="tiered-digest", daemon=True)
+            pending.start()
+        # One faiss thread: its OpenMP workers spin at barriers and stall beside other work.
+        # On an accelerator every run of the layer is one batch of MLX ops (faiss ran
+        # them one by one on the CPU: half of a 1M-token prefill's compression, H200)
+        book = train_codebook(
+            sample, groups=plan.groups, size=plan.centroids, per_group=plan.per_group,
+            iters=cfg.kmeans_iters, seed=cfg.seed + layer.layer, threads=1,
+            backend="faiss" if ops.on_cpu_backend() else "mlx")
+        if pending is not None:
+            pending.join()
+            digest = box[0]
+        self.codebook_memo[prefix + (digest,)] = book
+        return book
 
     # ---- workers ---------------------------------------------------------------------------
     def get_scheduler(self):
@@ -370,3 +385,8 @@ class SharedContext:
             s, self._scheduler = self._scheduler, None
         if s is not None:
             s.close()
+
+
+def _digest(sample: np.ndarray) -> str:
+    """The sample's SHA-1, read from its buffer (no copy)."""
+    return hashlib.sha1(memoryview(sample).cast("B")).hexdigest()

@@ -10,7 +10,7 @@ import numpy as np
 from tiered.cpu import HostStore
 from tiered.cpu.disk import disk_room
 
-from . import device_decode, ops, uva
+from . import device_decode, dispatch, ops, uva
 
 HOST_COPY_TOKENS = 4096  # tokens per pass when the exact K/V move to the host pages
 # Host pages per allocation, at most. A prompt chunk that grows every layer's pages costs about
@@ -224,16 +224,27 @@ class HostTier:
 
     def _to_host(self, keys: mx.array, values: mx.array):
         """The exact phase's K/V into fresh host pages, a few thousand tokens per pass (the
-        host holds nothing of the exact phase: leaving it is the one copy)."""
+        host holds nothing of the exact phase: leaving it is the one copy). Every pass's keys
+        and values are checked finite on the device first, in one read (numpy's float16
+        isfinite and copying keys the pages do not keep took ~40 ms per Llama-3-8B layer of
+        a 16k-token window, H200 host: a third of a 1M-token prefill's compressing chunk);
+        keys reach the host only when the pages keep them."""
         n = keys.shape[2]
+        spans = range(0, n, HOST_COPY_TOKENS)
+        finite = [mx.isfinite(x[..., i: i + HOST_COPY_TOKENS, :]).all()
+                  for i in spans for x in (keys, values)]
+        finite = mx.stack(finite).reshape(len(spans), 2).all(axis=1)
+        dispatch.eval(finite)
+        finite = np.array(finite)
         host = self._new_host(n)
         try:
-            for i in range(0, n, HOST_COPY_TOKENS):
-                k = _to_numpy(keys[..., i : i + HOST_COPY_TOKENS, :])
-                v = _to_numpy(values[..., i : i + HOST_COPY_TOKENS, :])
-                if not (np.isfinite(k).all() and np.isfinite(v).all()):
-                    raise ValueError(self._non_finite(i, k.shape[2]))
-                host.append(v, k if self.config.host_keys else None)
+            for j, i in enumerate(spans):
+                if not finite[j]:
+                    raise ValueError(self._non_finite(i, min(HOST_COPY_TOKENS, n - i)))
+                v = _to_numpy(values[..., i: i + HOST_COPY_TOKENS, :])
+                k = (_to_numpy(keys[..., i: i + HOST_COPY_TOKENS, :]) if self.config.host_keys
+                     else None)
+                host.append(v, k)
         except BaseException:
             host.close()  # nothing half-made stays: the layer is still exact
             raise

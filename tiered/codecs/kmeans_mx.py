@@ -16,16 +16,18 @@ import mlx.core as mx
 import numpy as np
 
 
-def kmeans_batched(points: np.ndarray, size: int, *, iters: int,
+def kmeans_batched(points, size: int, *, iters: int,
                    rngs: list[np.random.Generator]) -> np.ndarray:
-    """Centroids (B, size, ds) float32 of B k-means runs over points (B, m, ds), m > size,
-    each started from ``size`` distinct points drawn with its own generator of ``rngs``."""
+    """Centroids (B, size, ds) float32 of B k-means runs over points (B, m, ds), m > size (a
+    numpy or MLX array), each started from ``size`` distinct points drawn with its own
+    generator of ``rngs``."""
     B, m, ds = points.shape
     if m <= size or len(rngs) != B:
         raise ValueError(f"kmeans_batched: {m} points for {size} centroids, {len(rngs)} "
                          f"generators for {B} runs (expected m > size, one per run)")
     start = np.stack([np.sort(r.choice(m, size=size, replace=False)) for r in rngs])
-    x = mx.array(np.ascontiguousarray(points, np.float32))
+    x = (points.astype(mx.float32) if isinstance(points, mx.array)
+         else mx.array(np.ascontiguousarray(points, np.float32)))
     c = mx.take_along_axis(x, mx.array(start.astype(np.int32))[..., None], axis=1)
     xt = x.transpose(0, 2, 1)
     ids = mx.arange(size, dtype=mx.uint32)
@@ -36,5 +38,4 @@ def kmeans_batched(points: np.ndarray, size: int, *, iters: int,
         sums = (xt @ onehot).transpose(0, 2, 1)  # (B, size, ds)
         count = onehot.sum(axis=1)[..., None]
         c = mx.where(count > 0, sums / mx.maximum(count, 1.0), c)
-        mx.eval(c)
-    return np.array(c, dtype=np.float32)
+    return np.array(c, dtype=np.float32)  # the iterations as one graph: one wait
