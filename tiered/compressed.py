@@ -231,9 +231,8 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         # (~0.26 ms on MLX CUDA, more than the step's kernels): one decode token (L == 1) goes
         # into its slot by a static slice (no index arrays), and its token id, the same in
         # every layer, comes from the per-value cache of device arrays.
-        # consecutive slots (one token; a prompt chunk starting at a multiple of W) as a slice
-        run = int(slots[-1]) - int(slots[0]) + 1 == len(slots)
-        idx = slice(int(slots[0]), int(slots[-1]) + 1) if run else mx.array(slots)
+        # consecutive slots (one token; a prompt chunk ending at a multiple of W) as a slice
+        idx = undo._slot_index(slots)
         k_new = k[:, first - n0 :].astype(self.dtype)
         v_new = v[:, first - n0 :].astype(self.dtype)
         self.res_k[:, idx] = k_new
@@ -243,6 +242,8 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         tok[:, slots] = new
         if L == 1 and not self.numpy_path:
             self.res_tok[:, idx] = metal.device_ints(int(new[0]))
+        elif isinstance(idx, slice) and not self.numpy_path:  # no upload (see _slot_index)
+            self.res_tok[:, idx] = mx.arange(first, n0 + L, dtype=mx.int32)
         else:
             self.res_tok = mx.array(tok)
         if self.numpy_path:

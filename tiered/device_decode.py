@@ -253,14 +253,19 @@ def write_tokens(tables: DeviceTables, host, keys: mx.array, values: mx.array) -
     L = values.shape[2]
     start = host.length
     host.reserve(L)
-    pages_np = host.logical_pages(0)
-    t = np.arange(start, start + L)
-    page, slot = pages_np[t // host.page_size], t % host.page_size
-    # A decode step's token ids are the same in every layer: kept device arrays, not fresh
-    # ones (see metal._build.device_ints); a prompt's many tokens take fresh ones.
-    fresh = L > SMALL_WRITE
-    page = mx.array(page.astype(np.int32)) if fresh else device_ints(*page)
-    slot = mx.array(slot.astype(np.int32)) if fresh else device_ints(*slot)
+    P = host.page_size
+    if L > SMALL_WRITE:
+        # a prompt's many tokens: their pages and slots worked out on the device from the
+        # page table (two arrays made from host values per layer and chunk waited for the
+        # allocator's lock beside the dispatcher thread: see tiered.undo._slot_index)
+        t = mx.arange(start, start + L, dtype=mx.int32)
+        page, slot = mx.take(tables.pages(host), t // P).astype(mx.int32), t % P
+    else:
+        # a decode step's token ids are the same in every layer: kept device arrays, not
+        # fresh ones (see metal._build.device_ints)
+        t = np.arange(start, start + L)
+        pages_np = host.logical_pages(0)
+        page, slot = device_ints(*pages_np[t // P]), device_ints(*(t % P))
     out = []
     for tensor, x in ((host.values, values), (host.keys, keys)):
         if tensor is None:
