@@ -124,9 +124,17 @@ def run(model, ids, chunk, args):
         anchor_tokens=chunk)
     t = time.perf_counter()
     warm = ids[: args.warm]
-    prefill(model, cache, warm, chunk=chunk)
+    ends = [t]
+    with CallTimers() if args.warm_timers else contextlib.nullcontext() as wt:
+        prefill(model, cache, warm, chunk=chunk,
+                on_chunk=lambda done: ends.append(time.perf_counter()))
     print(f"chunk {chunk}: {len(warm)} warm-up tokens in {time.perf_counter() - t:.1f} s "
           "(compiles and the compression included)", flush=True)
+    if wt is not None:
+        print("  warm-up chunks (s): " + " ".join(f"{b - a:.2f}" for a, b in zip(ends, ends[1:])))
+        print("  warm-up call sites, all timed (inclusive s):")
+        for k, v in sorted(wt.total.items(), key=lambda kv: -kv[1])[: args.top]:
+            print(f"  {v:8.2f} s {wt.calls[k]:7d}x  {k}", flush=True)
     at = args.warm
     if args.graph:
         graph_ops(model, cache, ids[at: at + chunk])
@@ -193,6 +201,8 @@ def main(argv=None):
     p.add_argument("--compare-at", type=int, default=None,
                    help="time every call site over --chunks chunks after the warm-up and "
                         "again from this many tokens on; print the sites that grew")
+    p.add_argument("--warm-timers", action="store_true",
+                   help="time every call site over the warm-up (compression and first uses)")
     p.add_argument("--timers", action="store_true",
                    help="host time in the allocation, advice, evaluation calls per chunk")
     args = p.parse_args(argv)
