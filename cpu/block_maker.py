@@ -1,17 +1,13 @@
 """Host blocks allocated ahead of need and made ready off the main thread (issue 24).
 
-On MLX's CUDA backend a block is an array on MLX's CPU stream (managed memory, NaN-filled
-there). Made on the main thread it cost that thread twice: its first read waited for the GPU
-work queued before it (a 1M-token prefill's chunks that grew the host pages took ~80 ms more
-than the others on an H200: bench/host_wait_probe.py), and its evaluation allocated the
-managed memory there, ``cudaMallocManaged`` waiting for the CUDA driver's lock while the
-dispatcher thread launched kernels (py-spy, steady 2048-token prefill chunks of a Llama-3-8B:
-7% of the samples). Here one daemon thread does both: it makes each block on its own CPU
-stream (MLX's streams are per thread; the block is only ever read through its numpy view and
-address, never as an input of the main thread's graphs), waits for the fill with the GIL let
-go, and runs the block's ``prepare`` hook (the device path's advice,
-``tiered.uva.advise_host``), so the main thread adopts a block that is ready and keeps
-queueing work meanwhile.
+On MLX's CUDA backend a block is an array queued on MLX's CPU stream (managed memory, filled
+there), and the first read of such an array waited for the GPU work queued before the read,
+not only for the block's fill: in a 1M-token prefill on an H200 the chunks that grew the host
+pages took ~80 ms more than the others, the main thread waiting for the chunk before to finish
+(bench/host_wait_probe.py). Here one daemon thread takes that wait: it reads each queued block
+(its numpy view; MLX releases the GIL while it waits) and runs the block's ``prepare`` hook
+(the device path's advice, ``tiered.uva.advise_host``), so the main thread adopts a block that
+is ready and keeps queueing work meanwhile.
 """
 
 from __future__ import annotations
@@ -32,14 +28,13 @@ def np_view(arr: mx.array) -> np.ndarray:
 
 
 class Ticket:
-    """A block the maker makes: ``arr`` and ``view`` once ``done`` is set, ``prepared`` when its
-    hook ran, ``error`` what the worker raised (re-raised by :meth:`result`)."""
+    """A block handed to the maker: ``view`` once ``done`` is set, ``prepared`` when its hook
+    ran, ``error`` what the worker raised (re-raised by :meth:`result`)."""
 
-    __slots__ = ("make", "arr", "prepare", "done", "view", "prepared", "error")
+    __slots__ = ("arr", "prepare", "done", "view", "prepared", "error")
 
-    def __init__(self, make, prepare):
-        self.make, self.prepare = make, prepare
-        self.arr: mx.array | None = None
+    def __init__(self, arr: mx.array, prepare):
+        self.arr, self.prepare = arr, prepare
         self.done = threading.Event()
         self.view: np.ndarray | None = None
         self.prepared = False
@@ -61,10 +56,9 @@ class BlockMaker:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def submit(self, make, prepare=None) -> Ticket:
-        """Queue a block: ``make()`` returns it as an MLX CPU array (called on the worker's
-        thread, where it is evaluated), ``prepare(view)`` runs after."""
-        ticket = Ticket(make, prepare)
+    def submit(self, arr: mx.array, prepare=None) -> Ticket:
+        """Queue a block (already queued on MLX's CPU stream) to be read and prepared."""
+        ticket = Ticket(arr, prepare)
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="tiered-blocks",
@@ -77,9 +71,6 @@ class BlockMaker:
         while True:
             t = self._q.get()
             try:
-                t.arr = t.make()
-                t.make = None
-                mx.eval(t.arr)  # on this thread's own CPU stream
                 t.view = np_view(t.arr)
                 if t.prepare is not None:
                     t.prepare(t.view)

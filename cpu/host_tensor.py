@@ -30,10 +30,11 @@ def _alloc_block(shape, dtype: str):
 
 
 def _block_ahead(shape, dtype: str, prepare=None) -> Ticket:
-    """A block like :func:`_alloc_block`'s, made, filled and prepared by the block maker's
-    thread ahead of need (tiered.cpu.block_maker says why not this one)."""
-    return MAKER.submit(lambda: mx.full(shape, float("nan"), dtype=MX_DTYPES[dtype],
-                                        stream=mx.cpu), prepare)
+    """A block like :func:`_alloc_block`'s, queued on MLX's CPU stream ahead of need (its fill
+    runs there) and read (and prepared) by the block maker's thread, not this one."""
+    arr = mx.full(shape, float("nan"), dtype=MX_DTYPES[dtype], stream=mx.cpu)
+    mx.async_eval(arr)
+    return MAKER.submit(arr, prepare)
 
 
 # Allocate each tensor's next RAM blocks ahead of need. On MLX's CUDA backend a block is managed
