@@ -163,10 +163,16 @@ class HostTier:
         """The write-behind queue into the host pages, all or nothing (a full disk tier leaves
         the queue and the pages as they were). ``door=False``: with nothing queued, the
         door's checks stay queued (see :meth:`take_door`)."""
+        # Reading the queue or the door's flags here evaluates them on this thread, so nothing
+        # may be dispatched beside it: a layer leaves the device path in the middle of a chunk
+        # handed over by tiered.dispatch when its pages reach the disk tier (H200,
+        # tests/test_million.py: a crash in MLX's graph capture, then a segfault).
         if not self._pending:
-            if door:
+            if door and (self._finite_checks or self._finite_bad is not None):
+                dispatch.drain()
                 self._check_finite_queued()  # a prompt chunk written by the device
             return
+        dispatch.drain()
         if self.compressed is not None and hasattr(self.compressed, "spill_join"):
             self.compressed.spill_join()  # a lookahead move reading these pages finishes first
         self._check_finite_queued()
