@@ -369,7 +369,7 @@ class SharedContext:
             backend="faiss" if ops.on_cpu_backend() else "mlx")
         if pending is not None:
             pending.join()
-            digest = box[0]
+            digest = box[0] if box else _digest(sample)  # the thread failed: hash it here
         self.codebook_memo[prefix + (digest,)] = book
         return book
 
