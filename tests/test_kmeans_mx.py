@@ -90,3 +90,32 @@ def test_bad_backend_and_shapes_are_refused():
     with pytest.raises(ValueError, match="kmeans_batched"):
         kmeans_batched(np.zeros((2, 4, 2), np.float32), 8, iters=1,
                        rngs=[np.random.default_rng(0)] * 2)
+
+
+def test_a_layer_s_codebook_is_trained_once_per_sample(monkeypatch):
+    """Forks of one prefill share the memo: the same first keys of a layer give back the same
+    codebook without training again; other keys train their own (tiered.context)."""
+    import mlx.core as mx
+    from conftest import make_small_model
+
+    import tiered
+    from tiered import context
+
+    model = make_small_model("llama-gqa-d64", layers=2)
+    cache = tiered.TieredCache.for_model(model, gpu_budget=0.25, compress_from=64)
+    model(mx.array([list(range(1, 200))]), cache=cache)
+    model(mx.array([[5]]), cache=cache)  # the step after the prompt compresses
+    layer = cache[0]
+    ctx = layer.context
+    assert layer.phase == "compressed" and ctx.codebook_memo
+    calls = []
+    real = context.train_codebook
+    monkeypatch.setattr(context, "train_codebook",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    keys = mx.random.normal((1, 2, 300, 64), key=mx.random.key(1))
+    first = ctx.codebook_for(layer, keys)
+    again = ctx.codebook_for(layer, keys)
+    other = ctx.codebook_for(layer, keys * 2.0)
+    assert len(calls) == 2 and again is first
+    assert first.shape == other.shape and not np.array_equal(first, other)
+    cache.close()
