@@ -252,8 +252,8 @@ def test_non_finite_tokens_are_refused_where_they_reach_the_host_on_a_gpu(where,
 @pytest.mark.parametrize("where", ["keys", "values"])
 def test_a_non_finite_token_of_the_exact_window_keeps_the_layer_exact(where):
     """The exact phase keeps what it is given (as KVCache does); the compression refuses a
-    non-finite key or value, naming the layer and the span, and leaves the layer exact with
-    no host pages (checked on the device in one read: tiered.host_tier._to_host)."""
+    non-finite key or value, naming the layer and the first such token, and leaves the layer
+    exact with no host pages (checked on the device in one read: tiered.host_tier._to_host)."""
     cache = TieredCache(tiered.TieredConfig(gpu_budget="1GB", compress_from=1))
     tiered.install()
     x = np.array(mx.random.normal((1, 2, 40, 64)))
@@ -264,7 +264,8 @@ def test_a_non_finite_token_of_the_exact_window_keeps_the_layer_exact(where):
     cache.attention(mx.random.normal((1, 2, 40, 64)), kk, vv, scale=0.125, mask="causal")
     assert cache.phase == "exact"
     k1 = mx.random.normal((1, 2, 1, 64))
-    with pytest.raises(ValueError, match="layer 0: non-finite keys or values .* tokens \\[0, 4"):
+    with pytest.raises(ValueError,
+                       match="layer 0: non-finite keys or values .* tokens \\[17, 18\\)"):
         kk, vv = cache.update_and_fetch(k1, k1)
         cache.attention(mx.random.normal((1, 2, 1, 64)), kk, vv, scale=0.125, mask=None)
     assert cache.phase == "exact" and cache.host is None
