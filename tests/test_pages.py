@@ -121,6 +121,24 @@ def test_logical_pages_are_kept_until_the_pages_change(monkeypatch):
     assert store.logical_pages().tolist() == before
 
 
+def test_logical_pages_views_stay_as_returned_while_pages_are_added():
+    """The page ids come from a buffer extended in place: every array handed out keeps the
+    pages it had (kernels may still hold it), and each new one is the page list as it is,
+    across the buffer's regrowth and after a truncate."""
+    rng = np.random.default_rng(7)
+    store = HostStore(1, 2, page_size=2, dtype="float32", keys=False, pages_per_block=4)
+    seen = []
+    for n in (3, 1, 6, 20, 40, 2):
+        store.append(_data(rng, 1, 1, n, 2))
+        arr = store.logical_pages()
+        assert arr.dtype == np.int64 and arr.tolist() == store._pages[0]
+        seen.append((arr, arr.tolist()))
+    store.truncate(7)
+    store.append(_data(rng, 1, 1, 30, 2))
+    assert store.logical_pages().tolist() == store._pages[0]
+    assert all(arr.tolist() == ids for arr, ids in seen)
+
+
 def test_batch_rows_are_separate():
     rng = np.random.default_rng(2)
     store = HostStore(2, 4, page_size=4, dtype="float32", batch=3)

@@ -161,6 +161,30 @@ def test_tiered_resident_segments(small, path):
             assert c.host.length >= n - 16  # everything outside the ring is on the host
 
 
+@pytest.mark.parametrize("chunk", [48, 40], ids=["ring-aligned", "unaligned"])
+def test_prompt_chunks_keep_the_resident_flags_exact(small, chunk):
+    """A prompt fed in chunks after the compression: every chunk's ring insert evicts the last
+    chunk's ring tokens, one run in every head (cleared by a slice, whether or not the chunks
+    are multiples of the ring); the flags still mark exactly the resident tokens."""
+    from tiered.prefill import prefill
+
+    prompt = _prompt(640, seed=9)[0].tolist()
+    cache = TieredCache.for_model(small, sinks=4, recent=16, page_size=64, kernels="mlx",
+                                  gpu_budget=0.25, prefill_window=256, anchor_tokens=64)
+    prefill(small, cache, prompt[:320], chunk=64)
+    for start in range(320, 640 - chunk, chunk):
+        prefill(small, cache, prompt[start: start + chunk], chunk=chunk)
+        for c in cache:
+            layer = c.compressed
+            assert layer is not None and layer.n == start + chunk
+            tok = np.array(layer.res_tok)
+            flags = np.array(layer.flags)[:, : layer.n]
+            for h in range(tok.shape[0]):
+                live = tok[h][tok[h] >= 0]
+                assert set(range(layer.n - 16, layer.n)) <= set(live.tolist())
+                assert set(np.flatnonzero(flags[h]).tolist()) == set(live.tolist())
+
+
 @pytest.mark.parametrize("path", PATHS, ids=["numba", "mlx", "affine"])
 def test_compressed_round_trip_through_mlx_lm(small, tmp_path, path):
     prompt = _prompt(300, seed=6)

@@ -193,12 +193,17 @@ def supported(layer) -> str | None:
 class DeviceTables:
     """Per host tensor: the device copies of its block addresses and of the page table,
     rebuilt only when a block or a page is added; blocks advised once (here, or off the main
-    thread as they are allocated ahead: ``HostTensor.prepare``)."""
+    thread as they are allocated ahead: ``HostTensor.prepare``).
+
+    A page table equal to the one another layer uploaded last is shared (:data:`_SHARED`):
+    a prompt's layers take the same pages, so a chunk uploads one table, not one per layer
+    (each upload waits for MLX's allocator and the driver beside the dispatcher thread)."""
 
     def __init__(self):
         self._addrs: dict[int, tuple[int, mx.array]] = {}
         self._pages: tuple[np.ndarray, mx.array] | None = None
         self._advised: set[int] = set()
+        self._checked: dict[int, np.ndarray] = {}  # per tensor: the addresses advised so far
 
     def addrs(self, tensor, width: int | None = None) -> mx.array:
         """The block addresses (uint64 pairs); ``width``: padded with zeros to that many blocks
@@ -208,12 +213,17 @@ class DeviceTables:
         if got is None or got[0] != n:
             # blocks allocated from now on are advised by the block maker's thread
             tensor.prepare = uva.advise_host
-            for b in range(n):
-                addr = int(tensor.addrs[b])
+            now = np.array(tensor.addrs[:n], np.uint64)
+            before = self._checked.get(id(tensor))
+            start = len(before) if before is not None and len(before) <= n and \
+                np.array_equal(before, now[: len(before)]) else 0  # only new blocks to look at
+            for b in range(start, n):
+                addr = int(now[b])
                 if addr not in self._advised and addr not in tensor.prepared:
                     uva.advise_host(tensor.views[b])
                     self._advised.add(addr)
-            addrs = tensor.addrs.astype(np.uint64)
+            self._checked[id(tensor)] = now
+            addrs = now
             if width is not None and width > n:
                 addrs = np.concatenate([addrs, np.zeros(width - n, np.uint64)])
             got = (n, uva.address_array(addrs))
@@ -226,11 +236,30 @@ class DeviceTables:
         below the host length)."""
         pages = host.logical_pages(0)  # the same object until the pages change
         if self._pages is None or self._pages[2] != width or self._pages[0] is not pages:
-            padded = pages
-            if width is not None and width > len(pages):
-                padded = np.concatenate([pages, np.zeros(width - len(pages), pages.dtype)])
-            self._pages = (pages, mx.array(padded), width)
+            self._pages = (pages, _shared_pages(pages, width), width)
         return self._pages[1]
+
+
+_SHARED: dict = {}  # width -> (page ids, their device copy): the last table uploaded
+SHARED_WIDTHS = 8
+
+
+def _shared_pages(pages: np.ndarray, width: int | None) -> mx.array:
+    """The device copy of ``pages`` padded to ``width``: the last one uploaded at that width if
+    it holds the same ids (a copy is kept to compare: the host arrays are never written, but a
+    layer's may be freed), else a new upload."""
+    got = _SHARED.get(width)
+    if got is not None and np.array_equal(got[0], pages):
+        return got[1]
+    padded = pages
+    if width is not None and width > len(pages):
+        padded = np.concatenate([pages, np.zeros(width - len(pages), pages.dtype)])
+    arr = mx.array(padded)
+    _SHARED.pop(width, None)
+    _SHARED[width] = (pages.copy(), arr)
+    while len(_SHARED) > SHARED_WIDTHS:  # the oldest widths go (a step's width grows)
+        del _SHARED[next(iter(_SHARED))]
+    return arr
 
 
 _KEPT: dict = {}

@@ -71,6 +71,18 @@ def _slot_index(slots):
     return mx.array(slots)
 
 
+def shared_run(tokens: np.ndarray):
+    """A slice for token ids (H, m) that are the same consecutive run in every head (what a
+    prompt chunk evicts from the ring), else None: the flags are then cleared without
+    uploading two index arrays per layer and chunk (see _slot_index)."""
+    if not tokens.size or not np.all(tokens == tokens[:1]):
+        return None
+    row = np.sort(tokens[0])
+    if not np.all(np.diff(row) == 1):
+        return None
+    return slice(int(row[0]), int(row[-1]) + 1)
+
+
 def ring_rows(layer, slots) -> tuple:
     """What a ring insert into ``slots`` overwrites: token ids (H, m) and K/V rows (H, m, d).
 
