@@ -13,11 +13,14 @@ from tiered.cpu.disk import disk_room
 from . import device_decode, dispatch, ops, uva
 
 HOST_COPY_TOKENS = 4096  # tokens per pass when the exact K/V move to the host pages
-# Host pages per allocation, at most. A prompt chunk that grows every layer's pages costs about
-# in proportion to the new blocks' bytes: in one H200 lease, steady 2048-token prefill chunks
-# of a Llama-3-8B ran at 13.7k tok/s with 16 pages (8 MB of values per layer) and with 64
-# (bench/prefill_profile.py --pages-per-block); the smaller blocks waste less.
-MAX_PAGES_PER_BLOCK = 16
+# Host pages per allocation, at most. Each block is an allocation of managed memory on MLX CUDA
+# (cudaMallocManaged on the main thread, ahead of need): fewer, larger blocks cost less once
+# the rest of a prompt chunk is cheap. H200, one lease, steady 2048-token prefill chunks of a
+# Llama-3-8B at 200k tokens (bench/prefill_profile.py --warm 200704 --chunks 32
+# --pages-per-block 16 / 64): 116.1 ms per chunk with 16 pages (8 MB of values per layer) and
+# 84.7 with 64 (32 MB). A block is still sized down to the tokens a layer holds when its pages
+# are made, so short contexts do not take whole blocks.
+MAX_PAGES_PER_BLOCK = 64
 
 
 def _finite(keys: mx.array, values: mx.array, axis=None) -> mx.array:
