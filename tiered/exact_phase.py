@@ -9,7 +9,7 @@ import logging
 import mlx.core as mx
 import numpy as np
 
-from . import ops
+from . import dispatch, ops
 from .compressed import CompressedLayer
 from .h2o_baseline import H2OBaselineLayer
 
@@ -85,23 +85,56 @@ class ExactPhase:
         colmass = None
         if fresh and self._bookkeeping(self.offset):
             self._observe(queries)
-            colmass = self._column_mass(keys.shape[2])
+            if ops.exports_column_mass(queries, mask, fast=not self.config.exact):
+                colmass = self._column_mass(keys.shape[2])
+            elif ops.column_mass_applies(queries, mask):  # on the device, folded in lazily
+                self._add_device_mass(ops.column_mass(queries, keys, scale, mask == "causal"))
         out = ops.exact_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks,
                                   fast=not self.config.exact, column_mass=colmass)
         if perm is not None and fresh:
             out = out[:, mx.array(np.argsort(perm))]
         return out
 
+    # The attention mass per key over the prompt (the H2O seed's, see ops.h2o_seed): a host
+    # buffer the CPU path's softmax adds to, and on other backends a lazy device sum that
+    # joins it when read (a read per layer and chunk was a host round trip inside every layer
+    # of the exact phase).
+    @property
+    def _colmass(self):
+        dev = self.__dict__.get("_colmass_dev")
+        if dev is not None:
+            self._colmass_dev = None
+            dispatch.eval(dev)
+            self._column_mass(dev.shape[1])[:, : dev.shape[1]] += np.array(dev)
+        return self.__dict__.get("_colmass_np")
+
+    @_colmass.setter
+    def _colmass(self, value):
+        self._colmass_np, self._colmass_dev = value, None
+
+    def _colmass_nbytes(self) -> int:
+        """Bytes of the mass buffers (host and device), without reading the device's."""
+        host, dev = self.__dict__.get("_colmass_np"), self.__dict__.get("_colmass_dev")
+        return (0 if host is None else host.nbytes) + (0 if dev is None else dev.nbytes)
+
+    def _add_device_mass(self, mass: mx.array):
+        """Adds a chunk's (H, n) mass to the lazy device sum (keys past the last sum's: 0)."""
+        dev = self.__dict__.get("_colmass_dev")
+        if dev is not None:
+            pad = mass.shape[1] - dev.shape[1]
+            mass = mass + (mx.pad(dev, [(0, 0), (0, pad)]) if pad > 0 else dev[:, : mass.shape[1]])
+        self._colmass_dev = mass
+
     def _column_mass(self, n: int):
-        """The exported per-key attention mass buffer (H, >= n)."""
+        """The exported per-key attention mass buffer (H, >= n), on the host."""
         H = self.geometry.kv_heads
-        if self._colmass is None or self._colmass.shape[1] < n:
-            grown = np.zeros((H, max(n, 2 * (0 if self._colmass is None else
-                                             self._colmass.shape[1]))), np.float32)
-            if self._colmass is not None:
-                grown[:, : self._colmass.shape[1]] = self._colmass
-            self._colmass = grown
-        return self._colmass
+        have = self.__dict__.get("_colmass_np")
+        if have is None or have.shape[1] < n:
+            grown = np.zeros((H, max(n, 2 * (0 if have is None else have.shape[1]))), np.float32)
+            if have is not None:
+                grown[:, : have.shape[1]] = have
+            self._colmass_np = grown
+        return self._colmass_np
 
     def _observe(self, queries):
         """Keep the last queries of the exact phase: they seed the resident set (SnapKV-style)."""

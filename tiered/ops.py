@@ -94,42 +94,63 @@ def softmax_partial(s: mx.array, values: mx.array):
     return o, lse
 
 
+def exports_column_mass(queries, mask, sinks=None, fast=False) -> bool:
+    """Whether :func:`exact_attention` takes the CPU backend's BLAS + Numba softmax path,
+    which adds the attention mass per key to a host buffer as it goes."""
+    causal = isinstance(mask, str) and mask == "causal"
+    # float32 only: the model runs in it on the CPU backend (weights dequantized at load); a
+    # float16 / bfloat16 graph stays lazy (MLX's CPU lacks some half kernels, e.g. GatherMM)
+    return (fast and queries.shape[2] > 1 and sinks is None and on_cpu_backend()
+            and queries.shape[0] == 1 and causal and queries.dtype == mx.float32)
+
+
+def column_mass_applies(queries, mask) -> bool:
+    """Whether :func:`column_mass` covers this attention (a prompt chunk of one sequence,
+    causal or unmasked)."""
+    return queries.shape[2] > 1 and queries.shape[0] == 1 and (
+        mask is None or (isinstance(mask, str) and mask == "causal"))
+
+
 def exact_attention(queries, keys, values, *, scale, mask, sinks=None, fast=False,
                     column_mass=None):
     """Attention over full keys/values. ``fast``: on the CPU backend, prompt chunks go through
     BLAS + a Numba softmax (MLX's CPU exp is the bottleneck there); else mlx's SDPA, bit-equal
     to mlx-lm.
 
-    column_mass: optional numpy (H, >= n) float32 accumulating, per key, the attention mass the
-    chunk's queries (and the rep heads of each group) put on it: exported from the fast path's
-    softmax, or computed with MLX ops for prompt chunks on other backends."""
-    L = queries.shape[2]
-    causal = isinstance(mask, str) and mask == "causal"
-    # float32 only: the model runs in it on the CPU backend (weights dequantized at load); a
-    # float16 / bfloat16 graph stays lazy (MLX's CPU lacks some half kernels, e.g. GatherMM)
-    if (fast and L > 1 and sinks is None and on_cpu_backend() and queries.shape[0] == 1
-            and causal and queries.dtype == mx.float32):
+    column_mass: optional numpy (H, >= n) float32 the fast path adds, per key, the attention
+    mass the chunk's queries (and the rep heads of each group) put on it (elsewhere
+    :func:`column_mass` computes it)."""
+    if exports_column_mass(queries, mask, sinks, fast):
         q = np.array(queries[0].astype(mx.float32))
         k = np.array(keys[0].astype(mx.float32))
         v = np.array(values[0].astype(mx.float32))
         out = causal_attention(q, k, v, float(scale), column_mass=column_mass)
         return mx.array(out)[None].astype(queries.dtype)
-    if column_mass is not None and L > 1 and queries.shape[0] == 1 and (causal or mask is None):
-        column_mass[:, : keys.shape[2]] += np.array(_column_mass_mlx(queries, keys, scale, causal))
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask,
                                                 sinks=sinks)
 
 
-def _column_mass_mlx(queries, keys, scale, causal):
-    """(H, n) attention mass per key of a chunk of queries (1, Hq, L, d), in MLX ops."""
+def column_mass(queries, keys, scale, causal):
+    """(H, n) float32, lazy: the attention mass per key of a chunk of queries (1, Hq, L, d)
+    over keys (1, H, n, d), summed over the queries and the rep query heads of each group.
+
+    In the model's dtype (float16 scores from float32-accumulated products, a float32 softmax,
+    a float32-accumulated sum), with the causal mask applied to the chunk's own L keys only.
+    H200, 2048-token chunks of a Llama-3-8B at 8k-12k tokens: the float32 scores, a mask over
+    all n keys and the softmax took 290 ms of GPU time per chunk (bench/prefill_profile.py)."""
     _, Hq, L, d = queries.shape
     H, n = keys.shape[1], keys.shape[2]
-    q = (queries[0].astype(mx.float32) * scale).reshape(H, (Hq // H) * L, d)
-    s = q @ keys[0].astype(mx.float32).swapaxes(-1, -2)  # (H, rep*L, n)
-    if causal:
-        rows = mx.tile(mx.arange(n - L, n), (Hq // H,))[:, None]
-        s = mx.where(mx.arange(n)[None] <= rows, s, -mx.inf)
-    return mx.softmax(s, axis=-1).sum(axis=1)
+    rep = Hq // H
+    q = (queries[0] * scale).astype(keys.dtype).reshape(H, rep * L, d)
+    k = keys[0]
+    s = q @ k.swapaxes(-1, -2)  # (H, rep * L, n)
+    if causal:  # query p of the chunk sees keys up to n - L + p
+        p = mx.tile(mx.arange(L), (rep,))[:, None]
+        tail = q @ k[:, n - L:].swapaxes(-1, -2)  # its own product: s is updated in place
+        s[..., n - L:] = mx.where(mx.arange(L)[None] <= p, tail, -mx.inf)
+    w = mx.softmax(s, axis=-1, precise=True)
+    ones = mx.ones((H, 1, rep * L), w.dtype)
+    return (ones @ w)[:, 0].astype(mx.float32)  # the sum over queries, float32-accumulated
 
 
 # ---- codes -------------------------------------------------------------------------------------

@@ -32,8 +32,7 @@ class LayerReport:
             transient = getattr(self.compressed, "prefill_bytes", 0)
         host = self.host.nbytes if self.host is not None else 0
         disk = self.host.disk_bytes if self.host is not None else 0
-        book = (0 if self._colmass is None else self._colmass.nbytes) + (
-            0 if self._obs is None else self._obs.nbytes)
+        book = self._colmass_nbytes() + (0 if self._obs is None else self._obs.nbytes)
         return {"accelerator": acc, "transient": transient, "host": host, "disk": disk,
                 "bookkeeping": book}
 
