@@ -99,7 +99,8 @@ def lazy_arrays(layer, door: bool = True) -> list:
     if layer.geometry is None:
         return []
     if layer.phase == "exact":
-        return [a for a in (layer.keys, layer.values, layer._obs) if a is not None]
+        dev = layer.__dict__.get("_colmass_dev")  # the seed's mass, summed on the device
+        return [a for a in (layer.keys, layer.values, layer._obs, dev) if a is not None]
     layer.flush(door)
     return [a for _, a in tree_flatten(layer.compressed.state()) if isinstance(a, mx.array)]
 
