@@ -93,3 +93,50 @@ def test_the_maker_reads_blocks_queued_while_other_work_runs():
     views = [t.result() for t in tickets]
     assert len({v.ctypes.data for v in views}) == 12
     assert all(np.isnan(v).all() for v in views)
+
+
+def _on_the_dispatcher(monkeypatch):
+    """As on MLX CUDA with the dispatcher thread on: blocks ahead go to it (tiered.dispatch)."""
+    from tiered import dispatch
+
+    monkeypatch.setattr(dispatch, "on_shared_stream", lambda: True)
+    return dispatch
+
+
+def test_blocks_ahead_allocated_by_the_dispatcher_thread_hold_the_data(monkeypatch):
+    """Where tiered.dispatch hands the work over, a block ahead is evaluated on its thread (a
+    shared CPU stream), read by the block maker once handed over, and adopted as before."""
+    dispatch = _on_the_dispatcher(monkeypatch)
+    rng = np.random.default_rng(3)
+    store = _store()
+    data = [_x(rng, 16) for _ in range(5)]
+    for x in data:
+        store.append(x)
+    spare = store.values._spare
+    assert spare is not None and spare.after is not None
+    view = spare.result()
+    assert spare.after.ok and np.isnan(view).all()  # NaN-filled, unwritten
+    dispatch.drain()
+    np.testing.assert_array_equal(store.read("values"), np.concatenate(data, axis=2)[0])
+
+
+def test_a_block_the_dispatcher_failed_to_allocate_fails_the_append_that_needs_it(monkeypatch):
+    """The dispatcher's error reaches the append that needs the block (all or nothing: the
+    store keeps what it had, the block's bytes go back to the budget) and the next drain."""
+    dispatch = _on_the_dispatcher(monkeypatch)
+
+    def broken(*arrays):
+        raise ValueError("no memory for this block")
+
+    rng = np.random.default_rng(4)
+    store = _store()
+    monkeypatch.setattr(dispatch.mx, "async_eval", broken)  # only the dispatcher's hand-off
+    first = _x(rng, 16)
+    store.append(first)  # the first block is allocated on need; its spare's hand-off fails
+    with pytest.raises(ValueError, match="no memory"):
+        dispatch.drain()
+    used = store.values.budget.used
+    with pytest.raises(RuntimeError, match="did not allocate"):
+        store.append(_x(rng, 16))  # needs the spare
+    assert store.length == 16 and store.values.budget.used < used
+    np.testing.assert_array_equal(store.read("values"), first[0])
