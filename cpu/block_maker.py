@@ -31,10 +31,10 @@ class Ticket:
     """A block handed to the maker: ``view`` once ``done`` is set, ``prepared`` when its hook
     ran, ``error`` what the worker raised (re-raised by :meth:`result`)."""
 
-    __slots__ = ("arr", "prepare", "after", "done", "view", "prepared", "error")
+    __slots__ = ("arr", "prepare", "done", "view", "prepared", "error")
 
-    def __init__(self, arr: mx.array, prepare, after=None):
-        self.arr, self.prepare, self.after = arr, prepare, after
+    def __init__(self, arr: mx.array, prepare):
+        self.arr, self.prepare = arr, prepare
         self.done = threading.Event()
         self.view: np.ndarray | None = None
         self.prepared = False
@@ -56,11 +56,9 @@ class BlockMaker:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def submit(self, arr: mx.array, prepare=None, after=None) -> Ticket:
-        """Queue a block (already queued on MLX's CPU stream) to be read and prepared.
-        ``after``: the event of its hand-off to MLX by tiered.dispatch's thread, waited for
-        before the block is read (reading it before would evaluate it on this thread)."""
-        ticket = Ticket(arr, prepare, after)
+    def submit(self, arr: mx.array, prepare=None) -> Ticket:
+        """Queue a block (already queued on MLX's CPU stream) to be read and prepared."""
+        ticket = Ticket(arr, prepare)
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="tiered-blocks",
@@ -73,10 +71,6 @@ class BlockMaker:
         while True:
             t = self._q.get()
             try:
-                if t.after is not None:
-                    t.after.wait()
-                    if not getattr(t.after, "ok", False):
-                        raise RuntimeError("tiered.dispatch did not allocate this host block")
                 t.view = np_view(t.arr)
                 if t.prepare is not None:
                     t.prepare(t.view)

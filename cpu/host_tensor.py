@@ -10,8 +10,6 @@ import tempfile
 import mlx.core as mx
 import numpy as np
 
-from tiered import dispatch
-
 from .block_maker import MAKER, Ticket
 from .block_maker import np_view as _np_view
 from .disk import DiskTierError, PageFile
@@ -33,16 +31,7 @@ def _alloc_block(shape, dtype: str):
 
 def _block_ahead(shape, dtype: str, prepare=None) -> Ticket:
     """A block like :func:`_alloc_block`'s, queued on MLX's CPU stream ahead of need (its fill
-    runs there) and read (and prepared) by the block maker's thread, not this one.
-
-    Where tiered.dispatch's thread hands this thread's work to the device, it allocates the
-    block too, between its hand-offs: allocated here, beside it, the block waited for MLX's
-    allocator and the driver (H200, 1M-token prefill at 800k tokens: 123 ms of this thread per
-    chunk that grew the pages, 32 blocks of 32 MB; alone, one such block takes 0.5-0.7 ms
-    whatever the process holds, bench/host_alloc_scaling.py)."""
-    if dispatch.on_shared_stream():
-        arr = mx.full(shape, float("nan"), dtype=MX_DTYPES[dtype], stream=dispatch.cpu_stream())
-        return MAKER.submit(arr, prepare, after=dispatch.submit(arr))
+    runs there) and read (and prepared) by the block maker's thread, not this one."""
     arr = mx.full(shape, float("nan"), dtype=MX_DTYPES[dtype], stream=mx.cpu)
     mx.async_eval(arr)
     return MAKER.submit(arr, prepare)

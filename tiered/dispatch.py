@@ -74,21 +74,6 @@ def _cuda() -> bool:
             and mx.default_device().type == mx.DeviceType.gpu)
 
 
-_cpu_stream: mx.Stream | None = None
-
-
-def cpu_stream() -> mx.Stream:
-    """The process's shared (thread-unsafe) CPU stream: arrays the dispatcher evaluates for
-    the host (the host blocks allocated ahead), which a thread's own CPU stream would keep
-    from it ("There is no Stream(cpu, 0) in current thread")."""
-    global _cpu_stream
-    if _cpu_stream is None:
-        with _lock:
-            if _cpu_stream is None:
-                _cpu_stream = mx.new_thread_unsafe_stream(mx.cpu)
-    return _cpu_stream
-
-
 def on_shared_stream() -> bool:
     """Whether the ops being built now go to the shared stream (a step the dispatcher may
     take)."""
@@ -188,7 +173,6 @@ class Dispatcher:
                     t = time.perf_counter()
                     mx.async_eval(*arrays)
                     self.busy_s += time.perf_counter() - t
-                    done.ok = True  # handed over (see tiered.cpu.block_maker)
             except RuntimeError as e:
                 if "in current thread" in str(e):  # made on another thread's stream
                     self._left += arrays
