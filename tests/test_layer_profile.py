@@ -159,7 +159,9 @@ def test_layer_aware_cache_stays_within_budget(small, tmp_path):
     assert rep["phases"] == ["compressed"]
     assert rep["bytes"]["accelerator"] <= rep["budget_bytes"]
     groups = {i: p.groups for i, p in ctx.layer_plans.items()}
-    assert groups[1] == 16 and min(groups.values()) < 16
+    # the sensitive layer gets the finest codes of the plan (every layer offloaded at 1/32:
+    # per-group books, which leave fewer bytes to the codes than shared ones)
+    assert groups[1] == max(groups.values()) > min(groups.values())
     assert "layer-aware" in tiered.report(cache)
     # a saved cache comes back with each layer's own plan
     cache.save(str(tmp_path / "saved"), small)

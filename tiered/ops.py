@@ -216,6 +216,24 @@ def select(z, n, exclude, tau, cap, floor):
     return K.tau_select(z, n, exclude, tau, cap, floor, with_stats=True)
 
 
+def with_host_sinks(idx: np.ndarray, count: np.ndarray, sinks: int, exclude=None):
+    """A selection (idx (H, cap) ascending, -1 past count (H,)) that also holds the first
+    ``sinks`` tokens of every kv head, except those ``exclude`` (H, >= sinks) flags as resident:
+    the offloaded layout's sinks, gathered and rescored from the host with the rest (no
+    accelerator bytes). Returns new (idx (H, cap + sinks), count)."""
+    H, cap = idx.shape
+    first = np.arange(sinks, dtype=np.int32)
+    out = np.full((H, cap + sinks), -1, np.int32)
+    got = np.zeros(H, np.int32)
+    for h in range(H):
+        head = first if exclude is None else first[exclude[h, :sinks] == 0]
+        sel = idx[h, : count[h]]
+        row = np.concatenate([head, sel[sel >= sinks]])
+        out[h, : row.size] = row
+        got[h] = row.size
+    return out, got
+
+
 def spill_changes(idx, count, res_tok, n, spill_tok):
     """See :func:`tiered.cpu.kernels.spill_changes` (the lookahead buffer's update)."""
     return K.spill_changes(idx, count, res_tok, n, spill_tok)
