@@ -10,8 +10,6 @@ import tempfile
 import mlx.core as mx
 import numpy as np
 
-from tiered import dispatch
-
 from .block_maker import MAKER, Ticket
 from .block_maker import np_view as _np_view
 from .disk import DiskTierError, PageFile
@@ -84,8 +82,6 @@ class HostTensor:
         # bytes reserved in the host budget; float dtypes). None: where it pays (AHEAD).
         self.ahead = AHEAD if ahead is None else bool(ahead)
         self._spare: Ticket | None = None
-        self._ahead_queued = False  # a block ahead waits for tiered.dispatch's next drain
-        self._closed = False
         # prepare(view): run on each block allocated ahead before it is adopted, off the main
         # thread (the device path's advice); the addresses it ran on are in ``prepared``.
         self.prepare = None
@@ -152,28 +148,11 @@ class HostTensor:
         self._adopt_disk(fill, sfill)
 
     def _next_ahead(self):
-        """Start allocating the next RAM block when the host budget has room for it too.
-
-        While tiered.dispatch's thread is handing work to the device, the allocation waits for
-        its next drain (nothing is dispatched then): made beside it, a block waited for MLX's
-        allocator and the driver (H200, 1M-token prefill at 800k tokens: 123 ms of the main
-        thread per chunk that grew the pages, 32 blocks of 32 MB; alone such a block takes
-        0.5-0.7 ms, bench/host_alloc_scaling.py). A block needed before then is allocated on
-        need, as without blocks ahead."""
+        """Start allocating the next RAM block when the host budget has room for it too."""
         if not self.ahead or self.dtype == "int8" or self._spare is not None:
-            return
-        if dispatch.DISPATCHER.busy:
-            if not self._ahead_queued:
-                self._ahead_queued = True
-                dispatch.DISPATCHER.when_idle(self._ahead_when_idle)
             return
         if self.budget is None or self.budget.reserve(self.block_bytes):
             self._spare = _block_ahead(self.block_shape, self.dtype, self.prepare)
-
-    def _ahead_when_idle(self):
-        self._ahead_queued = False
-        if not self._closed:
-            self._next_ahead()
 
     def _drop_spare(self):
         if self._spare is not None:
@@ -304,7 +283,6 @@ class HostTensor:
         return sum(f.nbytes for f in (self.disk, self.scale_disk) if f is not None)
 
     def close(self):
-        self._closed = True
         for f in (self.disk, self.scale_disk):
             if f is not None:
                 f.close()

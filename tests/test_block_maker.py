@@ -93,33 +93,3 @@ def test_the_maker_reads_blocks_queued_while_other_work_runs():
     views = [t.result() for t in tickets]
     assert len({v.ctypes.data for v in views}) == 12
     assert all(np.isnan(v).all() for v in views)
-
-
-def test_a_block_ahead_waits_for_the_dispatcher_to_be_idle(monkeypatch):
-    """While tiered.dispatch's thread is handing work over, the next block ahead is not
-    allocated beside it: it is allocated at the next drain; the data stays whole."""
-    from tiered import dispatch
-
-    gate = threading.Event()
-    real = dispatch.mx.async_eval
-
-    def held(*arrays):  # the worker stays busy until the gate opens
-        gate.wait(10)
-        return real(*arrays)
-
-    monkeypatch.setattr(dispatch.mx, "async_eval", held)
-    rng = np.random.default_rng(5)
-    store = _store()
-    done = dispatch.submit(dispatch.mx.zeros(1))
-    first = _x(rng, 16)
-    store.append(first)  # its first block on need; the one ahead waits
-    assert store.values._spare is None and store.values._ahead_queued
-    gate.set()
-    done.wait(10)
-    dispatch.drain()  # idle: the block ahead is allocated now
-    assert store.values._spare is not None and not store.values._ahead_queued
-    second = _x(rng, 16)
-    store.append(second)  # takes the block allocated at the drain
-    assert int(store.values.addrs[1]) in store.values.prepared or store.values._spare is not None
-    np.testing.assert_array_equal(store.read("values"),
-                                  np.concatenate([first, second], axis=2)[0])

@@ -114,7 +114,6 @@ class Dispatcher:
         self._thread: threading.Thread | None = None
         self.busy_s = 0.0  # seconds the worker spent handing graphs over (bench/dispatch_probe)
         self.wait_s = 0.0  # seconds the main thread waited for it in drain
-        self._idle: list = []  # callables for the next drain (when_idle)
 
     @property
     def busy(self) -> bool:
@@ -142,25 +141,11 @@ class Dispatcher:
         if self._error is not None or self._left:
             self.drain()  # raise what failed, or evaluate what it handed back
 
-    def when_idle(self, fn) -> None:
-        """Run ``fn()`` on this thread at the next :meth:`drain`, once nothing is being
-        dispatched (host work that would otherwise wait beside the worker for MLX's allocator
-        and the driver: the host blocks allocated ahead, tiered.cpu.host_tensor)."""
-        self._idle.append(fn)
-
-    def _run_idle(self) -> None:
-        hooks, self._idle = self._idle, []
-        for fn in hooks:
-            fn()
-
     def drain(self) -> None:
         """Wait until everything submitted was handed to the device; raise what the worker
-        raised. Arrays it could not take are evaluated here (asynchronously). Then what
-        :meth:`when_idle` queued runs."""
+        raised. Arrays it could not take are evaluated here (asynchronously)."""
         global _enabled
         if not (self._queued or self._left or self._error is not None):
-            if self._idle:
-                self._run_idle()
             return
         if self._queued:
             t = time.perf_counter()
@@ -177,8 +162,6 @@ class Dispatcher:
         err, self._error = self._error, None
         if err is not None:
             raise err
-        if self._idle:
-            self._run_idle()
 
     def _run(self):
         while True:
