@@ -67,3 +67,25 @@ def test_a_half_precision_prompt_s_mass_is_summed_lazily_over_its_chunks():
         rep = model.args.num_attention_heads // model.args.num_key_value_heads
         np.testing.assert_allclose(mass[:, : c.offset].sum(axis=1), rep * booked[i], rtol=2e-3)
         assert np.all(mass[:, c.offset:] == 0)
+
+
+def test_attention_sinks_still_keep_the_books_on_the_cpu_path():
+    """With attention sinks (gpt-oss) the CPU backend's float32 export does not apply: the mass
+    is summed through column_mass instead, never dropped."""
+    model = make_small_model("llama-gqa-d64", layers=1, seed=6)
+    cache = TieredCache.for_model(model, gpu_budget=0.25, page_size=64)
+    c = cache[0]
+    rng = np.random.default_rng(7)
+    H, Hq, d, L = 3, 9, 64, 96
+    booked = 0
+    for _ in range(4):
+        k, v = (mx.array(rng.standard_normal((1, H, L, d)).astype(np.float32)) for _ in "kv")
+        keys, values = c.update_and_fetch(k, v)
+        q = mx.array(rng.standard_normal((1, Hq, L, d)).astype(np.float32))
+        on = c._bookkeeping(c.offset)
+        c.attention(q, keys, values, scale=d ** -0.5, mask="causal", sinks=mx.zeros((Hq,)))
+        booked += L if on else 0
+    assert booked > 0 and c.phase == "exact"
+    # the seed's mass is over the keys (the sink's share is not counted): one per query row
+    total = c._colmass[:, : c.offset].sum(axis=1)
+    np.testing.assert_allclose(total, (Hq // H) * booked, rtol=1e-3)

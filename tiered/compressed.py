@@ -255,11 +255,10 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
             heads = np.repeat(np.arange(self.H, dtype=np.int32), old.shape[1])
             gone = old.reshape(-1)
             keep = gone >= 0
-            run = undo.shared_run(old) if keep.all() else None
             if L == 1 and keep.all() and np.all(gone == gone[0]):
                 self.flags[:, int(gone[0])] = 0  # the ring's oldest token, the same for every head
-            elif run is not None:  # a prompt chunk's evicted run, the same in every head
-                self.flags[:, run] = 0
+            elif keep.all() and (run := undo.shared_run(old)) is not None:
+                self.flags[:, run] = 0  # a prompt chunk's evicted run, the same in every head
             elif keep.any():
                 self.flags[mx.array(heads[keep]), mx.array(gone[keep])] = 0
             self.flags[:, first : n0 + L] = 1  # stays lazy: the step's one sync evaluates it

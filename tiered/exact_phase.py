@@ -85,7 +85,7 @@ class ExactPhase:
         colmass = None
         if fresh and self._bookkeeping(self.offset):
             self._observe(queries)
-            if ops.exports_column_mass(queries, mask, fast=not self.config.exact):
+            if ops.exports_column_mass(queries, mask, sinks, not self.config.exact):
                 colmass = self._column_mass(keys.shape[2])
             elif ops.column_mass_applies(queries, mask):  # on the device, folded in lazily
                 self._add_device_mass(ops.column_mass(queries, keys, scale, mask == "causal"))

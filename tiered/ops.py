@@ -94,7 +94,7 @@ def softmax_partial(s: mx.array, values: mx.array):
     return o, lse
 
 
-def exports_column_mass(queries, mask, sinks=None, fast=False) -> bool:
+def exports_column_mass(queries, mask, sinks, fast: bool) -> bool:
     """Whether :func:`exact_attention` takes the CPU backend's BLAS + Numba softmax path,
     which adds the attention mass per key to a host buffer as it goes."""
     causal = isinstance(mask, str) and mask == "causal"
