@@ -21,6 +21,7 @@ from importlib import resources
 import mlx.core as mx
 
 from .compact import compact
+from .ptx_cache import cuda_kernel
 
 BACKENDS = ("metal", "cuda")
 PROLOGUE_MARK = "// @body-prologue"
@@ -171,7 +172,7 @@ def build_kernel(spec: KernelSpec, backend: str, shared_memory: int = 0):
             atomic_outputs=spec.atomic_outputs,
         )
     if backend == "cuda":
-        return mx.fast.cuda_kernel(
+        return cuda_kernel(
             name=spec.name,
             input_names=list(spec.input_names),
             output_names=list(spec.output_names),

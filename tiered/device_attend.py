@@ -23,6 +23,7 @@ import mlx.core as mx
 from .device_decode import CHUNK, CHUNK_WORD, DeviceTables, host_mx_dtype, kept, page_fence
 from .metal import accelerator, device_floats, device_ints
 from .metal.compact import compact
+from .metal.ptx_cache import cuda_kernel
 from .attend_reference import approx_attend_ops
 
 _GATHER_KV = r"""
@@ -244,8 +245,8 @@ def _kernel(name: str):
             "resident": (["queries", "scale", "rk", "rtok", "nn"], ["qout", "s", "cols"],
                          _RESIDENT),
         }[name]
-        _kernels[name] = mx.fast.cuda_kernel(name=f"tiered_{name}", input_names=spec[0],
-                                             output_names=spec[1], source=compact(spec[2]))
+        _kernels[name] = cuda_kernel(name=f"tiered_{name}", input_names=spec[0],
+                                     output_names=spec[1], source=compact(spec[2]))
     return _kernels[name]
 
 

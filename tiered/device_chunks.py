@@ -18,6 +18,7 @@ import mlx.core as mx
 from .device_decode import CHUNK
 from .metal import device_ints
 from .metal.compact import compact
+from .metal.ptx_cache import cuda_kernel
 
 _CHUNKS = r"""
     // One thread per (query head, chunk of the first n tokens): za, the log-sum-exp of the
@@ -81,7 +82,7 @@ def chunk_logits(z: mx.array, flags: mx.array, n_host: int, rep: int, n: int | N
         sizes = chunk_sizes(n_host, n, width)
     global _KERNEL
     if _KERNEL is None:
-        _KERNEL = mx.fast.cuda_kernel(
+        _KERNEL = cuda_kernel(
             name="tiered_chunk_logits", input_names=["z", "flags", "n_host"],
             output_names=["zc", "excl", "za"], source=compact(_CHUNKS))
     return _KERNEL(

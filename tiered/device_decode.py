@@ -24,6 +24,7 @@ import numpy as np
 from . import dispatch, ops, uva
 from .metal import device_ints
 from .metal.compact import compact
+from .metal.ptx_cache import cuda_kernel
 
 # The door's lazy flag: no non-finite position seen. A power of two: MLX passes a kernel's
 # init_value as a float, and INT32_MAX is not one (it came back as INT32_MIN).
@@ -144,21 +145,21 @@ _kernels: dict = {}
 def _kernel(name: str):
     if name not in _kernels:
         if name == "gather":
-            _kernels[name] = mx.fast.cuda_kernel(
+            _kernels[name] = cuda_kernel(
                 name="tiered_host_gather",
                 input_names=["idx", "count", "pages", "addrs", "flags", "n_host", "after"],
                 output_names=["out", "ok"], source=compact(_GATHER))
         elif name == "door":
-            _kernels[name] = mx.fast.cuda_kernel(
+            _kernels[name] = cuda_kernel(
                 name="tiered_door", input_names=["keys", "values", "prev", "start"],
                 output_names=["bad"], source=compact(_DOOR))
         elif name == "write_one":
-            _kernels[name] = mx.fast.cuda_kernel(
+            _kernels[name] = cuda_kernel(
                 name="tiered_host_write_one",
                 input_names=["vw", "kw", "pages", "ints", "addrs_v", "addrs_k", "after"],
                 output_names=["done"], source=compact(_WRITE_ONE))
         else:
-            _kernels[name] = mx.fast.cuda_kernel(
+            _kernels[name] = cuda_kernel(
                 name="tiered_host_write", input_names=["src", "page", "slot", "addrs", "after"],
                 output_names=["done"], source=compact(_WRITE))
     return _kernels[name]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .metal.compact import compact
+from .metal.ptx_cache import cuda_kernel
 
 MAX_CENTROIDS = 4096  # a warp scans them all; larger codebooks take the MLX ops
 
@@ -77,9 +78,8 @@ def encode(keys: mx.array, codebook: mx.array, sq_norms: mx.array, out_dtype) ->
     distance tensor; bench/prefill_profile.py)."""
     global _kernel
     if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(name="tiered_encode",
-                                      input_names=["keys", "codebook", "norms"],
-                                      output_names=["codes"], source=compact(_SOURCE))
+        _kernel = cuda_kernel(name="tiered_encode", input_names=["keys", "codebook", "norms"],
+                              output_names=["codes"], source=compact(_SOURCE))
     H, Gc, c, ds = codebook.shape
     L = keys.shape[1]
     g = keys.shape[-1] // ds

@@ -1,0 +1,186 @@
+"""NVRTC through ctypes: compile one MLX CUDA custom kernel's generated source as MLX would.
+
+MLX 0.32's CUDA backend compiles a custom kernel (``mx.fast.cuda_kernel``) with NVRTC in every
+process and never writes the result to its PTX disk cache (``use_disk_cache`` is false for
+custom kernels), though it reads that cache first. :mod:`tiered.metal.ptx_cache` fills the cache;
+this module does the compiling. It mirrors MLX's ``compile`` (``jit_module.cpp``): the headers
+MLX embeds in ``libmlx.so`` (``jit_source_*``, read from its symbol table), the same include
+paths and the same ``--gpu-architecture`` (SASS where NVRTC supports the device).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import glob
+import os
+from pathlib import Path
+
+import numpy as np
+
+_SYM = np.dtype([("name", "<u4"), ("info", "u1"), ("other", "u1"), ("shndx", "<u2"),
+                 ("value", "<u8"), ("size", "<u8")])
+_SEC = np.dtype([("name", "<u4"), ("type", "<u4"), ("flags", "<u8"), ("addr", "<u8"),
+                 ("offset", "<u8"), ("size", "<u8"), ("link", "<u4"), ("info", "<u4"),
+                 ("align", "<u8"), ("entsize", "<u8")])
+_PREFIX = b"_ZN3mlx4coreL"  # mlx::core's static constants: _ZN3mlx4coreL<n>jit_source_<x>E
+
+
+def libmlx() -> Path:
+    """The loaded MLX build's ``libmlx.so`` (the CUDA wheel puts it in ``mlx/lib``)."""
+    import mlx
+
+    for root in mlx.__path__:
+        path = Path(root) / "lib" / "libmlx.so"
+        if path.exists():
+            return path
+    raise FileNotFoundError("libmlx.so is not in any mlx package directory")
+
+
+@functools.cache
+def embedded_headers() -> dict[str, bytes]:
+    """Include name -> text of the device headers MLX compiles custom kernels against (it
+    embeds them in libmlx.so rather than shipping them as files)."""
+    with open(libmlx(), "rb") as f:
+        def read(at, size):
+            f.seek(int(at))
+            return f.read(int(size))
+
+        head = read(0, 64)
+        shoff = int.from_bytes(head[0x28:0x30], "little")
+        shnum = int.from_bytes(head[0x3C:0x3E], "little")
+        secs = np.frombuffer(read(shoff, shnum * _SEC.itemsize), _SEC)
+        symtab = np.nonzero(secs["type"] == 2)[0]  # SHT_SYMTAB
+        if not len(symtab):
+            raise RuntimeError(f"{libmlx()} has no symbol table to find its JIT headers in")
+        sym_sec = secs[symtab[0]]
+        str_sec = secs[sym_sec["link"]]
+        strtab = read(str_sec["offset"], str_sec["size"])
+        wanted, start = {}, 0
+        while (at := strtab.find(b"jit_source_", start)) >= 0:
+            begin = strtab.rfind(b"\0", 0, at) + 1
+            end = strtab.find(b"\0", at)
+            name = strtab[begin:end]
+            if name.startswith(_PREFIX) and name.endswith(b"E"):
+                wanted[begin] = name[name.index(b"jit_source_") + 11:-1].decode()
+            start = end
+        syms = np.frombuffer(read(sym_sec["offset"], sym_sec["size"]), _SYM)
+        hits = syms[np.isin(syms["name"], np.fromiter(wanted, np.uint32, len(wanted)))]
+        headers = {}
+        for s in hits:
+            sec = secs[s["shndx"]]
+            stem = wanted[int(s["name"])]
+            text = read(s["value"] - sec["addr"] + sec["offset"], s["size"]).rstrip(b"\0")
+            suffix = ".h" if stem == "config" else ".cuh"
+            headers.setdefault(f"mlx/backend/cuda/device/{stem}{suffix}", text)
+    if "mlx/backend/cuda/device/utils.cuh" not in headers:
+        raise RuntimeError(f"{libmlx()} embeds no utils.cuh: not a CUDA build of MLX")
+    return headers
+
+
+def include_paths() -> list[str]:
+    """MLX's ``include_path_args``: its bundled headers, CCCL, then the CUDA runtime's."""
+    root = libmlx().parent.parent  # site-packages/mlx
+    paths = []
+    inc = root / "include"
+    if inc.exists():
+        paths.append(inc)
+    if (inc / "cccl").exists():
+        paths.append(inc / "cccl")
+    cuda = [root.parent / "nvidia" / d / "include" for d in ("cu13", "cuda_runtime")]
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    cuda.append(Path(home) / "include")
+    paths += [p for p in cuda if p.exists()][:1]
+    return [f"--include-path={p}" for p in paths]
+
+
+def _load(names: list[str], patterns: list[str]) -> ctypes.CDLL:
+    for name in names:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            pass
+    root = libmlx().parent.parent.parent  # site-packages
+    for pattern in patterns:
+        for path in sorted(glob.glob(str(root / pattern)), reverse=True):
+            return ctypes.CDLL(path)
+    raise OSError(f"none of {names} could be loaded")
+
+
+@functools.cache
+def _nvrtc() -> ctypes.CDLL:
+    lib = _load(["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"],
+                ["nvidia/*/lib/libnvrtc.so*", "nvidia/cuda_nvrtc/lib/libnvrtc.so*"])
+    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+    return lib
+
+
+@functools.cache
+def compute_capability(ordinal: int = 0) -> tuple[int, int]:
+    """(major, minor) of CUDA device ``ordinal``, from the driver."""
+    cuda = _load(["libcuda.so.1", "libcuda.so"], [])
+    dev, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    for call in (lambda: cuda.cuInit(0), lambda: cuda.cuDeviceGet(ctypes.byref(dev), ordinal),
+                 lambda: cuda.cuDeviceGetAttribute(ctypes.byref(major), 75, dev),
+                 lambda: cuda.cuDeviceGetAttribute(ctypes.byref(minor), 76, dev)):
+        if (err := call()) != 0:
+            raise RuntimeError(f"CUDA driver call failed with error {err}")
+    return major.value, minor.value
+
+
+def _check(err: int, what: str) -> None:
+    if err != 0:
+        raise RuntimeError(f"{what} failed: {_nvrtc().nvrtcGetErrorString(err).decode()}")
+
+
+def _sass(nvrtc, cc: tuple[int, int]) -> bool:
+    """MLX's ``compiler_supports_device_sass``."""
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    _check(nvrtc.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
+    limit = {9: (7, 2), 10: (7, 5)}.get(major.value)
+    if major.value < 9:
+        return False
+    if limit is None and major.value == 11 and minor.value < 8:
+        limit = (8, 0) if minor.value == 0 else (8, 6)
+    return limit is None or cc <= limit
+
+
+def compile_kernel(source: str, module_name: str, kernel_name: str,
+                   ordinal: int = 0) -> tuple[bytes, str]:
+    """(PTX or CUBIN, lowered name of ``kernel_name``) for ``source``, as MLX compiles it."""
+    nvrtc = _nvrtc()
+    headers = embedded_headers()
+    names = (ctypes.c_char_p * len(headers))(*[n.encode() for n in headers])
+    texts = (ctypes.c_char_p * len(headers))(*headers.values())
+    prog = ctypes.c_void_p()
+    _check(nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(),
+                                    (module_name + ".cu").encode(), len(headers), texts, names),
+           "nvrtcCreateProgram")
+    try:
+        _check(nvrtc.nvrtcAddNameExpression(prog, kernel_name.encode()), "nvrtcAddNameExpression")
+        cc = compute_capability(ordinal)
+        sass = _sass(nvrtc, cc)
+        arch = f"--gpu-architecture={'sm' if sass else 'compute'}_{cc[0]}{cc[1]}"
+        args = ["--device-as-default-execution-space", arch + ("a" if cc[0] >= 9 else "")]
+        args += include_paths()
+        argv = (ctypes.c_char_p * len(args))(*[a.encode() for a in args])
+        err = nvrtc.nvrtcCompileProgram(prog, len(args), argv)
+        if err != 0:
+            size = ctypes.c_size_t()
+            nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value + 1)
+            nvrtc.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(f"NVRTC could not compile {module_name}: {log.value.decode()}")
+        lowered = ctypes.c_char_p()
+        _check(nvrtc.nvrtcGetLoweredName(prog, kernel_name.encode(), ctypes.byref(lowered)),
+               "nvrtcGetLoweredName")
+        mangled = lowered.value.decode()
+        size = ctypes.c_size_t()
+        get_size, get = ((nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN) if sass
+                         else (nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX))
+        _check(get_size(prog, ctypes.byref(size)), "nvrtcGet(PTX|CUBIN)Size")
+        code = ctypes.create_string_buffer(size.value)
+        _check(get(prog, code), "nvrtcGet(PTX|CUBIN)")
+        return code.raw, mangled
+    finally:
+        nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))

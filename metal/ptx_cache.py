@@ -1,0 +1,190 @@
+"""Custom CUDA kernels compiled once per machine, not once per process.
+
+MLX 0.32 names each custom kernel's module ``custom_kernel_<name><template hash>_<hash>`` (the
+hash: ``std::hash`` of the generated source) and looks for it in its PTX disk cache before it
+compiles with NVRTC, but it never writes custom kernels there. So every process compiled every
+kernel again: 5-8 s of a 1M-token prefill on an H200 and most of the first decode step
+(py-spy: ``JitModule::JitModule`` under ``CustomKernel::eval_gpu``). :func:`cuda_kernel` wraps
+``mx.fast.cuda_kernel``: the first launch of each (template, dtypes) signature builds the source
+MLX will build (``build_kernel`` of ``custom_kernel.cpp``) and, when the cache lacks it, compiles
+it (:mod:`tiered.metal.nvrtc`) and writes the entry; MLX then reads it instead of compiling.
+
+Nothing depends on it for correctness: an entry is found only under the hash of the exact source
+MLX generates, so a mismatch (another MLX version) is a miss and MLX compiles as before, and any
+failure turns the cache off with one warning. ``TIERED_PTX_CACHE=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import threading
+import warnings
+from pathlib import Path
+
+import mlx.core as mx
+
+_HEADER = '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
+_CUDA_TYPES = {mx.bool_: "bool", mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t",
+               mx.int64: "int64_t", mx.uint8: "uint8_t", mx.uint16: "uint16_t",
+               mx.uint32: "uint32_t", mx.uint64: "uint64_t", mx.float16: "__half",
+               mx.bfloat16: "__nv_bfloat16", mx.float32: "float", mx.float64: "double",
+               mx.complex64: "mlx::core::cu::complex64_t"}
+_TYPE_STRINGS = {mx.float32: "float", mx.float16: "float16_t", mx.bfloat16: "bfloat16_t",
+                 mx.float64: "double", mx.complex64: "complex64_t", mx.bool_: "bool",
+                 **{t: s for t, s in _CUDA_TYPES.items() if s.endswith("_t") and "::" not in s}}
+_MAX_NAME = 245  # MLX's get_ptx_path splits longer module names into directories
+_lock = threading.Lock()
+_state = {"enabled": os.environ.get("TIERED_PTX_CACHE", "1") != "0", "compiled": 0}
+
+
+def cache_dir() -> Path:
+    """MLX's ``ptx_cache_dir``: $MLX_PTX_CACHE_DIR, else <temp>/mlx/<version>/ptx."""
+    if d := os.environ.get("MLX_PTX_CACHE_DIR"):
+        return Path(d)
+    tmp = next((os.environ[v] for v in ("TMPDIR", "TMP", "TEMP", "TEMPDIR") if os.environ.get(v)),
+               "/tmp")
+    return Path(tmp) / "mlx" / mx.__version__ / "ptx"
+
+
+def ptx_path(module_name: str, root: Path | None = None) -> Path:
+    """Where MLX looks for ``module_name``'s PTX (``get_ptx_path``)."""
+    path = cache_dir() if root is None else root
+    while len(module_name) > _MAX_NAME:
+        path, module_name = path / module_name[:_MAX_NAME], module_name[_MAX_NAME:]
+    return path / (module_name + ".ptx")
+
+
+@functools.cache
+def _hash_bytes():
+    fn = ctypes.CDLL("libstdc++.so.6")._ZSt11_Hash_bytesPKvmm
+    fn.restype, fn.argtypes = ctypes.c_size_t, [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t]
+    return fn
+
+
+def std_hash(text: str) -> int:
+    """libstdc++'s ``std::hash<std::string>`` of ``text`` (MLX's build uses it)."""
+    data = text.encode()
+    return _hash_bytes()(data, len(data), 0xC70F6907)
+
+
+def _template_hash(template) -> str:
+    out = ""
+    for _, v in template:
+        if isinstance(v, bool):
+            out += "_t" if v else "_f"
+        elif isinstance(v, int):
+            out += f"_{v}"
+        else:
+            out += "_" + _TYPE_STRINGS[v]
+    return out
+
+
+def _template_line(name, v) -> str:
+    if isinstance(v, bool):
+        return f"  constexpr bool {name} = {'true' if v else 'false'};\n"
+    if isinstance(v, int):
+        return f"  constexpr int {name} = {v};\n"
+    return f"  using {name} = {_CUDA_TYPES[v]};\n"
+
+
+def kernel_source(name: str, input_names, output_names, source: str, header: str,
+                  inputs: list[tuple], output_dtypes, template) -> tuple[str, str]:
+    """(function name, full source) MLX generates for one launch; ``inputs``: (dtype, ndim)."""
+    func = "custom_kernel_" + name + _template_hash(template)
+    out = [_HEADER, header, "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n",
+           f"__global__ void {func}(\n"]
+    for n, (dtype, ndim) in zip(input_names, inputs):
+        out.append(f"    const {_CUDA_TYPES[dtype]}* {n},\n")
+        if ndim > 0:
+            for suffix, kind in (("_shape", "Shape"), ("_strides", "Strides"), ("_ndim", "int")):
+                if n + suffix in source:
+                    out.append(f"    const __grid_constant__ {kind} {n}{suffix},\n")
+    for i, (n, dtype) in enumerate(zip(output_names, output_dtypes)):
+        out.append(f"    {_CUDA_TYPES[dtype]}* {n}" + (",\n" if i < len(output_names) - 1
+                                                      else ") {\n"))
+    if template:
+        out += [_template_line(n, v) for n, v in template] + ["\n"]
+    out += [source, "\n}\n\n} // namespace mlx::core::cu\n"]
+    return func, "".join(out)
+
+
+def ensure(name, input_names, output_names, source, header, inputs, output_dtypes,
+           template) -> Path:
+    """Write the cache entry for one launch unless it is there; returns its path."""
+    from . import nvrtc
+
+    func, text = kernel_source(name, input_names, output_names, source, header, inputs,
+                               output_dtypes, template)
+    module = f"{func}_{std_hash(text):x}"
+    path = ptx_path(module)
+    if path.exists():
+        return path
+    kernel = "mlx::core::cu::" + func
+    code, mangled = nvrtc.compile_kernel(text, module, kernel, _ordinal())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = f".{os.getpid()}.{threading.get_ident()}.tmp"
+    txt = path.with_suffix(".txt")
+    Path(str(txt) + tmp).write_text(f"{kernel}\t{mangled}\n")
+    os.replace(str(txt) + tmp, txt)  # MLX finds the .ptx first, then reads the names
+    Path(str(path) + tmp).write_bytes(code)
+    os.replace(str(path) + tmp, path)
+    _state["compiled"] += 1
+    return path
+
+
+def _ordinal() -> int:
+    """The default device's CUDA ordinal (MLX's Python Device may not expose it)."""
+    return int(getattr(mx.default_device(), "index", 0) or 0)
+
+
+def _signature(x) -> tuple:
+    return (x.dtype, x.ndim) if isinstance(x, mx.array) else (mx.array(x).dtype, 0)
+
+
+class CachedKernel:
+    """``mx.fast.cuda_kernel(...)`` whose launches find their compiled module on disk."""
+
+    def __init__(self, **spec):
+        self.spec = spec
+        self.kernel = mx.fast.cuda_kernel(**spec)
+        self.seen: set = set()
+
+    def __call__(self, **launch):
+        if _state["enabled"]:
+            template = tuple(launch.get("template") or ())
+            inputs = tuple(_signature(x) for x in launch["inputs"])
+            key = (template, inputs, tuple(launch["output_dtypes"]))
+            if key not in self.seen:
+                self._ensure(template, inputs, launch["output_dtypes"], key)
+        return self.kernel(**launch)
+
+    def _ensure(self, template, inputs, output_dtypes, key) -> None:
+        s = self.spec
+        with _lock:
+            if key in self.seen or not _state["enabled"]:
+                return
+            try:
+                ensure(s["name"], s["input_names"], s["output_names"], s["source"],
+                       s.get("header", ""), inputs, output_dtypes, template)
+            except Exception as e:  # noqa: BLE001 - never worse than MLX compiling it
+                _state["enabled"] = False
+                warnings.warn(f"tiered: custom kernels are not cached on disk ({e}); MLX "
+                              "compiles them in each process", RuntimeWarning, stacklevel=3)
+            self.seen.add(key)
+
+
+def cuda_kernel(**spec) -> CachedKernel:
+    """``mx.fast.cuda_kernel`` with the same keyword arguments, cached per machine."""
+    return CachedKernel(**spec)
+
+
+def enable(flag: bool) -> None:
+    """Turn the cache on or off for this process (tools that fake the kernels turn it off)."""
+    _state["enabled"] = bool(flag)
+
+
+def compiled_here() -> int:
+    """How many cache entries this process compiled and wrote."""
+    return _state["compiled"]

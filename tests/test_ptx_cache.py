@@ -1,0 +1,122 @@
+"""Custom CUDA kernels cached per machine (tiered.metal.ptx_cache): the entry is written under
+the name MLX looks for, MLX runs what the entry holds, and a second process compiles nothing.
+The CUDA cases run in subprocesses: MLX fixes its cache directory at its first compile."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tiered import uva
+from tiered.metal import ptx_cache
+
+needs_cuda = pytest.mark.skipif(not uva.available(),
+                                reason="custom CUDA kernels need MLX's CUDA backend")
+
+MASK = (1 << 64) - 1
+
+
+def murmur_hash64a(data: bytes, seed: int) -> int:
+    """libstdc++'s 64-bit ``_Hash_bytes`` written out (the reference for std_hash)."""
+    mul, h = 0xC6A4A7935BD1E995, (seed ^ (len(data) * 0xC6A4A7935BD1E995)) & MASK
+    whole = len(data) & ~7
+    for i in range(0, whole, 8):
+        k = int.from_bytes(data[i:i + 8], "little") * mul & MASK
+        k = (k ^ (k >> 47)) * mul & MASK
+        h = ((h ^ k) * mul) & MASK
+    if len(data) & 7:
+        h = ((h ^ int.from_bytes(data[whole:], "little")) * mul) & MASK
+    h = ((h ^ (h >> 47)) * mul) & MASK
+    return h ^ (h >> 47)
+
+
+@pytest.mark.parametrize("text", ["", "a", "abcdefg", "abcdefgh", "custom_kernel_x" * 37])
+def test_std_hash_is_libstdcxx_murmur(text):
+    assert ptx_cache.std_hash(text) == murmur_hash64a(text.encode(), 0xC70F6907)
+
+
+def test_long_module_names_split_into_directories_as_mlx_does(tmp_path):
+    name = "k" * 600
+    path = ptx_cache.ptx_path(name, tmp_path)
+    parts = path.relative_to(tmp_path).parts
+    assert [len(p) for p in parts] == [245, 245, 110 + len(".ptx")]
+    assert "".join(parts) == name + ".ptx"
+    assert ptx_cache.ptx_path("short", tmp_path) == tmp_path / "short.ptx"
+
+
+_CHILD = r'''
+import json, sys
+import mlx.core as mx
+from tiered.metal import nvrtc, ptx_cache
+
+mode = sys.argv[1]
+spec = dict(name="probe", input_names=["a", "n"], output_names=["o", "flag"],
+            source="o[0] = VAL + a_shape[0] + n[0]; flag[0] = B ? 1 : 0;")
+a, n = mx.zeros((5,), mx.float16), mx.array(2, mx.int32)
+launch = dict(inputs=[a, n], output_shapes=[(1,), (1,)], output_dtypes=[mx.float32, mx.int32],
+              grid=(1, 1, 1), threadgroup=(1, 1, 1),
+              template=[("VAL", 3), ("B", True), ("T", mx.float16)])
+sig = [(a.dtype, a.ndim), (n.dtype, n.ndim)]
+if mode == "verbose":
+    mx.eval(mx.fast.cuda_kernel(**spec)(**launch, verbose=True))
+    sys.stdout.flush()
+    func, text = ptx_cache.kernel_source(spec["name"], spec["input_names"], spec["output_names"],
+                                         spec["source"], "", sig, launch["output_dtypes"],
+                                         launch["template"])
+    print("\n@@" + json.dumps({"func": func, "text": text}))
+elif mode == "planted":  # another body's code under this launch's module name
+    func, text = ptx_cache.kernel_source(spec["name"], spec["input_names"], spec["output_names"],
+                                         spec["source"], "", sig, launch["output_dtypes"],
+                                         launch["template"])
+    module = f"{func}_{ptx_cache.std_hash(text):x}"
+    other = text.replace("o[0] = VAL", "o[0] = 1000 + VAL")
+    code, mangled = nvrtc.compile_kernel(other, module, "mlx::core::cu::" + func)
+    path = ptx_cache.ptx_path(module)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".txt").write_text(f"mlx::core::cu::{func}\t{mangled}\n")
+    path.write_bytes(code)
+    o, flag = mx.fast.cuda_kernel(**spec)(**launch)
+    print("\n@@" + json.dumps({"o": o.item(), "flag": flag.item()}))
+else:  # through the cache
+    o, flag = ptx_cache.cuda_kernel(**spec)(**launch)
+    print("\n@@" + json.dumps({"o": o.item(), "flag": flag.item(),
+                               "compiled": ptx_cache.compiled_here()}))
+'''
+
+
+def _child(mode: str, cache: Path) -> tuple[str, dict]:
+    env = dict(os.environ, MLX_PTX_CACHE_DIR=str(cache))
+    out = subprocess.run([sys.executable, "-P", "-c", _CHILD, mode], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    head, _, tail = out.stdout.rpartition("\n@@")
+    return head, json.loads(tail)
+
+
+@needs_cuda
+def test_the_source_built_here_is_the_one_mlx_generates(tmp_path):
+    printed, ours = _child("verbose", tmp_path)
+    assert f"Generated source code for `{ours['func']}`:\n```\n" in printed
+    body = printed.split(f"`{ours['func']}`:\n```\n", 1)[1].rsplit("\n```", 1)[0]
+    assert body == ours["text"]
+
+
+@needs_cuda
+def test_mlx_runs_the_entry_written_under_its_module_name(tmp_path):
+    # 3 + 5 (a's length) + 2 = 10 from the kernel's own source; the planted body adds 1000
+    _, got = _child("planted", tmp_path)
+    assert got == {"o": 1010.0, "flag": 1}
+
+
+@needs_cuda
+def test_a_second_process_compiles_nothing(tmp_path):
+    _, first = _child("cached", tmp_path)
+    _, second = _child("cached", tmp_path)
+    assert first == {"o": 10.0, "flag": 1, "compiled": 1}
+    assert second == {"o": 10.0, "flag": 1, "compiled": 0}
+    assert len(list(tmp_path.rglob("custom_kernel_probe_3_t_float16_t_*.ptx"))) == 1
