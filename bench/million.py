@@ -207,7 +207,8 @@ def main(argv=None):
                         "rss": current_rss_bytes(), "transient": tb["transient"],
                         "accelerator": tb["accelerator"] - tb["transient"],
                         "host": tb["host"], "disk": tb["disk"], "device": dev.used(),
-                        "budget": budget_bytes(done)})
+                        "budget": budget_bytes(done), "mlx_active": mx.get_active_memory(),
+                        "mlx_cache": mx.get_cache_memory()})
 
     body = ids[:-1]
     stats = prefill(model, cache, body, chunk=args.chunk, progress=Progress("prefill"),
@@ -226,6 +227,8 @@ def main(argv=None):
             if st:
                 st.step()
     slow = st.print_slow(times) if st else None
+    print("first decode steps (compiles included):",
+          ", ".join(f"{1e3 * t:.0f}" for t in times[:3]), "ms", flush=True)
     if len(times) > 3:
         q = 1e3 * np.median(queue[3:])
         print(f"decode after the first 3 steps: median {1e3 * np.median(times[3:]):.1f} ms/token"
