@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tiered.codecs import train_codebook
-from tiered.codecs.kmeans_mx import kmeans_batched
+from tiered.codecs.kmeans_mx import kmeans_batched, start_indices
 
 
 def _error(keys: np.ndarray, cb: np.ndarray, groups: int) -> float:
@@ -73,14 +73,26 @@ def test_centroids_are_the_means_of_their_points_after_the_last_step():
     its start (numpy reference)."""
     rng = np.random.default_rng(3)
     pts = rng.normal(size=(3, 200, 4)).astype(np.float32)
-    rngs = [np.random.default_rng(i) for i in range(3)]
-    got = kmeans_batched(pts, 8, iters=1, rngs=[np.random.default_rng(i) for i in range(3)])
+    got = kmeans_batched(pts, 8, iters=1, seed=7)
+    starts = np.array(start_indices(3, 200, 8, 7))
     for b in range(3):
-        start = pts[b, np.sort(rngs[b].choice(200, size=8, replace=False))]
+        start = pts[b, starts[b]]
         near = ((pts[b, :, None] - start[None]) ** 2).sum(-1).argmin(1)
         for c in range(8):
             want = pts[b, near == c].mean(0) if (near == c).any() else start[c]
             np.testing.assert_allclose(got[b, c], want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("m,size", [(9, 8), (4096, 64), (200, 199)])
+def test_start_indices_are_distinct_sorted_and_seeded(m, size):
+    got = np.array(start_indices(5, m, size, 11))
+    assert got.shape == (5, size) and got.min() >= 0 and got.max() < m
+    assert all(len(set(row)) == size for row in got)
+    assert (np.diff(got, axis=1) > 0).all()
+    np.testing.assert_array_equal(got, np.array(start_indices(5, m, size, 11)))
+    assert not np.array_equal(got, np.array(start_indices(5, m, size, 12)))
+    # the runs draw differently (not one shared sample)
+    assert size == m - 1 or any(not np.array_equal(got[0], r) for r in got[1:])
 
 
 def test_bad_backend_and_shapes_are_refused():
@@ -88,8 +100,7 @@ def test_bad_backend_and_shapes_are_refused():
     with pytest.raises(ValueError, match="backend"):
         train_codebook(keys, groups=2, size=4, backend="torch")
     with pytest.raises(ValueError, match="kmeans_batched"):
-        kmeans_batched(np.zeros((2, 4, 2), np.float32), 8, iters=1,
-                       rngs=[np.random.default_rng(0)] * 2)
+        kmeans_batched(np.zeros((2, 4, 2), np.float32), 8, iters=1, seed=0)
 
 
 def test_a_layer_s_codebook_is_trained_once_per_sample(monkeypatch):

@@ -143,16 +143,16 @@ def train_codebook(
     Gc = groups if per_group else 1
     codebook = np.empty((H, Gc, size, ds), dtype=np.float32)
     sub = keys.reshape(H, n, groups, ds)
-    if backend == "mlx" and (n if per_group else n * groups) > size:
-        runs = list(_runs(sub, per_group, seed))
-        if runs[0][0].shape[0] <= max_points:  # no subsample: the runs' points as one view
+    m = n if per_group else n * groups
+    if backend == "mlx" and m > size:
+        if m <= max_points:  # no subsample: the runs' points as one view
             points = mx.array(sub)  # transposed on the device (a host copy took ~10 ms)
             points = (points.transpose(0, 2, 1, 3).reshape(H * groups, n, ds) if per_group
                       else points.reshape(H, n * groups, ds))
         else:
-            runs = [(_subsample(p, rng, max_points), rng) for p, rng in runs]
-            points = np.stack([p for p, _ in runs])
-        got = kmeans_batched(points, size, iters=iters, rngs=[rng for _, rng in runs])
+            points = np.stack([_subsample(p, rng, max_points)
+                               for p, rng in _runs(sub, per_group, seed)])
+        got = kmeans_batched(points, size, iters=iters, seed=seed)
         return np.ascontiguousarray(got.reshape(H, Gc, size, ds))
     with _faiss_threads(threads):
         for i, (points, rng) in enumerate(_runs(sub, per_group, seed)):

@@ -16,19 +16,24 @@ import mlx.core as mx
 import numpy as np
 
 
-def kmeans_batched(points, size: int, *, iters: int,
-                   rngs: list[np.random.Generator]) -> np.ndarray:
+def start_indices(B: int, m: int, size: int, seed: int) -> mx.array:
+    """(B, size) int32: per run, ``size`` distinct point indices in [0, m), ascending, drawn
+    on the device from ``seed`` (a seeded generator per run and its ``choice`` on the host took
+    ~25 ms per Llama-3-8B layer: a fifth of a 1M-token prefill's compression on an H200)."""
+    u = mx.random.uniform(shape=(B, m), key=mx.random.key(seed))
+    return mx.sort(mx.argpartition(u, size - 1, axis=1)[:, :size], axis=1).astype(mx.int32)
+
+
+def kmeans_batched(points, size: int, *, iters: int, seed: int) -> np.ndarray:
     """Centroids (B, size, ds) float32 of B k-means runs over points (B, m, ds), m > size (a
-    numpy or MLX array), each started from ``size`` distinct points drawn with its own
-    generator of ``rngs``."""
+    numpy or MLX array), each started from ``size`` distinct points (:func:`start_indices`)."""
     B, m, ds = points.shape
-    if m <= size or len(rngs) != B:
-        raise ValueError(f"kmeans_batched: {m} points for {size} centroids, {len(rngs)} "
-                         f"generators for {B} runs (expected m > size, one per run)")
-    start = np.stack([np.sort(r.choice(m, size=size, replace=False)) for r in rngs])
+    if m <= size:
+        raise ValueError(f"kmeans_batched: {m} points for {size} centroids (expected more "
+                         "points than centroids)")
     x = (points.astype(mx.float32) if isinstance(points, mx.array)
          else mx.array(np.ascontiguousarray(points, np.float32)))
-    c = mx.take_along_axis(x, mx.array(start.astype(np.int32))[..., None], axis=1)
+    c = mx.take_along_axis(x, start_indices(B, m, size, seed)[..., None], axis=1)
     xt = x.transpose(0, 2, 1)
     ids = mx.arange(size, dtype=mx.uint32)
     for _ in range(iters):
