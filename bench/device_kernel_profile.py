@@ -21,7 +21,7 @@ from decode_speed import build_model, device_profile_args, kv_caches, seed_kv, t
 def cuda_kernels(fn, spans: list | None = None):
     """{kernel name: [launches, summed microseconds]} of every CUDA kernel that ``fn()`` runs
     (MLX's included: CUPTI sees the process); ``spans`` (a list) also gets each kernel's
-    (start, end) in microseconds."""
+    (start, end, name), times in microseconds."""
     import torch
     from torch.profiler import ProfilerActivity, profile as tprofile
 
@@ -35,8 +35,25 @@ def cuda_kernels(fn, spans: list | None = None):
             k[0] += 1
             k[1] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
             if spans is not None:
-                spans.append((ev.time_range.start, ev.time_range.end))
+                spans.append((ev.time_range.start, ev.time_range.end, ev.name[:60]))
     return kern
+
+
+def print_gaps(spans, steps: int, top: int = 12, least_us: float = 50.0):
+    """Where the GPU waited (for the host, mostly): idle gaps of at least ``least_us`` between
+    kernels, per step, the longest with the kernels either side."""
+    spans = sorted(spans)
+    gaps, end, last = [], -float("inf"), None
+    for a, b, name in spans:
+        if last is not None and a - end >= least_us:
+            gaps.append((a - end, last, name))
+        if b > end:
+            end, last = b, name
+    total = sum(g for g, _, _ in gaps)
+    print(f"GPU idle in gaps of >= {least_us:.0f} us: {total / steps / 1e3:.2f} ms per step, "
+          f"{len(gaps) / steps:.1f} gaps per step", flush=True)
+    for g, before, after in sorted(gaps, reverse=True)[:top]:
+        print(f"  {g / 1e3:7.3f} ms after {before} | before {after}")
 
 
 def profile(model, cache, steps: int, spans: list | None = None):
@@ -69,11 +86,16 @@ def main():
             cache = tiered_caches(model, seed, args.context, args.budget,
                                   dict(calibration_tokens=2048, host_keys=not args.no_host_keys))
         ms, _, _ = time_decode(model, cache, 6, args.warmup)
-        kern = profile(model, cache, args.steps)
+        from device_probe import busy  # (device_probe imports this module)
+
+        spans = []
+        kern = profile(model, cache, args.steps, spans)
         n = sum(c for c, _ in kern.values()) / args.steps
         t = sum(us for _, us in kern.values()) / args.steps / 1e3
         print(f"\n== {method} {args.model} {args.context}: {ms:.2f} ms/token wall; "
-              f"{n:.0f} kernels/step, {t:.2f} ms kernel time/step", flush=True)
+              f"{n:.0f} kernels/step, {t:.2f} ms kernel time/step, "
+              f"{busy(spans) / args.steps / 1e3:.2f} ms with the GPU busy", flush=True)
+        print_gaps(spans, args.steps)
         rows = sorted(kern.items(), key=lambda kv: -kv[1][1])[: args.top]
         for name, (c, us) in rows:
             print(f"{us / args.steps / 1e3:8.3f} ms {c / args.steps:6.1f}x  {name}")

@@ -74,7 +74,7 @@ def measure(name, model, cache, args):
 def busy(spans) -> float:
     """Microseconds covered by the union of (start, end) spans."""
     total, end = 0.0, -float("inf")
-    for a, b in sorted(spans):
+    for a, b, *_ in sorted(spans):
         if b > end:
             total += b - max(a, end)
             end = b
