@@ -145,7 +145,18 @@ def synthetic(layers, sensitive):
                         output_error=err, entropy=[0.5] * layers)
 
 
-def test_layer_aware_cache_stays_within_budget(small, tmp_path):
+def test_layer_aware_cache_stays_within_budget(small, tmp_path, monkeypatch):
+    from tiered import compressed, ops
+
+    seen = []
+    join = ops.with_host_sinks
+
+    def spy(idx, count, sinks, exclude=None, extra=None):
+        out, got = join(idx, count, sinks, exclude, extra)
+        seen.append((extra, out, got))
+        return out, got
+
+    monkeypatch.setattr(ops, "with_host_sinks", spy)
     path = save_profile(synthetic(3, sensitive=(1,)), str(tmp_path / "profile.json"))
     cache = tiered.TieredCache.for_model(small, 0.03125, planner="layers", layer_profile=path)
     ctx = cache.context
@@ -159,14 +170,22 @@ def test_layer_aware_cache_stays_within_budget(small, tmp_path):
     assert rep["phases"] == ["compressed"]
     assert rep["bytes"]["accelerator"] <= rep["budget_bytes"]
     groups = {i: p.groups for i, p in ctx.layer_plans.items()}
-    # the sensitive layer gets the finest codes of the plan (every layer offloaded at 1/32:
-    # per-group books, which leave fewer bytes to the codes than shared ones)
-    assert groups[1] == max(groups.values()) > min(groups.values())
+    assert groups[1] == 16 and min(groups.values()) < 16  # the sensitive layer's finest codes
+    # every layer offloaded: each step's selection holds the host sinks and the layer's
+    # worst-coded tokens (issue 25)
+    assert len(seen) == 4 * len(ctx.tiered_layers)
+    for extra, out, got in seen:
+        assert extra.shape[1] == compressed.HOST_OUTLIERS
+        for h in range(out.shape[0]):
+            row = set(out[h, : got[h]].tolist())
+            assert set(range(4)) <= row and set(extra[h][extra[h] >= 0].tolist()) <= row
     assert "layer-aware" in tiered.report(cache)
     # a saved cache comes back with each layer's own plan
     cache.save(str(tmp_path / "saved"), small)
     again = tiered.TieredCacheList.load(str(tmp_path / "saved"), small)
     assert {c.layer: c.compressed.plan.groups for c in again} == groups
+    for a, b in zip(cache, again):  # the outliers come back too
+        assert (a.compressed._host_outliers == b.compressed._host_outliers).all()
     cache.close()
     again.close()
 
@@ -247,3 +266,29 @@ def test_find_profile_order_and_the_shipped_one(small, embedded, tmp_path, monke
     prof = LP.find_profile(model, tiered.TieredConfig(cache_dir=str(tmp_path / "empty")))
     assert prof is not None and prof.model_id == model_fingerprint(model)
     assert prof.layers == len(model.layers)
+
+
+def test_outliers_of_prompt_chunks_are_those_of_the_whole_prompt():
+    """The worst-coded tokens kept chunk by chunk (CompressedLayer._note_outliers) are the
+    HOST_OUTLIERS worst of all the tokens seen, as one pass over them all finds them."""
+    from types import SimpleNamespace
+
+    from tiered import compressed
+    from tiered.keys import CodebookKeys
+
+    rng = np.random.default_rng(5)
+    H, n, d = 2, 400, 16
+    book = rng.normal(size=(H, 1, 16, 4)).astype(np.float32)
+    keys = rng.normal(size=(H, n, d)).astype(np.float32) * rng.uniform(0.5, 2, size=(1, n, 1))
+    plan = SimpleNamespace(keep_values_resident=False, sinks=4)
+    whole = CodebookKeys(H, book, 512, 8, numpy_path=True)
+    whole.append(mx.array(keys), 0)
+    ref, _ = whole.worst_coded(mx.array(keys), compressed.HOST_OUTLIERS)
+    layer = SimpleNamespace(plan=plan, keys=CodebookKeys(H, book, 512, 8, numpy_path=True),
+                            _host_outliers=None, _outlier_err=None)
+    for a, b in ((0, 150), (150, 151), (151, 400)):
+        chunk = mx.array(keys[:, a:b])
+        layer.keys.append(chunk, a)
+        compressed.CompressedLayer._note_outliers(layer, chunk, a)
+    assert layer._host_outliers.tolist() == ref.tolist()
+    assert (np.diff(layer._host_outliers, axis=1) > 0).all()

@@ -41,6 +41,15 @@ from .planner import Plan, capacity
 from .resident import ResidentSet
 
 
+# Tokens per kv head whose codes miss their keys the most: in the offloaded layout with host
+# sinks (the layer-aware planner's), they join every selection like the sinks (gathered and
+# rescored from the host; no accelerator bytes). Issue 25: at 1/32 of the fp32 SmolLM2-135M
+# the shared 256-centroid books misplace rare keys such as a passkey's digits, and the tau
+# selection missed them; per-group books (3f4a8e6) found them but took half the budget in
+# books, so coarser codes, and lost key-value answers. See docs/accuracy-grid.md.
+HOST_OUTLIERS = 128
+
+
 class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, CompressedState):
     def __init__(self, parent, plan: Plan, keys_store, capacity: int):
         self.parent = parent
@@ -56,6 +65,7 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         self.S, self.W = plan.sinks, plan.recent
         self.S_eff = self.W_eff = 0
         self.flags = self.heavy = None
+        self._host_outliers = self._outlier_err = None  # see _note_outliers
         self._tables = None  # the device path's tables once a step took it (tiered.device_decode)
         self._compile_ok = None  # whether its step runs compiled (tiered.device_compiled)
         self._alloc(capacity)
@@ -164,6 +174,7 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         self.scale = scale
         store.append(keys[0], 0)
         self.n = n
+        self._note_outliers(keys[0], 0)
         self.journal = undo.Journal(n, parent.config.undo_tokens)
         # Heavy hitters seeded from the prefill's attention (tiered.ops.h2o_seed).
         if self.heavy is not None and seed is not None:
@@ -184,6 +195,23 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
                     *[a for a in (self.local_k, self.local_v) if a is not None])
         return self
 
+
+    def _note_outliers(self, keys: mx.array, n0: int):
+        """Keep the HOST_OUTLIERS worst-coded tokens per head (``_host_outliers``, read by
+        DecodePaths._host_sinks) among those so far and ``keys`` (H, L, d) written at n0."""
+        plan = self.plan
+        if not HOST_OUTLIERS or plan.keep_values_resident or not plan.sinks or not hasattr(
+                self.keys, "worst_coded"):
+            return
+        ids, err = self.keys.worst_coded(keys, HOST_OUTLIERS, n0)
+        if self._host_outliers is not None:
+            ids = np.concatenate([self._host_outliers, ids], axis=1)
+            err = np.concatenate([self._outlier_err, err], axis=1)
+            top = np.argsort(-err, axis=1, kind="stable")[:, :HOST_OUTLIERS]
+            ids, err = np.take_along_axis(ids, top, 1), np.take_along_axis(err, top, 1)
+            order = np.argsort(ids, axis=1)
+            ids, err = np.take_along_axis(ids, order, 1), np.take_along_axis(err, order, 1)
+        self._host_outliers, self._outlier_err = ids, err
 
     # ---- appends ---------------------------------------------------------------------------
     def append(self, keys: mx.array, values: mx.array):
@@ -206,6 +234,8 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
                 self.keys.append(k0, n0)
         else:
             self.keys.append(k0, n0)
+        if L > 1:  # a prompt chunk (decode steps' tokens are not searched)
+            self._note_outliers(k0, n0)
         self.n = n0 + L  # new tokens' accumulators start at 0 (fresh buffers are zeroed)
         if self.heavy is not None:
             self.heavy.clear(n0, L)

@@ -92,6 +92,8 @@ class CompressedState:
         }
         if self.heavy is not None:
             st["acc"] = self.heavy.acc[:, :n]
+        if self._host_outliers is not None:
+            st["outliers"] = [mx.array(self._host_outliers), mx.array(self._outlier_err)]
         if self.anchor_k is not None:  # block-wise prefill in progress: its blocks travel too
             st["anchor"] = [self.anchor_k, self.anchor_v]
         if self.local_k is not None:
@@ -125,6 +127,9 @@ class CompressedState:
         self.S_eff, self.W_eff = (int(x) for x in st["layout"])
         self._set_resident(mx.array(st["res_k"]), mx.array(st["res_v"]),
                            np.array(st["res_tok"]).astype(np.int32))
+        if "outliers" in st:
+            self._host_outliers = np.array(st["outliers"][0]).astype(np.int32)
+            self._outlier_err = np.array(st["outliers"][1]).astype(np.float32)
         if "anchor" in st:
             self.anchor_k, self.anchor_v = st["anchor"]
         if "local" in st:

@@ -54,11 +54,15 @@ class DecodePaths:
         tokens' weight never hangs on how well the codes score them. Measured at 1/32 of the
         fp32 SmolLM2-135M (per-group codebooks, 2 pydoc documents of 256 scored tokens):
         perplexity 21.07 / 18.71 without them, 15.76 / 14.27 with them (the full cache
-        14.35 / 13.64). The resident layout holds its sinks on the accelerator instead."""
+        14.35 / 13.64). The resident layout holds its sinks on the accelerator instead.
+        The worst-coded tokens (``tiered.compressed.HOST_OUTLIERS`` per head) join too."""
         s = min(self.plan.sinks, self.n - self.W_eff)  # not the ring's (resident) tokens
         if self.plan.keep_values_resident or s <= 0:
             return idx, count
-        return ops.with_host_sinks(idx, count, s, exclude)
+        extra = self._host_outliers
+        if extra is not None:  # not the ring's tokens either (its ids are n - W_eff and past)
+            extra = np.where(extra < self.n - self.W_eff, extra, -1)
+        return ops.with_host_sinks(idx, count, s, exclude, extra)
 
     def _decode_numpy(self, queries, scale, sinks):
         """One query on the CPU backend: Numba kernels on zero-copy views. The CPU workers

@@ -77,6 +77,22 @@ class CodebookKeys:
         else:
             self.codes[:, n0 : n0 + L] = encode_mx(keys[None].astype(mx.float32), self.codebook)
 
+    def worst_coded(self, keys: mx.array, m: int, n0: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """The ``m`` tokens per head of ``keys`` (H, L, d), written at token ``n0``, whose codes
+        miss their keys the most: ((H, m) token ids, ascending; (H, m) their squared errors)."""
+        H, L, d = keys.shape
+        m = min(m, L)
+        book = self._codebook_np  # (H, Gc, c, ds)
+        ds = book.shape[3]
+        g = d // ds
+        codes = np.array(self.codes[:, n0 : n0 + L]).astype(np.int64)  # (H, L, g)
+        gi = np.arange(g) if book.shape[1] > 1 else np.zeros(g, np.int64)
+        rec = book[np.arange(H)[:, None, None], gi[None, None, :], codes]  # (H, L, g, ds)
+        k = np.array(keys.astype(mx.float32)).reshape(H, L, g, ds)
+        err = ((k - rec) ** 2).sum(axis=(2, 3))
+        top = np.sort(np.argpartition(-err, m - 1, axis=1)[:, :m], axis=1)
+        return (top + n0).astype(np.int32), np.take_along_axis(err, top, 1).astype(np.float32)
+
     def sq_norms(self) -> mx.array:
         """The centroids' squared norms (H, Gc, c), kept (tiered.device_encode)."""
         if getattr(self, "_sq_norms", None) is None or self._sq_norms[0] is not self.codebook:

@@ -42,14 +42,11 @@ class _Option:
     codebook: int  # bytes per layer
 
 
-def _options(geometry: Geometry, config, groups_list, layer_budget: float,
-             per_group_default: bool | None = None) -> list[_Option]:
+def _options(geometry: Geometry, config, groups_list, layer_budget: float) -> list[_Option]:
     g = geometry
     out = []
     for groups in groups_list:
         per_group = config.codebook_per_group
-        if per_group is None:
-            per_group = per_group_default
         c_pg = config.codebook_size or 64
         book_pg = g.kv_heads * groups * c_pg * (g.k_dim // groups) * 4
         if per_group is None:
@@ -64,34 +61,19 @@ def allocate(geometry: Geometry, config, profile, n: int, horizon: int):
     """Per tiered layer: (option index, resident layout?, bytes given) at n tokens, or None
     when the budget cannot hold even the coarsest offloaded layout. See the module docstring.
 
-    Where no layer gets a resident set (every value on the host) and the per-group codebooks
-    fit, every layer takes them (``codebook_per_group=None``). At 1/32 of the fp32
-    SmolLM2-135M at 2k tokens (passkey documents 0-11 of bench/accuracy_grid.py) the shared
-    books kept 0.10-0.35 of the digits' attention mass in the layers that read them (7, 14,
-    17, 18) where passkeys failed, and answered 5/12; per-group books with host sinks (see
-    :meth:`tiered.decode_paths.DecodePaths._host_sinks`) answered 11/12 at the same bytes.
-    The profile, measured with shared books on natural text, does not see such rare keys."""
+    Every layer offloaded (1/32 at 2k tokens) keeps the shared books: per-group ones there
+    (3f4a8e6) took about half of the budget, most layers fell from 8 to 4 code bytes per token,
+    and key-value retrieval answered 8 of 24 documents against 12. The rare keys they were for
+    join the selection from the host instead (tiered.compressed.HOST_OUTLIERS; issue 25)."""
     g = geometry
+    L = g.layers
     probe = Plan(geometry=g, budget=config.gpu_budget, method="tiered", codec="codebook",
                  step=config.step)
     total = probe.budget_bytes(n) - probe.workspace_bytes(n)
     groups_list = [x for x in profile.groups if g.k_dim % x == 0]
     if config.codebook_groups is not None:
         groups_list = [config.codebook_groups]
-    got = _allocate(g, config, profile, n, horizon, total, groups_list, None)
-    if got is None or config.codebook_per_group is not None or got[1].any():
-        return got
-    if all(o.per_group for o in got[3]):
-        return got
-    per_group = _allocate(g, config, profile, n, horizon, total, groups_list, True)
-    if per_group is None or per_group[1].any():
-        return got
-    return per_group
-
-
-def _allocate(g: Geometry, config, profile, n, horizon, total, groups_list, per_group):
-    L = g.layers
-    opts = _options(g, config, groups_list, total / max(L, 1), per_group)
+    opts = _options(g, config, groups_list, total / max(L, 1))
     cap = capacity(n + horizon, config.step)
     res_bytes = g.full_token_head_bytes + 4
     offl = np.array([g.kv_heads * (cap * (o.code_bytes + 1) + res_bytes) + o.codebook

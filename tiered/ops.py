@@ -216,19 +216,25 @@ def select(z, n, exclude, tau, cap, floor):
     return K.tau_select(z, n, exclude, tau, cap, floor, with_stats=True)
 
 
-def with_host_sinks(idx: np.ndarray, count: np.ndarray, sinks: int, exclude=None):
+def with_host_sinks(idx: np.ndarray, count: np.ndarray, sinks: int, exclude=None,
+                    extra: np.ndarray | None = None):
     """A selection (idx (H, cap) ascending, -1 past count (H,)) that also holds the first
     ``sinks`` tokens of every kv head, except those ``exclude`` (H, >= sinks) flags as resident:
     the offloaded layout's sinks, gathered and rescored from the host with the rest (no
-    accelerator bytes). Returns new (idx (H, cap + sinks), count)."""
+    accelerator bytes). ``extra`` (H, m): more tokens per head to join (ids >= 0, none of
+    them resident; -1: none). Returns new (idx (H, cap + sinks + m), count)."""
     H, cap = idx.shape
+    m = 0 if extra is None else extra.shape[1]
     first = np.arange(sinks, dtype=np.int32)
-    out = np.full((H, cap + sinks), -1, np.int32)
+    out = np.full((H, cap + sinks + m), -1, np.int32)
     got = np.zeros(H, np.int32)
     for h in range(H):
         head = first if exclude is None else first[exclude[h, :sinks] == 0]
         sel = idx[h, : count[h]]
         row = np.concatenate([head, sel[sel >= sinks]])
+        if m:
+            more = extra[h][extra[h] >= sinks]
+            row = np.union1d(row, more).astype(np.int32)
         out[h, : row.size] = row
         got[h] = row.size
     return out, got
