@@ -292,3 +292,27 @@ def test_outliers_of_prompt_chunks_are_those_of_the_whole_prompt():
         compressed.CompressedLayer._note_outliers(layer, chunk, a)
     assert layer._host_outliers.tolist() == ref.tolist()
     assert (np.diff(layer._host_outliers, axis=1) > 0).all()
+
+
+def test_outliers_are_not_searched_where_the_device_step_decodes(monkeypatch):
+    """On CUDA the device step reads neither the host sinks nor the outliers: no chunk's codes
+    and keys are read back to find them (they stay None)."""
+    from types import SimpleNamespace
+
+    from tiered import compressed, uva
+    from tiered.keys import CodebookKeys
+
+    rng = np.random.default_rng(6)
+    H, n = 2, 200
+    book = rng.normal(size=(H, 1, 16, 4)).astype(np.float32)
+    keys = mx.array(rng.normal(size=(H, n, 16)).astype(np.float32))
+    layer = SimpleNamespace(plan=SimpleNamespace(keep_values_resident=False, sinks=4),
+                            keys=CodebookKeys(H, book, 512, 8, numpy_path=True),
+                            _host_outliers=None, _outlier_err=None)
+    layer.keys.append(keys, 0)
+    monkeypatch.setattr(uva, "available", lambda: True)
+    compressed.CompressedLayer._note_outliers(layer, keys, 0)
+    assert layer._host_outliers is None
+    monkeypatch.setattr(uva, "available", lambda: False)
+    compressed.CompressedLayer._note_outliers(layer, keys, 0)
+    assert layer._host_outliers.shape == (H, compressed.HOST_OUTLIERS)

@@ -30,7 +30,7 @@ import numpy as np
 
 from tiered import metal
 
-from . import device_append, device_decode, device_step, dispatch, ops, undo
+from . import device_append, device_decode, device_step, dispatch, ops, undo, uva
 from .chunked import ChunkAttention
 from .compressed_state import CompressedState
 from .decode_paths import DecodePaths
@@ -203,6 +203,8 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         if not HOST_OUTLIERS or plan.keep_values_resident or not plan.sinks or not hasattr(
                 self.keys, "worst_coded"):
             return
+        if uva.available():  # CUDA: the device step reads neither them nor the host sinks,
+            return  # and finding them read every chunk's codes and keys back to the host
         ids, err = self.keys.worst_coded(keys, HOST_OUTLIERS, n0)
         if self._host_outliers is not None:
             ids = np.concatenate([self._host_outliers, ids], axis=1)
