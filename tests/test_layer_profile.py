@@ -146,7 +146,7 @@ def synthetic(layers, sensitive):
 
 
 def test_layer_aware_cache_stays_within_budget(small, tmp_path, monkeypatch):
-    from tiered import compressed, ops
+    from tiered import compressed, ops, uva
 
     seen = []
     join = ops.with_host_sinks
@@ -172,9 +172,10 @@ def test_layer_aware_cache_stays_within_budget(small, tmp_path, monkeypatch):
     groups = {i: p.groups for i, p in ctx.layer_plans.items()}
     assert groups[1] == 16 and min(groups.values()) < 16  # the sensitive layer's finest codes
     # every layer offloaded: each step's selection holds the host sinks and the layer's
-    # worst-coded tokens (issue 25)
-    assert len(seen) == 4 * len(ctx.tiered_layers)
-    for extra, out, got in seen:
+    # worst-coded tokens (issue 25; not on CUDA, whose device step joins neither)
+    host_path = not uva.available()
+    assert len(seen) == 4 * len(ctx.tiered_layers) or not host_path
+    for extra, out, got in seen if host_path else ():
         assert extra.shape[1] == compressed.HOST_OUTLIERS
         for h in range(out.shape[0]):
             row = set(out[h, : got[h]].tolist())
@@ -185,7 +186,10 @@ def test_layer_aware_cache_stays_within_budget(small, tmp_path, monkeypatch):
     again = tiered.TieredCacheList.load(str(tmp_path / "saved"), small)
     assert {c.layer: c.compressed.plan.groups for c in again} == groups
     for a, b in zip(cache, again):  # the outliers come back too
-        assert (a.compressed._host_outliers == b.compressed._host_outliers).all()
+        if host_path:
+            assert (a.compressed._host_outliers == b.compressed._host_outliers).all()
+        else:
+            assert a.compressed._host_outliers is b.compressed._host_outliers is None
     cache.close()
     again.close()
 
@@ -268,13 +272,15 @@ def test_find_profile_order_and_the_shipped_one(small, embedded, tmp_path, monke
     assert prof.layers == len(model.layers)
 
 
-def test_outliers_of_prompt_chunks_are_those_of_the_whole_prompt():
+def test_outliers_of_prompt_chunks_are_those_of_the_whole_prompt(monkeypatch):
     """The worst-coded tokens kept chunk by chunk (CompressedLayer._note_outliers) are the
     HOST_OUTLIERS worst of all the tokens seen, as one pass over them all finds them."""
     from types import SimpleNamespace
 
-    from tiered import compressed
+    from tiered import compressed, uva
     from tiered.keys import CodebookKeys
+
+    monkeypatch.setattr(uva, "available", lambda: False)  # where they are searched
 
     rng = np.random.default_rng(5)
     H, n, d = 2, 400, 16
