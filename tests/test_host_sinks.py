@@ -44,6 +44,12 @@ def test_host_outliers_join_the_selection_once_in_order():
     assert out[0, : got[0]].tolist() == [0, 1, 2, 3, 7, 9, 12]
     assert out[1, : got[1]].tolist() == [0, 1, 2, 3, 5, 30]
     assert (out[0, got[0]:] == -1).all() and (out[1, got[1]:] == -1).all()
+    # a resident outlier stays out (attended from the resident set, not twice)
+    flags = np.zeros((2, 40), np.uint8)
+    flags[0, 12] = flags[1, 30] = 1
+    out, got = ops.with_host_sinks(idx, count, 4, flags, extra)
+    assert out[0, : got[0]].tolist() == [0, 1, 2, 3, 7, 9]
+    assert out[1, : got[1]].tolist() == [0, 1, 2, 3, 5]
 
 
 def _reference_worst(keys, book, codes, m):

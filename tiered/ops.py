@@ -221,8 +221,8 @@ def with_host_sinks(idx: np.ndarray, count: np.ndarray, sinks: int, exclude=None
     """A selection (idx (H, cap) ascending, -1 past count (H,)) that also holds the first
     ``sinks`` tokens of every kv head, except those ``exclude`` (H, >= sinks) flags as resident:
     the offloaded layout's sinks, gathered and rescored from the host with the rest (no
-    accelerator bytes). ``extra`` (H, m): more tokens per head to join (ids >= 0, none of
-    them resident; -1: none). Returns new (idx (H, cap + sinks + m), count)."""
+    accelerator bytes). ``extra`` (H, m): more tokens per head to join (-1: none; those
+    ``exclude`` flags are left out too). Returns new (idx (H, cap + sinks + m), count)."""
     H, cap = idx.shape
     m = 0 if extra is None else extra.shape[1]
     first = np.arange(sinks, dtype=np.int32)
@@ -234,6 +234,8 @@ def with_host_sinks(idx: np.ndarray, count: np.ndarray, sinks: int, exclude=None
         row = np.concatenate([head, sel[sel >= sinks]])
         if m:
             more = extra[h][extra[h] >= sinks]
+            if exclude is not None:  # a resident token is attended there, not twice
+                more = more[exclude[h, more] == 0]
             row = np.union1d(row, more).astype(np.int32)
         out[h, : row.size] = row
         got[h] = row.size
