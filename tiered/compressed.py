@@ -256,7 +256,8 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         tok = self._res_tok_np
         first = max(n0, n0 + L - W)
         slots = np.array([S + (t % W) for t in range(first, n0 + L)], np.int32)
-        self.journal.record(n0 + L, "append", (n0, slots) + undo.ring_rows(self, slots))
+        rows = undo.ring_rows(self, slots, step=L == 1)
+        self.journal.record(n0 + L, "append", (n0, slots) + rows)
         old = tok[:, slots].copy()
         new = np.arange(first, n0 + L, dtype=np.int32)
         # On an accelerator each array made from host values costs a host-to-device transfer
@@ -269,6 +270,8 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         v_new = v[:, first - n0 :].astype(self.dtype)
         self.res_k[:, idx] = k_new
         self.res_v[:, idx] = v_new
+        if L > 1 and not self.numpy_path:  # evaluated with the ring: with the layer's state
+            self.res_k, self.res_v = mx.depends([self.res_k, self.res_v], list(rows[1:]))
         if L == 1 and not self.numpy_path:
             self.ring_src[n0] = (k_new, v_new)
         tok[:, slots] = new

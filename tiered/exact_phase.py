@@ -124,6 +124,9 @@ class ExactPhase:
             pad = mass.shape[1] - dev.shape[1]
             mass = mass + (mx.pad(dev, [(0, 0), (0, pad)]) if pad > 0 else dev[:, : mass.shape[1]])
         self._colmass_dev = mass
+        # evaluated with the keys (the layer's state, whoever evaluates it: tiered's prefill
+        # or mlx-lm's): left lazy, the sum held every chunk's queries and keys until compression
+        self.keys = mx.depends(self.keys, mass)
 
     def _column_mass(self, n: int):
         """The exported per-key attention mass buffer (H, >= n), on the host."""

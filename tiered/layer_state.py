@@ -99,16 +99,9 @@ def lazy_arrays(layer, door: bool = True) -> list:
     if layer.geometry is None:
         return []
     if layer.phase == "exact":
-        dev = layer.__dict__.get("_colmass_dev")  # the seed's mass, summed on the device
-        return [a for a in (layer.keys, layer.values, layer._obs, dev) if a is not None]
+        return [a for a in (layer.keys, layer.values, layer._obs) if a is not None]
     layer.flush(door)
-    # with what a decode step would have evaluated: the ring rows a chunk's inserts journal
-    # (tiered.undo.ring_rows) wait there on accelerators, and no step comes during a prefill.
-    # Left lazy, each held the ring's whole buffer as of its chunk: ~50 KB per token of a
-    # Llama-3-8B, 47 GiB at 1M tokens on an H200, which pushed MLX past its memory limit.
-    later = layer.compressed._take_later()
-    return [a for _, a in tree_flatten(layer.compressed.state())
-            if isinstance(a, mx.array)] + later
+    return [a for _, a in tree_flatten(layer.compressed.state()) if isinstance(a, mx.array)]
 
 
 def restore(layer, st, context=None):

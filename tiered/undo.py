@@ -83,7 +83,7 @@ def shared_run(tokens: np.ndarray):
     return slice(int(row[0]), int(row[-1]) + 1)
 
 
-def ring_rows(layer, slots) -> tuple:
+def ring_rows(layer, slots, step: bool = True) -> tuple:
     """What a ring insert into ``slots`` overwrites: token ids (H, m) and K/V rows (H, m, d).
 
     A ring slot holding token t holds t's own K/V rows, so on an accelerator a decode token
@@ -94,7 +94,12 @@ def ring_rows(layer, slots) -> tuple:
     a view) shares res_k / res_v's buffer until an undo that rarely comes, so the insert that
     follows could not update them in place and copied them in full every step (MLX CPU,
     3 x 8192 x 64 float32: 2.8-5.2 ms per update instead of 0.13-0.4), and the journal kept up
-    to undo_tokens old copies alive."""
+    to undo_tokens old copies alive.
+
+    ``step``: a decode token's insert (its copies wait in ``layer._later`` for the step); a
+    prompt chunk's copies are the caller's to tie to the ring (CompressedLayer._ring_insert):
+    no step comes during a prompt, and held lazy, each kept the ring's buffer as of its chunk
+    (47 GiB of a 1M-token prefill of a Llama-3-8B on an H200)."""
     old_tok = layer._res_tok_np[:, slots].copy()
     t = int(old_tok[0, 0]) if old_tok.size else -1
     if len(slots) == 1 and t in layer.ring_src and np.all(old_tok == t):
@@ -103,7 +108,7 @@ def ring_rows(layer, slots) -> tuple:
     k, v = mx.array(layer.res_k[:, idx]), mx.array(layer.res_v[:, idx])
     if layer.numpy_path:
         dispatch.eval(k, v)
-    else:  # evaluated with the layer's next step (CompressedLayer._later): no hand-off
+    elif step:  # evaluated with the layer's next step (CompressedLayer._later): no hand-off
         layer._later += [k, v]
     return old_tok, k, v
 
