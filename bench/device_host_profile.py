@@ -66,6 +66,7 @@ def main():
     device_profile_args(ap, 10)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--sort", default="tottime", help="pstats key (tottime, cumulative)")
+    ap.add_argument("--dump", default="", help="also write the cProfile stats to this file")
     args = ap.parse_args()
     model, _ = build_model(args.model, mx.float16)
     seed = seed_kv(model, None, 2048)
@@ -98,6 +99,8 @@ def main():
         y = mx.argmax(model(y, cache=cache)[:, -1], axis=-1)[:, None]
         mx.eval(y)
     prof.disable()
+    if args.dump:
+        prof.dump_stats(args.dump)
     st = pstats.Stats(prof)
     st.sort_stats(args.sort).print_stats(args.top)
     cache.close()

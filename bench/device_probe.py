@@ -95,15 +95,22 @@ def main():
     ap.add_argument("--no-ops", action="store_true", help="skip counting the graph's primitives")
     ap.add_argument("--spy", default="")
     ap.add_argument("--spy-seconds", type=float, default=12)
+    ap.add_argument("--option", action="append", default=[], metavar="NAME=INT",
+                    help="a TieredCache.for_model option (integer), e.g. refresh_every=100000")
     args = ap.parse_args()
+    options = dict(calibration_tokens=2048)
+    for o in args.option:
+        name, _, value = o.partition("=")
+        options[name] = int(value)
     model, _ = build_model(args.model, mx.float16)
     seed = seed_kv(model, None, 2048)
     if args.kv:
         kv = kv_caches(seed, args.context)
         measure("KVCache", model, kv, dict_args(args, warmup=5))
         del kv
-    cache = tiered_caches(model, seed, args.context, args.budget, dict(calibration_tokens=2048))
-    print(f"tiered at {common.run_commit()}: compressed at the first warm-up step", flush=True)
+    cache = tiered_caches(model, seed, args.context, args.budget, options)
+    print(f"tiered at {common.run_commit()} {options}: compressed at the first warm-up step",
+          flush=True)
     measure("tiered", model, cache, args)
     cache.close()
 
