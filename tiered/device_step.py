@@ -114,6 +114,14 @@ def _finish(layer, queries, o, mass, mean_count, marks, writes):
     # next layers (tiered.dispatch)
     threaded = layer.steps > 1 and dispatch.on_shared_stream()
     every = DISPATCH_EVERY if threaded else ASYNC_EVERY
-    if every and (layer.parent.layer + 1) % every == 0:
-        (dispatch.submit if threaded else dispatch.async_eval)(out)
+    turn = every and (layer.parent.layer + 1) % every == 0
+    heavy = layer.heavy
+    if threaded and (turn or heavy is not None and heavy.awaiting_handoff()):
+        # a refresh's prefetched ids go in this submission, out of turn if need be: their
+        # read at the layer's next change then needs no drain (HeavyHitters.handed_with)
+        done = dispatch.submit(out)
+        if heavy is not None:
+            heavy.handed_with(done)
+    elif turn:
+        dispatch.async_eval(out)
     return out

@@ -198,6 +198,15 @@ def wait_handed(done: threading.Event) -> None:
     DISPATCHER.wait_handed(done)
 
 
+def handed(done: threading.Event | None) -> bool:
+    """Whether the submission that returned ``done`` was handed to the device without error:
+    its arrays are scheduled, and reading one waits only for the device (``array::eval`` of
+    a scheduled array waits for its event and encodes nothing), not for the submissions
+    queued after it (:func:`drain`)."""
+    d = DISPATCHER
+    return done is not None and done.is_set() and d._error is None and not d._left
+
+
 def drain() -> None:
     """Nothing of tiered's is being dispatched on another thread after this returns."""
     DISPATCHER.drain()
