@@ -69,6 +69,38 @@ def _match(old, new, scratch, src, prom, dem, dem_tok, changes, counts):
     counts[2, 0] = c
 
 
+@kernel("void(int32[:, ::1], int64, int32[:, ::1], int64[::1], int32[:, ::1], int64[::1], "
+        "int32[:, ::1], int32[:, ::1], int32[:, ::1], int32[:, ::1])")
+def _place(old, fixed, prom, pcount, dem, dcount, tgt, tok, kind, new):
+    H, R = old.shape
+    m = tgt.shape[1]
+    for h in range(H):
+        for j in range(R):
+            new[h, j] = old[h, j]
+        p, d = pcount[h], dcount[h]
+        e = 0  # entries so far: the freed slots (demoted ones first, then empty ones) in order
+        for i in range(d):
+            s = dem[h, i]
+            tgt[h, e] = s
+            tok[h, e] = prom[h, e] if e < p else -1
+            kind[h, e] = 0 if e < p else 1
+            new[h, s] = tok[h, e]
+            e += 1
+        for j in range(fixed, R):
+            if e >= p:
+                break
+            if old[h, j] < 0:
+                tgt[h, e] = j
+                tok[h, e] = prom[h, e]
+                kind[h, e] = 0
+                new[h, j] = prom[h, e]
+                e += 1
+        for i in range(e, m):  # padding: slot 0 (fixed, never an entry) rewritten as it is
+            tgt[h, i] = 0
+            tok[h, i] = old[h, 0]
+            kind[h, i] = 2
+
+
 _lock = threading.Lock()
 _scratch = np.full(0, -1, np.int32)
 
@@ -108,6 +140,29 @@ class Swap:
         self.demoted_slots = dem[:, :md]
         self.demoted = dem_tok[:, :md]
         self._changes = changes[:, : int(counts[2, 0])]
+
+    def in_place(self, old: np.ndarray, fixed: int):
+        """The same refresh as writes into the old layout: each promoted token takes a freed
+        slot (a demoted token's, in order, then an empty one past the ``fixed`` slots: the
+        sinks and the ring, which every refresh keeps), demoted slots left over become empty.
+        Returns (slots, tokens, kind, new layout): per head the entries' slots and tokens
+        (H, m) and kind 0 (a promoted token's row, ``promoted[h, i]`` for entry i), 1 (an
+        emptied slot: a zero row, token -1) or 2 (padding: slot 0 written as it is), and the
+        new token ids (H, R). m is the most entries of a head (at least 1)."""
+        old = np.ascontiguousarray(old, np.int32)
+        H = old.shape[0]
+        p, d = self.promoted_count, self.demoted_count
+        m = max(1, int(np.maximum(p, d).max(initial=0)))
+        prom = np.full((H, m), -1, np.int32)
+        prom[:, : self.promoted.shape[1]] = self.promoted
+        dem = np.zeros((H, max(1, self.demoted_slots.shape[1])), np.int32)
+        dem[:, : self.demoted_slots.shape[1]] = self.demoted_slots
+        tgt, tok, kind = (np.empty((H, m), np.int32) for _ in range(3))
+        new = np.empty_like(old)
+        _place(old, int(fixed), prom, np.ascontiguousarray(p, np.int64), dem,
+               np.ascontiguousarray(d, np.int64), tgt, tok, kind, new)
+        self.promoted_padded = prom
+        return tgt, tok, kind, new
 
     def flag_changes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(heads, tokens, value) of the resident flags that change: 0 for the demoted tokens,

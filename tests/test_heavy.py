@@ -117,3 +117,42 @@ def test_refresh_without_host_keys_is_skipped_only_where_it_keeps_the_set(monkey
             assert sorted(tf[h][tf[h] >= 0]) == sorted(tb[h][tb[h] >= 0])
     fast.close()
     full.close()
+
+
+@pytest.mark.parametrize("kernels", ["numba", "mlx"])
+def test_refresh_in_place_matches_a_rebuilt_layout(monkeypatch, kernels):
+    """A refresh written into the old layout (ResidentSet._swap_in_place) holds the same
+    tokens and gives the same logits as one that rebuilds the layout, and a trim back across
+    refreshes (the undo journal) restores the same sets."""
+    from mlx_lm.models.cache import trim_prompt_cache
+
+    from conftest import make_small_model
+    from tiered import TieredCache
+    from tiered.resident import ResidentSet
+
+    model = make_small_model("llama-gqa-d64", layers=2, seed=5)
+    prompt = mx.array(np.random.default_rng(8).integers(0, 49152, (1, 400)))
+    opts = dict(gpu_budget=0.25, page_size=64, recent=16, refresh_every=2, kernels=kernels)
+    calls = []
+    in_place = ResidentSet._swap_in_place
+    monkeypatch.setattr(ResidentSet, "_swap_in_place",
+                        lambda self, *a: calls.append(1) or in_place(self, *a))
+    fast = TieredCache.for_model(model, **opts)
+    a = _decode(model, fast, prompt, 30)
+    assert len(calls) >= 20
+    monkeypatch.setattr(ResidentSet, "_in_place_growth", lambda self, tok, S, W: None)
+    full = TieredCache.for_model(model, **opts)
+    b = _decode(model, full, prompt, 30)
+    np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-4)
+
+    def sets(cache):
+        return [[sorted(t[t >= 0].tolist()) for t in np.array(c.compressed.res_tok)]
+                for c in cache]
+
+    assert sets(fast) == sets(full)
+    for cache in (fast, full):
+        trim_prompt_cache(cache, 9)
+    assert sets(fast) == sets(full)
+    fast.close()
+    full.close()
+

@@ -60,3 +60,42 @@ def test_swap_leaves_its_scratch_clean():
     assert sw.promoted.tolist() == [[5]]
     assert sw.src.tolist() == [[1, 0]]
     assert sw.demoted_count.tolist() == [0]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_in_place_keeps_the_kept_slots_and_reaches_the_new_set(seed):
+    """Swap.in_place: applying its entries to the old layout gives a layout holding exactly
+    the new set, with every kept token (and the fixed slots) where it was and each slot
+    written at most once apart from the padding (slot 0 rewritten as it is)."""
+    rng = np.random.default_rng(100 + seed)
+    H, n, fixed = 4, 300, int(rng.integers(1, 5))
+    for _ in range(20):
+        R = int(rng.integers(fixed + 1, 40))
+        old = np.full((H, R), -1, np.int32)
+        new = np.full((H, R), -1, np.int32)
+        for h in range(H):
+            old[h, :fixed] = new[h, :fixed] = np.arange(fixed)
+            pool = rng.permutation(np.arange(fixed, n))
+            k_old = int(rng.integers(0, R - fixed + 1))
+            held = pool[:k_old]
+            kept = held[rng.random(k_old) < 0.5]
+            fresh = pool[k_old : k_old + R - fixed]
+            row = np.concatenate([kept, fresh])[: int(rng.integers(len(kept), R - fixed + 1))]
+            old[h, fixed + rng.choice(R - fixed, k_old, replace=False)] = held
+            new[h, fixed + rng.choice(R - fixed, len(row), replace=False)] = row
+        sw = Swap(old, new)
+        slots, toks, kind, layout = sw.in_place(old, fixed)
+        for h in range(H):
+            got = old[h].copy()
+            real = kind[h] != 2
+            assert len(set(slots[h][real].tolist())) == real.sum()  # no slot written twice
+            assert (slots[h][real] >= fixed).all() and (slots[h][~real] == 0).all()
+            for s, t, k, i in zip(slots[h], toks[h], kind[h], range(slots.shape[1])):
+                if k == 0:
+                    assert t == sw.promoted_padded[h, i] >= 0  # entry i: promoted token i
+                assert (k == 1) == (t < 0 and k != 2)
+                got[s] = got[s] if k == 2 else t
+            np.testing.assert_array_equal(got, layout[h])
+            assert sorted(layout[h][layout[h] >= 0]) == sorted(new[h][new[h] >= 0])
+            stay = np.isin(old[h], new[h]) & (old[h] >= 0)
+            np.testing.assert_array_equal(layout[h][stay], old[h][stay])
