@@ -145,10 +145,11 @@ class Swap:
         """The same refresh as writes into the old layout: each promoted token takes a freed
         slot (a demoted token's, in order, then an empty one past the ``fixed`` slots: the
         sinks and the ring, which every refresh keeps), demoted slots left over become empty.
-        Returns (slots, tokens, kind, new layout): per head the entries' slots and tokens
-        (H, m) and kind 0 (a promoted token's row, ``promoted[h, i]`` for entry i), 1 (an
-        emptied slot: a zero row, token -1) or 2 (padding: slot 0 written as it is), and the
-        new token ids (H, R). m is the most entries of a head (at least 1)."""
+        Returns (slots, tokens, kind, new layout, promoted): per head the entries' slots and
+        tokens (H, m) and kind 0 (a promoted token's row, ``promoted[h, i]`` for entry i), 1
+        (an emptied slot: a zero row, token -1) or 2 (padding: slot 0 written as it is), the
+        new token ids (H, R), and the promoted ids padded with -1 to (H, m). m is the most
+        entries of a head (at least 1)."""
         old = np.ascontiguousarray(old, np.int32)
         H = old.shape[0]
         p, d = self.promoted_count, self.demoted_count
@@ -161,8 +162,7 @@ class Swap:
         new = np.empty_like(old)
         _place(old, int(fixed), prom, np.ascontiguousarray(p, np.int64), dem,
                np.ascontiguousarray(d, np.int64), tgt, tok, kind, new)
-        self.promoted_padded = prom
-        return tgt, tok, kind, new
+        return tgt, tok, kind, new, prom
 
     def flag_changes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(heads, tokens, value) of the resident flags that change: 0 for the demoted tokens,

@@ -84,7 +84,7 @@ def test_in_place_keeps_the_kept_slots_and_reaches_the_new_set(seed):
             old[h, fixed + rng.choice(R - fixed, k_old, replace=False)] = held
             new[h, fixed + rng.choice(R - fixed, len(row), replace=False)] = row
         sw = Swap(old, new)
-        slots, toks, kind, layout = sw.in_place(old, fixed)
+        slots, toks, kind, layout, promoted = sw.in_place(old, fixed)
         for h in range(H):
             got = old[h].copy()
             real = kind[h] != 2
@@ -92,7 +92,7 @@ def test_in_place_keeps_the_kept_slots_and_reaches_the_new_set(seed):
             assert (slots[h][real] >= fixed).all() and (slots[h][~real] == 0).all()
             for s, t, k, i in zip(slots[h], toks[h], kind[h], range(slots.shape[1])):
                 if k == 0:
-                    assert t == sw.promoted_padded[h, i] >= 0  # entry i: promoted token i
+                    assert t == promoted[h, i] >= 0  # entry i: promoted token i
                 assert (k == 1) == (t < 0 and k != 2)
                 got[s] = got[s] if k == 2 else t
             np.testing.assert_array_equal(got, layout[h])

@@ -141,6 +141,13 @@ class Dispatcher:
         if self._error is not None or self._left:
             self.drain()  # raise what failed, or evaluate what it handed back
 
+    def handed(self, done: threading.Event | None) -> bool:
+        """Whether the submission that returned ``done`` was handed to the device without
+        error: its arrays are scheduled, and reading one waits only for the device
+        (``array::eval`` of a scheduled array waits for its event and encodes nothing), not
+        for the submissions queued after it (:meth:`drain`)."""
+        return done is not None and done.is_set() and self._error is None and not self._left
+
     def drain(self) -> None:
         """Wait until everything submitted was handed to the device; raise what the worker
         raised. Arrays it could not take are evaluated here (asynchronously)."""
@@ -199,12 +206,7 @@ def wait_handed(done: threading.Event) -> None:
 
 
 def handed(done: threading.Event | None) -> bool:
-    """Whether the submission that returned ``done`` was handed to the device without error:
-    its arrays are scheduled, and reading one waits only for the device (``array::eval`` of
-    a scheduled array waits for its event and encodes nothing), not for the submissions
-    queued after it (:func:`drain`)."""
-    d = DISPATCHER
-    return done is not None and done.is_set() and d._error is None and not d._left
+    return DISPATCHER.handed(done)
 
 
 def drain() -> None:

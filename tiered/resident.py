@@ -239,11 +239,10 @@ class ResidentSet:
         if grow:
             old = np.concatenate([old, np.full((H, grow), -1, np.int32)], axis=1)
         sw = Swap(old, tok)
-        slots, toks_e, kind, new = sw.in_place(old, fixed)
+        slots, toks_e, kind, new, prom = sw.in_place(old, fixed)
         heads, toks, value = sw.flag_changes()
         slots_d, toks_ed, kind_d, prom_d, pcount_d, dslots_d, heads_d, toks_d, value_d = _upload(
-            [slots, toks_e, kind, sw.promoted_padded, sw.promoted_count, sw.demoted_slots,
-             heads, toks, value])
+            [slots, toks_e, kind, prom, sw.promoted_count, sw.demoted_slots, heads, toks, value])
         # the old set's ids and rows (the demoted slots are below its size)
         journaled = self._journal_refresh(sw, dslots_d, journal)
         if grow:
@@ -253,7 +252,7 @@ class ResidentSet:
         pad = (kind_d == 2)[..., None]
         out = []
         for name, cur in (("keys", res_k), ("values", res_v)):
-            rows = self._promoted_rows(name, sw.promoted_padded, prom_d, pcount_d)
+            rows = self._promoted_rows(name, prom, prom_d, pcount_d)
             # promoted rows (zeros past each head's count: the emptied slots), padding entries
             # rewrite slot 0 as it is
             rows = mx.where(pad, cur[:, :1], rows).astype(self.dtype)
