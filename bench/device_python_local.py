@@ -40,6 +40,8 @@ def fake_cuda():
     ptx_cache.enable(False)  # nothing to compile: the kernels are fakes
     uva.available = lambda: True
     uva.advise_host = lambda view: 0
+    import tiered.staging as staging
+    staging.ENABLED = False  # the page-locked ring needs the CUDA driver: uploads via mx.array
     for mod in list(sys.modules.values()):
         if getattr(mod, "accelerator", None) is build.accelerator:
             mod.accelerator = lambda: "cuda"

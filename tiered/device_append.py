@@ -40,7 +40,7 @@ from collections import OrderedDict
 import mlx.core as mx
 import numpy as np
 
-from . import device_compiled, device_encode, dispatch, undo
+from . import device_compiled, device_encode, dispatch, staging, undo
 from .device_decode import NO_BAD, _kernel, host_mx_dtype
 
 MAX_FUNCTIONS = 16
@@ -154,15 +154,26 @@ def _columns(H: int, g: int, dk: int, dv: int, n0: int, slot: int, gone: int) ->
     got = _COLUMNS.get(key)
     if got is None:
         cols, vals = ([gone, n0], [0, 1]) if gone >= 0 else ([n0], [1])
-        got = tuple(mx.array(a) for a in (
+        got = tuple(staging.upload_many([
             np.full((H, 1, g), n0, np.int32), np.full((H, 1, dk), slot, np.int32),
             np.full((H, 1, dv), slot, np.int32), np.full((H, 1), slot, np.int32),
-            np.full((H, 1), n0, np.int32), np.tile(np.array([cols], np.int32), (H, 1)),
-            np.tile(np.array([vals], np.uint8), (H, 1))))
-        mx.eval(*got)  # made from host values: encodes nothing (no wait for tiered.dispatch)
+            np.full((H, 1), n0, np.int32), np.tile(np.array([cols], np.int32), (H, 1))]))
+        got += (_flag_values(H, tuple(vals)),)
         _COLUMNS[key] = got
         while len(_COLUMNS) > 64:
             _COLUMNS.popitem(last=False)
+    return got
+
+
+_FLAG_VALUES: dict = {}
+
+
+def _flag_values(H: int, vals: tuple) -> mx.array:
+    """The flags' new values (H, len(vals)) uint8: the same every token."""
+    got = _FLAG_VALUES.get((H, vals))
+    if got is None:
+        got = _FLAG_VALUES[(H, vals)] = mx.array(np.tile(np.array([vals], np.uint8), (H, 1)))
+        mx.eval(got)  # made from host values: encodes nothing (no wait for tiered.dispatch)
     return got
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from . import device_decode, dispatch, undo
+from . import device_decode, dispatch, staging, undo
 from .cpu.resident_maps import Swap
 from .planner import BudgetError
 
@@ -173,8 +173,9 @@ class ResidentSet:
             return
         sw = Swap(self._res_tok_np, tok)
         heads, toks, value = sw.flag_changes()
-        tok_d, src_d, prom_d, pcount_d, dslots_d, heads_d, toks_d, value_d = _upload(
-            [tok, sw.src, sw.promoted, sw.promoted_count, sw.demoted_slots, heads, toks, value])
+        tok_d, src_d, prom_d, pcount_d, dslots_d, heads_d, toks_d, value_d = (
+            staging.upload_many([tok, sw.src, sw.promoted, sw.promoted_count, sw.demoted_slots,
+                                 heads, toks, value]))
         journaled = self._journal_refresh(sw, dslots_d, journal)
         parts_k = [self.res_k, self._promoted_rows("keys", sw.promoted, prom_d, pcount_d)]
         parts_v = [self.res_v, self._promoted_rows("values", sw.promoted, prom_d, pcount_d)]
@@ -241,8 +242,9 @@ class ResidentSet:
         sw = Swap(old, tok)
         slots, toks_e, kind, new, prom = sw.in_place(old, fixed)
         heads, toks, value = sw.flag_changes()
-        slots_d, toks_ed, kind_d, prom_d, pcount_d, dslots_d, heads_d, toks_d, value_d = _upload(
-            [slots, toks_e, kind, prom, sw.promoted_count, sw.demoted_slots, heads, toks, value])
+        slots_d, toks_ed, kind_d, prom_d, pcount_d, dslots_d, heads_d, toks_d, value_d = (
+            staging.upload_many([slots, toks_e, kind, prom, sw.promoted_count, sw.demoted_slots,
+                                 heads, toks, value]))
         # the old set's ids and rows (the demoted slots are below its size)
         journaled = self._journal_refresh(sw, dslots_d, journal)
         if grow:
@@ -280,14 +282,3 @@ class ResidentSet:
         rows, _ = device_decode.gather_chunks(self._tables, self.parent.host, tensor, tok,
                                               counts, self.flags, chunk=1)
         return rows.astype(self.dtype)
-
-
-def _upload(parts: list) -> list:
-    """Views of one int32 upload of every array in ``parts`` (on an accelerator each fresh
-    array is a transfer)."""
-    pack = mx.array(np.concatenate([np.asarray(a, np.int32).reshape(-1) for a in parts]))
-    views, at = [], 0
-    for a in parts:
-        views.append(pack[at : at + a.size].reshape(np.shape(a)))
-        at += a.size
-    return views
