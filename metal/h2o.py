@@ -19,6 +19,14 @@ ACC_SPEC = KernelSpec(
     name="tiered_h2o_acc", body="h2o_acc.h",
     input_names=("acc", "z", "m", "s", "params", "fparams"), output_names=("acc_out",),
 )
+# The same kernel with an input it does not read: MLX orders a launch after its inputs' writers,
+# so ``after`` (an output of another kernel) keeps the update from running beside that kernel
+# (tiered.device_compiled: beside the tau selection's persistent kernel both took 1.5-3x as
+# long on an H200).
+ACC_AFTER_SPEC = KernelSpec(
+    name="tiered_h2o_acc_after", body="h2o_acc.h",
+    input_names=ACC_SPEC.input_names + ("after",), output_names=("acc_out",),
+)
 THREADS = 256
 
 
@@ -47,7 +55,8 @@ def acc_update_ops(acc, z, m, s, n: int, rep: int, alpha: float) -> mx.array:
 
 
 def acc_update(acc, z, m, s, n: int, rep: int, alpha: float, *,
-               use_kernel: bool | None = None, params: mx.array | None = None) -> mx.array:
+               use_kernel: bool | None = None, params: mx.array | None = None,
+               after: mx.array | None = None) -> mx.array:
     """New H2O accumulators: for every kv head h and token j < n,
     alpha * acc[h, j] + (1 - alpha) * the mean over h's rep query heads of the token's softmax
     probability exp(z - m) / s (one that is not finite, from a NaN or Inf score or a head
@@ -56,12 +65,17 @@ def acc_update(acc, z, m, s, n: int, rep: int, alpha: float, *,
     (H * rep, N >= n), only the first n columns read; m, s float32 (H * rep,). Returns a new
     (H, C) float32 array (lazy). use_kernel as in the other kernels. ``params``: the kernel's
     int32 [n, N, C] as an array the caller holds (a compiled step takes n as an input; the
-    Python n then only passes the checks)."""
+    Python n then only passes the checks). ``after``: an array the kernel waits for (see
+    ACC_AFTER_SPEC)."""
     _check(acc, z, m, s, n, rep, alpha)
     backend = resolve_backend(use_kernel, "acc_update")
     if backend is None:
         return acc_update_ops(acc, z, m, s, n, rep, alpha)
-    return launch(ACC_SPEC, backend, acc_launch(acc, z, m, s, n, rep, alpha, params))[0]
+    plan = acc_launch(acc, z, m, s, n, rep, alpha, params)
+    if after is None:
+        return launch(ACC_SPEC, backend, plan)[0]
+    plan.inputs.append(after)
+    return launch(ACC_AFTER_SPEC, backend, plan)[0]
 
 
 def acc_launch(acc, z, m, s, n: int, rep: int, alpha: float,

@@ -32,8 +32,9 @@ from collections import OrderedDict
 from types import SimpleNamespace
 
 import mlx.core as mx
+import numpy as np
 
-from . import device_attend, device_decode, dispatch, metal
+from . import device_attend, device_decode, dispatch, metal, staging
 from .device_chunks import chunk_logits, chunk_widths
 from .device_decode import CHUNK, kept
 from .keys import CodebookKeys
@@ -43,6 +44,11 @@ MAX_FUNCTIONS = 32  # compiled functions kept (each holds its traces); the oldes
 MIN_GRAIN, MAX_GRAIN = 256, 4096  # tokens: W is n rounded up to a multiple of a grain
 
 _functions: OrderedDict = OrderedDict()
+# What the H2O update waits for (metal.h2o.ACC_AFTER_SPEC): "select" (the tau selection's
+# output; it then runs beside the host-row gather, which waits on the bus), "attend" or
+# "none". Beside the selection's persistent kernel both ran 1.5-3x as long: H200, 128k,
+# CUPTI, 2 steps: selection 2.2-4.0 -> 1.5 ms/token, GPU busy 21.4-23.2 -> 20.5-20.8 ms.
+H2O_AFTER = "select"
 
 
 def enabled() -> bool:
@@ -100,7 +106,7 @@ def step(layer, queries, scale, sinks, tables, n: int, n_host: int, cap: int, fl
     alpha = heavy.alpha if heavy is not None else None
     key = (W, float(scale), layer.config.tau, capc, floorc, alpha, rep, sinks is not None,
            queries.dtype, host.page_size, kt.pages_per_block, vt.pages_per_block,
-           kt.head_dim, vt.head_dim, kt.dtype, vt.dtype, exact)
+           kt.head_dim, vt.head_dim, kt.dtype, vt.dtype, exact, H2O_AFTER)
     fn = compiled(_functions, key, _chain, MAX_FUNCTIONS)
     # the same arrays in every layer of the step, from their own cache (see _placeholder)
     sizes = _step_ints(n_host, n, *chunk_widths(n_host, n, W))
@@ -153,8 +159,7 @@ def _step_ints(*values: int) -> mx.array:
     if got is None:
         if len(_ints) >= 512:
             _ints.clear()
-        got = _ints[values] = mx.array(values, mx.int32)
-        mx.eval(got)  # made from host values: encodes nothing (no wait for tiered.dispatch)
+        got = _ints[values] = staging.upload(np.array(values, np.int32))
     return got
 
 
@@ -174,7 +179,7 @@ def compiled(functions: OrderedDict, key: tuple, body, limit: int):
 def _chain(key: tuple):
     """The traced function for ``key`` (see :func:`step` for what the key holds)."""
     (W, scale, tau, capc, floorc, alpha, rep, has_sink, out_dtype, page_size, ppb_k, ppb_v,
-     dk, dv, kdtype, vdtype, exact) = key
+     dk, dv, kdtype, vdtype, exact, h2o_after) = key
     host = SimpleNamespace(  # what gather_kv reads of the host store: shapes, not data
         page_size=page_size,
         keys=SimpleNamespace(dtype=kdtype, head_dim=dk, pages_per_block=ppb_k),
@@ -203,8 +208,9 @@ def _chain(key: tuple):
         if alpha is None:
             return o, stats, q, ok, acc
         lse = mx.logsumexp(za, axis=1)  # the softmax total over the n tokens
+        after = {"select": count, "attend": ok}.get(h2o_after)
         acc_new = metal.acc_update(acc, z, lse, kept((Hq,), 1.0), W, rep, alpha,
-                                   params=acc_params)
+                                   params=acc_params, after=after)
         return o, stats, q, ok, acc_new
 
     return chain
