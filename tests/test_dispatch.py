@@ -129,6 +129,41 @@ def test_dispatched_steps_decode_as_the_main_thread(monkeypatch):
             np.testing.assert_array_equal(u, v)
 
 
+@pytest.mark.accelerator
+@needs_cuda
+def test_refreshes_applied_at_the_step_end_decode_as_at_the_next_append(monkeypatch):
+    """cache.EARLY_SETTLE: a refresh applied at the end of the step that queued it (every
+    layer: 1.0) against at the layer's next append (0): the same ids and the same device
+    work, only built earlier, so the same outputs, resident sets and accumulators."""
+    from tiered import cache as cache_mod
+
+    model = make_small_model("llama-gqa-d64", layers=4, seed=6)
+    rng = np.random.default_rng(7)
+    prompt, toks = rng.integers(10, 49000, 500).tolist(), rng.integers(10, 49000, 48).tolist()
+    runs = []
+    for share in (0.0, 1.0):
+        monkeypatch.setattr(cache_mod, "EARLY_SETTLE", share)
+        cache = TieredCache.for_model(model, gpu_budget=0.25, page_size=64, recent=16,
+                                      device_gather="on", compress_from=1, refresh_every=4)
+        mx.eval(model(mx.array([prompt]), cache=cache))
+        outs, due = [], 0
+        for t in toks:
+            outs.append(model(mx.array([[t]]), cache=cache))
+            layers = [c for c in cache if isinstance(c, TieredCache)]
+            due += sum(c.compressed._refresh_due for c in layers)
+            mx.eval(outs[-1])
+        assert (due > 0) == (share == 0.0)  # refreshes were queued; 1.0 applied each at once
+        for c in layers:
+            c.compressed.settle()
+        runs.append((np.array(mx.concatenate(outs, axis=1)),
+                     [c.compressed._res_tok_np.copy() for c in layers],
+                     [np.array(c.compressed.heavy.acc) for c in layers]))
+        cache.close()
+    for x, y in zip(runs[0], runs[1]):
+        for u, v in zip(x if isinstance(x, list) else [x], y if isinstance(y, list) else [y]):
+            np.testing.assert_array_equal(u, v)
+
+
 def test_share_streams_puts_mlx_lm_generation_on_the_shared_stream(monkeypatch):
     """for_model's share_streams: the thread's default stream and mlx-lm's generation stream
     become the shared one (here a CPU stream standing in for CUDA's), and mlx-lm's greedy

@@ -83,6 +83,10 @@ class SharedContext:
         caches = self._caches() if self._caches is not None else None
         return list(caches) if caches is not None else []
 
+    def bound_caches(self) -> list:
+        """The caches this context serves (:meth:`bind`), [] when none are known."""
+        return self._bound()
+
     def layers_to_step(self, layer) -> int:
         """Tiered layers that have not yet taken the step ``layer`` is taking (itself
         included): the ones at its offset. 1 when the caches are not known."""
