@@ -37,7 +37,8 @@ def measure(name, model, cache, args):
         y = mx.argmax(model(y, cache=cache)[:, -1], axis=-1)[:, None]
         mx.eval(y)
     print(f"{name}: {args.warmup} warm-up steps in {time.perf_counter() - t0:.1f} s", flush=True)
-    for r in range(args.repeats):
+    for r in range(args.repeats * len(args.toggle_values)):
+        label = set_toggle(args, r % len(args.toggle_values)) if name != "KVCache" else ""
         q, e = [], []
         for _ in range(args.steps):
             t0 = time.perf_counter()
@@ -47,7 +48,7 @@ def measure(name, model, cache, args):
             q.append(t1 - t0)
             e.append(time.perf_counter() - t1)
         tot = 1e3 * (np.array(q) + np.array(e))
-        print(f"{name}: {np.median(tot):.2f} ms/token (median of {args.steps}; queue "
+        print(f"{name}{label}: {np.median(tot):.2f} ms/token (median of {args.steps}; queue "
               f"{1e3 * np.median(q):.2f}, wait {1e3 * np.median(e):.2f}; slowest "
               f"{tot.max() / np.median(tot):.2f}x)", flush=True)
     if args.spy and name != "KVCache":  # before the kernel profiler: CUPTI stays loaded
@@ -60,6 +61,10 @@ def measure(name, model, cache, args):
     if args.kernels:
         spans = []
         kern = profile(model, cache, args.kernels, spans)
+        if args.spans:
+            import json
+            with open(f"{args.spans}.{name}.json", "w") as f:
+                json.dump(spans, f)
         n = sum(c for c, _ in kern.values()) / args.kernels
         t = sum(us for _, us in kern.values()) / args.kernels / 1e3
         print(f"{name}: {n:.0f} kernels/token, {t:.2f} ms kernel time/token summed, "
@@ -69,6 +74,22 @@ def measure(name, model, cache, args):
             print(f"  {us / args.kernels / 1e3:8.3f} ms {c / args.kernels:6.1f}x  {k}")
     if not args.no_ops:
         print_ops(name, graph_ops(model, cache), len(model.layers))
+
+
+def set_toggle(args, i: int) -> str:
+    """Set ``--toggle MODULE.ATTR=V1,V2,...`` to its i-th value; the round's label."""
+    if not args.toggle:
+        return ""
+    import importlib
+    path, _, _ = args.toggle.partition("=")
+    mod, _, attr = path.rpartition(".")
+    value = label = args.toggle_values[i]
+    try:
+        value = float(value) if "." in value else int(value)
+    except ValueError:
+        pass  # a string
+    setattr(importlib.import_module(mod), attr, value)
+    return f" [{attr}={label}]"
 
 
 def busy(spans) -> float:
@@ -97,7 +118,12 @@ def main():
     ap.add_argument("--spy-seconds", type=float, default=12)
     ap.add_argument("--option", action="append", default=[], metavar="NAME=INT",
                     help="a TieredCache.for_model option (integer), e.g. refresh_every=100000")
+    ap.add_argument("--spans", default="", help="write the profiled kernels' (start, end, "
+                    "name) in microseconds to SPANS.<method>.json")
+    ap.add_argument("--toggle", default="", metavar="MODULE.ATTR=V1,V2",
+                    help="rounds cycle through these values of a module attribute")
     args = ap.parse_args()
+    args.toggle_values = args.toggle.partition("=")[2].split(",") if args.toggle else [""]
     options = dict(calibration_tokens=2048)
     for o in args.option:
         name, _, value = o.partition("=")
