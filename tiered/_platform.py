@@ -12,12 +12,14 @@ When ``mlx.core`` was imported before tiered, its BLAS calls are rebound in plac
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
 import os
 import sys
 import warnings
 
+from . import streams
 from ._blas_rebind import rebind
 
 # Candidates in order of preference. 64-bit-integer builds (libopenblas64) are excluded on
@@ -120,9 +122,17 @@ def _rebind_loaded() -> BlasState:
 
 
 def preload_blas() -> BlasState:
-    """Load an optimized BLAS globally before MLX, once. Warns (once) when it cannot."""
+    """Load an optimized BLAS globally before MLX, once. Warns (once) when it cannot. Where one
+    serves MLX, MLX's queued work is waited for at exit (see :mod:`tiered.streams`)."""
     if BLAS.status != "not-attempted":
         return BLAS
+    _find_blas()
+    if BLAS.status in ("loaded", "already-loaded", "rebound"):
+        atexit.register(streams.drain_at_exit)
+    return BLAS
+
+
+def _find_blas() -> BlasState:
     if not sys.platform.startswith("linux"):
         BLAS.status, BLAS.detail = "not-needed", f"{sys.platform}: MLX uses its own BLAS"
         return BLAS
