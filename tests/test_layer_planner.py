@@ -166,3 +166,20 @@ def test_all_offloaded_plans_keep_shared_books_and_take_host_sinks():
                                          prof, 2048, 17)
     assert any(p.keep_values_resident for p in mid.values())
     assert not any(p.per_group for p in mid.values())
+
+
+def test_offloaded_layers_take_the_offloaded_floor():
+    """Layers whose every value is on the host get ``offloaded_min_selected`` as their
+    selection floor; layers with a resident set keep the config's (issue 25: at 1/32 the tau
+    set stopped at 32 tokens and needles were lost)."""
+    geo = GEOMETRIES[0]
+    prof = synthetic_profile(geo.layers, sensitive=(3, 17))
+    cfg = TieredConfig(gpu_budget=0.0625, planner="layers", offloaded_min_selected=96)
+    plans = layer_planner.make_layer_plans(geo, cfg, prof, 2048, 17)
+    kinds = {p.keep_values_resident for p in plans.values()}
+    assert kinds == {True, False}
+    for p in plans.values():
+        assert p.min_selected == (0 if p.keep_values_resident else 96)
+        assert ("floor 96" in p.why) != p.keep_values_resident
+    with pytest.raises(ValueError, match="offloaded_min_selected"):
+        TieredConfig(offloaded_min_selected=-1)

@@ -153,12 +153,14 @@ def test_layer_aware_cache_stays_within_budget(small, tmp_path, monkeypatch):
 
     def spy(idx, count, sinks, exclude=None, extra=None):
         out, got = join(idx, count, sinks, exclude, extra)
-        seen.append((extra, out, got))
+        seen.append((extra, out, got, np.array(count)))
         return out, got
 
     monkeypatch.setattr(ops, "with_host_sinks", spy)
     path = save_profile(synthetic(3, sensitive=(1,)), str(tmp_path / "profile.json"))
-    cache = tiered.TieredCache.for_model(small, 0.03125, planner="layers", layer_profile=path)
+    # tau 0.05: the tau set alone is a few tokens, so the floor decides the count
+    cache = tiered.TieredCache.for_model(small, 0.03125, planner="layers", layer_profile=path,
+                                         tau=0.05)
     ctx = cache.context
     t = layer_planner.threshold(ctx.model_geometry, cache.config, ctx.profile(), 17,
                                 ctx.tiered_layers)
@@ -175,7 +177,11 @@ def test_layer_aware_cache_stays_within_budget(small, tmp_path, monkeypatch):
     # worst-coded tokens (issue 25; not on CUDA, whose device step joins neither)
     host_path = not uva.available()
     assert len(seen) == 4 * len(ctx.tiered_layers) or not host_path
-    for extra, out, got in seen if host_path else ():
+    floor = cache.config.offloaded_min_selected
+    assert {p.min_selected for p in ctx.layer_plans.values()} == {floor}
+    for extra, out, got, count in seen if host_path else ():
+        # the offloaded layers' floor (issue 25): the tau set alone stopped at 32 there
+        assert (count >= floor).all(), count
         assert extra.shape[1] == compressed.HOST_OUTLIERS
         for h in range(out.shape[0]):
             row = set(out[h, : got[h]].tolist())
@@ -185,6 +191,7 @@ def test_layer_aware_cache_stays_within_budget(small, tmp_path, monkeypatch):
     cache.save(str(tmp_path / "saved"), small)
     again = tiered.TieredCacheList.load(str(tmp_path / "saved"), small)
     assert {c.layer: c.compressed.plan.groups for c in again} == groups
+    assert {c.compressed.plan.min_selected for c in again} == {floor}
     for a, b in zip(cache, again):  # the outliers come back too
         if host_path:
             assert (a.compressed._host_outliers == b.compressed._host_outliers).all()

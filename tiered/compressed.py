@@ -366,7 +366,7 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
             # slots the budget allows: the selection is capped to fit it.
             r = self.plan.check(n, horizon=self.config.heavy.horizon)
             cap = max(1, min(cap, (r // 2 - 1) // 2))
-        return cap, min(selection.min_selected, cap)
+        return cap, min(max(selection.min_selected, self.plan.min_selected), cap)
 
     def _step_done(self, mean_count: float, resident_mass):
         """What every decode step ends with: its stats, and every ``refresh_every`` steps the

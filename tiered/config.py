@@ -147,6 +147,10 @@ class TieredConfig(OptionGroups):
     tau: float = 0.9
     max_selected: int | float = 2048  # hard cap per KV head: tokens, or a fraction of live ones
     min_selected: int = 32  # floor
+    # floor in layers whose every value is on the host (the layer-aware planner's offloaded
+    # layout, below 1/8): coarse codes put the tau mass in few tokens there, and the answer
+    # a layer reads ranked 35-50 on needles lost at 1/32 (issue 25; docs/accuracy-grid.md)
+    offloaded_min_selected: int = 128
     rescore: str | None = None  # "exact" (from host keys) | "approx"; None: exact if it can
     # resident set (H2O)
     sinks: int = 4
@@ -238,6 +242,7 @@ class TieredConfig(OptionGroups):
                 f"Invalid max_selected: {cap!r} (a token count >= 1, or a fraction in (0, 1])"
             )
         self._int("min_selected", 0)
+        self._int("offloaded_min_selected", 0)
         self._int("sinks", 0)
         self._int("recent", 1)
         if not (isinstance(self.ema_alpha, (int, float)) and 0 <= self.ema_alpha < 1):

@@ -137,14 +137,15 @@ def make_layer_plans(geometry: Geometry, config, profile, n: int, horizon: int,
     for i, layer in enumerate(layers):
         o = opts[choice[i]]
         keep = bool(resident[i])
+        floor = 0 if keep else config.selection.offloaded_min_selected
         why = "layer-aware plan: " + ("resident layout (H2O set)" if keep else
-                                      "every value on the host")
+                                      f"every value on the host, selection floor {floor}")
         plan = Plan(geometry=geometry, budget=config.gpu_budget, method="tiered",
                     codec="codebook", groups=o.groups, centroids=o.centroids,
                     per_group=o.per_group, code_bytes=float(o.code_bytes),
                     sinks=config.sinks, recent=config.recent if keep else 1,
                     step=config.step, keep_values_resident=keep, share=float(given[i] / mean),
-                    why=why)
+                    min_selected=floor, why=why)
         try:
             plan.check(n, horizon)
         except ValueError:

@@ -53,6 +53,9 @@ class Plan:
     # gives each layer its own; they average at most 1 over the layers, so the model's total
     # stays within gpu_budget); 1.0: every layer alike
     share: float = 1.0
+    # this layer's selection floor when above the config's min_selected (the layer-aware
+    # planner's offloaded layers: config.offloaded_min_selected); 0: the config's
+    min_selected: int = 0
 
     # ---- persistence ----------------------------------------------------------------------
     def to_json(self) -> str:
