@@ -340,14 +340,16 @@ def _ptxas_registers(text: str, workdir: Path, label: str) -> int:
 
 
 @needs_nvcc
-@pytest.mark.parametrize("limit", [48 * 1024, 227 * 1024], ids=["48KB", "227KB"])
+@pytest.mark.parametrize("limit", [pytest.param(48 * 1024, marks=pytest.mark.slow),
+                                   227 * 1024], ids=["48KB", "227KB"])
 def test_cuda_launches_fit_the_register_file(monkeypatch, limit):
     """Threads per block times registers per thread must fit an SM's 64K registers, or the
     launch cannot run, and MLX reports nothing: the scores stay unwritten (an H100 gave
     wrong scores this way for the rep-8 tile at 1024 threads). Checked for the plans of
     every codebook and selection kernel at the shared-memory limits of a portable CUDA
     device and of an H100, which choose different tables (nvcc and ptxas stand in for the
-    NVRTC that MLX compiles with)."""
+    NVRTC that MLX compiles with). Each limit took ~45 s in CI: the portable device's runs
+    with the slow tests (python -m pytest -m slow)."""
     from tiered.metal import codebook
 
     monkeypatch.setattr(codebook, "shared_memory_limit", lambda backend: limit)
