@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from tiered import dispatch
+from tiered import dispatch, streams
 
 from .host_tensor import HOST_DTYPES, NP_DTYPES, HostTensor  # noqa: F401 (re-exported)
 from .page_reads import PageReads
@@ -304,7 +304,9 @@ class HostStore(PageReads):
                     f.check_size()
 
     def close(self):
-        """Release host RAM and the page files."""
+        """Release host RAM and the page files, once the MLX work still queued has run: it may
+        read them (mlx-lm's generate leaves a step queued; tiered.streams)."""
+        streams.drain()
         for t in self.tensors:
             t.close()
 

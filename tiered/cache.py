@@ -32,7 +32,7 @@ from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from tiered.cpu import HostStore
 
-from . import cache_list, contract, dispatch, layer_state, steady_gc, streams
+from . import cache_list, contract, dispatch, layer_state, steady_gc
 from .cache_list import TieredCacheList  # noqa: F401  (it lived here: old imports keep working)
 from .cache_protocol import CacheProtocol
 from .config import TieredConfig
@@ -359,10 +359,8 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
         self.offset = 0
 
     def close(self):
-        """Release this layer's host pages and page files (after MLX's queued work, which may
-        read them: tiered.streams); using it afterwards is an error."""
+        """Release this layer's host pages and page files; using it afterwards is an error."""
         if self.host is not None:
-            streams.drain()
             self.host.close()
         self.closed = True
 

@@ -15,7 +15,7 @@ import sys
 
 from mlx_lm.models.cache import KVCache
 
-from . import dispatch, integration, persist, streams
+from . import dispatch, integration, persist
 from .config import TieredConfig
 from .context import SharedContext
 from .contract import mla_reason
@@ -228,9 +228,7 @@ class TieredCacheList(list):
         return out
 
     def close(self):
-        """Stop this cache's CPU workers and release its host pages and page files, after the
-        MLX work still queued (mlx-lm's generate leaves a step queued) has run."""
-        streams.drain()
+        """Stop this cache's CPU workers and release its host pages and page files."""
         if self.context is not None:
             self.context.close()
         for c in self._tiered():

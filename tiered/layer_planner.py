@@ -134,10 +134,11 @@ def make_layer_plans(geometry: Geometry, config, profile, n: int, horizon: int,
     # resident token: that would take 1e-9 of the budget to reach the size of one)
     mean = total / geometry.layers / (1 + 1e-9)
     plans = {}
+    offloaded_floor = config.offloaded_min_selected
     for i, layer in enumerate(layers):
         o = opts[choice[i]]
         keep = bool(resident[i])
-        floor = 0 if keep else config.selection.offloaded_min_selected
+        floor = 0 if keep else offloaded_floor
         why = "layer-aware plan: " + ("resident layout (H2O set)" if keep else
                                       f"every value on the host, selection floor {floor}")
         plan = Plan(geometry=geometry, budget=config.gpu_budget, method="tiered",

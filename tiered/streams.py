@@ -4,8 +4,8 @@ mlx-lm's ``stream_generate`` queues one more forward pass than it returns (``gen
 evaluates token n+1 asynchronously while it yields token n), so when a caller stops after
 ``max_tokens`` that pass may still be running on MLX's stream thread:
 
-- its kernels may still read a cache's host pages, so :meth:`TieredCacheList.close` waits
-  for it before it frees them;
+- its kernels may still read a cache's host pages, so a host store waits for it before it
+  frees them (``HostStore.close``: a cache's close, a trim to 0, a failed compression);
 - on Linux, tiered loads Debian's threaded OpenBLAS (:mod:`tiered._platform`). Its exit
   handler (``blas_thread_shutdown_``, OpenBLAS 0.3.21) marks each worker to stop; a worker
   still inside a matmul then clears that mark when it finishes and sleeps for good, and the
@@ -29,14 +29,14 @@ def known_streams() -> list:
     mx = sys.modules.get("mlx.core")
     if mx is None:
         return []
-    streams = [mx.cpu]
+    out = [mx.cpu]
     if mx.is_available(mx.gpu):
-        streams.append(mx.gpu)
+        out.append(mx.gpu)
     generate = sys.modules.get("mlx_lm.generate")
     stream = getattr(generate, "generation_stream", None)
     if stream is not None:
-        streams.append(stream)
-    return streams
+        out.append(stream)
+    return out
 
 
 def drain() -> None:
