@@ -35,8 +35,9 @@ print("queued", tiered._platform.BLAS.status, flush=True)
 def test_exit_with_a_queued_matmul_does_not_hang(stream):
     """Before tiered waited at exit this hung in OpenBLAS's blas_thread_shutdown_ every time
     (measured: 3 of 3 runs past a 30 s limit; mlx-lm's generate leaves such a pass queued)."""
-    r = subprocess.run([sys.executable, "-c", _SCRIPT, stream], capture_output=True, text=True,
-                       timeout=120)
+    # -P: the script imports the installed tiered, not the source tree in the working directory
+    r = subprocess.run([sys.executable, "-P", "-c", _SCRIPT, stream], capture_output=True,
+                       text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("queued")
 
