@@ -55,6 +55,31 @@ def make_small_model(name: str, *, layers: int = 4, vocab: int = 49152, seed: in
     return model
 
 
+def settled_state(cache, outs) -> tuple:
+    """A device-path decode's outputs ``outs`` (concatenated), resident ids and H2O
+    accumulators, once the refreshes it queued are applied (the decodes compared in
+    tests/test_dispatch.py and tests/test_refresh_plan.py)."""
+    import numpy as np
+
+    from tiered import TieredCache
+
+    layers = [c for c in cache if isinstance(c, TieredCache)]
+    for c in layers:
+        c.compressed.settle()
+    return (np.array(mx.concatenate(outs, axis=1)),
+            [c.compressed._res_tok_np.copy() for c in layers],
+            [np.array(c.compressed.heavy.acc) for c in layers])
+
+
+def assert_same_state(a: tuple, b: tuple) -> None:
+    """Two :func:`settled_state` results are equal bit for bit."""
+    import numpy as np
+
+    for x, y in zip(a, b):
+        for u, v in zip(x if isinstance(x, list) else [x], y if isinstance(y, list) else [y]):
+            np.testing.assert_array_equal(u, v)
+
+
 @pytest.fixture(scope="session")
 def embedded():
     """(model, tokenizer) of the embedded SmolLM2-135M. Skips where the package is absent, as

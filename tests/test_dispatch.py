@@ -9,7 +9,7 @@ import logging
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import make_small_model
+from conftest import assert_same_state, make_small_model, settled_state
 
 from tiered import TieredCache, device_step, dispatch, uva
 
@@ -153,15 +153,9 @@ def test_refreshes_applied_at_the_step_end_decode_as_at_the_next_append(monkeypa
             due += sum(c.compressed._refresh_due for c in layers)
             mx.eval(outs[-1])
         assert (due > 0) == (share == 0.0)  # refreshes were queued; 1.0 applied each at once
-        for c in layers:
-            c.compressed.settle()
-        runs.append((np.array(mx.concatenate(outs, axis=1)),
-                     [c.compressed._res_tok_np.copy() for c in layers],
-                     [np.array(c.compressed.heavy.acc) for c in layers]))
+        runs.append(settled_state(cache, outs))
         cache.close()
-    for x, y in zip(runs[0], runs[1]):
-        for u, v in zip(x if isinstance(x, list) else [x], y if isinstance(y, list) else [y]):
-            np.testing.assert_array_equal(u, v)
+    assert_same_state(*runs)
 
 
 def test_share_streams_puts_mlx_lm_generation_on_the_shared_stream(monkeypatch):

@@ -94,6 +94,7 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         # id: the undo journal of the insert that evicts one takes them (tiered.undo.ring_rows)
         self.ring_src: dict[int, tuple[mx.array, mx.array]] = {}
         self._refresh_due = False  # device path: a refresh queued by the last step (settle)
+        self._ahead = None  # its host side planned on a worker (tiered.refresh_plan)
         # Accelerators: lazy arrays of a refresh (the heavy hitters' ids, the new rows) to be
         # evaluated with the layer's next step, not handed to the device on their own (each
         # mx.async_eval cost ~1.6 ms of host time on an H200; see _take_later)

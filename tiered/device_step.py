@@ -122,6 +122,7 @@ def _finish(layer, queries, o, mass, mean_count, marks, writes):
         done = dispatch.submit(out)
         if heavy is not None:
             heavy.handed_with(done)
+            layer.prepare_refresh()  # its host side on a worker meanwhile
     elif turn:
         dispatch.async_eval(out)
     return out

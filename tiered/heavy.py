@@ -136,6 +136,20 @@ class HeavyHitters:
         if self.awaiting_handoff():
             self._queued[3] = done
 
+    def handed_ids(self) -> list | None:
+        """The prefetched choice once handed to the dispatcher: [(count, lo, hi), among,
+        (ids,), done], else None (tiered.refresh_plan reads it ahead)."""
+        q = self._queued
+        return None if q is None or q[3] is None else q
+
+    def take_queued(self, q: list) -> bool:
+        """Use the prefetched choice ``q`` (from :meth:`handed_ids`) as :meth:`top` would:
+        True (and it is forgotten) when it is still the one queued."""
+        if q is None or self._queued is not q:
+            return False
+        self._queued = None
+        return True
+
     def _top_device(self, count: int, lo: int, hi: int, among: mx.array | None = None):
         """(H, <= count) int32, lazy: what :func:`_sorted_ids` makes of the top ones, computed
         on the device, so that the host reads one small array and sorts nothing. ``among``
@@ -175,15 +189,7 @@ class HeavyHitters:
             (ids_d,) = queued[2] if hit else self._top_device(count, lo, hi, among)
             if not (hit and dispatch.handed(queued[3])):
                 dispatch.eval(ids_d)
-            ids = np.array(ids_d)
-            if among is None:
-                out[:, : ids.shape[1]] = ids
-                return out
-            k = min(count, hi - lo)  # the layout of the masked choice: ids end at column k
-            for h in range(H):
-                got = ids[h][ids[h] >= 0]
-                out[h, k - len(got) : k] = got
-            return out
+            return ids_layout(np.array(ids_d), H, count, lo, hi, among is not None)
         if among is not None:
             raise ValueError("HeavyHitters.top: 'among' is for accumulators on the accelerator")
         k = min(count, hi - lo)
@@ -193,6 +199,22 @@ class HeavyHitters:
         top = np.argpartition(-acc, k - 1, axis=1)[:, :k] if k < hi - lo else np.tile(
             np.arange(hi - lo), (H, 1))
         return _sorted_ids(out, top, np.take_along_axis(acc, top, axis=1), lo, k)
+
+
+def ids_layout(ids: np.ndarray, H: int, count: int, lo: int, hi: int,
+               among: bool) -> np.ndarray:
+    """(H, count) the device's chosen ids ``ids`` (H, <= count) as :meth:`HeavyHitters.top`
+    returns them, -1 where fewer qualify (a choice ``among`` resident ids ends at column
+    min(count, hi - lo))."""
+    out = np.full((H, count), -1, np.int32)
+    if not among:
+        out[:, : ids.shape[1]] = ids
+        return out
+    k = min(count, hi - lo)
+    for h in range(H):
+        got = ids[h][ids[h] >= 0]
+        out[h, k - len(got) : k] = got
+    return out
 
 
 def _sorted_ids(out: np.ndarray, top: np.ndarray, picked: np.ndarray, lo: int, k: int):

@@ -4,12 +4,18 @@ exact phase or from the host pages at a refresh."""
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import mlx.core as mx
 import numpy as np
 
-from . import device_decode, dispatch, staging, undo
+from . import device_decode, dispatch, refresh_plan, staging, undo
 from .cpu.resident_maps import Swap
+from .heavy import ids_layout
 from .planner import BudgetError
+
+log = logging.getLogger("tiered")
 
 RESIDENT_GRAIN = 64  # slots: a device-path refresh keeps the count to a multiple of this
 
@@ -41,7 +47,7 @@ class ResidentSet:
 
     def _choose_heavy(self, count: int, n: int, S: int, W: int) -> np.ndarray:
         """(H, count) token ids of the top accumulators outside sinks and the recent ring."""
-        lo, hi = min(S, n), max(n - W, 0)
+        _, lo, hi = refresh_plan.heavy_choice(n, 0, S, W)
         among = self._heavy_among(lo, hi)
         if among is not None:
             return self.heavy.top(count, lo, hi, among=among)
@@ -104,8 +110,8 @@ class ResidentSet:
         reading them waits for nothing (reading them now waited for the device to finish the
         step so far, twice per token)."""
         R, S, W = self._refresh_layout(self.n, True)
-        lo, hi = min(S, self.n), max(self.n - W, 0)
-        self._later += self.heavy.prefetch(max(R - S - W, 0), lo, hi, self._heavy_among(lo, hi))
+        count, lo, hi = refresh_plan.heavy_choice(self.n, R, S, W)
+        self._later += self.heavy.prefetch(count, lo, hi, self._heavy_among(lo, hi))
         self._refresh_due = True
 
     def _take_later(self) -> list:
@@ -119,6 +125,47 @@ class ResidentSet:
             self._refresh_due = False
             self._rebuild_resident(journal=True)
 
+    def prepare_refresh(self) -> None:
+        """Once the queued refresh's ids were handed to the device, plan its host side on the
+        worker thread (tiered.refresh_plan); :meth:`settle` then applies the plan."""
+        if not (self._refresh_due and refresh_plan.ENABLED and self._ahead is None
+                and self.heavy is not None and self.res_k is not None):
+            return
+        q = self.heavy.handed_ids()
+        if q is None:
+            return
+        (count, lo, hi), among = q[0], q[1]
+        n, H = self.n, self.H
+        try:
+            R, S, W = self._refresh_layout(n, True)
+        except BudgetError:
+            return
+        if refresh_plan.heavy_choice(n, R, S, W) != (count, lo, hi):
+            return  # not the choice a settle would make: it computes its own
+        key, old = (n, H, R, S, W), self._res_tok_np
+        heavy = functools.partial(ids_layout, H=H, count=count, lo=lo, hi=hi,
+                                  among=among is not None)
+        fut = refresh_plan.WORKER.submit(refresh_plan.plan, q[2][0], q[3], heavy, key, old,
+                                         (self.S_eff, self.W_eff))
+        self._ahead = (key, old, q, fut)
+
+    def _take_ahead(self, key: tuple):
+        """The plan made ahead for this refresh (``key`` = (n, H, R, S, W)), or None where
+        there is none or its inputs no longer hold (the refresh is then computed here)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        made_for, old, q, fut = ahead
+        try:
+            got = fut.result()
+        except Exception as e:  # noqa: BLE001  (computed again on this thread)
+            log.warning("tiered: a refresh planned ahead failed (%r); computing it again", e)
+            return None
+        if (got is None or made_for != key or old is not self._res_tok_np
+                or not self.heavy.take_queued(q)):
+            return None
+        return got
+
     def _rebuild_resident(self, keys: mx.array | None = None, values: mx.array | None = None,
                           journal: bool = False):
         """Lay out sinks, recent ring and heavy hitters; K/V from ``keys``/``values`` (H, n, d)
@@ -130,14 +177,14 @@ class ResidentSet:
             # flush (and no wait): whatever is not resident is on the pages already
             self.parent.flush()
         R, S, W = self._refresh_layout(n, journal)
-        ring = np.full((H, W), -1, np.int32)
-        for t in range(max(S, n - W), n):  # the sinks are resident already: no second copy
-            ring[:, t % W] = t
-        sinks = np.tile(np.arange(S, dtype=np.int32), (H, 1))
-        heavy_n = max(R - S - W, 0)
+        ahead = self._take_ahead((n, H, R, S, W)) if keys is None else None
+        if ahead is not None:
+            self._swap_resident(ahead.tok, S, W, journal, ahead.in_place)
+            return
+        heavy_n = refresh_plan.heavy_choice(n, R, S, W)[0]
         heavy = self._choose_heavy(heavy_n, n, S, W) if self.heavy is not None else np.full(
             (H, heavy_n), -1, np.int32)
-        tok = np.concatenate([sinks, ring, heavy], axis=1).astype(np.int32)
+        tok = refresh_plan.layout(n, H, S, W, heavy)  # the sinks are not repeated in the ring
         if keys is None:
             self._swap_resident(tok, S, W, journal)
             return
@@ -156,18 +203,23 @@ class ResidentSet:
         (dispatch.eval if self.numpy_path else dispatch.async_eval)(k, v)  # no wait on a GPU
         return k, v
 
-    def _swap_resident(self, tok: np.ndarray, S: int, W: int, journal: bool):
+    def _swap_resident(self, tok: np.ndarray, S: int, W: int, journal: bool,
+                       planned: refresh_plan.InPlace | None = None):
         """The resident set becomes tokens ``tok`` (H, R): rows already resident are copied on
         the device, only the promoted ones are read from the host pages, and only the flags
         that change are written (a refresh promotes few tokens; moving the whole set, or
         rebuilding every flag, cost milliseconds of host time per refresh at 128k tokens).
-        ``journal``: record the old ids and the demoted rows (tiered.undo)."""
+        ``journal``: record the old ids and the demoted rows (tiered.undo). ``planned``: the
+        in-place swap's host side, made ahead (tiered.refresh_plan)."""
         H = self.H
+        if planned is not None:
+            self._swap_in_place(tok, S + W, 0, journal, planned)
+            return
         if self.res_k is None:  # nothing resident yet: an empty old set
             self._res_tok_np = np.full((H, 0), -1, np.int32)
             self.res_k = mx.zeros((H, 0, self.dk), self.dtype)
             self.res_v = mx.zeros((H, 0, self.dv), self.dtype)
-        grow = self._in_place_growth(tok, S, W)
+        grow = refresh_plan.growth(self._res_tok_np, tok, S, W, (self.S_eff, self.W_eff))
         if grow is not None:
             self._swap_in_place(tok, S + W, grow, journal)
             return
@@ -217,17 +269,8 @@ class ResidentSet:
         self._set_resident(k, v, tok, tok_d)
         self._keep_ring_rows()
 
-    def _in_place_growth(self, tok: np.ndarray, S: int, W: int) -> int | None:
-        """Slots a refresh to ``tok`` adds when it can be written into the old layout (the same
-        sinks and ring, and no fewer slots), else None."""
-        old, fixed = self._res_tok_np, S + W
-        grow = tok.shape[1] - old.shape[1]
-        if (grow >= 0 and 0 < fixed <= old.shape[1] and (S, W) == (self.S_eff, self.W_eff)
-                and np.array_equal(old[:, :fixed], tok[:, :fixed])):
-            return grow
-        return None
-
-    def _swap_in_place(self, tok: np.ndarray, fixed: int, grow: int, journal: bool) -> None:
+    def _swap_in_place(self, tok: np.ndarray, fixed: int, grow: int, journal: bool,
+                       planned: refresh_plan.InPlace | None = None) -> None:
         """A refresh that keeps the sinks and the ring (the common case) written into the old
         layout (``Swap.in_place``; ``grow`` empty slots added at the end first): the promoted
         rows go into freed slots by one scatter per tensor, and only the changed entries are
@@ -235,16 +278,14 @@ class ResidentSet:
         uploaded two (H, R) index arrays per refresh. H200, Llama-3-8B shape at 128k tokens,
         with the drain-free read of the heavy hitters' ids (HeavyHitters.handed_with), back to
         back: 31.6 -> 28.8 ms/token (bench/decode_speed.py, docs/decode-speed-gpu.md)."""
-        H, old = self.H, self._res_tok_np
+        H = self.H
         res_k, res_v, res_tok = self.res_k, self.res_v, self.res_tok
-        if grow:
-            old = np.concatenate([old, np.full((H, grow), -1, np.int32)], axis=1)
-        sw = Swap(old, tok)
-        slots, toks_e, kind, new, prom = sw.in_place(old, fixed)
-        heads, toks, value = sw.flag_changes()
+        p = planned or refresh_plan.in_place(self._res_tok_np, tok, fixed, grow)
+        grow = p.new.shape[1] - self._res_tok_np.shape[1]
+        sw, new, prom = p.swap, p.new, p.prom
+        heads, toks, value = p.parts[6:]
         slots_d, toks_ed, kind_d, prom_d, pcount_d, dslots_d, heads_d, toks_d, value_d = (
-            staging.upload_many([slots, toks_e, kind, prom, sw.promoted_count, sw.demoted_slots,
-                                 heads, toks, value]))
+            staging.upload_many(p.parts, packed=p.packed))
         # the old set's ids and rows (the demoted slots are below its size)
         journaled = self._journal_refresh(sw, dslots_d, journal)
         if grow:

@@ -13,8 +13,10 @@ and one small kernel copies it into a device array in the stream's order, readin
 memory in place: the CPU writes memory no GPU maps for writing, and MLX allocates the output
 as any kernel's. A region of the ring is written again only once the copies that read it ran:
 before the ring wraps over records it still holds, their outputs are evaluated
-(:func:`tiered.dispatch.eval`, which returns at once for copies already run; a decode token
-makes a few records of 1 KiB, so the 4 MiB ring wraps once per several hundred tokens).
+(:func:`tiered.dispatch.eval`, which returns at once for copies already run), half a ring at
+a time. A decode token makes a few records of 1 KiB; at 128k tokens with flat attention (most
+heavy tokens replaced) a refresh made one of more than 1 MiB, over the largest record of the
+4 MiB ring of before (a quarter of it): it fell back to ``mx.array`` (py-spy, H200).
 
 Elsewhere (the CPU backend, Metal's unified memory) :func:`upload` is ``mx.array``.
 
@@ -37,7 +39,7 @@ from . import dispatch, uva
 from .metal.compact import compact
 from .metal.ptx_cache import cuda_kernel
 
-RING_INTS = 1 << 20  # 4 MiB of int32
+RING_INTS = 1 << 22  # 16 MiB of int32 (a refresh at 128k with flat attention: over 1 MiB)
 HEADER = 4  # ints before each record's data: its length, then padding (16-byte aligned data)
 # Records start at multiples of GRANULE ints, so at most RING_INTS / GRANULE address arrays are
 # ever made (one per start, kept): starts at any 4-int boundary made a new one for most
@@ -107,7 +109,12 @@ class Ring:
     def _release(self, start: int, end: int, tail: int | None) -> None:
         """Wait for the copies that read [start, end) of the ring (held from the lap before)
         and, at a wrap from ``tail``, for the records the last lap did not reach (two laps
-        old: the front of ``held`` from ``tail`` on)."""
+        old: the front of ``held`` from ``tail`` on). Records are released a half ring at a
+        time: the whole half [start, end) falls in, so the next records there wait for
+        nothing. A wait (:func:`tiered.dispatch.eval`) first waits for the dispatcher thread,
+        which one per record made the main thread wait once the ring had wrapped."""
+        half = self.buf.size // 2
+        end = -(-end // half) * half
         outs = []
         while self.held and tail is not None and self.held[0][0] >= tail:
             outs.append(self.held.popleft()[2])
@@ -141,9 +148,12 @@ def upload(a: np.ndarray) -> mx.array:
     return _ring.upload(a)
 
 
-def upload_many(parts: list) -> list:
-    """Views of one upload (:func:`upload`) of every int32 array in ``parts``."""
-    pack = upload(np.concatenate([np.asarray(a, np.int32).reshape(-1) for a in parts]))
+def upload_many(parts: list, packed: np.ndarray | None = None) -> list:
+    """Views of one upload (:func:`upload`) of every int32 array in ``parts`` (``packed``:
+    those arrays flattened and concatenated already)."""
+    if packed is None:
+        packed = np.concatenate([np.asarray(a, np.int32).reshape(-1) for a in parts])
+    pack = upload(packed)
     views, at = [], 0
     for a in parts:
         views.append(pack[at : at + np.size(a)].reshape(np.shape(a)))
