@@ -100,9 +100,11 @@ def ring_rows(layer, slots, step: bool = True) -> tuple:
     prompt chunk's copies are the caller's to tie to the ring (CompressedLayer._ring_insert):
     no step comes during a prompt, and held lazy, each kept the ring's buffer as of its chunk
     (47 GiB of a 1M-token prefill of a Llama-3-8B on an H200)."""
-    old_tok = layer._res_tok_np[:, slots].copy()
+    one = len(slots) == 1  # a decode token: a basic slice, not numpy's fancy indexing
+    old_tok = layer._res_tok_np[:, int(slots[0]) : int(slots[0]) + 1].copy() if one else (
+        layer._res_tok_np[:, slots].copy())
     t = int(old_tok[0, 0]) if old_tok.size else -1
-    if len(slots) == 1 and t in layer.ring_src and np.all(old_tok == t):
+    if one and t in layer.ring_src and np.all(old_tok == t):
         return (old_tok,) + layer.ring_src.pop(t)
     idx = _slot_index(slots)
     k, v = mx.array(layer.res_k[:, idx]), mx.array(layer.res_v[:, idx])
