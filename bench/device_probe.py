@@ -20,6 +20,7 @@ compress again. This one compresses once and then, at the steady state (past --w
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import common  # tiered before mlx
@@ -28,6 +29,7 @@ import numpy as np
 from decode_speed import build_model, kv_caches, seed_kv, tiered_caches
 from device_host_profile import graph_ops, print_ops
 from device_kernel_profile import profile
+from tiered.dispatch import DISPATCHER
 
 
 def measure(name, model, cache, args):
@@ -40,6 +42,7 @@ def measure(name, model, cache, args):
     for r in range(args.repeats * len(args.toggle_values)):
         label = set_toggle(args, r % len(args.toggle_values)) if name != "KVCache" else ""
         q, e = [], []
+        d0 = (DISPATCHER.busy_s, DISPATCHER.wait_s)
         for _ in range(args.steps):
             t0 = time.perf_counter()
             y = mx.argmax(model(y, cache=cache)[:, -1], axis=-1)[:, None]
@@ -50,7 +53,9 @@ def measure(name, model, cache, args):
         tot = 1e3 * (np.array(q) + np.array(e))
         print(f"{name}{label}: {np.median(tot):.2f} ms/token (median of {args.steps}; queue "
               f"{1e3 * np.median(q):.2f}, wait {1e3 * np.median(e):.2f}; slowest "
-              f"{tot.max() / np.median(tot):.2f}x)", flush=True)
+              f"{tot.max() / np.median(tot):.2f}x; dispatcher thread busy "
+              f"{1e3 * (DISPATCHER.busy_s - d0[0]) / args.steps:.2f}, main thread waiting for "
+              f"it {1e3 * (DISPATCHER.wait_s - d0[1]) / args.steps:.2f}: means)", flush=True)
     if args.spy and name != "KVCache":  # before the kernel profiler: CUPTI stays loaded
         open(args.spy + ".go", "w").close()
         t0 = time.perf_counter()
@@ -89,6 +94,8 @@ def set_toggle(args, i: int) -> str:
     except ValueError:
         pass  # a string
     setattr(importlib.import_module(mod), attr, value)
+    if attr == "SWITCH_INTERVAL_S":  # read once, when the dispatcher thread starts
+        sys.setswitchinterval(value)
     return f" [{attr}={label}]"
 
 
