@@ -161,20 +161,27 @@ _SPLITS = _SPLITS_EXACT + _SPLITS_TAIL
 
 
 _MERGE = r"""
-    // One block of D threads per query head qh: merge its kv head's NS splits (the first
+    // One block per query head qh, D x G threads: merge its kv head's NS splits (the first
     // NSR resident), apply the sink, write the output in the query dtype and the stats
-    // [attended tokens (gathered + resident), resident share of the mass].
+    // [attended tokens (gathered + resident), resident share of the mass]. Row g of the block
+    // takes splits g, g + G, ...; the rows' maxima, then their sums, meet in shared memory (a
+    // block of one row read its ~130 splits one after another: 37-49 us per layer on an H200).
     const int NS = dims[2], NSR = dims[3];
-    const int qh = blockIdx.x, h = qh / REP, r = qh % REP, e = threadIdx.x;
+    const int qh = blockIdx.x, h = qh / REP, r = qh % REP, e = threadIdx.x, g = threadIdx.y;
+    __shared__ float sM[G], sMr[G], sL[G], sLr[G], sO[G][D];
+    __shared__ int sN[G];
     float M = -INFINITY, Mr = -INFINITY;
-    for (int s = 0; s < NS; ++s) {
+    for (int s = g; s < NS; s += G) {
         const float mm = pm[(uint64_t)(h * NS + s) * REP + r];
         M = fmaxf(M, mm);
         if (s < NSR) Mr = fmaxf(Mr, mm);
     }
+    if (e == 0) { sM[g] = M; sMr[g] = Mr; }
+    __syncthreads();
+    for (int i = 0; i < G; ++i) { M = fmaxf(M, sM[i]); Mr = fmaxf(Mr, sMr[i]); }
     float L = 0.f, Lr = 0.f, O = 0.f;
     int ng = 0;
-    for (int s = 0; s < NS; ++s) {
+    for (int s = g; s < NS; s += G) {
         const uint64_t at = (uint64_t)(h * NS + s) * REP + r;
         if (s >= NSR) ng += cnt[at];
         const float mm = pm[at];
@@ -184,6 +191,12 @@ _MERGE = r"""
         O += po[at * D + e] * c;
         if (s < NSR) Lr += pl[at] * expf(mm - Mr);
     }
+    sO[g][e] = O;
+    if (e == 0) { sL[g] = L; sLr[g] = Lr; sN[g] = ng; }
+    __syncthreads();
+    if (g != 0) return;
+    L = 0.f; Lr = 0.f; O = 0.f; ng = 0;
+    for (int i = 0; i < G; ++i) { L += sL[i]; Lr += sLr[i]; O += sO[i][e]; ng += sN[i]; }
     const float lse = L > 0.f ? M + logf(L) : 0.f;  // 0 when nothing is attended (unused then)
     float o = L > 0.f ? O / L : 0.f;
     if (HAS_SINK) o *= 1.f / (1.f + expf(sink[qh] - lse));
@@ -229,6 +242,7 @@ _RESIDENT = r"""
 """
 
 _kernels: dict = {}
+MERGE_GROUPS = 8  # rows of threads of a merge block over the splits (1: the one-row merge before)
 
 
 def _kernel(name: str):
@@ -354,8 +368,10 @@ def _split_attend(splits: str, inputs: list, Hq: int, H: int, D: int, R: int, T:
         output_dtypes=[mx.float32, mx.float32, mx.float32, mx.int32],
         grid=(H * ns * 128, 1, 1), threadgroup=(128, 1, 1), template=tmpl + list(extra))
     sink = kept((Hq,), 0.0) if sinks is None else mx.array(sinks).astype(mx.float32).reshape(Hq)
+    groups = max(1, min(MERGE_GROUPS, 1024 // D))
     out, stats = _kernel("merge")(
         inputs=[pm, pl, po, cnt, sink, dims], output_shapes=[(Hq, D), (Hq, 2)],
-        output_dtypes=[out_dtype, mx.float32], grid=(Hq * D, 1, 1), threadgroup=(D, 1, 1),
-        template=tmpl + [("HAS_SINK", sinks is not None), ("OutT", out_dtype)])
+        output_dtypes=[out_dtype, mx.float32], grid=(Hq * D, groups, 1),
+        threadgroup=(D, groups, 1),
+        template=tmpl + [("HAS_SINK", sinks is not None), ("OutT", out_dtype), ("G", groups)])
     return out, stats
