@@ -21,7 +21,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .device_decode import CHUNK, CHUNK_WORD, DeviceTables, host_mx_dtype, kept, page_fence
-from .metal import accelerator, device_floats, device_ints
+from .metal import accelerator, device_ints
 from .metal.compact import compact
 from .metal.ptx_cache import cuda_kernel
 from .attend_reference import approx_attend_ops
@@ -207,40 +207,6 @@ _MERGE = r"""
     }
 """
 
-_RESIDENT = r"""
-    // One warp per resident slot (h, r): the REP query heads of kv head h, scaled to float32
-    // (written by the warps of slot 0), against the slot's key: s (Hq, R) the exact score,
-    // -inf for an empty slot (token < 0), and cols (Hq, R) the token it replaces in the
-    // codebook scores (nn[0], a spare column, for an empty slot).
-    const uint64_t gid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    const uint32_t R = rk_shape[1], lane = gid % 32;
-    const uint64_t warp = gid / 32;
-    if (warp >= (uint64_t)H * R) return;
-    const uint32_t h = warp / R, r = warp % R;
-    const float sc = scale[0];
-    const int tok = rtok[(uint64_t)h * R + r];
-    const auto* kr = rk + ((uint64_t)h * R + r) * D;
-    float acc[REP];
-    for (int j = 0; j < REP; ++j) acc[j] = 0.f;
-    for (int e = lane; e < D; e += 32) {
-        const float kv = (float)kr[e];
-        for (int j = 0; j < REP; ++j) {
-            const float qv = (float)queries[(h * REP + j) * D + e] * sc;
-            acc[j] += qv * kv;
-            if (r == 0) qout[(h * REP + j) * D + e] = qv;
-        }
-    }
-    for (int j = 0; j < REP; ++j)
-        for (int o = 16; o > 0; o >>= 1) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
-    if (lane < REP) {
-        float v = acc[0];
-        for (int j = 1; j < REP; ++j) if (j == (int)lane) v = acc[j];
-        const uint64_t at = (uint64_t)(h * REP + lane) * R + r;
-        s[at] = tok >= 0 ? v : -INFINITY;
-        cols[at] = tok >= 0 ? tok : nn[0];
-    }
-"""
-
 _kernels: dict = {}
 MERGE_GROUPS = 8  # rows of threads of a merge block over the splits (1: the one-row merge before)
 
@@ -256,28 +222,10 @@ def _kernel(name: str):
             "splits_given": (["sres", "z", "idx", "rv", "gv", "ok", "dims"],
                              ["pm", "pl", "po", "cnt"], _SPLITS_GIVEN + _SPLITS_TAIL),
             "merge": (["pm", "pl", "po", "cnt", "sink", "dims"], ["out", "stats"], _MERGE),
-            "resident": (["queries", "scale", "rk", "rtok", "nn"], ["qout", "s", "cols"],
-                         _RESIDENT),
         }[name]
         _kernels[name] = cuda_kernel(name=f"tiered_{name}", input_names=spec[0],
                                      output_names=spec[1], source=compact(spec[2]))
     return _kernels[name]
-
-
-def resident_scores(queries, scale: float, rk, rtok, n: int):
-    """The step's start in one launch: queries (1, Hq, 1, D) in any float dtype, scaled to
-    q (Hq, D) float32; the resident set's exact scores s (Hq, R) float32 (-inf on empty
-    slots); cols (Hq, R) int32, the token each score replaces in the codebook scores (n for
-    an empty slot: a spare column). The MLX reference:
-    :func:`tiered.attend_reference.resident_scores_ops`."""
-    Hq, D = queries.shape[1], queries.shape[3]
-    H, R = rtok.shape
-    return _kernel("resident")(
-        inputs=[queries, device_floats(scale), rk, rtok, device_ints(n)],
-        output_shapes=[(Hq, D), (Hq, R), (Hq, R)],
-        output_dtypes=[mx.float32, mx.float32, mx.int32],
-        grid=(H * R * 32, 1, 1), threadgroup=(256, 1, 1),
-        template=[("H", H), ("REP", Hq // H), ("D", D)])
 
 
 def gather_kv(tables: DeviceTables, host, idx: mx.array, count: mx.array, flags: mx.array,

@@ -5,7 +5,7 @@ host round trip (tiered.device_decode says how the host pages are reached in pla
 
 1. write-behind: tokens leaving the recent ring go to their host pages (a device kernel);
 2. scores: the query scaled and the resident set's exact scores in one launch
-   (:func:`tiered.device_attend.resident_scores`), every token's from the compressed keys,
+   (:func:`tiered.device_resident.resident_scores`), every token's from the compressed keys,
    the resident tokens' replaced by their exact scores;
 3. chunk logits: one kernel gives each 8-token chunk's logit and exclusion for the tau rule,
    and each chunk's log-sum-exp over all tokens (the softmax total for the H2O update);
@@ -29,7 +29,7 @@ import time
 
 import mlx.core as mx
 
-from . import device_attend, device_compiled, dispatch, metal
+from . import device_attend, device_compiled, device_resident, dispatch, metal
 from .device_chunks import chunk_logits
 from .device_decode import CHUNK, DeviceTables, gather_chunks, kept
 from .stats import Column
@@ -72,7 +72,7 @@ def decode(layer, queries, scale, sinks, tables: DeviceTables):
         if acc is not None:
             writes.append(layer.heavy.updated(acc, n))
         return _finish(layer, queries, o, mass, mean_count, marks, writes)
-    q, s_r, cols = device_attend.resident_scores(queries, scale, layer.res_k, layer.res_tok, n)
+    q, s_r, cols = device_resident.resident_scores(queries, scale, layer.res_k, layer.res_tok, n)
     # every token's codebook score, the resident tokens' replaced by their exact ones (empty
     # slots write the spare column n, which nothing reads)
     z = layer.keys.scores(q, n, rep)

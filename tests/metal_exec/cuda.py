@@ -1,0 +1,179 @@
+"""Runs tiered's raw CUDA kernels (``mx.fast.cuda_kernel`` bodies) on the CPU executor.
+
+The kernel text is the source MLX generates for the launch
+(:func:`tiered.metal.ptx_cache.kernel_source`, the one tiered compiles into MLX's PTX cache),
+with MLX's includes replaced by cuda_shim.h, each ``Shape`` / ``Strides`` argument a pointer
+to the input's sizes / strides, and each ``__shared__`` declaration rewritten into a reference
+to one array per block. Blocks run as the executor's threadgroups, whole as CUDA launches them
+(the grid is rounded up to whole blocks; MLX computes ``ceil(grid / threadgroup)`` blocks).
+
+:func:`cuda_kernel` has ``mx.fast.cuda_kernel``'s call signature and returns MLX arrays, so a
+test can put it in place of a module's ``cuda_kernel`` and run the module's own wrapper.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+
+import mlx.core as mx
+import numpy as np
+
+from tiered.metal.ptx_cache import _HEADER, kernel_source
+
+from . import MAX_THREADS, _output, to_numpy
+from .build import CXX, FLAGS, HERE, _loaded, _lock, _publish, _run, _runtime_objects
+from .build import _toolchain_key, cache_dir
+
+MARK = "__shared__"
+STATEMENT = re.compile(r"__shared__\s+([^;{}]*);")
+
+
+def _split_top(text: str) -> list[str]:
+    """``text`` split at the commas outside brackets."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += ch in "[(" and 1 or ch in "])" and -1 or 0
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return parts + [text[start:]]
+
+
+def rewrite_shared(text: str) -> tuple[str, int]:
+    """Each ``__shared__ T a[..], b[..][..];`` as references to the runtime's per-block
+    storage; returns the text and the number of declarators."""
+    sites: list[str] = []
+
+    def replace(m):
+        stmt = m.group(1)
+        first = re.search(r"(\w+)\s*\[", stmt)
+        if first is None:
+            raise NotImplementedError(f"__shared__ {stmt}: only arrays are emulated")
+        ctype = stmt[: first.start()].strip()
+        out = []
+        for d in _split_top(stmt[first.start():]):
+            name = re.match(r"\s*(\w+)", d).group(1)
+            dims = d[d.index("["):].strip()
+            out.append(f"{ctype} (&{name}){dims} = *reinterpret_cast<{ctype}(*){dims}>("
+                       f"::tqx::threadgroup_alloc({len(sites)}, sizeof({ctype}{dims})));")
+            sites.append(name)
+        return " ".join(out)
+
+    return STATEMENT.sub(replace, text), len(sites)
+
+
+def _params(input_names, inputs, output_names, source) -> list[tuple[str, int]]:
+    """(kind, index) of each argument of MLX's generated kernel, in order."""
+    out = []
+    for i, (n, (_, ndim)) in enumerate(zip(input_names, inputs)):
+        out.append(("input", i))
+        if ndim > 0:
+            out += [(kind, i) for kind in ("shape", "strides", "ndim") if f"{n}_{kind}" in source]
+    return out + [("output", i) for i in range(len(output_names))]
+
+
+def kernel_unit(name, input_names, output_names, source, header, inputs, output_dtypes,
+                template) -> tuple[str, int]:
+    """The C++ translation unit of one launch and its number of shared declarators."""
+    func, text = kernel_source(name, input_names, output_names, source, header, inputs,
+                               output_dtypes, template)
+    text = text.replace(_HEADER, "").replace("namespace cg = cooperative_groups;", "")
+    text = text.replace("const __grid_constant__ Shape ", "const int32_t* ")
+    text = text.replace("const __grid_constant__ Strides ", "const int64_t* ")
+    text, sites = rewrite_shared(text)
+    args = [f"*(const int*)b[{k}]" if kind == "ndim" else f"tqx_cuda_arg(b[{k}])"
+            for k, (kind, _) in enumerate(_params(input_names, inputs, output_names, source))]
+    call = f"mlx::core::cu::{func}(" + ", ".join(args) + ");"
+    entry = ('extern "C" void tqx_kernel_thread(void* const* b) {\n  ' + call + "\n}\n")
+    shim = ('#include "cuda_shim.h"\n#define inf INFINITY\n'
+            "struct tqx_cuda_ptr { void* p; template <typename T> operator T*() const "
+            "{ return static_cast<T*>(p); } };\n"
+            "inline tqx_cuda_ptr tqx_cuda_arg(void* p) { return tqx_cuda_ptr{p}; }\n")
+    return shim + text + entry, sites
+
+
+def _build(unit: str, name: str):
+    runtime = _runtime_objects(())
+    h = hashlib.sha256((_toolchain_key(()) + unit).encode())
+    h.update((HERE / "cuda_shim.h").read_bytes())
+    target = cache_dir() / f"cuda-{name}-{h.hexdigest()[:24]}.so"
+
+    def produce(tmp):
+        src = tmp.with_suffix(".cpp")
+        src.write_text(unit)
+        try:
+            _run([CXX, *FLAGS, "-shared", "-I", str(HERE), str(src),
+                  *(str(o) for o in runtime), "-o", str(tmp), "-pthread"])
+        finally:
+            src.unlink()
+
+    _publish(produce, target)
+    with _lock:
+        if target not in _loaded:
+            lib = ctypes.CDLL(str(target))
+            lib.tqx_launch.restype = ctypes.c_int
+            _loaded[target] = lib
+        return _loaded[target]
+
+
+def run(spec: dict, *, inputs, output_shapes, output_dtypes, grid, threadgroup, template=None,
+        init_value=None, seed: int = 1, workers: int | None = None) -> list[np.ndarray]:
+    """One launch of the kernel ``spec`` (``mx.fast.cuda_kernel``'s keyword arguments) on the
+    CPU; the outputs as numpy arrays (bfloat16 as its bits)."""
+    arrays = [x if isinstance(x, mx.array) else mx.array(x) for x in inputs]
+    arrays = [mx.contiguous(a) for a in arrays]  # MLX's ensure_row_contiguous
+    sig = [(a.dtype, a.ndim) for a in arrays]
+    template = list(template or ())
+    names, source = spec["input_names"], spec["source"]
+    unit, _ = kernel_unit(spec["name"], names, spec["output_names"], source,
+                          spec.get("header", ""), sig, output_dtypes, template)
+    lib = _build(unit, spec["name"])
+    bufs = []
+    for kind, i in _params(names, sig, spec["output_names"], source):
+        a = arrays[i] if kind != "output" else None
+        if kind == "input":
+            bufs.append(to_numpy(a))
+        elif kind == "shape":
+            bufs.append(np.array(a.shape or (0,), np.int32))
+        elif kind == "strides":
+            st = np.cumprod((a.shape[1:] + (1,))[::-1])[::-1] if a.ndim else [0]
+            bufs.append(np.array(st, np.int64))
+        elif kind == "ndim":
+            bufs.append(np.array([a.ndim], np.int32))
+        else:
+            bufs.append(_output(output_shapes[i], output_dtypes[i], init_value))
+    outputs = bufs[-len(output_shapes):]
+    n = len(bufs)
+    threads = int(np.prod(threadgroup))
+    if threads > MAX_THREADS:
+        raise RuntimeError(f"{spec['name']}: a block of {threads} threads")
+    whole = [-(-g // t) * t for g, t in zip(grid, threadgroup)]
+    ptrs = (ctypes.c_void_p * n)(*[b.ctypes.data for b in bufs])
+    nbytes = (ctypes.c_ulong * n)(*[b.nbytes for b in bufs])
+    writable = (ctypes.c_int * n)(*([0] * (n - len(outputs)) + [1] * len(outputs)))
+    stats = (ctypes.c_ulonglong * 2)()
+    err = ctypes.create_string_buffer(4096)
+    if workers is None:
+        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2
+    rc = lib.tqx_launch(ptrs, nbytes, writable, ctypes.c_int(n), (ctypes.c_uint * 3)(*whole),
+                        (ctypes.c_uint * 3)(*threadgroup), ctypes.c_ulong(48 * 1024),
+                        ctypes.c_int(workers), ctypes.c_ulonglong(seed), stats, err,
+                        ctypes.c_int(len(err)))
+    if rc != 0:
+        raise RuntimeError(f"{spec['name']}: {err.value.decode()}")
+    return outputs
+
+
+def cuda_kernel(**spec):
+    """``mx.fast.cuda_kernel`` run on the CPU: the launch returns MLX arrays."""
+    def launch(*, inputs, output_shapes, output_dtypes, grid, threadgroup, template=None,
+               init_value=None, **_):
+        outs = run(spec, inputs=inputs, output_shapes=output_shapes,
+                   output_dtypes=output_dtypes, grid=grid, threadgroup=threadgroup,
+                   template=template, init_value=init_value)
+        return [mx.array(o).view(mx.bfloat16) if d == mx.bfloat16 else mx.array(o)
+                for o, d in zip(outs, output_dtypes)]
+    return launch
