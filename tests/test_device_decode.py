@@ -126,12 +126,16 @@ def test_chunk_logits_at_a_kept_width(n_host, n, width, cuda_kernels):
 @pytest.mark.accelerator
 @needs_cuda
 @pytest.mark.parametrize("host_keys", [True, False])
-def test_compiled_step_decodes_as_the_step_op_by_op(monkeypatch, host_keys):
+@pytest.mark.parametrize("iters,given", [(0, False), (4, True)])
+def test_compiled_step_decodes_as_the_step_op_by_op(monkeypatch, host_keys, iters, given):
     """tiered.device_compiled and tiered.device_append: the chain compiled at a kept width, and
     the append as one compiled call, give the outputs, pages, H2O accumulators, codes and
     resident set of the same steps built op by op, across refreshes and width changes; without
-    host keys (approximate rescoring, as at 1M tokens) too."""
-    from tiered import device_append, device_compiled
+    host keys (approximate rescoring, as at 1M tokens) too; with the tiled resident kernel and
+    its scores handed to the exact splits too."""
+    from tiered import device_append, device_attend, device_compiled, device_resident
+    monkeypatch.setattr(device_resident, "RESIDENT_ITER", iters)
+    monkeypatch.setattr(device_attend, "RESIDENT_SCORES_GIVEN", given)
 
     model = make_small_model("llama-gqa-d64", layers=3, seed=2)
     rng = np.random.default_rng(9)
@@ -230,9 +234,11 @@ def test_approx_attend_is_softmax_over_both_sets(sinks, H, rep, R, n, dv, capc, 
 @pytest.mark.parametrize("R,T,rep,d,sinks,dtype", [
     (300, 64, 4, 128, False, "float16"), (5000, 2048, 4, 128, True, "float16"),
     (37, 8, 3, 64, False, "float32"), (0, 16, 2, 64, True, "float32")])
-def test_attend_kernel_matches_ops(R, T, rep, d, sinks, dtype, cuda_kernels):
+@pytest.mark.parametrize("given", [False, True])
+def test_attend_kernel_matches_ops(R, T, rep, d, sinks, dtype, given, cuda_kernels):
     """The split-K attention over the resident set and the gathered rows equals the MLX-op
-    partials and merge: output, attended count and resident share of the mass."""
+    partials and merge: output, attended count and resident share of the mass; also with the
+    resident scores given (the splits then read them, not the resident keys)."""
     from tiered.attend_reference import attend_ops
     from tiered.device_attend import attend
     rng = np.random.default_rng(R + T)
@@ -249,7 +255,11 @@ def test_attend_kernel_matches_ops(R, T, rep, d, sinks, dtype, cuda_kernels):
     ok[0, :] = False  # a head with nothing gathered
     sink = rng.normal(size=(H * rep,)).astype(np.float32) if sinks else None
     args = (q, rk, rv, mx.array(rtok), gk, gv, mx.array(ok), sink, dt)
-    o, st = attend(*args)
+    s_r = None
+    if given:  # as the resident kernel gives them (-inf on empty slots)
+        s_r = (q.reshape(H, rep, d) @ rk.astype(mx.float32).swapaxes(1, 2)).reshape(H * rep, R)
+        s_r = mx.where(mx.repeat(mx.array(rtok), rep, axis=0) >= 0, s_r, -mx.inf)
+    o, st = attend(*args, s_r=s_r)
     o_ref, st_ref = attend_ops(*args)
     tol = 2e-3 if dtype == "float16" else 1e-5
     np.testing.assert_allclose(np.array(o.astype(mx.float32)),
@@ -291,11 +301,15 @@ def test_resident_scores_kernel_matches_ops(R, rep, d, dtype, iters, monkeypatch
                                                (128, "float32", 4, 32), (64, "float32", 3, 16),
                                                (96, "float16", 4, 0), (256, "float32", 1, 0),
                                                (128, "float16", 16, 0), (80, "bfloat16", 2, 0)])
-def test_tiled_resident_lanes(d, dtype, rep, lanes):
+def test_tiled_resident_lanes(d, dtype, rep, lanes, monkeypatch):
     """The tiled resident kernel's lanes per slot read a key row in 16-byte words, a power of
-    two of them up to a warp; other shapes take the one-warp-per-slot kernel (0)."""
-    from tiered.device_resident import tiled_lanes
-    assert tiled_lanes(d, getattr(mx, dtype), rep) == lanes
+    two of them up to a warp; other shapes, and every shape with RESIDENT_ITER 0, take the
+    one-warp-per-slot kernel (0)."""
+    from tiered import device_resident
+    monkeypatch.setattr(device_resident, "RESIDENT_ITER", 4)
+    assert device_resident.tiled_lanes(d, getattr(mx, dtype), rep) == lanes
+    monkeypatch.setattr(device_resident, "RESIDENT_ITER", 0)
+    assert device_resident.tiled_lanes(d, getattr(mx, dtype), rep) == 0
 
 
 @pytest.mark.accelerator

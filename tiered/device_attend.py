@@ -76,13 +76,17 @@ _SPLITS_EXACT = r"""
         const uint64_t row = ((uint64_t)h * len + j) * D + lane * E;
         float kf[E], vf[E];
         for (int e = 0; e < E; ++e) {
-            kf[e] = res ? static_cast<float>(rk[row + e]) : static_cast<float>(gk[row + e]);
+            kf[e] = res ? @RES_KEY@ : static_cast<float>(gk[row + e]);
             vf[e] = res ? static_cast<float>(rv[row + e]) : static_cast<float>(gv[row + e]);
         }
         for (int r = 0; r < REP; ++r) {
             float sc = 0.f;
-            for (int e = 0; e < E; ++e) sc += qv[r][e] * kf[e];
-            for (int o = 16; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
+            if (@RES_SCORE@) {
+                @RES_READ@
+            } else {  // uniform in the block: splits never straddle the two sets
+                for (int e = 0; e < E; ++e) sc += qv[r][e] * kf[e];
+                for (int o = 16; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
+            }
             const float mn = fmaxf(m[r], sc);
             const float c = expf(m[r] - mn), p = expf(sc - mn);
             l[r] = l[r] * c + p;
@@ -157,7 +161,13 @@ _SPLITS_TAIL = r"""    __shared__ float sm[NW][REP], sl[NW][REP], sa[NW][REP][D]
     }
 """
 
-_SPLITS = _SPLITS_EXACT + _SPLITS_TAIL
+_SPLITS = (_SPLITS_EXACT.replace("@RES_KEY@", "static_cast<float>(rk[row + e])")
+           .replace("@RES_SCORE@", "false").replace("@RES_READ@", "") + _SPLITS_TAIL)
+# The resident slots' scores read from the resident kernel's (Hq, R) output instead of
+# computed again from their keys: the resident keys are then read once per step, not twice.
+_SPLITS_SRES = (_SPLITS_EXACT.replace("@RES_KEY@", "0.f").replace("@RES_SCORE@", "res")
+                .replace("@RES_READ@", "sc = sres[(uint64_t)(h * REP + r) * NRES + j];")
+                + _SPLITS_TAIL)
 
 
 _MERGE = r"""
@@ -209,6 +219,11 @@ _MERGE = r"""
 
 _kernels: dict = {}
 MERGE_GROUPS = 8  # rows of threads of a merge block over the splits (1: the one-row merge before)
+# The device step hands the resident kernel's scores to the exact splits (attend's s_r), so the
+# resident keys are read once a step, not twice (34 MB a layer at 128k on the Llama-3-8B
+# shape). Off until timed on a GPU (checked on the CPU kernel executor only); toggle with
+# bench/device_probe.py --toggle tiered.device_attend.RESIDENT_SCORES_GIVEN=0,1.
+RESIDENT_SCORES_GIVEN = False
 
 
 def _kernel(name: str):
@@ -219,6 +234,8 @@ def _kernel(name: str):
                           ["kout", "vout", "ok"], _GATHER_KV),
             "splits": (["q", "rk", "rv", "rtok", "gk", "gv", "ok", "dims"],
                        ["pm", "pl", "po", "cnt"], _SPLITS),
+            "splits_sres": (["q", "sres", "rv", "rtok", "gk", "gv", "ok", "dims"],
+                            ["pm", "pl", "po", "cnt"], _SPLITS_SRES),
             "splits_given": (["sres", "z", "idx", "rv", "gv", "ok", "dims"],
                              ["pm", "pl", "po", "cnt"], _SPLITS_GIVEN + _SPLITS_TAIL),
             "merge": (["pm", "pl", "po", "cnt", "sink", "dims"], ["out", "stats"], _MERGE),
@@ -287,15 +304,20 @@ def _split(R: int, T: int, H: int) -> int:
     return max(64, -(-((R + T) // per_head) // 64) * 64)
 
 
-def attend(q, rk, rv, rtok, gk, gv, ok, sinks, out_dtype):
+def attend(q, rk, rv, rtok, gk, gv, ok, sinks, out_dtype, s_r=None):
     """Softmax attention of q (Hq, D) float32 (scaled) over the resident set (rk, rv
     (H, R, D), slot empty where rtok (H, R) < 0) and the gathered rows (gk, gv (H, T, D),
     attended where ok (H, T)), with an optional sink logit per query head. Returns
     (o (Hq, D) in out_dtype, stats (Hq, 2) float32: [gathered tokens attended, resident share
-    of the mass])."""
+    of the mass]). ``s_r`` (Hq, R) float32: the resident slots' scores q . k as
+    :func:`tiered.device_resident.resident_scores` gives them; the kernel then reads those
+    instead of rk (used where RESIDENT_SCORES_GIVEN is on)."""
     H, R, _ = rk.shape
-    return _split_attend("splits", [q, rk, rv, rtok, gk, gv, ok], q.shape[0], H, q.shape[1], R,
-                         gk.shape[1], sinks, out_dtype)
+    if s_r is None:
+        return _split_attend("splits", [q, rk, rv, rtok, gk, gv, ok], q.shape[0], H,
+                             q.shape[1], R, gk.shape[1], sinks, out_dtype)
+    return _split_attend("splits_sres", [q, s_r, rv, rtok, gk, gv, ok], q.shape[0], H,
+                         q.shape[1], R, gk.shape[1], sinks, out_dtype)
 
 
 def _split_attend(splits: str, inputs: list, Hq: int, H: int, D: int, R: int, T: int, sinks,

@@ -107,7 +107,8 @@ def step(layer, queries, scale, sinks, tables, n: int, n_host: int, cap: int, fl
     key = (W, float(scale), layer.config.tau, capc, floorc, alpha, rep, sinks is not None,
            queries.dtype, host.page_size, kt.pages_per_block, vt.pages_per_block,
            kt.head_dim, vt.head_dim, kt.dtype, vt.dtype, exact, H2O_AFTER,
-           device_attend.MERGE_GROUPS, device_resident.RESIDENT_ITER)  # launch shapes traced
+           device_attend.MERGE_GROUPS, device_resident.RESIDENT_ITER,
+           bool(device_attend.RESIDENT_SCORES_GIVEN))  # what is traced
     fn = compiled(_functions, key, _chain, MAX_FUNCTIONS)
     # the same arrays in every layer of the step, from their own cache (see _placeholder)
     sizes = _step_ints(n_host, n, *chunk_widths(n_host, n, W))
@@ -180,7 +181,7 @@ def compiled(functions: OrderedDict, key: tuple, body, limit: int):
 def _chain(key: tuple):
     """The traced function for ``key`` (see :func:`step` for what the key holds)."""
     (W, scale, tau, capc, floorc, alpha, rep, has_sink, out_dtype, page_size, ppb_k, ppb_v,
-     dk, dv, kdtype, vdtype, exact, h2o_after, _, _) = key
+     dk, dv, kdtype, vdtype, exact, h2o_after, _, _, sres) = key
     host = SimpleNamespace(  # what gather_kv reads of the host store: shapes, not data
         page_size=page_size,
         keys=SimpleNamespace(dtype=kdtype, head_dim=dk, pages_per_block=ppb_k),
@@ -200,7 +201,8 @@ def _chain(key: tuple):
             kr, vr, ok = device_attend.gather_kv(None, host, idx, count, flags,
                                                  where=(pages, addrs_k, addrs_v, sizes, fence))
             o, stats = device_attend.attend(q, res_k, res_v, res_tok, kr, vr, ok,
-                                            sink if has_sink else None, out_dtype)
+                                            sink if has_sink else None, out_dtype,
+                                            s_r=s_r if sres else None)
         else:  # approximate rescoring: values gathered, the chunks' code scores
             vr, ok = device_decode.gather_chunks(None, host, host.values, idx, count, flags,
                                                  where=(pages, addrs_v, sizes, fence))

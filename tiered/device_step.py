@@ -83,8 +83,9 @@ def decode(layer, queries, scale, sinks, tables: DeviceTables):
                                   min(capc, -(-floor // CHUNK)))
     if cfg.rescore == "exact":
         keys, vals, ok = device_attend.gather_kv(tables, host, idx, count, layer.flags)
+        given = s_r if device_attend.RESIDENT_SCORES_GIVEN else None
         o, stats = device_attend.attend(q, layer.res_k, layer.res_v, layer.res_tok, keys, vals,
-                                        ok, sinks, queries.dtype)
+                                        ok, sinks, queries.dtype, s_r=given)
         mean_count, mass = Column(stats, 0), Column(stats, 1)  # reduced when read
     else:  # approximate rescoring: only values gathered, the chunks' code scores
         vals, ok = gather_chunks(tables, host, host.values, idx, count, layer.flags)
