@@ -59,10 +59,13 @@ def main():
     ap.add_argument("--no-async", action="store_true",
                     help="make mx.async_eval a no-op: on the CPU backend it evaluates the layers "
                          "so far (the fake kernels' zeros included) and its time is not the GPU's")
+    ap.add_argument("--kv", action="store_true",
+                    help="time mlx-lm's KVCache at the same context instead (the model's own "
+                         "graph building, for comparison)")
     ap.add_argument("--no-host-keys", action="store_true",
                     help="values only on the host (the 1M-token run's layout)")
     args = ap.parse_args()
-    from decode_speed import LLAMA3_8B, seed_kv, tiered_caches
+    from decode_speed import LLAMA3_8B, kv_caches, seed_kv, tiered_caches
     from mlx_lm.utils import _get_classes
 
     cfg = dict(LLAMA3_8B, num_hidden_layers=args.layers, hidden_size=512,
@@ -74,9 +77,10 @@ def main():
     fake_cuda()
     if args.no_async:
         mx.async_eval = lambda *a, **k: None
-    cache = tiered_caches(model, seed, args.context, args.budget,
-                          dict(calibration_tokens=2048, device_gather="on", kernels="mlx",
-                               host_keys=not args.no_host_keys))
+    cache = kv_caches(seed, args.context) if args.kv else tiered_caches(
+        model, seed, args.context, args.budget,
+        dict(calibration_tokens=2048, device_gather="on", kernels="mlx",
+             host_keys=not args.no_host_keys))
     y = mx.array([[1]])
     for _ in range(3):
         y = mx.argmax(model(y, cache=cache)[:, -1], axis=-1)[:, None]
@@ -97,7 +101,8 @@ def main():
           f"per token, {ms / args.layers:.3f} ms per layer ({args.layers} layers, "
           f"{args.context} tokens)", flush=True)
     pstats.Stats(prof).sort_stats(args.sort).print_stats(args.top)
-    cache.close()
+    if not args.kv:
+        cache.close()
 
 
 if __name__ == "__main__":

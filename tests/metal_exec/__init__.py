@@ -44,7 +44,7 @@ def to_numpy(arr: mx.array) -> np.ndarray:
 
 
 def _output(shape, dtype, init_value) -> np.ndarray:
-    np_dtype = np.dtype(_NUMPY.get(dtype, np.dtype(str(dtype).split(".")[-1])))
+    np_dtype = np.dtype(_NUMPY[dtype] if dtype in _NUMPY else str(dtype).split(".")[-1])
     if init_value is not None:
         return np.full(shape, init_value, dtype=np_dtype)
     count = int(np.prod(shape, dtype=np.int64))
