@@ -63,16 +63,22 @@ def measure(name, model, cache, args):
             y = mx.argmax(model(y, cache=cache)[:, -1], axis=-1)[:, None]
             mx.eval(y)
         time.sleep(2)
-    if args.kernels:
+    # the kernels of each toggle value in turn (one profile where nothing is toggled)
+    values = range(len(args.toggle_values)) if name != "KVCache" else [None]
+    for i in values if args.kernels else []:
+        label = set_toggle(args, i) if i is not None else ""
+        if label:  # a step at the new value first: what it compiles stays out of the profile
+            mx.eval(model(y, cache=cache))
         spans = []
         kern = profile(model, cache, args.kernels, spans)
         if args.spans:
             import json
-            with open(f"{args.spans}.{name}.json", "w") as f:
+            tag = label.strip(" []").replace("=", "-")
+            with open(f"{args.spans}.{name}{'.' + tag if tag else ''}.json", "w") as f:
                 json.dump(spans, f)
         n = sum(c for c, _ in kern.values()) / args.kernels
         t = sum(us for _, us in kern.values()) / args.kernels / 1e3
-        print(f"{name}: {n:.0f} kernels/token, {t:.2f} ms kernel time/token summed, "
+        print(f"{name}{label}: {n:.0f} kernels/token, {t:.2f} ms kernel time/token summed, "
               f"{busy(spans) / args.kernels / 1e3:.2f} ms with the GPU busy (overlaps "
               f"counted once)", flush=True)
         for k, (c, us) in sorted(kern.items(), key=lambda kv: -kv[1][1])[: args.top]:
