@@ -59,6 +59,8 @@ def main():
     ap.add_argument("--no-async", action="store_true",
                     help="make mx.async_eval a no-op: on the CPU backend it evaluates the layers "
                          "so far (the fake kernels' zeros included) and its time is not the GPU's")
+    ap.add_argument("--no-cprofile", action="store_true",
+                    help="no cProfile (for a sampling profiler such as py-spy)")
     ap.add_argument("--kv", action="store_true",
                     help="time mlx-lm's KVCache at the same context instead (the model's own "
                          "graph building, for comparison)")
@@ -89,7 +91,7 @@ def main():
     prof = cProfile.Profile()
     for i in range(args.steps):
         t0 = time.perf_counter()
-        if i == args.steps // 2:
+        if i == args.steps // 2 and not args.no_cprofile:
             prof.enable()
         logits = model(y, cache=cache)
         times.append(time.perf_counter() - t0)
@@ -100,7 +102,8 @@ def main():
     print(f"graph building (Python + MLX op construction + async_eval hand-offs): {ms:.2f} ms "
           f"per token, {ms / args.layers:.3f} ms per layer ({args.layers} layers, "
           f"{args.context} tokens)", flush=True)
-    pstats.Stats(prof).sort_stats(args.sort).print_stats(args.top)
+    if not args.no_cprofile:
+        pstats.Stats(prof).sort_stats(args.sort).print_stats(args.top)
     if not args.kv:
         cache.close()
 
