@@ -175,9 +175,15 @@ def build(spec, plan, header: str, source: str, extra: tuple[str, ...] = ()):
     """(library, declaration sites): the kernel compiled and loaded (cached on disk and in
     this process). extra: more compiler flags (e.g. -DTQX_UCONTEXT, the portable fibers)."""
     unit, sites = kernel_unit(spec, plan, header, source)
+    return build_unit(unit, spec.name, extra), sites
+
+
+def build_unit(unit: str, name: str, extra: tuple[str, ...] = (), salt: bytes = b""):
+    """The translation unit ``unit`` compiled with the runtime and loaded (cached on disk
+    under ``name`` and a hash of the toolchain, ``unit`` and ``salt``, and in this process)."""
     runtime = _runtime_objects(extra)
-    key = hashlib.sha256((_toolchain_key(extra) + unit).encode()).hexdigest()[:24]
-    target = cache_dir() / f"{spec.name}-{key}.so"
+    key = hashlib.sha256((_toolchain_key(extra) + unit).encode() + salt).hexdigest()[:24]
+    target = cache_dir() / f"{name}-{key}.so"
 
     def produce(tmp: Path):
         src = tmp.with_suffix(".cpp")
@@ -194,4 +200,4 @@ def build(spec, plan, header: str, source: str, extra: tuple[str, ...] = ()):
             lib = ctypes.CDLL(str(target))
             lib.tqx_launch.restype = ctypes.c_int
             _loaded[target] = lib
-        return _loaded[target], sites
+        return _loaded[target]

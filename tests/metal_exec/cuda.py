@@ -14,7 +14,6 @@ test can put it in place of a module's ``cuda_kernel`` and run the module's own 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import re
 
@@ -24,8 +23,7 @@ import numpy as np
 from tiered.metal.ptx_cache import _HEADER, kernel_source
 
 from . import MAX_THREADS, _output, to_numpy
-from .build import CXX, FLAGS, HERE, _loaded, _lock, _publish, _run, _runtime_objects
-from .build import _toolchain_key, cache_dir
+from .build import HERE, build_unit
 
 MARK = "__shared__"
 STATEMENT = re.compile(r"__shared__\s+([^;{}]*);")
@@ -95,30 +93,6 @@ def kernel_unit(name, input_names, output_names, source, header, inputs, output_
     return shim + text + entry, sites
 
 
-def _build(unit: str, name: str):
-    runtime = _runtime_objects(())
-    h = hashlib.sha256((_toolchain_key(()) + unit).encode())
-    h.update((HERE / "cuda_shim.h").read_bytes())
-    target = cache_dir() / f"cuda-{name}-{h.hexdigest()[:24]}.so"
-
-    def produce(tmp):
-        src = tmp.with_suffix(".cpp")
-        src.write_text(unit)
-        try:
-            _run([CXX, *FLAGS, "-shared", "-I", str(HERE), str(src),
-                  *(str(o) for o in runtime), "-o", str(tmp), "-pthread"])
-        finally:
-            src.unlink()
-
-    _publish(produce, target)
-    with _lock:
-        if target not in _loaded:
-            lib = ctypes.CDLL(str(target))
-            lib.tqx_launch.restype = ctypes.c_int
-            _loaded[target] = lib
-        return _loaded[target]
-
-
 def run(spec: dict, *, inputs, output_shapes, output_dtypes, grid, threadgroup, template=None,
         init_value=None, seed: int = 1, workers: int | None = None) -> list[np.ndarray]:
     """One launch of the kernel ``spec`` (``mx.fast.cuda_kernel``'s keyword arguments) on the
@@ -130,7 +104,7 @@ def run(spec: dict, *, inputs, output_shapes, output_dtypes, grid, threadgroup, 
     names, source = spec["input_names"], spec["source"]
     unit, _ = kernel_unit(spec["name"], names, spec["output_names"], source,
                           spec.get("header", ""), sig, output_dtypes, template)
-    lib = _build(unit, spec["name"])
+    lib = build_unit(unit, "cuda-" + spec["name"], salt=(HERE / "cuda_shim.h").read_bytes())
     bufs = []
     for kind, i in _params(names, sig, spec["output_names"], source):
         a = arrays[i] if kind != "output" else None
