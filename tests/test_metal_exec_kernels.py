@@ -133,12 +133,12 @@ CODEBOOKS = {
 }
 
 
-def check_codebook(n, rep, d, layout):
+def check_codebook(n, rep, d, layout, backend="metal"):
     c, ds, per_group, code_dtype, half = CODEBOOKS[layout]
     q, cb, codes = make_codebook_case(h=H, rep=rep, d=d, ds=ds, c=c, n=n, n_cap=n + 40,
                                       per_group=per_group, code_dtype=code_dtype, seed=n + rep)
     z, zmax, notes = codebook.codebook_scores_and_max(q, cb, codes, n, rep=rep,
-                                                      backend="metal", lut_half=half)
+                                                      backend=backend, lut_half=half)
     expected, mag = np_codebook_scores(q, cb, codes, n, rep)
     tol = 2.0**-11 + KERNEL_TOL if notes["lut_half"] else KERNEL_TOL
     assert_scores_close(z, expected, mag, tol)
@@ -211,9 +211,9 @@ def select(n, rep, cap, floor, tau_, ex_dtype, seed=0):
     return z, exclude, sel
 
 
-def check_selection(n, rep, cap, floor, tau_, ex_dtype):
+def check_selection(n, rep, cap, floor, tau_, ex_dtype, backend="metal"):
     z, exclude, sel = select(n, rep, cap, floor, tau_, ex_dtype)
-    assert_kernel_selection(z, n, exclude, sel, tau_, cap, floor, rep, "metal")
+    assert_kernel_selection(z, n, exclude, sel, tau_, cap, floor, rep, backend)
     return sel
 
 

@@ -3,8 +3,11 @@
 The kernel text is the source MLX generates for the launch
 (:func:`tiered.metal.ptx_cache.kernel_source`, the one tiered compiles into MLX's PTX cache),
 with MLX's includes replaced by cuda_shim.h, each ``Shape`` / ``Strides`` argument a pointer
-to the input's sizes / strides, and each ``__shared__`` declaration rewritten into a reference
-to one array per block. Blocks run as the executor's threadgroups, whole as CUDA launches them
+to the input's sizes / strides, and, once preprocessed (the shared kernels' CUDA prelude is
+macros), each ``__shared__`` declaration rewritten into a reference to one array per block
+and ``extern __shared__`` into a pointer to the launch's dynamic shared memory. The raw CUDA
+kernels of the device step (tests/test_device_decode.py) and the shared kernels of
+tiered.metal in their CUDA form (tests/test_cuda_exec_kernels.py) both run here. Blocks run as the executor's threadgroups, whole as CUDA launches them
 (the grid is rounded up to whole blocks; MLX computes ``ceil(grid / threadgroup)`` blocks).
 
 :func:`cuda_kernel` has ``mx.fast.cuda_kernel``'s call signature and returns MLX arrays, so a
@@ -14,6 +17,7 @@ test can put it in place of a module's ``cuda_kernel`` and run the module's own 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import re
 
@@ -23,10 +27,10 @@ import numpy as np
 from tiered.metal.ptx_cache import _HEADER, kernel_source
 
 from . import MAX_THREADS, _output, to_numpy
-from .build import HERE, build_unit
+from .build import CXX, HERE, _run, build_unit
 
-MARK = "__shared__"
-STATEMENT = re.compile(r"__shared__\s+([^;{}]*);")
+MARK = "__tqx_shared"  # __shared__ as the preprocessor leaves it (see _rewritten)
+STATEMENT = re.compile(r"(extern\s+)?" + MARK + r"\s+([^;{}]*);")
 
 
 def _split_top(text: str) -> list[str]:
@@ -40,27 +44,43 @@ def _split_top(text: str) -> list[str]:
     return parts + [text[start:]]
 
 
-def rewrite_shared(text: str) -> tuple[str, int]:
-    """Each ``__shared__ T a[..], b[..][..];`` as references to the runtime's per-block
-    storage; returns the text and the number of declarators."""
+def rewrite_shared(text: str, dynamic_bytes: int = 0) -> tuple[str, int]:
+    """Each ``__shared__ T a[..], b[..][..];`` of the preprocessed ``text`` as references to
+    the runtime's per-block storage, and ``extern __shared__ T name[];`` as a pointer to
+    ``dynamic_bytes`` of it (the launch's dynamic shared memory); returns the text and the
+    number of declarators."""
     sites: list[str] = []
 
+    def alloc(nbytes: str) -> str:
+        sites.append("")
+        return f"::tqx::threadgroup_alloc({len(sites) - 1}, {nbytes})"
+
     def replace(m):
-        stmt = m.group(1)
+        extern, stmt = m.group(1), m.group(2)
         first = re.search(r"(\w+)\s*\[", stmt)
         if first is None:
             raise NotImplementedError(f"__shared__ {stmt}: only arrays are emulated")
         ctype = stmt[: first.start()].strip()
+        if extern:
+            return (f"{ctype}* {first.group(1)} = reinterpret_cast<{ctype}*>("
+                    f"{alloc(str(max(16, dynamic_bytes)))});")
         out = []
         for d in _split_top(stmt[first.start():]):
             name = re.match(r"\s*(\w+)", d).group(1)
             dims = d[d.index("["):].strip()
             out.append(f"{ctype} (&{name}){dims} = *reinterpret_cast<{ctype}(*){dims}>("
-                       f"::tqx::threadgroup_alloc({len(sites)}, sizeof({ctype}{dims})));")
-            sites.append(name)
+                       f"{alloc(f'sizeof({ctype}{dims})')});")
         return " ".join(out)
 
     return STATEMENT.sub(replace, text), len(sites)
+
+
+@functools.lru_cache(maxsize=512)
+def _rewritten(text: str, dynamic_bytes: int) -> tuple[str, int]:
+    """``text`` preprocessed (the shared kernels' prelude is macros: TQ_SHARED and the like
+    expand to ``__shared__`` declarations), then :func:`rewrite_shared`."""
+    pre = _run([CXX, "-std=c++17", "-E", "-P", f"-D__shared__={MARK}", "-x", "c++", "-"], text)
+    return rewrite_shared(pre, dynamic_bytes)
 
 
 def _params(input_names, inputs, output_names, source) -> list[tuple[str, int]]:
@@ -74,14 +94,14 @@ def _params(input_names, inputs, output_names, source) -> list[tuple[str, int]]:
 
 
 def kernel_unit(name, input_names, output_names, source, header, inputs, output_dtypes,
-                template) -> tuple[str, int]:
+                template, dynamic_bytes: int = 0) -> tuple[str, int]:
     """The C++ translation unit of one launch and its number of shared declarators."""
     func, text = kernel_source(name, input_names, output_names, source, header, inputs,
                                output_dtypes, template)
     text = text.replace(_HEADER, "").replace("namespace cg = cooperative_groups;", "")
     text = text.replace("const __grid_constant__ Shape ", "const int32_t* ")
     text = text.replace("const __grid_constant__ Strides ", "const int64_t* ")
-    text, sites = rewrite_shared(text)
+    text, sites = _rewritten(text, dynamic_bytes)
     args = [f"*(const int*)b[{k}]" if kind == "ndim" else f"tqx_cuda_arg(b[{k}])"
             for k, (kind, _) in enumerate(_params(input_names, inputs, output_names, source))]
     call = f"mlx::core::cu::{func}(" + ", ".join(args) + ");"
@@ -102,8 +122,9 @@ def run(spec: dict, *, inputs, output_shapes, output_dtypes, grid, threadgroup, 
     sig = [(a.dtype, a.ndim) for a in arrays]
     template = list(template or ())
     names, source = spec["input_names"], spec["source"]
+    dynamic = int(spec.get("shared_memory", 0) or 0)
     unit, _ = kernel_unit(spec["name"], names, spec["output_names"], source,
-                          spec.get("header", ""), sig, output_dtypes, template)
+                          spec.get("header", ""), sig, output_dtypes, template, dynamic)
     lib = build_unit(unit, "cuda-" + spec["name"], salt=(HERE / "cuda_shim.h").read_bytes())
     bufs = []
     for kind, i in _params(names, sig, spec["output_names"], source):
@@ -133,7 +154,7 @@ def run(spec: dict, *, inputs, output_shapes, output_dtypes, grid, threadgroup, 
     if workers is None:
         workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2
     rc = lib.tqx_launch(ptrs, nbytes, writable, ctypes.c_int(n), (ctypes.c_uint * 3)(*whole),
-                        (ctypes.c_uint * 3)(*threadgroup), ctypes.c_ulong(48 * 1024),
+                        (ctypes.c_uint * 3)(*threadgroup), ctypes.c_ulong(48 * 1024 + dynamic),
                         ctypes.c_int(workers), ctypes.c_ulonglong(seed), stats, err,
                         ctypes.c_int(len(err)))
     if rc != 0:

@@ -77,7 +77,12 @@ T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
 struct alignas(8) uint2 {
   uint x, y;
 };
+struct alignas(8) float2 {
+  float x, y;
+};
 inline uint4 make_uint4(uint x, uint y, uint z, uint w) { return uint4{x, y, z, w}; }
+inline float2 make_float2(float x, float y) { return float2{x, y}; }
+inline float4 make_float4(float x, float y, float z, float w) { return float4(x, y, z, w); }
 inline uint2 make_uint2(uint x, uint y) { return uint2{x, y}; }
 
 // __half / __nv_bfloat16: storage and conversions through float, as the kernels use them.
@@ -98,6 +103,10 @@ struct __nv_bfloat16 {
   }
   operator float() const { return tqx::bit_cast<float>(uint32_t(bits) << 16); }
 };
+struct alignas(4) __half2 {
+  __half x, y;
+};
+inline float2 __half22float2(__half2 h) { return float2{float(h.x), float(h.y)}; }
 inline float __half2float(__half h) { return float(h); }
 inline __half __float2half(float f) { return __half(f); }
 inline float __uint_as_float(uint32_t u) { return tqx::bit_cast<float>(u); }

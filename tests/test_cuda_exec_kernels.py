@@ -1,0 +1,105 @@
+"""The shared kernels of tiered.metal in their CUDA form (prelude.cu), executed on the CPU
+(tests/metal_exec/cuda.py), against the references test_metal_exec_kernels checks their
+Metal form with.
+
+tiered.metal resolves to CUDA and MLX's ``cuda_kernel`` is the executor: each launch runs
+the source MLX would compile for an NVIDIA GPU (the CUDA prelude's macros, warp shuffles,
+dynamic shared memory, CUDA's launch shapes and bin widths), so a kernel's CUDA side is
+checked without a GPU. The selection runs as passes: the persistent kernel needs the CUDA
+driver's SM count, which a machine without a GPU lacks (tau.tau_select then takes the passes,
+as on a GPU with TIERED_PERSISTENT=0).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import metal_exec
+from metal_exec import cuda as executor
+from test_metal_exec_kernels import (
+    CODEBOOKS,
+    KERNEL_MODULES,
+    SELECTIONS,
+    check_acc,
+    check_codebook,
+    check_selection,
+    check_threshold,
+)
+from tiered.metal import _build, h2o, select_passes, threshold
+
+pytestmark = pytest.mark.skipif(
+    metal_exec.compiler() is None,
+    reason="the kernel executor needs a C++ compiler (g++, or the one $CXX names): none found",
+)
+
+
+class CudaOnCpu:
+    """MLX's ``cuda_kernel`` run by the executor, recording each launch's kernel name and
+    applying ``edits`` ((old, new) text replacements, for planted bugs) to its sources."""
+
+    def __init__(self):
+        self.launches, self.edits, self.applied = [], [], set()
+
+    def cuda_kernel(self, **spec):
+        def launch(**plan):
+            edited = dict(spec)
+            for old, new in self.edits:
+                for part in ("header", "source"):
+                    if old in edited.get(part, ""):
+                        edited[part] = edited[part].replace(old, new, 1)
+                        self.applied.add(old)
+            self.launches.append(spec["name"])
+            return executor.cuda_kernel(**edited)(**plan)
+        return launch
+
+
+@pytest.fixture
+def cuda(monkeypatch):
+    backend = CudaOnCpu()
+    monkeypatch.setattr(_build, "cuda_kernel", backend.cuda_kernel)
+    _build.build_kernel.cache_clear()
+    for module in KERNEL_MODULES:
+        if hasattr(module, "resolve_backend"):
+            monkeypatch.setattr(module, "resolve_backend",
+                                lambda use_kernel, name: None if use_kernel is False else "cuda")
+    yield backend
+    _build.build_kernel.cache_clear()
+
+
+@pytest.mark.parametrize("layout", list(CODEBOOKS))
+@pytest.mark.parametrize("n,rep,d", [(33, 4, 128), (4099, 1, 64), (4099, 8, 128)])
+def test_codebook_scores(cuda, n, rep, d, layout):
+    check_codebook(n, rep, d, layout, backend="cuda")
+    assert cuda.launches and set(cuda.launches) <= {"tiered_codebook_scores"}
+
+
+@pytest.mark.parametrize("tau_", [0.5, 0.9, 1.0])
+@pytest.mark.parametrize("n,rep", [(33, 4), (4099, 1), (4099, 8)])
+def test_tau_threshold(cuda, n, rep, tau_):
+    check_threshold(n, rep, tau_)
+    assert cuda.launches == [threshold.TAU_SPEC.name]
+
+
+@pytest.mark.parametrize("cap,floor,tau_,ex_dtype", SELECTIONS)
+@pytest.mark.parametrize("n,rep", [(31, 1), (4099, 4), (select_passes.SELECT_FUSED_TOKENS, 8)])
+def test_tau_select_passes(cuda, n, rep, cap, floor, tau_, ex_dtype):
+    check_selection(n, rep, cap, floor, tau_, ex_dtype, backend="cuda")
+    assert select_passes.KEYS_SPEC.name in cuda.launches
+
+
+@pytest.mark.parametrize("n,rep", [(31, 1), (4099, 4)])
+def test_acc_update(cuda, n, rep):
+    check_acc(n, rep)
+    assert cuda.launches == [h2o.ACC_SPEC.name]
+
+
+def test_planted_bug_in_the_cuda_prelude_is_caught(cuda):
+    """A warp prefix sum that skips lane o (prelude.cu only: the Metal prelude uses simd
+    prefix sums) breaks the selection's scans."""
+    old, new = "if (lane >= o) {\nx += y;", "if (lane > o) {\nx += y;"  # compacted source
+    args = (4099, 4) + SELECTIONS[0]
+    check_selection(*args, backend="cuda")
+    cuda.edits = [(old, new)]
+    with pytest.raises(AssertionError):
+        check_selection(*args, backend="cuda")
+    assert cuda.applied == {old}, "the edit matched no launched kernel: update the plant"
