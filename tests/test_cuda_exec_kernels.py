@@ -5,13 +5,15 @@ Metal form with.
 tiered.metal resolves to CUDA and MLX's ``cuda_kernel`` is the executor: each launch runs
 the source MLX would compile for an NVIDIA GPU (the CUDA prelude's macros, warp shuffles,
 dynamic shared memory, CUDA's launch shapes and bin widths), so a kernel's CUDA side is
-checked without a GPU. The selection runs as passes: the persistent kernel needs the CUDA
-driver's SM count, which a machine without a GPU lacks (tau.tau_select then takes the passes,
-as on a GPU with TIERED_PERSISTENT=0).
+checked without a GPU. The selection runs as passes (a machine without a GPU has no SM count
+to plan the persistent kernel with, so tau.tau_select takes the passes, as on a GPU with
+TIERED_PERSISTENT=0), and as the persistent kernel where a test gives it an SM count and an
+H100's shared memory.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import metal_exec
@@ -103,3 +105,27 @@ def test_planted_bug_in_the_cuda_prelude_is_caught(cuda):
     with pytest.raises(AssertionError):
         check_selection(*args, backend="cuda")
     assert cuda.applied == {old}, "the edit matched no launched kernel: update the plant"
+
+
+@pytest.mark.parametrize("cap,floor,tau_,ex_dtype", SELECTIONS)
+@pytest.mark.parametrize("n,rep,sms", [(4099, 4, 4), (20000, 8, 3), (33, 1, 2)])
+def test_persistent_selection_equals_the_passes(cuda, monkeypatch, n, rep, sms, cap, floor,
+                                                tau_, ex_dtype):
+    """The persistent kernel (tau_persistent.h: threadgroups take units in order and wait for
+    the phase before; here as many as `sms` pretends the GPU has SMs, run on the executor's
+    OS threads) selects as the passes do: the same ids, counts and thresholds, and the rule
+    holds (a wait that timed out would have left a wrong selection)."""
+    from tiered.metal import persistent
+    monkeypatch.setattr(persistent, "cuda_sm_count", lambda index=0: sms)
+    # the shared memory an H100 / H200 block may opt into (no device here to ask)
+    monkeypatch.setattr(persistent, "shared_memory_limit",
+                        lambda backend: _build._CUDA_SHARED_BYTES[(9, 0)])
+    one = check_selection(n, rep, cap, floor, tau_, ex_dtype, backend="cuda")
+    assert persistent.PERSISTENT_SPEC.name in cuda.launches
+    monkeypatch.setenv("TIERED_PERSISTENT", "0")
+    cuda.launches.clear()
+    passes = check_selection(n, rep, cap, floor, tau_, ex_dtype, backend="cuda")
+    assert persistent.PERSISTENT_SPEC.name not in cuda.launches
+    for field in ("idx", "count", "m", "s", "theta"):
+        np.testing.assert_array_equal(np.asarray(getattr(one, field)),
+                                      np.asarray(getattr(passes, field)), err_msg=field)

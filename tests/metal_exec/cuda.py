@@ -93,12 +93,24 @@ def _params(input_names, inputs, output_names, source) -> list[tuple[str, int]]:
     return out + [("output", i) for i in range(len(output_names))]
 
 
+# PTX the executor maps to its own code (statement as the kernels write it -> C++).
+PTX = {'asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));': "t = tqx_cuda_globaltimer();"}
+
+
+def written_inputs(source: str, input_names) -> set[str]:
+    """Inputs the kernel writes through a ``const_cast`` (CUDA allows it; tiered's persistent
+    selection counts in its ``sync`` input): mapped writable, the others read-only."""
+    return {n for n in input_names if re.search(rf"const_cast<[^>]*>\(\s*{n}\s*\)", source)}
+
+
 def kernel_unit(name, input_names, output_names, source, header, inputs, output_dtypes,
                 template, dynamic_bytes: int = 0) -> tuple[str, int]:
     """The C++ translation unit of one launch and its number of shared declarators."""
     func, text = kernel_source(name, input_names, output_names, source, header, inputs,
                                output_dtypes, template)
     text = text.replace(_HEADER, "").replace("namespace cg = cooperative_groups;", "")
+    for ptx, cpp in PTX.items():
+        text = text.replace(ptx, cpp)
     text = text.replace("const __grid_constant__ Shape ", "const int32_t* ")
     text = text.replace("const __grid_constant__ Strides ", "const int64_t* ")
     text, sites = _rewritten(text, dynamic_bytes)
@@ -148,7 +160,10 @@ def run(spec: dict, *, inputs, output_shapes, output_dtypes, grid, threadgroup, 
     whole = [-(-g // t) * t for g, t in zip(grid, threadgroup)]
     ptrs = (ctypes.c_void_p * n)(*[b.ctypes.data for b in bufs])
     nbytes = (ctypes.c_ulong * n)(*[b.nbytes for b in bufs])
-    writable = (ctypes.c_int * n)(*([0] * (n - len(outputs)) + [1] * len(outputs)))
+    written = written_inputs(spec.get("header", "") + source, names)
+    params = _params(names, sig, spec["output_names"], source)
+    writable = (ctypes.c_int * n)(*[int(kind == "output" or kind == "input"
+                                        and names[i] in written) for kind, i in params])
     stats = (ctypes.c_ulonglong * 2)()
     err = ctypes.create_string_buffer(4096)
     if workers is None:

@@ -140,3 +140,9 @@ T atomicMin(T* p, T v) {
 template <typename T>
 T atomicExch(T* p, T v) { return __atomic_exchange_n(p, v, __ATOMIC_RELAXED); }
 inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+// PTX's %globaltimer (nanoseconds, one clock for every SM) as the host's monotonic clock.
+#include <chrono>
+inline unsigned long long tqx_cuda_globaltimer() {
+  return (unsigned long long)std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch()).count();
+}
