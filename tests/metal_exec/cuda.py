@@ -1,17 +1,19 @@
-"""Runs tiered's raw CUDA kernels (``mx.fast.cuda_kernel`` bodies) on the CPU executor.
+"""Runs tiered's CUDA kernels (``mx.fast.cuda_kernel`` bodies) on the CPU executor.
 
 The kernel text is the source MLX generates for the launch
 (:func:`tiered.metal.ptx_cache.kernel_source`, the one tiered compiles into MLX's PTX cache),
 with MLX's includes replaced by cuda_shim.h, each ``Shape`` / ``Strides`` argument a pointer
 to the input's sizes / strides, and, once preprocessed (the shared kernels' CUDA prelude is
 macros), each ``__shared__`` declaration rewritten into a reference to one array per block
-and ``extern __shared__`` into a pointer to the launch's dynamic shared memory. The raw CUDA
-kernels of the device step (tests/test_device_decode.py) and the shared kernels of
-tiered.metal in their CUDA form (tests/test_cuda_exec_kernels.py) both run here. Blocks run as the executor's threadgroups, whole as CUDA launches them
-(the grid is rounded up to whole blocks; MLX computes ``ceil(grid / threadgroup)`` blocks).
+and ``extern __shared__`` into a pointer to the launch's dynamic shared memory. Blocks run as
+the executor's threadgroups, whole as CUDA launches them (the grid is rounded up to whole
+blocks; MLX computes ``ceil(grid / threadgroup)`` blocks).
 
 :func:`cuda_kernel` has ``mx.fast.cuda_kernel``'s call signature and returns MLX arrays, so a
-test can put it in place of a module's ``cuda_kernel`` and run the module's own wrapper.
+test can put it in place of a module's ``cuda_kernel`` and run the module's own wrapper;
+:func:`route_device_path` sends all of tiered's device path here. Users: the raw kernels of
+the device step and its op-by-op decode (tests/test_device_decode.py), the shared kernels of
+tiered.metal in their CUDA form (tests/test_cuda_exec_kernels.py).
 """
 
 from __future__ import annotations
@@ -187,3 +189,36 @@ def cuda_kernel(**spec):
         return [mx.array(o).view(mx.bfloat16) if d == mx.bfloat16 else mx.array(o)
                 for o, d in zip(outs, output_dtypes)]
     return launch
+
+
+def route_device_path(monkeypatch) -> None:
+    """Make tiered take its CUDA device path on this (CPU) machine, op by op, every kernel run
+    here: MLX's ``cuda_kernel`` is :func:`cuda_kernel`, the accelerator answers "cuda", the
+    host pages' addresses are their own (page-locking and advice do nothing), uploads are
+    ``mx.array`` (no page-locked ring) and ``TIERED_COMPILE=0`` (a compiled trace cannot call
+    a kernel that runs at once). ``monkeypatch`` undoes it; the caller clears
+    ``tiered.metal._build.build_kernel``'s cache after (it is cleared here first)."""
+    import sys
+
+    from tiered import device_chunks, device_encode, staging, uva
+    from tiered.metal import _build, ptx_cache
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_kernel)
+    monkeypatch.setitem(ptx_cache._state, "enabled", False)
+    monkeypatch.setenv("TIERED_COMPILE", "0")
+    monkeypatch.setattr(staging, "ENABLED", False)
+    monkeypatch.setattr(uva, "available", lambda: True)
+    monkeypatch.setattr(uva, "advise_host", lambda view: view.ctypes.data)
+    monkeypatch.setattr(uva, "register", lambda buf: buf.ctypes.data)
+    monkeypatch.setattr(uva, "unregister", lambda buf_or_ptr: None)
+    real = _build.accelerator
+    for mod in list(sys.modules.values()):
+        if not (getattr(mod, "__name__", "") or "").startswith("tiered"):
+            continue
+        if getattr(mod, "accelerator", None) is real:
+            monkeypatch.setattr(mod, "accelerator", lambda: "cuda")
+        if isinstance(getattr(mod, "_kernels", None), dict):  # kernels built elsewhere
+            monkeypatch.setattr(mod, "_kernels", {})
+    monkeypatch.setattr(device_chunks, "_KERNEL", None)
+    monkeypatch.setattr(device_encode, "_kernel", None)
+    _build.build_kernel.cache_clear()

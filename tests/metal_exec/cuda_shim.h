@@ -10,6 +10,12 @@
 
 #include <cstdint>
 
+#undef INFINITY  // shim.h defines them as Metal's
+#undef NAN
+// uint4 loads at any 4-byte boundary: the device path's host pages, read by address, are MLX
+// CPU arrays here (8-byte aligned), where on a GPU they are 256-byte aligned managed memory.
+// A misaligned 16-byte load is therefore not caught here (a GPU faults on it).
+#define TQX_UINT4_ALIGN 4
 #include "shim.h"
 #undef device
 #undef constant
@@ -44,6 +50,19 @@ T shuffle_from(T v, int src) {  // every lane reads lane src's v (src may differ
 #define gridDim (::tqx_cuda::dim(::tqx::self().groups))
 
 inline void __syncthreads() { tqx::threadgroup_wait(); }
+// __syncthreads_or: a barrier whose result is whether any thread's predicate holds, through a
+// word of the block's storage at the last declaration site (the kernels' own come first).
+inline int __syncthreads_or(int pred) {
+  int* any = static_cast<int*>(tqx::threadgroup_alloc(63, 16));
+  tqx::threadgroup_wait();
+  if (tqx::self().index == 0) *any = 0;
+  tqx::threadgroup_wait();
+  if (pred) __atomic_store_n(any, 1, __ATOMIC_RELAXED);
+  tqx::threadgroup_wait();
+  const int got = *any;
+  tqx::threadgroup_wait();
+  return got;
+}
 
 // Shuffles within segments of `width` lanes (CUDA's semantics); the mask must be every lane.
 inline void tqx_full_mask(unsigned mask) {

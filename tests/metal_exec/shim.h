@@ -28,7 +28,10 @@ typedef uint64_t ulong;
 struct uint3 {
   uint x, y, z;
 };
-struct alignas(16) uint4 {
+#ifndef TQX_UINT4_ALIGN
+#define TQX_UINT4_ALIGN 16  // Metal's; the CUDA front end's host pages need less (cuda_shim.h)
+#endif
+struct alignas(TQX_UINT4_ALIGN) uint4 {
   uint x, y, z, w;
 };
 
