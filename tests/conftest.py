@@ -95,6 +95,28 @@ def embedded():
     return tiered.load()
 
 
+@pytest.fixture
+def device_path(monkeypatch):
+    """The whole device path on the GPU where MLX has CUDA, else on this machine op by op
+    with every kernel run by the kernel executor (metal_exec.cuda.route_device_path): host
+    pages read and written by address, the refreshes, the H2O update, all of it but the
+    compiled chain and the page-locked upload ring."""
+    from tiered import uva
+
+    if uva.available():
+        yield "cuda"
+        return
+    import metal_exec
+    if metal_exec.compiler() is None:
+        pytest.skip("the kernel executor needs a C++ compiler")
+    from metal_exec import cuda as executor
+
+    from tiered.metal import _build
+    executor.route_device_path(monkeypatch)
+    yield "executor"
+    _build.build_kernel.cache_clear()
+
+
 @pytest.fixture(autouse=True)
 def _restore_mlx_lm():
     """Every test leaves mlx-lm unpatched, whatever it did."""

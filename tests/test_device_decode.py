@@ -45,26 +45,6 @@ def cuda_kernels(monkeypatch):
     return "executor"
 
 
-@pytest.fixture
-def device_path(monkeypatch):
-    """The whole device path on the GPU where MLX has CUDA, else on this machine op by op
-    with every kernel run by the kernel executor (metal_exec.cuda.route_device_path): host
-    pages read and written by address, the refreshes, the H2O update, all of it but the
-    compiled chain and the page-locked upload ring."""
-    if uva.available():
-        yield "cuda"
-        return
-    import metal_exec
-    if metal_exec.compiler() is None:
-        pytest.skip("the kernel executor needs a C++ compiler")
-    from metal_exec import cuda as executor
-
-    from tiered.metal import _build
-    executor.route_device_path(monkeypatch)
-    yield "executor"
-    _build.build_kernel.cache_clear()
-
-
 def _lse(x):
     m = np.max(x)
     return -np.inf if not np.isfinite(m) else m + np.log(np.sum(np.exp(x - m)))
