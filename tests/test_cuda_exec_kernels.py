@@ -29,10 +29,7 @@ from test_metal_exec_kernels import (
 )
 from tiered.metal import _build, h2o, select_passes, threshold
 
-pytestmark = pytest.mark.skipif(
-    metal_exec.compiler() is None,
-    reason="the kernel executor needs a C++ compiler (g++, or the one $CXX names): none found",
-)
+pytestmark = metal_exec.needs_compiler
 
 
 class CudaOnCpu:

@@ -22,29 +22,6 @@ needs_cuda = pytest.mark.skipif(not uva.available(),
                                 reason="the device path needs MLX's CUDA backend")
 
 
-@pytest.fixture
-def cuda_kernels(monkeypatch):
-    """The device step's raw CUDA kernels on the GPU where MLX has CUDA, else run on the CPU
-    by the kernel executor (tests/metal_exec/cuda.py) in place of ``mx.fast.cuda_kernel``:
-    each kernel test below then checks the kernel's own code on any machine."""
-    if uva.available():
-        return "cuda"
-    import metal_exec
-    if metal_exec.compiler() is None:
-        pytest.skip("the kernel executor needs a C++ compiler")
-    from metal_exec import cuda as executor
-
-    from tiered import device_attend, device_chunks, device_encode, device_resident
-    for mod in (device_attend, device_chunks, device_encode, device_resident):
-        monkeypatch.setattr(mod, "cuda_kernel", executor.cuda_kernel)
-    monkeypatch.setattr(device_attend, "_kernels", {})
-    monkeypatch.setattr(device_resident, "_kernels", {})
-    monkeypatch.setattr(device_chunks, "_KERNEL", None)
-    monkeypatch.setattr(device_encode, "_kernel", None)
-    monkeypatch.setattr(device_attend, "accelerator", lambda: "cuda")
-    return "executor"
-
-
 def _lse(x):
     m = np.max(x)
     return -np.inf if not np.isfinite(m) else m + np.log(np.sum(np.exp(x - m)))
@@ -85,7 +62,7 @@ def test_chunk_tokens_mask():
 
 
 @pytest.mark.parametrize("n_host,rep", [(8, 1), (61, 2), (4099, 4)])
-def test_chunk_logits_kernel_matches_ops(n_host, rep, cuda_kernels):
+def test_chunk_logits_kernel_matches_ops(n_host, rep, device_path):
     rng = np.random.default_rng(n_host)
     H, n = 2, n_host + 5
     z = mx.array(rng.normal(size=(H * rep, n + 1)).astype(np.float32))
@@ -105,7 +82,7 @@ def test_chunk_logits_kernel_matches_ops(n_host, rep, cuda_kernels):
 
 
 @pytest.mark.parametrize("n_host,n,width", [(61, 66, 256), (4099, 4100, 4608), (0, 9, 16)])
-def test_chunk_logits_at_a_kept_width(n_host, n, width, cuda_kernels):
+def test_chunk_logits_at_a_kept_width(n_host, n, width, device_path):
     """At a width past n (tiered.device_compiled keeps one between steps) the chunks up to the
     host pages are as without it, later ones excluded with logit -inf, za -inf past n."""
     rng = np.random.default_rng(n)
@@ -190,7 +167,7 @@ def test_compiled_step_decodes_as_the_step_op_by_op(monkeypatch, host_keys, iter
 @pytest.mark.parametrize("sinks", [False, True])
 @pytest.mark.parametrize("H,rep,R,n,dv,capc", [(2, 3, 5, 40, 8, 2), (8, 4, 700, 3000, 128, 24)])
 def test_approx_attend_is_softmax_over_both_sets(sinks, H, rep, R, n, dv, capc, out,
-                                                 cuda_kernels):
+                                                 device_path):
     """Approximate rescoring (device_attend.approx_attend; on CUDA with dv a multiple of 32
     its kernels, else MLX ops): one softmax over the resident tokens' exact scores and the
     gathered tokens' code scores, with the sink in the denominator; stats = [attended
@@ -235,7 +212,7 @@ def test_approx_attend_is_softmax_over_both_sets(sinks, H, rep, R, n, dv, capc, 
     (300, 64, 4, 128, False, "float16"), (5000, 2048, 4, 128, True, "float16"),
     (37, 8, 3, 64, False, "float32"), (0, 16, 2, 64, True, "float32")])
 @pytest.mark.parametrize("given", [False, True])
-def test_attend_kernel_matches_ops(R, T, rep, d, sinks, dtype, given, cuda_kernels):
+def test_attend_kernel_matches_ops(R, T, rep, d, sinks, dtype, given, device_path):
     """The split-K attention over the resident set and the gathered rows equals the MLX-op
     partials and merge: output, attended count and resident share of the mass; also with the
     resident scores given (the splits then read them, not the resident keys)."""
@@ -272,7 +249,7 @@ def test_attend_kernel_matches_ops(R, T, rep, d, sinks, dtype, given, cuda_kerne
                                            (130, 2, 96, "float16"), (70, 8, 128, "bfloat16")])
 @pytest.mark.parametrize("iters", [4, 1, 0])
 def test_resident_scores_kernel_matches_ops(R, rep, d, dtype, iters, monkeypatch,
-                                            cuda_kernels):
+                                            device_path):
     """The step's start in one launch equals MLX ops: the scaled query, the resident set's
     exact scores (-inf on empty slots) and the columns they replace (n for empty slots); the
     tiled kernel at 4 and 1 slots a lane group, and the one-warp-per-slot kernel (0, also
@@ -434,7 +411,7 @@ def test_tokens_fed_without_evaluation_decode_as_evaluated_ones():
     (8, 32, 64, 4, 128, "float16", 1), (3, 1, 256, 8, 64, "float32", 1),
     (2, 16, 300, 4, 64, "float16", 1), (8, 32, 64, 4, 128, "float16", 777),
     (3, 1, 256, 8, 64, "bfloat16", 130)])
-def test_encode_kernel_picks_a_nearest_centroid(H, Gc, c, ds, d, dtype, L, cuda_kernels):
+def test_encode_kernel_picks_a_nearest_centroid(H, Gc, c, ds, d, dtype, L, device_path):
     """tiered.device_encode: each group's code is a nearest centroid, as the MLX encoder's is
     (their distances agree to float32 rounding; the codes agree where no two centroids tie),
     for a decode token and for a prompt chunk (read through a transposed view, as the model

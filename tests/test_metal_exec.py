@@ -13,10 +13,7 @@ import pytest
 import metal_exec
 from tiered.metal._build import KernelSpec, Launch
 
-pytestmark = pytest.mark.skipif(
-    metal_exec.compiler() is None,
-    reason="the Metal executor needs a C++ compiler (g++, or the one $CXX names): none found",
-)
+pytestmark = metal_exec.needs_compiler
 
 GROUP = 96  # threads per threadgroup: three simdgroups
 RETURNED = 84  # threads from this index in a threadgroup return first: lanes 20-31 of the third

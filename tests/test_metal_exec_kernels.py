@@ -35,10 +35,7 @@ from test_accel_kernels import (
 from tiered.metal import affine, codebook, h2o, select_passes, tau, threshold
 from tiered.metal._build import METAL_SHARED_BYTES
 
-pytestmark = pytest.mark.skipif(
-    metal_exec.compiler() is None,
-    reason="the Metal executor needs a C++ compiler (g++, or the one $CXX names): none found",
-)
+pytestmark = metal_exec.needs_compiler
 
 SIZES = [31, 33, 4099]
 # The selection passes also at SELECT_FUSED_TOKENS, the longest row Metal selects with one

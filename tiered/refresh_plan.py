@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import dispatch
+from . import dispatch, staging
 from .cpu.resident_maps import Swap
 
 ENABLED = os.environ.get("TIERED_REFRESH_AHEAD", "1") not in ("0", "false", "no", "off")
@@ -45,7 +45,7 @@ class InPlace:
     new: np.ndarray
     prom: np.ndarray
     parts: list  # slots, tokens, kind, promoted, promoted counts, demoted slots, flag changes
-    packed: np.ndarray  # the parts concatenated (tiered.staging.upload_many)
+    packed: np.ndarray  # tiered.staging.pack of the parts (what upload_many uploads)
 
 
 @dataclass
@@ -93,12 +93,7 @@ def in_place(old: np.ndarray, tok: np.ndarray, fixed: int, grow: int) -> InPlace
     heads, toks, value = sw.flag_changes()
     parts = [slots, toks_e, kind, prom, sw.promoted_count, sw.demoted_slots, heads, toks,
              value]
-    return InPlace(sw, new, prom, parts, pack(parts))
-
-
-def pack(parts: list) -> np.ndarray:
-    """The int32 arrays of ``parts`` flattened into one (see tiered.staging.upload_many)."""
-    return np.concatenate([np.asarray(a, np.int32).reshape(-1) for a in parts])
+    return InPlace(sw, new, prom, parts, staging.pack(parts))
 
 
 def plan(ids_d, done, heavy_layout, key: tuple, old: np.ndarray, current: tuple) -> Plan | None:

@@ -148,14 +148,18 @@ def upload(a: np.ndarray) -> mx.array:
     return _ring.upload(a)
 
 
+def pack(parts: list) -> np.ndarray:
+    """The arrays of ``parts`` as int32, flattened and concatenated (what :func:`upload_many`
+    uploads; tiered.refresh_plan packs on a worker thread ahead)."""
+    return np.concatenate([np.asarray(a, np.int32).reshape(-1) for a in parts])
+
+
 def upload_many(parts: list, packed: np.ndarray | None = None) -> list:
     """Views of one upload (:func:`upload`) of every int32 array in ``parts`` (``packed``:
-    those arrays flattened and concatenated already)."""
-    if packed is None:
-        packed = np.concatenate([np.asarray(a, np.int32).reshape(-1) for a in parts])
-    pack = upload(packed)
+    :func:`pack` of them, made already)."""
+    flat = upload(pack(parts) if packed is None else packed)
     views, at = [], 0
     for a in parts:
-        views.append(pack[at : at + np.size(a)].reshape(np.shape(a)))
+        views.append(flat[at : at + np.size(a)].reshape(np.shape(a)))
         at += np.size(a)
     return views

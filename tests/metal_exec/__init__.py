@@ -17,13 +17,19 @@ from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from tiered.metal._build import METAL_SHARED_BYTES
 
 from .build import build, compiler
 
-__all__ = ["Result", "compiler", "run", "to_numpy"]
+__all__ = ["Result", "compiler", "needs_compiler", "run", "to_numpy"]
 
+# The tests that run kernels here skip where there is no compiler.
+needs_compiler = pytest.mark.skipif(
+    compiler() is None,
+    reason="the kernel executor needs a C++ compiler (g++, or the one $CXX names): none found",
+)
 MAX_THREADS = 1024  # per threadgroup on every Apple GPU (maxTotalThreadsPerThreadgroup)
 _NUMPY = {mx.bfloat16: np.uint16}  # no numpy dtype: carried as its bits
 # An unwritten output element reads as this (a NaN in float dtypes).

@@ -51,11 +51,12 @@ def rewrite_shared(text: str, dynamic_bytes: int = 0) -> tuple[str, int]:
     the runtime's per-block storage, and ``extern __shared__ T name[];`` as a pointer to
     ``dynamic_bytes`` of it (the launch's dynamic shared memory); returns the text and the
     number of declarators."""
-    sites: list[str] = []
+    sites = 0
 
     def alloc(nbytes: str) -> str:
-        sites.append("")
-        return f"::tqx::threadgroup_alloc({len(sites) - 1}, {nbytes})"
+        nonlocal sites
+        sites += 1
+        return f"::tqx::threadgroup_alloc({sites - 1}, {nbytes})"
 
     def replace(m):
         extern, stmt = m.group(1), m.group(2)
@@ -74,7 +75,7 @@ def rewrite_shared(text: str, dynamic_bytes: int = 0) -> tuple[str, int]:
                        f"{alloc(f'sizeof({ctype}{dims})')});")
         return " ".join(out)
 
-    return STATEMENT.sub(replace, text), len(sites)
+    return STATEMENT.sub(replace, text), sites
 
 
 @functools.lru_cache(maxsize=512)
@@ -140,8 +141,9 @@ def run(spec: dict, *, inputs, output_shapes, output_dtypes, grid, threadgroup, 
     unit, _ = kernel_unit(spec["name"], names, spec["output_names"], source,
                           spec.get("header", ""), sig, output_dtypes, template, dynamic)
     lib = build_unit(unit, "cuda-" + spec["name"], salt=(HERE / "cuda_shim.h").read_bytes())
+    params = _params(names, sig, spec["output_names"], source)
     bufs = []
-    for kind, i in _params(names, sig, spec["output_names"], source):
+    for kind, i in params:
         a = arrays[i] if kind != "output" else None
         if kind == "input":
             bufs.append(to_numpy(a))
@@ -163,7 +165,6 @@ def run(spec: dict, *, inputs, output_shapes, output_dtypes, grid, threadgroup, 
     ptrs = (ctypes.c_void_p * n)(*[b.ctypes.data for b in bufs])
     nbytes = (ctypes.c_ulong * n)(*[b.nbytes for b in bufs])
     written = written_inputs(spec.get("header", "") + source, names)
-    params = _params(names, sig, spec["output_names"], source)
     writable = (ctypes.c_int * n)(*[int(kind == "output" or kind == "input"
                                         and names[i] in written) for kind, i in params])
     stats = (ctypes.c_ulonglong * 2)()
