@@ -37,6 +37,29 @@ def run_commit() -> str:
     return "unknown"
 
 
+def set_attribute(spec: str) -> str:
+    """Set ``MODULE.ATTR=VALUE`` (an int, a float where it has a dot, else a string); returns
+    ``ATTR=VALUE``. Benchmarks use it to time a switch that is off by default (--set, --toggle)."""
+    import importlib
+
+    path, sep, label = spec.partition("=")
+    mod, _, attr = path.rpartition(".")
+    if not sep or not mod:
+        raise ValueError(f"Invalid setting {spec!r}: expected MODULE.ATTR=VALUE")
+    module = importlib.import_module(mod)
+    if not hasattr(module, attr):
+        raise ValueError(f"Invalid setting {spec!r}: {mod} has no attribute {attr}")
+    value = label
+    try:
+        value = float(label) if "." in label else int(label)
+    except ValueError:
+        pass  # a string
+    setattr(module, attr, value)
+    if attr == "SWITCH_INTERVAL_S":  # read once, when the dispatcher thread starts
+        sys.setswitchinterval(value)
+    return f"{attr}={label}"
+
+
 def machine() -> dict:
     """Machine, versions and the exact command line, for every result file."""
     from tiered.cli import info_dict

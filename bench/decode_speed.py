@@ -132,8 +132,15 @@ def reset_counters(cache):
                 c.stats.phase_s.clear()
 
 
-def time_decode(model, cache, steps: int, warmup: int):
-    """(median ms/token, first-step seconds, all step times). Counters cover the timed steps."""
+def time_decode(model, cache, steps: int, warmup: int, loop: str = "plain"):
+    """(median ms/token, first-step seconds, all step times). Counters cover the timed steps.
+
+    ``loop="plain"``: each token's graph is built, then evaluated, then the next one built.
+    ``loop="generate"``: mlx-lm's own ``generate_step`` with greedy sampling, which builds
+    token t + 1's graph while the device runs token t (one token ahead); a step's time is
+    the time between two tokens coming out of it, as ``mlx_lm.generate`` users see it."""
+    if loop == "generate":
+        return _time_generate(model, cache, steps, warmup)
     y = mx.array([[1]])
     times = []
     for i in range(warmup + steps):
@@ -144,6 +151,24 @@ def time_decode(model, cache, steps: int, warmup: int):
         y = mx.argmax(logits[:, -1], axis=-1)[:, None]
         mx.eval(y)
         times.append(time.perf_counter() - t)
+    return 1e3 * float(np.median(times[warmup:])), times[0], times
+
+
+def _time_generate(model, cache, steps: int, warmup: int):
+    from mlx_lm.generate import generate_step
+
+    gen = generate_step(mx.array([1]), model, prompt_cache=cache, max_tokens=warmup + steps,
+                        sampler=lambda logprobs: mx.argmax(logprobs, axis=-1))
+    times = []
+    t = time.perf_counter()
+    for i, _ in enumerate(gen):
+        now = time.perf_counter()
+        times.append(now - t)
+        t = now
+        if i + 1 == warmup:
+            reset_counters(cache)
+    if len(times) != warmup + steps:
+        raise RuntimeError(f"generate_step gave {len(times)} tokens, expected {warmup + steps}")
     return 1e3 * float(np.median(times[warmup:])), times[0], times
 
 
@@ -193,7 +218,14 @@ def main(argv=None):
                    choices=["KVCache", "QuantizedKVCache-8", "streaming", "tiered",
                             "tiered+hostgather", "tiered+lookahead"])
     p.add_argument("--name", default=None)
+    p.add_argument("--loop", default="plain", choices=["plain", "generate"],
+                   help="plain: build a token, evaluate it, build the next; generate: mlx-lm's "
+                   "generate_step (the next token built while the device runs this one)")
+    p.add_argument("--set", action="append", default=[], metavar="MODULE.ATTR=VALUE",
+                   help="set a module attribute first, e.g. a switch that is off by default")
     args = p.parse_args(argv)
+    for s in args.set:
+        print(f"set {common.set_attribute(s)}", flush=True)
     on_cpu = mx.default_device() == mx.cpu
     dtype = mx.float32 if on_cpu else mx.float16
     args.name = args.name or f"decode_speed_{'cpu' if on_cpu else 'gpu'}_{args.model}"
@@ -241,7 +273,7 @@ def main(argv=None):
             if isinstance(cache, tiered.TieredCacheList):
                 cache.scheduler.reset_timings()
             try:
-                ms, first_s, times = time_decode(model, cache, args.steps, args.warmup)
+                ms, first_s, times = time_decode(model, cache, args.steps, args.warmup, args.loop)
             except RuntimeError as e:  # e.g. a quantized_matmul shape MLX's CUDA lacks
                 print(f"{n:>7} {name:<20} failed: {e}", flush=True)
                 records.append({"context": n, "method": name, "error": str(e)})
@@ -310,7 +342,10 @@ def main(argv=None):
           f"bandwidth {bw:.0f} GB/s, host-to-device copy {host_bw:.1f} GB/s (the floor column: "
           f"weights and device bytes at the first, host bytes at the second). Long caches: real prefill K/V of {args.seed_tokens} tokens "
           f"tiled to each context. Median of {args.steps} steps after {args.warmup} warm-up "
-          f"steps (the first compresses the tiered cache).\n\n" + md_table(header, rows))
+          f"steps (the first compresses the tiered cache); "
+          + ("mlx-lm's generate_step, one token built ahead while the device runs the last: a "
+             "step is the time between two tokens" if args.loop == "generate" else
+             "each token built, then evaluated") + ".\n\n" + md_table(header, rows))
     md += phase_table(records, args)
     md += f"\n![decode speed]({args.name}.png)\n"
     data = {"machine": info, "args": vars(args), "bandwidth_gbs": bw,

@@ -20,7 +20,6 @@ compress again. This one compresses once and then, at the steady state (past --w
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 import common  # tiered before mlx
@@ -39,8 +38,8 @@ def measure(name, model, cache, args):
         y = mx.argmax(model(y, cache=cache)[:, -1], axis=-1)[:, None]
         mx.eval(y)
     print(f"{name}: {args.warmup} warm-up steps in {time.perf_counter() - t0:.1f} s", flush=True)
-    for r in range(args.repeats * len(args.toggle_values)):
-        label = set_toggle(args, r % len(args.toggle_values)) if name != "KVCache" else ""
+    for r in range(args.repeats * args.rounds):
+        label = set_toggle(args, r % args.rounds) if name != "KVCache" else ""
         q, e = [], []
         d0 = (DISPATCHER.busy_s, DISPATCHER.wait_s)
         for _ in range(args.steps):
@@ -64,7 +63,7 @@ def measure(name, model, cache, args):
             mx.eval(y)
         time.sleep(2)
     # the kernels of each toggle value in turn (one profile where nothing is toggled)
-    values = range(len(args.toggle_values)) if name != "KVCache" else [None]
+    values = range(args.rounds) if name != "KVCache" else [None]
     for i in values if args.kernels else []:
         label = set_toggle(args, i) if i is not None else ""
         if label:  # a step at the new value first: what it compiles stays out of the profile
@@ -73,7 +72,7 @@ def measure(name, model, cache, args):
         kern = profile(model, cache, args.kernels, spans)
         if args.spans:
             import json
-            tag = label.strip(" []").replace("=", "-")
+            tag = label.strip(" []").replace(", ", "_").replace("=", "-")
             with open(f"{args.spans}.{name}{'.' + tag if tag else ''}.json", "w") as f:
                 json.dump(spans, f)
         n = sum(c for c, _ in kern.values()) / args.kernels
@@ -88,21 +87,11 @@ def measure(name, model, cache, args):
 
 
 def set_toggle(args, i: int) -> str:
-    """Set ``--toggle MODULE.ATTR=V1,V2,...`` to its i-th value; the round's label."""
+    """Set every ``--toggle MODULE.ATTR=V1,V2,...`` to its i-th value; the round's label."""
     if not args.toggle:
         return ""
-    import importlib
-    path, _, _ = args.toggle.partition("=")
-    mod, _, attr = path.rpartition(".")
-    value = label = args.toggle_values[i]
-    try:
-        value = float(value) if "." in value else int(value)
-    except ValueError:
-        pass  # a string
-    setattr(importlib.import_module(mod), attr, value)
-    if attr == "SWITCH_INTERVAL_S":  # read once, when the dispatcher thread starts
-        sys.setswitchinterval(value)
-    return f" [{attr}={label}]"
+    return " [" + ", ".join(common.set_attribute(f"{path}={values[i]}")
+                            for path, values in args.toggle_values) + "]"
 
 
 def busy(spans) -> float:
@@ -133,10 +122,15 @@ def main():
                     help="a TieredCache.for_model option (integer), e.g. refresh_every=100000")
     ap.add_argument("--spans", default="", help="write the profiled kernels' (start, end, "
                     "name) in microseconds to SPANS.<method>.json")
-    ap.add_argument("--toggle", default="", metavar="MODULE.ATTR=V1,V2",
-                    help="rounds cycle through these values of a module attribute")
+    ap.add_argument("--toggle", action="append", default=[], metavar="MODULE.ATTR=V1,V2",
+                    help="rounds cycle through these values of a module attribute; several "
+                    "--toggle step in lockstep (the same number of values each)")
     args = ap.parse_args()
-    args.toggle_values = args.toggle.partition("=")[2].split(",") if args.toggle else [""]
+    args.toggle_values = [(t.partition("=")[0], t.partition("=")[2].split(",")) for t in args.toggle]
+    counts = {len(v) for _, v in args.toggle_values}
+    if len(counts) > 1:
+        ap.error(f"every --toggle needs the same number of values, got {sorted(counts)}")
+    args.rounds = counts.pop() if counts else 1
     options = dict(calibration_tokens=2048)
     for o in args.option:
         name, _, value = o.partition("=")
