@@ -105,10 +105,12 @@ _RESIDENT_TILED = r"""
 
 _kernels: dict = {}
 # Slots each lane group of the tiled resident kernel reads before it computes (0: the
-# one-warp-per-slot kernel, also what shapes the tiled one cannot take get). 0 until the
-# tiled kernel is timed on a GPU: it was checked on the CPU kernel executor and compiled
-# with NVRTC (sm_90a) only; toggle it with bench/device_probe.py --toggle
-# tiered.device_resident.RESIDENT_ITER=0,4.
+# one-warp-per-slot kernel, also what shapes the tiled one cannot take get). Off: timed on
+# an H200 (128k, Llama-3-8B shape, CUPTI over 2 steps, bench/device_probe.py --toggle
+# tiered.device_resident.RESIDENT_ITER=0,4,0,4 --toggle
+# tiered.device_attend.RESIDENT_SCORES_GIVEN=0,0,1,1) it was no faster: 2.12 against 1.96 ms
+# per token, 1.95 against 1.85 with the scores handed to the splits; token rounds within
+# their spread.
 RESIDENT_ITER = 0
 
 
