@@ -66,3 +66,45 @@ def test_report_cells_and_acceptance():
     rows = {(r[0], r[1], r[2]): r[-1] for r in acceptance(t, [0.0625, 0.03125])}
     assert rows[("tiered", 0.0625, "passkey")] == "yes"  # 85% inside the full cache's interval
     assert rows[("tiered", 0.03125, "passkey")] == "no"
+
+
+def test_set_attribute_sets_typed_values_and_refuses_bad_settings():
+    import common
+    from tiered import device_attend, device_resident
+
+    was = device_resident.RESIDENT_ITER, device_attend.RESIDENT_SCORES_GIVEN
+    try:
+        assert common.set_attribute("tiered.device_resident.RESIDENT_ITER=4") == "RESIDENT_ITER=4"
+        assert device_resident.RESIDENT_ITER == 4
+        common.set_attribute("tiered.device_attend.RESIDENT_SCORES_GIVEN=0")
+        assert device_attend.RESIDENT_SCORES_GIVEN == 0
+    finally:
+        device_resident.RESIDENT_ITER, device_attend.RESIDENT_SCORES_GIVEN = was
+    for bad in ["tiered.device_resident.RESIDENT_ITER", "RESIDENT_ITER=4",
+                "tiered.device_resident.NO_SUCH_SWITCH=1"]:
+        with pytest.raises(ValueError, match="Invalid setting"):
+            common.set_attribute(bad)
+
+
+def test_generate_loop_times_every_token_of_mlx_lm_generate_step():
+    """decode_speed's --loop generate drives mlx-lm's own generate_step: one time per token,
+    warm-up and timed steps alike, and the model called once per token (and once ahead)."""
+    import mlx.core as mx
+    from decode_speed import time_decode
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import _get_classes
+
+    cfg = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+               vocab_size=97, rope_theta=10000.0, tie_word_embeddings=False)
+    model_cls, args_cls = _get_classes(cfg)
+    mx.random.seed(0)
+    model = model_cls(args_cls.from_dict(cfg))
+    mx.eval(model.parameters())
+    for loop in ("plain", "generate"):
+        cache = make_prompt_cache(model)
+        ms, first_s, times = time_decode(model, cache, steps=4, warmup=3, loop=loop)
+        assert len(times) == 7 and all(t > 0 for t in times)
+        assert ms == pytest.approx(1e3 * float(np.median(times[3:])))
+        # a model call per token; generate_step also builds the token after the last one
+        assert cache[0].offset == 7 + (loop == "generate"), loop
