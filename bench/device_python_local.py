@@ -83,25 +83,41 @@ def main():
         model, seed, args.context, args.budget,
         dict(calibration_tokens=2048, device_gather="on", kernels="mlx",
              host_keys=not args.no_host_keys))
+    # the host's evaluations inside a step (a refresh reading the heavy hitters' ids) compute
+    # the fake graph on the CPU here: their time is taken out of the second figure
+    import tiered.dispatch as dispatch
+
+    in_eval = [0.0]
+    plain_eval = dispatch.eval
+
+    def timed_eval(*arrays):
+        t = time.perf_counter()
+        plain_eval(*arrays)
+        in_eval[0] += time.perf_counter() - t
+
+    dispatch.eval = timed_eval
     y = mx.array([[1]])
     for _ in range(3):
         y = mx.argmax(model(y, cache=cache)[:, -1], axis=-1)[:, None]
         mx.eval(y)
-    times = []
+    times, less = [], []
     prof = cProfile.Profile()
     for i in range(args.steps):
+        in_eval[0] = 0.0
         t0 = time.perf_counter()
         if i == args.steps // 2 and not args.no_cprofile:
             prof.enable()
         logits = model(y, cache=cache)
         times.append(time.perf_counter() - t0)
+        less.append(times[-1] - in_eval[0])
         y = mx.argmax(logits[:, -1], axis=-1)[:, None]
         mx.eval(y)
     prof.disable()
     ms = 1e3 * float(np.median(times))
     print(f"graph building (Python + MLX op construction + async_eval hand-offs): {ms:.2f} ms "
           f"per token, {ms / args.layers:.3f} ms per layer ({args.layers} layers, "
-          f"{args.context} tokens)", flush=True)
+          f"{args.context} tokens); less the evaluations inside the step: "
+          f"{1e3 * float(np.median(less)):.2f} ms per token", flush=True)
     if not args.no_cprofile:
         pstats.Stats(prof).sort_stats(args.sort).print_stats(args.top)
     if not args.kv:
