@@ -9,8 +9,12 @@
 # kernels from an earlier call's $OUT/ptx.tgz), each with `bash bench/gpu_session.sh stage`,
 # then carry .device/part-01 with this script's call. The spy mode installs the py-spy wheel
 # carried as .device/py_spy*.whl (`pip download --no-deps py-spy`). Results go to $OUT.
+# TREE=DIR takes tiered/, cpu/, metal/ and scheduler/ from DIR instead (another commit's,
+# e.g. `git archive COMMIT tiered cpu metal scheduler | tar x -C .device/old`, carried), to
+# time two trees in one lease.
 set -uo pipefail
 R=$PWD
+T=${TREE:-$PWD}
 export PYTHONPATH=/tmp/pkg:/tmp/site PYTHONUNBUFFERED=1
 if [ ! -d /tmp/site/mlx ]; then
   { bash bench/gpu_session.sh stage .device/part-01 && bash bench/gpu_session.sh install; } \
@@ -18,8 +22,8 @@ if [ ! -d /tmp/site/mlx ]; then
 fi
 [ -d /tmp/mlx ] || { [ -f /tmp/stage/ptx.tgz ] && tar xzf /tmp/stage/ptx.tgz -C /tmp; }
 rm -rf /tmp/pkg && mkdir -p /tmp/pkg/tiered
-for f in "$R"/tiered/*; do ln -s "$f" /tmp/pkg/tiered/; done
-for sub in cpu metal scheduler; do ln -s "$R/$sub" "/tmp/pkg/tiered/$sub"; done
+for f in "$T"/tiered/*; do ln -s "$f" /tmp/pkg/tiered/; done
+for sub in cpu metal scheduler; do ln -s "$T/$sub" "/tmp/pkg/tiered/$sub"; done
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 mode=${1:?usage: gpu_rounds.sh tests | probe ARGS | run COMMAND | spy ARGS}

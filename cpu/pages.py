@@ -177,7 +177,13 @@ class HostStore(PageReads):
         of it. The kernel took the previous ``fence`` as an input: MLX orders kernels by the
         buffers they share (MLX CUDA runs a graph's independent kernels concurrently), and an
         ``mx.depends`` edge shares none, so only a real input keeps them in order.
-        ``output``: an array of that kernel (its evaluation means it ran)."""
+        ``output``: an array of that kernel (its evaluation means it ran). The fence kept is
+        one element of it, a view of the same buffer (MLX orders by buffers): its shape is
+        then (1,) whatever the kernel wrote, so the compiled step and append that take it as
+        an input keep one trace (each new shape of a refresh's gather was a trace and a cache
+        entry more, searched one by one at every call; issue 24)."""
+        if output.ndim != 1 or output.shape[0] != 1:
+            output = output.reshape(-1)[:1]
         self.fence = output
 
     def settle(self):

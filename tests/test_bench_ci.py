@@ -108,3 +108,22 @@ def test_generate_loop_times_every_token_of_mlx_lm_generate_step():
         assert ms == pytest.approx(1e3 * float(np.median(times[3:])))
         # a model call per token; generate_step also builds the token after the last one
         assert cache[0].offset == 7 + (loop == "generate"), loop
+
+
+def test_the_compiled_step_and_append_keep_a_few_traces(tmp_path):
+    """bench/compile_traces.py on the device path with fake kernels (in a process of its own:
+    it replaces MLX's CUDA kernels and the accelerator test): across refreshes the compiled
+    step and append keep a handful of input signatures, each a trace MLX searches at every
+    call. Before the pages' fence became one element (HostStore.device_op) a refresh's gather
+    of a new size gave both functions another, here 7 and 6 by the 40th step."""
+    import json
+    import subprocess
+
+    bench = os.path.join(os.path.dirname(__file__), "..", "bench")
+    out = tmp_path / "traces.json"
+    subprocess.run([sys.executable, "compile_traces.py", "--layers", "4", "--context", "8192",
+                    "--steps", "40", "--json", str(out)], cwd=bench, check=True, timeout=600)
+    got = json.loads(out.read_text())
+    assert got["_chain"]["calls"] == 4 * 40 and got["_body"]["calls"] >= 4 * 38
+    # the fence's two dtypes (a write's int32, a gather's bool) and the resident set's sizes
+    assert got["_chain"]["signatures"] <= 4 and got["_body"]["signatures"] <= 3

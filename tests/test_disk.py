@@ -246,6 +246,22 @@ def test_a_block_spills_only_after_the_queued_device_writes(tmp_path):
     assert budget.used <= budget.limit
 
 
+def test_the_fence_is_one_element_of_the_kernels_output(tmp_path):
+    """device_op keeps a (1,) view of whatever the kernel wrote: the compiled step and append
+    take the fence as an input, and every new shape was a trace of their own (a refresh's
+    gather of a new size each time); evaluating it still runs that kernel."""
+    store, _ = _store(tmp_path, 4)
+    done = mx.ones((1,), mx.int32)
+    store.device_op(done)
+    assert store.fence is done  # already one element: kept as it is
+    for rows in (9764, 9771, 2048):
+        ok = mx.arange(8 * rows).reshape(8, rows) >= 0  # a gather's (H, T) output (lazy)
+        store.device_op(ok)
+        assert store.fence.shape == (1,) and store.fence.dtype == mx.bool_
+    store.settle()
+    assert store.fence is None
+
+
 @pytest.mark.parametrize("budget_blocks", [3, 100])
 def test_blocks_allocated_ahead_keep_the_budget_and_the_data(tmp_path, monkeypatch,
                                                              budget_blocks):

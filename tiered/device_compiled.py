@@ -208,12 +208,13 @@ def _chain(key: tuple):
                                                  where=(pages, addrs_v, sizes, fence))
             o, stats = device_attend.approx_attend(z, s_r, vr, ok, idx, res_v,
                                                    sink if has_sink else None, rep, out_dtype)
+        fence = ok.reshape(-1)[:1]  # the pages' fence: a view of ok (HostStore.device_op)
         if alpha is None:
-            return o, stats, q, ok, acc
+            return o, stats, q, fence, acc
         lse = mx.logsumexp(za, axis=1)  # the softmax total over the n tokens
         after = {"select": count, "attend": ok}.get(h2o_after)
         acc_new = metal.acc_update(acc, z, lse, kept((Hq,), 1.0), W, rep, alpha,
                                    params=acc_params, after=after)
-        return o, stats, q, ok, acc_new
+        return o, stats, q, fence, acc_new
 
     return chain

@@ -1,0 +1,89 @@
+"""How many traces the device step's compiled functions keep (issue 24), measured without a
+GPU: tiered takes its CUDA path on the CPU backend with fake kernels
+(bench/device_python_local.py) and every call of the compiled step and append is recorded by
+its input signature (shapes and dtypes). MLX keeps a trace per signature and searches them one
+by one at every call; a new signature is a trace in Python first (~1 ms here).
+
+    python bench/compile_traces.py --layers 32 --context 16384 --steps 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+
+import common  # noqa: F401  (tiered before mlx)
+import mlx.core as mx
+import numpy as np
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--context", type=int, default=16384)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--json", default="", help="write the counts here")
+    args = ap.parse_args(argv)
+    import device_python_local as dpl
+    from decode_speed import LLAMA3_8B, seed_kv, tiered_caches
+    from mlx_lm.utils import _get_classes
+
+    cfg = dict(LLAMA3_8B, num_hidden_layers=args.layers, hidden_size=512,
+               intermediate_size=256, vocab_size=512)
+    model_cls, args_cls = _get_classes(cfg)
+    mx.random.seed(0)
+    model = model_cls(args_cls.from_dict(cfg))
+    seed = seed_kv(model, None, 2048)
+    dpl.fake_cuda()
+    mx.async_eval = lambda *a, **k: None
+    cache = tiered_caches(model, seed, args.context, 0.125,
+                          dict(calibration_tokens=2048, device_gather="on", kernels="mlx"))
+    import tiered.device_append as da
+    import tiered.device_compiled as dc
+
+    seen: set = set()
+    calls = collections.defaultdict(lambda: {"calls": 0, "signatures": 0, "late": 0,
+                                             "new_s": [], "old_s": []})
+    step = [0]
+    plain = dc.compiled
+
+    def recorded(functions, key, body, limit):
+        fn = plain(functions, key, body, limit)
+
+        def run(*inputs):
+            sig = (id(fn),) + tuple((tuple(x.shape), str(x.dtype)) for x in inputs)
+            t = time.perf_counter()
+            out = fn(*inputs)
+            c = calls[body.__name__]
+            c["calls"] += 1
+            c["old_s" if sig in seen else "new_s"].append(time.perf_counter() - t)
+            if sig not in seen:
+                seen.add(sig)
+                c["signatures"] += 1
+                c["late"] += step[0] >= args.steps // 2
+            return out
+        return run
+
+    dc.compiled = da.device_compiled.compiled = recorded
+    y = mx.array([[1]])
+    for step[0] in range(args.steps):
+        y = mx.argmax(model(y, cache=cache)[:, -1], axis=-1)[:, None]
+        mx.eval(y)
+    cache.close()
+    out = {}
+    for name, c in calls.items():
+        out[name] = dict(calls=c["calls"], signatures=c["signatures"], late=c["late"])
+        print(f"{name}: {c['calls']} calls, {c['signatures']} signatures (traces), "
+              f"{c['late']} of them new in the second half of the steps; a call "
+              f"{1e6 * float(np.median(c['old_s'])):.1f} us, a call that traced "
+              f"{1e3 * float(np.median(c['new_s'])):.2f} ms (medians)", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f)
+    return out
+
+
+if __name__ == "__main__":
+    main()
