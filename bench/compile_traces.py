@@ -67,6 +67,24 @@ def main(argv=None):
         return run
 
     dc.compiled = da.device_compiled.compiled = recorded
+    # the append's per-token columns: found made (ahead, at the last step's end) or made now
+    columns = collections.Counter()
+    plain_columns, plain_next = da._columns, da.make_next_columns
+    ahead = [False]
+
+    def counted_columns(*key):
+        if not ahead[0]:
+            columns["found" if key in da._COLUMNS else "made"] += 1
+        return plain_columns(*key)
+
+    def counted_next():
+        ahead[0] = True
+        try:
+            plain_next()
+        finally:
+            ahead[0] = False
+
+    da._columns, da.make_next_columns = counted_columns, counted_next
     y = mx.array([[1]])
     for step[0] in range(args.steps):
         y = mx.argmax(model(y, cache=cache)[:, -1], axis=-1)[:, None]
@@ -79,6 +97,9 @@ def main(argv=None):
               f"{c['late']} of them new in the second half of the steps; a call "
               f"{1e6 * float(np.median(c['old_s'])):.1f} us, a call that traced "
               f"{1e3 * float(np.median(c['new_s'])):.2f} ms (medians)", flush=True)
+    out["columns"] = dict(columns)
+    print(f"the append's columns: {columns['found']} calls found them made, "
+          f"{columns['made']} made them", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f)

@@ -127,3 +127,6 @@ def test_the_compiled_step_and_append_keep_a_few_traces(tmp_path):
     assert got["_chain"]["calls"] == 4 * 40 and got["_body"]["calls"] >= 4 * 38
     # the fence's two dtypes (a write's int32, a gather's bool) and the resident set's sizes
     assert got["_chain"]["signatures"] <= 4 and got["_body"]["signatures"] <= 3
+    # the next token's columns are made at a step's end (make_next_columns), not at the
+    # next token's first layer: made by an append only at the first compiled token
+    assert got["columns"].get("made", 0) <= 1 and got["columns"]["found"] >= 4 * 38 - 1

@@ -32,7 +32,7 @@ from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from tiered.cpu import HostStore
 
-from . import cache_list, contract, dispatch, layer_state, steady_gc
+from . import cache_list, contract, device_append, dispatch, layer_state, steady_gc
 from .cache_list import TieredCacheList  # noqa: F401  (it lived here: old imports keep working)
 from .cache_protocol import CacheProtocol
 from .config import TieredConfig
@@ -256,6 +256,8 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
                 dispatch.drain()
                 if EARLY_SETTLE and fresh and self._beside_dispatch():
                     self._settle_early()
+                if fresh and self._beside_dispatch():
+                    device_append.make_next_columns()
             return out
         except BaseException:
             dispatch.drain_quietly()

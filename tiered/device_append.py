@@ -106,6 +106,7 @@ def append(layer, keys: mx.array, values: mx.array) -> bool:
     cbt, norms = ((codebook, layer.keys.sq_norms()) if kernel
                   else _codebook_terms(layer.keys))
     at = _columns(H, g, keys.shape[3], values.shape[3], n0, slot, gone)
+    _guess_next(layer, (H, g, keys.shape[3], values.shape[3]), n0 + 1, S, W)
     outs = fn(keys, values, cbt, norms, codes_now, layer.res_k, layer.res_v, layer.res_tok,
               layer.flags, heavy.acc if clear else ph((1, 1)),
               kw if write else ph((1, 1, 1, 1)), vw if write else ph((1, 1, 1, 1)),
@@ -163,6 +164,31 @@ def _columns(H: int, g: int, dk: int, dv: int, n0: int, slot: int, gone: int) ->
         while len(_COLUMNS) > 64:
             _COLUMNS.popitem(last=False)
     return got
+
+
+_NEXT: list = []  # the next token's _columns arguments as its first append will pass them
+
+
+def _guess_next(layer, shape: tuple, n1: int, S: int, W: int) -> None:
+    """Note the arguments of the next token's columns (its ring slot and the token leaving it
+    now; a refresh does not move ring slots), for :func:`make_next_columns`."""
+    if _NEXT:
+        return  # the step's first layer noted them
+    slot = S + n1 % W
+    old = layer._res_tok_np[:, slot]
+    gone = int(old[0])
+    if (old == gone).all():
+        _NEXT.append(shape + (n1, slot, gone))
+
+
+def make_next_columns() -> None:
+    """Make the next token's columns now (tiered.cache calls it at a step's end, while the
+    device runs the last layers): at the next token's first layer they were ~1/3 of its
+    append (upload included), with the device waiting for that layer. A wrong guess only
+    leaves an entry unused."""
+    if _NEXT:
+        _columns(*_NEXT.pop())
+        _NEXT.clear()
 
 
 _FLAG_VALUES: dict = {}
