@@ -26,27 +26,15 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--json", default="", help="write the counts here")
     args = ap.parse_args(argv)
-    import device_python_local as dpl
-    from decode_speed import LLAMA3_8B, seed_kv, tiered_caches
-    from mlx_lm.utils import _get_classes
+    from device_python_local import fake_device_model
 
-    cfg = dict(LLAMA3_8B, num_hidden_layers=args.layers, hidden_size=512,
-               intermediate_size=256, vocab_size=512)
-    model_cls, args_cls = _get_classes(cfg)
-    mx.random.seed(0)
-    model = model_cls(args_cls.from_dict(cfg))
-    seed = seed_kv(model, None, 2048)
-    dpl.fake_cuda()
-    mx.async_eval = lambda *a, **k: None
-    cache = tiered_caches(model, seed, args.context, 0.125,
-                          dict(calibration_tokens=2048, device_gather="on", kernels="mlx"))
+    model, cache = fake_device_model(args.layers, args.context, no_async=True)
     import tiered.device_append as da
     import tiered.device_compiled as dc
 
     seen: set = set()
-    calls = collections.defaultdict(lambda: {"calls": 0, "signatures": 0, "late": 0,
-                                             "new_s": [], "old_s": []})
-    step = [0]
+    calls = collections.defaultdict(lambda: {"calls": 0, "signatures": 0, "new_s": [],
+                                             "old_s": []})
     plain = dc.compiled
 
     def recorded(functions, key, body, limit):
@@ -62,7 +50,6 @@ def main(argv=None):
             if sig not in seen:
                 seen.add(sig)
                 c["signatures"] += 1
-                c["late"] += step[0] >= args.steps // 2
             return out
         return run
 
@@ -86,15 +73,14 @@ def main(argv=None):
 
     da._columns, da.make_next_columns = counted_columns, counted_next
     y = mx.array([[1]])
-    for step[0] in range(args.steps):
+    for _ in range(args.steps):
         y = mx.argmax(model(y, cache=cache)[:, -1], axis=-1)[:, None]
         mx.eval(y)
     cache.close()
     out = {}
     for name, c in calls.items():
-        out[name] = dict(calls=c["calls"], signatures=c["signatures"], late=c["late"])
-        print(f"{name}: {c['calls']} calls, {c['signatures']} signatures (traces), "
-              f"{c['late']} of them new in the second half of the steps; a call "
+        out[name] = dict(calls=c["calls"], signatures=c["signatures"])
+        print(f"{name}: {c['calls']} calls, {c['signatures']} signatures (traces); a call "
               f"{1e6 * float(np.median(c['old_s'])):.1f} us, a call that traced "
               f"{1e3 * float(np.median(c['new_s'])):.2f} ms (medians)", flush=True)
     out["columns"] = dict(columns)

@@ -48,6 +48,29 @@ def fake_cuda():
     build.accelerator = lambda: "cuda"
 
 
+def fake_device_model(layers: int, context: int, budget: float = 0.125, kv: bool = False,
+                      host_keys: bool = True, no_async: bool = False):
+    """(model, cache): a random model with Llama-3-8B's heads (narrow elsewhere) and a cache
+    of ``context`` tokens on tiered's CUDA path with fake kernels (:func:`fake_cuda`), or
+    mlx-lm's KVCache (``kv``). ``no_async``: mx.async_eval does nothing."""
+    from decode_speed import LLAMA3_8B, kv_caches, seed_kv, tiered_caches
+    from mlx_lm.utils import _get_classes
+
+    cfg = dict(LLAMA3_8B, num_hidden_layers=layers, hidden_size=512, intermediate_size=256,
+               vocab_size=512)
+    model_cls, args_cls = _get_classes(cfg)
+    mx.random.seed(0)
+    model = model_cls(args_cls.from_dict(cfg))
+    seed = seed_kv(model, None, 2048)
+    fake_cuda()
+    if no_async:
+        mx.async_eval = lambda *a, **k: None
+    cache = kv_caches(seed, context) if kv else tiered_caches(
+        model, seed, context, budget,
+        dict(calibration_tokens=2048, device_gather="on", kernels="mlx", host_keys=host_keys))
+    return model, cache
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=32)
@@ -67,22 +90,9 @@ def main():
     ap.add_argument("--no-host-keys", action="store_true",
                     help="values only on the host (the 1M-token run's layout)")
     args = ap.parse_args()
-    from decode_speed import LLAMA3_8B, kv_caches, seed_kv, tiered_caches
-    from mlx_lm.utils import _get_classes
-
-    cfg = dict(LLAMA3_8B, num_hidden_layers=args.layers, hidden_size=512,
-               intermediate_size=256, vocab_size=512)  # Llama-3-8B's heads
-    model_cls, args_cls = _get_classes(cfg)
-    mx.random.seed(0)
-    model = model_cls(args_cls.from_dict(cfg))
-    seed = seed_kv(model, None, 2048)
-    fake_cuda()
-    if args.no_async:
-        mx.async_eval = lambda *a, **k: None
-    cache = kv_caches(seed, args.context) if args.kv else tiered_caches(
-        model, seed, args.context, args.budget,
-        dict(calibration_tokens=2048, device_gather="on", kernels="mlx",
-             host_keys=not args.no_host_keys))
+    model, cache = fake_device_model(args.layers, args.context, args.budget, kv=args.kv,
+                                     host_keys=not args.no_host_keys,
+                                     no_async=args.no_async)
     # the host's evaluations inside a step (a refresh reading the heavy hitters' ids) compute
     # the fake graph on the CPU here: their time is taken out of the second figure
     import tiered.dispatch as dispatch

@@ -166,19 +166,20 @@ def _columns(H: int, g: int, dk: int, dv: int, n0: int, slot: int, gone: int) ->
     return got
 
 
-_NEXT: list = []  # the next token's _columns arguments as its first append will pass them
+_next: tuple | None = None  # the next token's _columns arguments, as its first append passes them
 
 
 def _guess_next(layer, shape: tuple, n1: int, S: int, W: int) -> None:
     """Note the arguments of the next token's columns (its ring slot and the token leaving it
     now; a refresh does not move ring slots), for :func:`make_next_columns`."""
-    if _NEXT:
+    global _next
+    if _next is not None:
         return  # the step's first layer noted them
     slot = S + n1 % W
     old = layer._res_tok_np[:, slot]
     gone = int(old[0])
     if (old == gone).all():
-        _NEXT.append(shape + (n1, slot, gone))
+        _next = shape + (n1, slot, gone)
 
 
 def make_next_columns() -> None:
@@ -186,9 +187,10 @@ def make_next_columns() -> None:
     device runs the last layers): at the next token's first layer they were ~1/3 of its
     append (upload included), with the device waiting for that layer. A wrong guess only
     leaves an entry unused."""
-    if _NEXT:
-        _columns(*_NEXT.pop())
-        _NEXT.clear()
+    global _next
+    if _next is not None:
+        key, _next = _next, None
+        _columns(*key)
 
 
 _FLAG_VALUES: dict = {}

@@ -44,8 +44,6 @@ from .stats import Column
 _EVERY = os.environ.get("TIERED_ASYNC_EVERY")
 ASYNC_EVERY = int(_EVERY or 4)
 DISPATCH_EVERY = int(_EVERY or 2)
-# With the dispatcher, layer 0 is also handed over alone: the device starts a layer earlier.
-FIRST_ALONE = True
 
 
 def decode(layer, queries, scale, sinks, tables: DeviceTables):
@@ -117,8 +115,7 @@ def _finish(layer, queries, o, mass, mean_count, marks, writes):
     # next layers (tiered.dispatch)
     threaded = layer.steps > 1 and dispatch.on_shared_stream()
     every = DISPATCH_EVERY if threaded else ASYNC_EVERY
-    turn = every and ((layer.parent.layer + 1) % every == 0
-                      or threaded and FIRST_ALONE and layer.parent.layer == 0)
+    turn = every and (layer.parent.layer + 1) % every == 0
     heavy = layer.heavy
     if threaded and (turn or heavy is not None and heavy.awaiting_handoff()):
         # a refresh's prefetched ids go in this submission, out of turn if need be: their

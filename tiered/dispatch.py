@@ -122,10 +122,10 @@ class Dispatcher:
     def submit(self, arrays: list) -> threading.Event:
         """Queue ``mx.async_eval(*arrays)`` on the worker; the event is set once it ran (see
         :meth:`wait_handed`)."""
-        if sys.getswitchinterval() != SWITCH_INTERVAL_S:  # read here: bench toggles it
-            sys.setswitchinterval(SWITCH_INTERVAL_S)
         with self._cv:
             if self._thread is None or not self._thread.is_alive():
+                if sys.getswitchinterval() > SWITCH_INTERVAL_S:
+                    sys.setswitchinterval(SWITCH_INTERVAL_S)
                 self._thread = threading.Thread(target=self._run, name="tiered-dispatch",
                                                 daemon=True)
                 self._thread.start()
