@@ -203,9 +203,13 @@ def main(argv=None):
                         "again from this many tokens on; print the sites that grew")
     p.add_argument("--warm-timers", action="store_true",
                    help="time every call site over the warm-up (compression and first uses)")
+    p.add_argument("--set", action="append", default=[], metavar="MODULE.ATTR=VALUE",
+                   help="set a module attribute first, e.g. a switch under test")
     p.add_argument("--timers", action="store_true",
                    help="host time in the allocation, advice, evaluation calls per chunk")
     args = p.parse_args(argv)
+    for s_ in args.set:
+        print(f"set {common.set_attribute(s_)}", flush=True)
     if args.pages_per_block:
         host_tier.MAX_PAGES_PER_BLOCK = args.pages_per_block
     model, _ = build_model(args.model, None, tokenizer=False)
