@@ -117,6 +117,16 @@ def decode_step(model, cache, y, times, queue, out):
     return y
 
 
+def _pooled() -> int:
+    """Bytes of host blocks allocated ahead for the prompt and not taken yet (0 on a tree
+    without the pool: bench/gpu_rounds.sh TREE= times older commits with this script)."""
+    try:
+        from tiered.cpu.block_maker import POOL
+    except ImportError:
+        return 0
+    return POOL.held_bytes()
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="embedded", choices=["embedded", "llama3-8b", "llama3-8b-2l"])
@@ -134,6 +144,8 @@ def main(argv=None):
     p.add_argument("--tokens-file", help="read the document's token ids (.npz) instead of "
                    "tokenizing (machines without the embedded model's tokenizer)")
     p.add_argument("--write-tokens", help="only write the document's token ids to this .npz")
+    p.add_argument("--set", action="append", default=[], metavar="MODULE.ATTR=VALUE",
+                   help="set a module attribute first, e.g. a switch under test")
     p.add_argument("--name", default=None)
     p.add_argument("--marks", default=None,
                    help="a folder: touch compress.go before the chunk that compresses, "
@@ -146,6 +158,8 @@ def main(argv=None):
     p.add_argument("--kernel-steps", type=int, default=0,
                    help="after decoding, this many steps under the CUDA kernel profiler")
     args = p.parse_args(argv)
+    for s_ in args.set:
+        print(f"set {common.set_attribute(s_)}", flush=True)
     on_cpu = mx.default_device() == mx.cpu
     args.name = args.name or f"million_{'cpu' if on_cpu else 'gpu'}_{args.model}"
     args.chunk = args.chunk or (512 if on_cpu else 2048)
@@ -206,7 +220,9 @@ def main(argv=None):
         samples.append({"tokens": done, "s": time.perf_counter() - t_start,
                         "rss": current_rss_bytes(), "transient": tb["transient"],
                         "accelerator": tb["accelerator"] - tb["transient"],
-                        "host": tb["host"], "disk": tb["disk"], "device": dev.used(),
+                        # the blocks allocated ahead for the prompt count as the tier's
+                        "host": tb["host"] + _pooled(), "disk": tb["disk"],
+                        "device": dev.used(),
                         "budget": budget_bytes(done), "mlx_active": mx.get_active_memory(),
                         "mlx_cache": mx.get_cache_memory()})
 
@@ -271,7 +287,9 @@ def main(argv=None):
             * (args.anchor + 2 * args.chunk) for s in samples if s["tokens"] > args.prefill_window),
         "host tier <= host budget": peaks["host_tier_bytes"] <= host_budget,
     }
-    rows = [["prefill", f"{stats['tokens_per_s']:.1f} tok/s", f"{stats['seconds'] / 60:.1f} min", ""],
+    rows = [["prefill", f"{stats['tokens_per_s']:.1f} tok/s", f"{stats['seconds'] / 60:.1f} min",
+             f"host blocks made ahead: {stats.get('blocks_ahead', 0)} of "
+             f"{stats.get('blocks_planned', 0)} planned"],
             [f"decode at {len(ids):,} tokens", f"{decode_ms:.0f} ms/token",
              f"first step {times[0]:.1f}s", ""],
             ["accelerator tier (peak, measured from arrays)",
@@ -282,7 +300,8 @@ def main(argv=None):
              f"{peaks['prefill_transient_accelerator_bytes'] / 2**30:.2f} GiB",
              "exact window, then anchor + local blocks",
              checks["block-wise working set <= anchor + 2 chunks of full K/V"]],
-            ["host tier (peak)", f"{peaks['host_tier_bytes'] / 2**30:.2f} GiB",
+            ["host tier (peak; blocks allocated ahead included)",
+             f"{peaks['host_tier_bytes'] / 2**30:.2f} GiB",
              f"budget {host_budget / 2**30:.2f} GiB", checks["host tier <= host budget"]],
             ["host RSS (peak, process)", f"{peaks['host_rss_bytes'] / 2**30:.2f} GiB",
              f"{rss0 / 2**30:.2f} GiB before prefill", ""],

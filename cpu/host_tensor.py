@@ -10,7 +10,7 @@ import tempfile
 import mlx.core as mx
 import numpy as np
 
-from .block_maker import MAKER, Ticket
+from .block_maker import MAKER, POOL, Ticket
 from .block_maker import np_view as _np_view
 from .disk import DiskTierError, PageFile
 
@@ -21,20 +21,65 @@ NP_DTYPES = {"float16": np.float16, "float32": np.float32, "int8": np.int8}
 
 
 
+_CUDA = bool(getattr(getattr(mx, "cuda", None), "is_available", lambda: False)())
+# Bytes a block is asked longer than it is, on MLX's CUDA backend. MLX's allocator serves an
+# allocation from its buffer cache when a freed buffer of at least the size and less than
+# size + 32 KB is there, and a device buffer it hands to a CPU-stream array is first moved to
+# managed memory (``move_to_unified_memory``: a managed allocation and a synchronous
+# ``cudaMemcpy`` on the calling thread). A prefill frees device buffers of a block's exact
+# 32 MB; 16 KB more (one allocator page) matches none of them: H200, a 32 MB block queued
+# with such a buffer cached took 2.1-2.6 ms of the calling thread, 0.20 ms asked 16 KB longer
+# (bench/block_alloc_probe.py). The array is flat, its views the first elements, shaped.
+PAD_BYTES = 16384 if _CUDA else 0
+PAD_MIN_BYTES = 1 << 20  # smaller blocks are asked as they are (a pad would outweigh them)
+# CPU streams the blocks' fills are spread over (each stream is a thread of MLX's): one fill
+# of a fresh 32 MB managed block took ~28 ms on an H200's host (first touch of its pages).
+FILL_STREAMS = 4 if _CUDA else 1
+_streams: list = []
+
+
+def _fill_stream():
+    """The next CPU stream of FILL_STREAMS (made on first use), in turn."""
+    if FILL_STREAMS <= 1:
+        return mx.cpu
+    while len(_streams) < FILL_STREAMS:
+        _streams.append(mx.new_stream(mx.cpu))
+    _streams.append(_streams.pop(0))
+    return _streams[-1]
+
+
+def _full_block(shape, dtype: str, fill) -> mx.array:
+    """The block as one lazy CPU-stream array: ``mx.full`` of ``shape``, or flat and
+    PAD_BYTES longer (its views: :func:`block_view`)."""
+    dt = MX_DTYPES[dtype]
+    n = int(np.prod(shape))
+    pad = PAD_BYTES // dt.size if PAD_BYTES and n * dt.size >= PAD_MIN_BYTES else 0
+    shape = shape if not pad else (n + pad,)
+    return mx.full(shape, fill, dtype=dt, stream=_fill_stream())
+
+
+def shaped(arr: mx.array, shape) -> mx.array:
+    """A block's MLX array as ``shape`` (its first elements where it was allocated longer)."""
+    shape = tuple(shape)
+    if arr.shape == shape:
+        return arr
+    return arr[: int(np.prod(shape))].reshape(shape)
+
+
 def _alloc_block(shape, dtype: str):
     # Unwritten slots hold NaN (int8: 0, with NaN scales) so a read past the end shows up.
     fill = 0 if dtype == "int8" else float("nan")
-    arr = mx.full(shape, fill, dtype=MX_DTYPES[dtype], stream=mx.cpu)
+    arr = _full_block(shape, dtype, fill)
     mx.eval(arr)
     return arr
 
 
 def _block_ahead(shape, dtype: str, prepare=None) -> Ticket:
-    """A block like :func:`_alloc_block`'s, queued on MLX's CPU stream ahead of need (its fill
+    """A block like :func:`_alloc_block`'s, queued on a CPU stream ahead of need (its fill
     runs there) and read (and prepared) by the block maker's thread, not this one."""
-    arr = mx.full(shape, float("nan"), dtype=MX_DTYPES[dtype], stream=mx.cpu)
+    arr = _full_block(shape, dtype, float("nan"))
     mx.async_eval(arr)
-    return MAKER.submit(arr, prepare)
+    return MAKER.submit(arr, prepare, shape)
 
 
 # Allocate each tensor's next RAM blocks ahead of need. On MLX's CUDA backend a block is managed
@@ -44,7 +89,7 @@ def _block_ahead(shape, dtype: str, prepare=None) -> Ticket:
 # for the GPU work queued before it (see tiered.cpu.block_maker), so the block maker's thread
 # takes that wait. One block ahead per tensor: with two, a spare held budget a tight host
 # budget needed for data (GPU tests: tests/test_disk.py spilled every block).
-AHEAD = bool(getattr(getattr(mx, "cuda", None), "is_available", lambda: False)())
+AHEAD = _CUDA
 
 
 def _host_copy(arr: mx.array) -> mx.array:
@@ -107,17 +152,39 @@ class HostTensor:
         spent)."""
         b = self.budget
         return (self._spare is None and b is not None and b.limit is not None
-                and b.used + self.block_bytes > b.limit)
+                and not self.pooled_bytes and b.used + self.block_bytes > b.limit)
 
     @property
     def spare_bytes(self) -> int:
         """Bytes of the block allocated ahead (reserved in the host budget, not adopted)."""
         return 0 if self._spare is None else self.block_bytes
 
+    @property
+    def pooled_bytes(self) -> int:
+        """Bytes of blocks made ahead in the process's pool for this tensor's shape, dtype and
+        budget (tiered.cpu.block_maker.BlockPool; reserved in the budget already)."""
+        return POOL.held_bytes(self.block_shape, self.dtype, self.budget) if self.ahead else 0
+
+    def fill_pool(self, blocks: int, prepare=None) -> int:
+        """Plan ``blocks`` blocks of this tensor's shape in the process's pool (made by
+        ``POOL.top_up`` within the host budget), for this tensor or any other of the same
+        shape to grow into; returns how many were planned. Float dtypes only, where blocks
+        are allocated ahead."""
+        if self.dtype == "int8" or not self.ahead:
+            return 0
+        shape, dtype = self.block_shape, self.dtype
+        return POOL.plan(shape, dtype, blocks, self.block_bytes, self.budget,
+                         lambda: _block_ahead(shape, dtype, prepare))
+
+    def _from_pool(self):
+        if self._spare is None and self.ahead and self.dtype != "int8":
+            self._spare = POOL.take(self.block_shape, self.dtype, self.budget)
+
     def grow(self):
         """One more block: in RAM while the host budget allows, else the oldest RAM block of
         this tensor moves to disk first (written and checked before its RAM is freed)."""
         b = self.budget
+        self._from_pool()
         if self._spare is not None:  # allocated ahead, its bytes reserved then
             ticket, self._spare = self._spare, None
             try:
@@ -150,6 +217,9 @@ class HostTensor:
     def _next_ahead(self):
         """Start allocating the next RAM block when the host budget has room for it too."""
         if not self.ahead or self.dtype == "int8" or self._spare is not None:
+            return
+        self._from_pool()
+        if self._spare is not None:
             return
         if self.budget is None or self.budget.reserve(self.block_bytes):
             self._spare = _block_ahead(self.block_shape, self.dtype, self.prepare)
@@ -213,7 +283,7 @@ class HostTensor:
 
     def _adopt(self, blk, scales, view=None):
         self.blocks.append(blk)
-        view = _np_view(blk) if view is None else view
+        view = _np_view(blk, self.block_shape) if view is None else view
         self.views.append(view)
         self.addrs = np.append(self.addrs, np.int64(view.ctypes.data))
         self.disk_index.append(-1)
@@ -221,7 +291,7 @@ class HostTensor:
             if scales is None:
                 scales = _alloc_block(self.block_shape[:-1], "float32")  # NaN-filled
             self.scale_blocks.append(scales)
-            sview = _np_view(scales)
+            sview = _np_view(scales, self.block_shape[:-1])
             self.scale_views.append(sview)
             self.scale_addrs = np.append(self.scale_addrs, np.int64(sview.ctypes.data))
 
@@ -274,9 +344,9 @@ class HostTensor:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of host RAM held."""
-        return sum(b.nbytes for b in self.blocks if b is not None) + sum(
-            s.nbytes for s in self.scale_blocks if s is not None)
+        """Bytes of host RAM held: the RAM blocks' (their scales included), as the budget
+        counts them (a block's pad, PAD_BYTES, is not)."""
+        return sum(b is not None for b in self.blocks) * self.block_bytes
 
     @property
     def disk_bytes(self) -> int:
@@ -296,10 +366,11 @@ class HostTensor:
     def state(self, name: str) -> dict:
         """This tensor's entries of the store's state: RAM blocks as they are (no copies),
         disk-tier blocks by reference (page file, block index, checksums)."""
-        st = {name: [b if b is not None else mx.zeros((0,), mx.int8) for b in self.blocks]}
+        st = {name: [shaped(b, self.block_shape) if b is not None else mx.zeros((0,), mx.int8)
+                     for b in self.blocks]}
         if self.dtype == "int8":
-            st[name + "_scales"] = [b if b is not None else mx.zeros((0,), mx.int8)
-                                    for b in self.scale_blocks]
+            st[name + "_scales"] = [shaped(b, self.block_shape[:-1]) if b is not None
+                                    else mx.zeros((0,), mx.int8) for b in self.scale_blocks]
         if self.disk is not None:
             st[name + "_disk"] = json.dumps({
                 "index": self.disk_index, "data": self.disk.state(),

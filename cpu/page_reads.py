@@ -7,7 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from .host_tensor import MX_DTYPES, NP_DTYPES, HostTensor
+from .host_tensor import MX_DTYPES, NP_DTYPES, HostTensor, shaped
 from .paged_rows import copy_rows
 
 
@@ -85,8 +85,8 @@ class PageReads:
         def block(i, scales=False):
             arr = (tensor.scale_blocks if scales else tensor.blocks)[i]
             if arr is None:
-                arr = mx.array((tensor.scale_views if scales else tensor.views)[i])
-            return arr
+                return mx.array((tensor.scale_views if scales else tensor.views)[i])
+            return shaped(arr, tensor.block_shape[:-1] if scales else tensor.block_shape)
 
         parts = []
         for page in self._pages[b]:

@@ -238,8 +238,23 @@ class HostStore(PageReads):
         b = self.values.budget
         if not need or b is None or b.limit is None:
             return False
-        ahead = sum(t.spare_bytes for t in self.tensors)
+        ahead = sum(t.spare_bytes + t.pooled_bytes for t in self.tensors)
         return b.used - ahead + need > b.limit
+
+    def blocks_to_hold(self, tokens: int) -> int:
+        """Blocks per tensor still to allocate for ``tokens`` tokens per sequence in all (the
+        spare allocated ahead counted as held)."""
+        pages = -(-tokens // self.page_size) * self.batch
+        t = self.values
+        have = t.capacity_pages + (t.pages_per_block if t.spare_bytes else 0)
+        return -(-max(0, pages - have) // t.pages_per_block)
+
+    def fill_pool(self, tokens: int, prepare=None) -> int:
+        """Plan in the process's block pool the blocks :meth:`blocks_to_hold` names for each
+        tensor (made within the host budget by ``POOL.top_up``: tiered.prefill over a long
+        prompt). Returns the blocks planned."""
+        n = self.blocks_to_hold(tokens)
+        return sum(t.fill_pool(n, prepare) for t in self.tensors)
 
     def check_array(self, x, name, dim):
         expected = (self.batch, self.n_kv_heads, None, dim)

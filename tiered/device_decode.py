@@ -191,6 +191,19 @@ def supported(layer) -> str | None:
     return None
 
 
+def _address_upload(addrs: np.ndarray) -> mx.array:
+    """The uint64 device copy of block addresses: through the staging ring where it runs (an
+    ``mx.array`` of host values takes its buffer from MLX's cache, moved to managed memory
+    when it was a device buffer: ~1 ms per layer of a 1M-token prefill's chunks that grew the
+    pages, 30-39 ms a chunk, bench/prefill_profile.py --timers), else ``uva.address_array``."""
+    from . import staging
+
+    if not staging.enabled() or not len(addrs):
+        return uva.address_array(addrs)
+    words = np.ascontiguousarray(addrs, np.uint64).view(np.int32)
+    return mx.view(staging.upload(words), mx.uint64)
+
+
 class DeviceTables:
     """Per host tensor: the device copies of its block addresses and of the page table,
     rebuilt only when a block or a page is added; blocks advised once (here, or off the main
@@ -227,7 +240,7 @@ class DeviceTables:
             addrs = now
             if width is not None and width > n:
                 addrs = np.concatenate([addrs, np.zeros(width - n, np.uint64)])
-            got = (n, uva.address_array(addrs))
+            got = (n, _address_upload(addrs))
             self._addrs[(id(tensor), width)] = got
         return got[1]
 

@@ -9,11 +9,16 @@ import time
 import mlx.core as mx
 
 from . import dispatch
+from .cpu.block_maker import POOL
 
 # Bytes of freed buffers MLX keeps for reuse during a prefill. 16 GiB (an eighth of an H200's
 # memory limit) took a 1M-token prefill's device memory to 139 GiB (NVML) against 89 and saved
 # ~5 s of its 145: not kept.
 CACHE_LIMIT = 4 << 30
+# On accelerators, the host blocks the prompt's pages will take are planned after its first
+# chunk and made ahead at every chunk while fewer than this many are still filling
+# (tiered.cpu.block_maker.BlockPool), not by the chunks that grow the pages. 0: not pooled.
+POOL_PENDING = 4
 
 
 def peak_rss_bytes() -> int:
@@ -64,6 +69,12 @@ def _door_arrays(doors) -> list:
     return got
 
 
+def _plan_pool(cache, more: int, chunk: int) -> int:
+    """The host blocks the rest of the prompt will take, planned in the BlockPool after the
+    first chunk (every layer knows its geometry then); made a few at a time, every chunk."""
+    return sum(c.fill_host_pool(more, chunk) for c in cache if hasattr(c, "fill_host_pool"))
+
+
 def prefill(model, cache, tokens, *, chunk: int = 2048, progress=None, on_chunk=None) -> dict:
     """Run ``tokens`` (a list of ids) through ``model`` into ``cache``, ``chunk`` at a time.
 
@@ -86,6 +97,7 @@ def prefill(model, cache, tokens, *, chunk: int = 2048, progress=None, on_chunk=
     if limit < CACHE_LIMIT:
         mx.set_cache_limit(limit)  # a smaller limit set by the caller stands
     prev = None  # accelerators: the chunk before, still running while this one is built
+    pooled = made = 0  # host blocks planned ahead for the prompt, and made
     try:
         while done < total:
             step = x[:, done : done + chunk]
@@ -112,8 +124,12 @@ def prefill(model, cache, tokens, *, chunk: int = 2048, progress=None, on_chunk=
                     handed = dispatch.submit(work, out, lazy, _door_arrays(doors))
                 else:
                     dispatch.async_eval(work, out, lazy)
+                if prev is None and POOL_PENDING and total - done > step.shape[1]:
+                    pooled = _plan_pool(cache, total - done - step.shape[1], chunk)
                 if prev is not None:
                     _finish(*prev)
+                if pooled:
+                    made += POOL.top_up(POOL_PENDING)
                 # what the next chunk waits for: the output and the page writes' fences, not
                 # the cache's arrays (held, they could not be updated in place)
                 prev = ([out] + work, doors, handed)
@@ -128,7 +144,10 @@ def prefill(model, cache, tokens, *, chunk: int = 2048, progress=None, on_chunk=
             _finish(*prev)
     finally:
         dispatch.drain_quietly()  # a failed chunk: nothing left on the thread
+        if pooled:
+            POOL.release()  # blocks the prompt did not take (their bytes back to the budget)
         mx.set_cache_limit(limit)
         mx.clear_cache()
     seconds = time.perf_counter() - t0
-    return {"tokens": total, "seconds": seconds, "tokens_per_s": total / max(seconds, 1e-9)}
+    return {"tokens": total, "seconds": seconds, "tokens_per_s": total / max(seconds, 1e-9),
+            "blocks_planned": pooled, "blocks_ahead": made}
