@@ -39,8 +39,9 @@ tests/test_device_decode.py tests/test_heavy.py tests/test_refresh_plan.py}" \
   probe)
     cd bench && timeout -k 5 "${LIMIT:-560}" python3 device_probe.py --model llama3-8b \
       --context 131072 "$@" 2>&1 | tee "$OUT/probe.log" | grep -v "^  " | tail -60 ;;
-  run)
-    cd bench && timeout -k 5 "${LIMIT:-560}" "$@" 2>&1 | tee "$OUT/run.log" | tail -80 ;;
+  run)  # SAVE_PTX=1: MLX's compiled kernels saved to $OUT/ptx.tgz after the command
+    (cd bench && timeout -k 5 "${LIMIT:-560}" "$@" 2>&1 | tee "$OUT/run.log" | tail -80)
+    [ -z "${SAVE_PTX:-}" ] || (cd /tmp && tar czf "$OUT/ptx.tgz" mlx 2>/dev/null) ;;
   spy)
     [ -x /tmp/spy/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps \
       --target /tmp/spy "$R"/.device/py_spy*.whl
