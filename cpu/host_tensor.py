@@ -147,13 +147,6 @@ class HostTensor:
             n += int(np.prod(self.block_shape[:-1])) * 4
         return n
 
-    def would_spill(self) -> bool:
-        """Whether the next :meth:`grow` moves a block to the disk tier (the host budget is
-        spent)."""
-        b = self.budget
-        return (self._spare is None and b is not None and b.limit is not None
-                and not self.pooled_bytes and b.used + self.block_bytes > b.limit)
-
     @property
     def spare_bytes(self) -> int:
         """Bytes of the block allocated ahead (reserved in the host budget, not adopted)."""
@@ -180,9 +173,11 @@ class HostTensor:
         if self._spare is None and self.ahead and self.dtype != "int8":
             self._spare = POOL.take(self.block_shape, self.dtype, self.budget)
 
-    def grow(self):
+    def grow(self, ahead: bool = True):
         """One more block: in RAM while the host budget allows, else the oldest RAM block of
-        this tensor moves to disk first (written and checked before its RAM is freed)."""
+        this tensor moves to disk first (written and checked before its RAM is freed).
+        ``ahead=False``: the next block ahead is left to the caller (:meth:`_next_ahead`, once
+        every tensor that grows with this one has its block: HostStore._new_page)."""
         b = self.budget
         self._from_pool()
         if self._spare is not None:  # allocated ahead, its bytes reserved then
@@ -196,11 +191,13 @@ class HostTensor:
             self._adopt(ticket.arr, None, view)
             if ticket.prepared:
                 self.prepared.add(view.ctypes.data)
-            self._next_ahead()
+            if ahead:
+                self._next_ahead()
             return
         if b is None or b.reserve(self.block_bytes):
             self._adopt(_alloc_block(self.block_shape, self.dtype), None)
-            self._next_ahead()
+            if ahead:
+                self._next_ahead()
             return
         ram = [i for i, d in enumerate(self.disk_index) if d < 0]
         if ram:

@@ -145,10 +145,16 @@ class HostStore(PageReads):
         page = self._next_page
         self._next_page += 1
         while page >= self.values.capacity_pages:
-            if self.fence is not None and any(t.would_spill() for t in self.tensors):
+            b = self.values.budget
+            if self.fence is not None and b is not None and b.limit is not None and (
+                    b.used + self._new_reservations(1) > b.limit):
                 self.settle()  # the CPU copies a block to disk: queued device writes land first
+            # every tensor takes its block before any reserves its next one ahead (which could
+            # take the room a tensor after it needed: _new_reservations foretells this order)
             for t in self.tensors:
-                t.grow()
+                t.grow(ahead=False)
+            for t in self.tensors:
+                t._next_ahead()
         return page
 
     # ---- writes -----------------------------------------------------------------------
@@ -222,24 +228,41 @@ class HostStore(PageReads):
             self._shrunk += 1
             raise
 
-    def bytes_to_append(self, tokens: int) -> int:
-        """Host bytes (RAM or disk) the next ``tokens`` appended tokens allocate: whole blocks."""
+    def _blocks_to_append(self, tokens: int) -> int:
         held = sum(len(p) for p in self._pages)
         logical = -(-(self.length + tokens) // self.page_size) * self.batch - held
         physical = max(0, logical - len(self._free))
         over = self._next_page + physical - self.values.capacity_pages
-        blocks = -(-max(0, over) // self.values.pages_per_block)
-        return blocks * sum(t.block_bytes for t in self.tensors)
+        return -(-max(0, over) // self.values.pages_per_block)
+
+    def bytes_to_append(self, tokens: int) -> int:
+        """Host bytes (RAM or disk) the next ``tokens`` appended tokens allocate: whole blocks."""
+        return self._blocks_to_append(tokens) * sum(t.block_bytes for t in self.tensors)
+
+    def _new_reservations(self, blocks: int) -> int:
+        """Bytes that growing every tensor by ``blocks`` blocks reserves anew in the host
+        budget: each tensor's spare and the pool's blocks of its shape serve first (the pool is
+        shared, by keys and values of one shape too). The spares taken again between blocks
+        are spent by the next block; the last ones only where the budget has room."""
+        groups: dict = {}
+        for t in self.tensors:
+            groups.setdefault((t.block_shape, t.dtype), []).append(t)
+        new = 0
+        for ts in groups.values():
+            bb = ts[0].block_bytes
+            have = sum(1 for t in ts if t.spare_bytes) + ts[0].pooled_bytes // bb
+            new += max(0, blocks * len(ts) - have) * bb
+        return new
 
     def spills_to_append(self, tokens: int) -> bool:
         """Whether appending ``tokens`` moves a block to the disk tier (the host budget cannot
-        hold the blocks it allocates; those allocated ahead are held already)."""
-        need = self.bytes_to_append(tokens)
+        hold the blocks it allocates; those allocated ahead, spares and pooled, are held
+        already)."""
+        blocks = self._blocks_to_append(tokens)
         b = self.values.budget
-        if not need or b is None or b.limit is None:
+        if not blocks or b is None or b.limit is None:
             return False
-        ahead = sum(t.spare_bytes + t.pooled_bytes for t in self.tensors)
-        return b.used - ahead + need > b.limit
+        return b.used + self._new_reservations(blocks) > b.limit
 
     def blocks_to_hold(self, tokens: int) -> int:
         """Blocks per tensor still to allocate for ``tokens`` tokens per sequence in all (the

@@ -91,7 +91,6 @@ def test_the_pool_stops_at_the_host_budget_and_releases_what_was_not_taken():
     assert POOL.planned() == 0
     b = store.values.budget
     assert b.used == b.limit
-    assert not store.values.would_spill()  # the next growth takes a pooled block
     assert not store.spills_to_append(16)
     assert store.spills_to_append(6 * 16)  # past the pool and the budget: the disk tier
     store.append(_x(np.random.default_rng(1), 16))
@@ -197,3 +196,23 @@ def test_a_layer_pools_the_blocks_its_compression_and_prompt_take(monkeypatch):
     assert POOL.held_bytes() == 0
     _, _, want = run(False)
     np.testing.assert_array_equal(got, want)
+
+
+def test_keys_and_values_share_the_pool_when_the_disk_tier_is_foretold(tmp_path):
+    """One pooled block serves one of keys and values: with no room beside it, the other
+    tensor's block goes to disk, and spills_to_append says so (counting the pool once per
+    shape, not once per tensor)."""
+    nbytes = 2 * 2 * 8 * 8 * 2
+    store = HostStore(2, 8, page_size=8, dtype="float16", pages_per_block=2, keys=True,
+                      budget=HostBudget(nbytes), disk_dir=str(tmp_path))
+    for t in store.tensors:
+        t.ahead = True
+    store.fill_pool(16)
+    assert POOL.top_up(10) == 1  # the budget holds one block
+    assert store.spills_to_append(8)
+    x = _x(np.random.default_rng(6), 8)
+    store.append(x, x)
+    assert store.disk_bytes > 0
+    np.testing.assert_array_equal(store.read("values"), x[0])
+    np.testing.assert_array_equal(store.read("keys"), x[0])
+    store.close()

@@ -174,17 +174,24 @@ def test_bad_input_is_rejected():
     assert store.length == 0
 
 
-@pytest.mark.parametrize("ahead", [False, True])
+@pytest.mark.parametrize("ahead", [False, True, "pooled"])
 def test_spills_to_append_says_when_the_budget_moves_a_block_to_disk(tmp_path, ahead):
     """HostStore.spills_to_append foretells each append: True exactly when the append moves a
-    block to the disk tier (the host budget spent), with or without blocks allocated ahead."""
+    block to the disk tier (the host budget spent), with or without blocks allocated ahead,
+    and with the budget spent on the process's block pool first (keys and values of one
+    shape share its blocks)."""
+    from tiered.cpu.block_maker import POOL
     from tiered.cpu.disk import HostBudget
 
     block = 2 * 2 * 8 * 8 * 2  # pages_per_block x H x page_size x d x fp16, per tensor
     store = HostStore(2, 8, page_size=8, dtype="float16", pages_per_block=2,
                       budget=HostBudget(5 * block), disk_dir=str(tmp_path))
     for t in store.tensors:
-        t.ahead = ahead
+        t.ahead = bool(ahead)
+    POOL.release()
+    if ahead == "pooled":
+        store.fill_pool(1000)
+        assert POOL.top_up(100) == 5  # the whole budget, in the pool
     rng = np.random.default_rng(0)
     x = lambda n: rng.normal(size=(1, 2, n, 8)).astype(np.float16)  # noqa: E731
     said = []
@@ -195,4 +202,5 @@ def test_spills_to_append_says_when_the_budget_moves_a_block_to_disk(tmp_path, a
         said.append(predicted)
         assert predicted == (store.disk_bytes > before), (n, said)
     assert said[0] is False and said[-1] is True
+    POOL.release()
     store.close()
