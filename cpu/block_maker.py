@@ -101,13 +101,14 @@ class BlockPool:
     ``tiered.prefill`` plans here what the prompt's host pages will take (:meth:`plan`,
     within the host budget as blocks are made) and, at every chunk, :meth:`top_up` queues
     blocks while fewer than ``pending`` of them are still filling, on several CPU streams
-    (tiered.cpu.host_tensor.FILL_STREAMS). :meth:`HostTensor.grow` takes from here first;
+    (tiered.cpu.block_alloc.FILL_STREAMS). :meth:`HostTensor.grow` takes from here first;
     what is left goes back when the prefill ends. A block's bytes are reserved in its
     budget while it waits here, as a tensor's spare block's are.
     """
 
     def __init__(self):
         self._free: dict = {}  # (shape, dtype, id(budget)) -> [(ticket, budget, nbytes)]
+        self._bytes: dict = {}  # the same keys -> bytes waiting (read per layer and chunk)
         self._plan: list = []  # [key, count left, nbytes, budget, make]
         self._filling: list = []  # tickets queued by top_up, not read yet
         self._lock = threading.Lock()
@@ -150,6 +151,7 @@ class BlockPool:
                 raise
             with self._lock:
                 self._free.setdefault(key, []).append((ticket, budget, nbytes))
+                self._bytes[key] = self._bytes.get(key, 0) + nbytes
                 self._filling.append(ticket)
             made += 1
 
@@ -161,16 +163,21 @@ class BlockPool:
     def take(self, shape, dtype: str, budget) -> Ticket | None:
         """A queued block of that shape and dtype reserved in ``budget``, or None. Its bytes
         stay reserved: they are the taker's now."""
+        key = self._key(shape, dtype, budget)
         with self._lock:
-            got = self._free.get(self._key(shape, dtype, budget))
-            return got.pop(0)[0] if got else None
+            got = self._free.get(key)
+            if not got:
+                return None
+            ticket, _, nbytes = got.pop(0)
+            self._bytes[key] -= nbytes
+            return ticket
 
     def held_bytes(self, shape=None, dtype=None, budget=None) -> int:
         """Bytes waiting here: all of them, or those of one shape, dtype and budget."""
         with self._lock:
             if shape is None:
-                return sum(n for v in self._free.values() for _, _, n in v)
-            return sum(n for _, _, n in self._free.get(self._key(shape, dtype, budget), []))
+                return sum(self._bytes.values())
+            return self._bytes.get(self._key(shape, dtype, budget), 0)
 
     def release(self) -> int:
         """Drop the plan and every block still waiting (each once its worker let go of it),
@@ -178,6 +185,7 @@ class BlockPool:
         with self._lock:
             entries = [e for v in self._free.values() for e in v]
             self._free.clear()
+            self._bytes.clear()
             self._plan.clear()
             self._filling.clear()
         for ticket, budget, nbytes in entries:

@@ -10,76 +10,13 @@ import tempfile
 import mlx.core as mx
 import numpy as np
 
-from .block_maker import MAKER, POOL, Ticket
+from . import block_alloc
+from .block_alloc import NP_DTYPES, shaped
+from .block_maker import POOL, Ticket
 from .block_maker import np_view as _np_view
 from .disk import DiskTierError, PageFile
 
 HOST_DTYPES = ("float16", "float32", "int8")
-
-MX_DTYPES = {"float16": mx.float16, "float32": mx.float32, "int8": mx.int8}
-NP_DTYPES = {"float16": np.float16, "float32": np.float32, "int8": np.int8}
-
-
-
-_CUDA = bool(getattr(getattr(mx, "cuda", None), "is_available", lambda: False)())
-# Bytes a block is asked longer than it is, on MLX's CUDA backend. MLX's allocator serves an
-# allocation from its buffer cache when a freed buffer of at least the size and less than
-# size + 32 KB is there, and a device buffer it hands to a CPU-stream array is first moved to
-# managed memory (``move_to_unified_memory``: a managed allocation and a synchronous
-# ``cudaMemcpy`` on the calling thread). A prefill frees device buffers of a block's exact
-# 32 MB; 16 KB more (one allocator page) matches none of them: H200, a 32 MB block queued
-# with such a buffer cached took 2.1-2.6 ms of the calling thread, 0.20 ms asked 16 KB longer
-# (bench/block_alloc_probe.py). The array is flat, its views the first elements, shaped.
-PAD_BYTES = 16384 if _CUDA else 0
-PAD_MIN_BYTES = 1 << 20  # smaller blocks are asked as they are (a pad would outweigh them)
-# CPU streams the blocks' fills are spread over (each stream is a thread of MLX's): one fill
-# of a fresh 32 MB managed block took ~28 ms on an H200's host (first touch of its pages).
-FILL_STREAMS = 4 if _CUDA else 1
-_streams: list = []
-
-
-def _fill_stream():
-    """The next CPU stream of FILL_STREAMS (made on first use), in turn."""
-    if FILL_STREAMS <= 1:
-        return mx.cpu
-    while len(_streams) < FILL_STREAMS:
-        _streams.append(mx.new_stream(mx.cpu))
-    _streams.append(_streams.pop(0))
-    return _streams[-1]
-
-
-def _full_block(shape, dtype: str, fill) -> mx.array:
-    """The block as one lazy CPU-stream array: ``mx.full`` of ``shape``, or flat and
-    PAD_BYTES longer (its views: :func:`block_view`)."""
-    dt = MX_DTYPES[dtype]
-    n = int(np.prod(shape))
-    pad = PAD_BYTES // dt.size if PAD_BYTES and n * dt.size >= PAD_MIN_BYTES else 0
-    shape = shape if not pad else (n + pad,)
-    return mx.full(shape, fill, dtype=dt, stream=_fill_stream())
-
-
-def shaped(arr: mx.array, shape) -> mx.array:
-    """A block's MLX array as ``shape`` (its first elements where it was allocated longer)."""
-    shape = tuple(shape)
-    if arr.shape == shape:
-        return arr
-    return arr[: int(np.prod(shape))].reshape(shape)
-
-
-def _alloc_block(shape, dtype: str):
-    # Unwritten slots hold NaN (int8: 0, with NaN scales) so a read past the end shows up.
-    fill = 0 if dtype == "int8" else float("nan")
-    arr = _full_block(shape, dtype, fill)
-    mx.eval(arr)
-    return arr
-
-
-def _block_ahead(shape, dtype: str, prepare=None) -> Ticket:
-    """A block like :func:`_alloc_block`'s, queued on a CPU stream ahead of need (its fill
-    runs there) and read (and prepared) by the block maker's thread, not this one."""
-    arr = _full_block(shape, dtype, float("nan"))
-    mx.async_eval(arr)
-    return MAKER.submit(arr, prepare, shape)
 
 
 # Allocate each tensor's next RAM blocks ahead of need. On MLX's CUDA backend a block is managed
@@ -89,7 +26,7 @@ def _block_ahead(shape, dtype: str, prepare=None) -> Ticket:
 # for the GPU work queued before it (see tiered.cpu.block_maker), so the block maker's thread
 # takes that wait. One block ahead per tensor: with two, a spare held budget a tight host
 # budget needed for data (GPU tests: tests/test_disk.py spilled every block).
-AHEAD = _CUDA
+AHEAD = block_alloc.CUDA
 
 
 def _host_copy(arr: mx.array) -> mx.array:
@@ -158,7 +95,7 @@ class HostTensor:
         budget (tiered.cpu.block_maker.BlockPool; reserved in the budget already)."""
         return POOL.held_bytes(self.block_shape, self.dtype, self.budget) if self.ahead else 0
 
-    def fill_pool(self, blocks: int, prepare=None) -> int:
+    def plan_pool(self, blocks: int, prepare=None) -> int:
         """Plan ``blocks`` blocks of this tensor's shape in the process's pool (made by
         ``POOL.top_up`` within the host budget), for this tensor or any other of the same
         shape to grow into; returns how many were planned. Float dtypes only, where blocks
@@ -167,7 +104,7 @@ class HostTensor:
             return 0
         shape, dtype = self.block_shape, self.dtype
         return POOL.plan(shape, dtype, blocks, self.block_bytes, self.budget,
-                         lambda: _block_ahead(shape, dtype, prepare))
+                         lambda: block_alloc.block_ahead(shape, dtype, prepare))
 
     def _from_pool(self):
         if self._spare is None and self.ahead and self.dtype != "int8":
@@ -195,7 +132,7 @@ class HostTensor:
                 self._next_ahead()
             return
         if b is None or b.reserve(self.block_bytes):
-            self._adopt(_alloc_block(self.block_shape, self.dtype), None)
+            self._adopt(block_alloc.alloc_block(self.block_shape, self.dtype), None)
             if ahead:
                 self._next_ahead()
             return
@@ -203,7 +140,7 @@ class HostTensor:
         if ram:
             self.spill(ram[0])
             if b.reserve(self.block_bytes):
-                self._adopt(_alloc_block(self.block_shape, self.dtype), None)
+                self._adopt(block_alloc.alloc_block(self.block_shape, self.dtype), None)
                 return
         # No RAM block of ours to give back: the new block starts on disk.
         fill = np.zeros(self.block_shape, NP_DTYPES[self.dtype]) if self.dtype == "int8" else np.full(
@@ -219,7 +156,7 @@ class HostTensor:
         if self._spare is not None:
             return
         if self.budget is None or self.budget.reserve(self.block_bytes):
-            self._spare = _block_ahead(self.block_shape, self.dtype, self.prepare)
+            self._spare = block_alloc.block_ahead(self.block_shape, self.dtype, self.prepare)
 
     def _drop_spare(self):
         if self._spare is not None:
@@ -286,7 +223,7 @@ class HostTensor:
         self.disk_index.append(-1)
         if self.dtype == "int8":
             if scales is None:
-                scales = _alloc_block(self.block_shape[:-1], "float32")  # NaN-filled
+                scales = block_alloc.alloc_block(self.block_shape[:-1], "float32")  # NaN-filled
             self.scale_blocks.append(scales)
             sview = _np_view(scales, self.block_shape[:-1])
             self.scale_views.append(sview)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from .host_tensor import MX_DTYPES, NP_DTYPES, HostTensor, shaped
+from .block_alloc import MX_DTYPES, NP_DTYPES, shaped
+from .host_tensor import HostTensor
 from .paged_rows import copy_rows
 
 

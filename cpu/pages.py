@@ -26,7 +26,8 @@ import numpy as np
 
 from tiered import dispatch, streams
 
-from .host_tensor import HOST_DTYPES, NP_DTYPES, HostTensor  # noqa: F401 (re-exported)
+from .block_alloc import NP_DTYPES
+from .host_tensor import HOST_DTYPES, HostTensor  # noqa: F401 (HOST_DTYPES re-exported)
 from .page_reads import PageReads
 
 
@@ -272,12 +273,12 @@ class HostStore(PageReads):
         have = t.capacity_pages + (t.pages_per_block if t.spare_bytes else 0)
         return -(-max(0, pages - have) // t.pages_per_block)
 
-    def fill_pool(self, tokens: int, prepare=None) -> int:
+    def plan_pool(self, tokens: int, prepare=None) -> int:
         """Plan in the process's block pool the blocks :meth:`blocks_to_hold` names for each
         tensor (made within the host budget by ``POOL.top_up``: tiered.prefill over a long
         prompt). Returns the blocks planned."""
         n = self.blocks_to_hold(tokens)
-        return sum(t.fill_pool(n, prepare) for t in self.tensors)
+        return sum(t.plan_pool(n, prepare) for t in self.tensors)
 
     def check_array(self, x, name, dim):
         expected = (self.batch, self.n_kv_heads, None, dim)

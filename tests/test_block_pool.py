@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tiered.cpu import host_tensor
+from tiered.cpu import block_alloc, host_tensor
 from tiered.cpu.block_maker import POOL
 from tiered.cpu.disk import HostBudget
 from tiered.cpu.pages import HostStore
@@ -25,8 +25,8 @@ def _store(budget_blocks=100, keys=False):
 @pytest.fixture(autouse=True, params=[0, 16384], ids=["exact", "padded"])
 def _empty_pool(request, monkeypatch):
     """Every test with blocks asked as they are and asked longer (CUDA's PAD_BYTES)."""
-    monkeypatch.setattr(host_tensor, "PAD_BYTES", request.param)
-    monkeypatch.setattr(host_tensor, "PAD_MIN_BYTES", 0)
+    monkeypatch.setattr(block_alloc, "PAD_BYTES", request.param)
+    monkeypatch.setattr(block_alloc, "PAD_MIN_BYTES", 0)
     POOL.release()
     yield
     POOL.release()
@@ -40,7 +40,7 @@ def test_a_store_grows_into_the_pool_and_the_rest_goes_back():
     rng = np.random.default_rng(0)
     store = _store(keys=True)
     assert store.blocks_to_hold(100) == 7  # 13 pages of 8 tokens, 2 pages a block
-    assert store.fill_pool(100) == 14  # keys and values
+    assert store.plan_pool(100) == 14  # keys and values
     assert POOL.planned() == 14 and POOL.held_bytes() == 0  # made by top_up
     queued = POOL.top_up(100)
     assert queued == 14 and POOL.planned() == 0
@@ -73,7 +73,7 @@ def test_a_padded_block_is_its_first_elements_and_counts_as_its_size():
     assert all(v.shape == t.block_shape for v in t.views)
     assert [int(a) for a in t.addrs] == [v.ctypes.data for v in t.views]
     assert t.nbytes == len(t.blocks) * t.block_bytes
-    from tiered.cpu.host_tensor import shaped
+    from tiered.cpu.block_alloc import shaped
 
     for blk, view in zip(t.blocks, t.views):
         np.testing.assert_array_equal(np.array(shaped(blk, t.block_shape)), view)
@@ -86,7 +86,7 @@ def test_a_padded_block_is_its_first_elements_and_counts_as_its_size():
 
 def test_the_pool_stops_at_the_host_budget_and_releases_what_was_not_taken():
     store = _store(budget_blocks=5)
-    assert store.fill_pool(1000) == 63
+    assert store.plan_pool(1000) == 63
     assert POOL.top_up(1000) == 5  # the budget holds 5; the rest of the plan is dropped
     assert POOL.planned() == 0
     b = store.values.budget
@@ -105,7 +105,7 @@ def test_the_pool_stops_at_the_host_budget_and_releases_what_was_not_taken():
 
 def test_blocks_of_another_shape_or_budget_are_not_taken():
     a, other = _store(), _store()
-    a.fill_pool(32)
+    a.plan_pool(32)
     POOL.top_up(100)
     assert a.values.pooled_bytes and not other.values.pooled_bytes  # another budget
     other.append(_x(np.random.default_rng(2), 16))
@@ -151,10 +151,10 @@ def test_tensors_not_allocating_ahead_queue_nothing():
     store = HostStore(2, 8, page_size=8, dtype="float16", pages_per_block=2, keys=False,
                       budget=HostBudget(None))
     store.values.ahead = False
-    assert store.fill_pool(100) == 0 and POOL.held_bytes() == 0
+    assert store.plan_pool(100) == 0 and POOL.held_bytes() == 0
     int8 = HostStore(2, 8, page_size=8, dtype="int8", pages_per_block=2, keys=False)
     int8.values.ahead = True
-    assert int8.fill_pool(100) == 0
+    assert int8.plan_pool(100) == 0
 
 
 def test_a_layer_pools_the_blocks_its_compression_and_prompt_take(monkeypatch):
@@ -180,7 +180,7 @@ def test_a_layer_pools_the_blocks_its_compression_and_prompt_take(monkeypatch):
             model(x[:, start: start + chunk], cache=cache)
             mx.eval([c.state for c in cache])
             if start == 0 and pool:
-                queued = [c.fill_host_pool(len(ids) - chunk, chunk) for c in cache]
+                queued = [c.plan_host_pool(len(ids) - chunk, chunk) for c in cache]
                 assert POOL.top_up(1000) == sum(queued)
         logits = model(mx.array([[5]]), cache=cache)
         mx.eval(logits)
@@ -207,7 +207,7 @@ def test_keys_and_values_share_the_pool_when_the_disk_tier_is_foretold(tmp_path)
                       budget=HostBudget(nbytes), disk_dir=str(tmp_path))
     for t in store.tensors:
         t.ahead = True
-    store.fill_pool(16)
+    store.plan_pool(16)
     assert POOL.top_up(10) == 1  # the budget holds one block
     assert store.spills_to_append(8)
     x = _x(np.random.default_rng(6), 8)

@@ -190,7 +190,7 @@ def test_spills_to_append_says_when_the_budget_moves_a_block_to_disk(tmp_path, a
         t.ahead = bool(ahead)
     POOL.release()
     if ahead == "pooled":
-        store.fill_pool(1000)
+        store.plan_pool(1000)
         assert POOL.top_up(100) == 5  # the whole budget, in the pool
     rng = np.random.default_rng(0)
     x = lambda n: rng.normal(size=(1, 2, n, 8)).astype(np.float16)  # noqa: E731

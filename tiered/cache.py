@@ -254,9 +254,9 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
             out = self._attention(queries, keys, values, scale, mask, sinks)
             if self._last_layer():  # mlx-lm reads the token next: nothing left on the thread
                 dispatch.drain()
-                if EARLY_SETTLE and fresh and self._beside_dispatch():
-                    self._settle_early()
                 if fresh and self._beside_dispatch():
+                    if EARLY_SETTLE:
+                        self._settle_early()
                     device_append.make_next_columns()
             return out
         except BaseException:

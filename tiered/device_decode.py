@@ -21,7 +21,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from . import dispatch, ops, uva
+from . import dispatch, ops, staging, uva
 from .metal import device_ints
 from .metal.compact import compact
 from .metal.ptx_cache import cuda_kernel
@@ -196,8 +196,6 @@ def _address_upload(addrs: np.ndarray) -> mx.array:
     ``mx.array`` of host values takes its buffer from MLX's cache, moved to managed memory
     when it was a device buffer: ~1 ms per layer of a 1M-token prefill's chunks that grew the
     pages, 30-39 ms a chunk, bench/prefill_profile.py --timers), else ``uva.address_array``."""
-    from . import staging
-
     if not staging.enabled() or not len(addrs):
         return uva.address_array(addrs)
     words = np.ascontiguousarray(addrs, np.uint64).view(np.int32)

@@ -167,7 +167,7 @@ class HostTier:
             name=f"layer{self.layer}",
         )
 
-    def fill_host_pool(self, more: int, chunk: int) -> int:
+    def plan_host_pool(self, more: int, chunk: int) -> int:
         """Plan in the process's block pool (tiered.cpu.block_maker.BlockPool) the host
         blocks this layer's pages will take for ``more`` tokens of prompt after those it holds,
         in chunks of ``chunk``: for pages not made yet, those of the store it makes when it
@@ -176,14 +176,14 @@ class HostTier:
         prepare = uva.advise_host if uva.available() else None
         tokens = self.offset + more
         if self.host is not None:
-            return self.host.fill_pool(tokens, prepare)
+            return self.host.plan_pool(tokens, prepare)
         if self.phase != "exact" or self.geometry is None or more <= 0:
             return 0
         window = self.config.prefill_window
         n = self.offset + max(1, -(-(window + 1 - self.offset) // chunk)) * chunk
         if n > tokens or not self._compresses_at(n, chunk):
             return 0
-        return self._new_host(n).fill_pool(tokens, prepare)  # a store that holds nothing yet
+        return self._new_host(n).plan_pool(tokens, prepare)  # a store that holds nothing yet
 
     def flush(self, door: bool = True):
         """The write-behind queue into the host pages, all or nothing (a full disk tier leaves

@@ -72,7 +72,7 @@ def _door_arrays(doors) -> list:
 def _plan_pool(cache, more: int, chunk: int) -> int:
     """The host blocks the rest of the prompt will take, planned in the BlockPool after the
     first chunk (every layer knows its geometry then); made a few at a time, every chunk."""
-    return sum(c.fill_host_pool(more, chunk) for c in cache if hasattr(c, "fill_host_pool"))
+    return sum(c.plan_host_pool(more, chunk) for c in cache if hasattr(c, "plan_host_pool"))
 
 
 def prefill(model, cache, tokens, *, chunk: int = 2048, progress=None, on_chunk=None) -> dict:
