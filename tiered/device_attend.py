@@ -1,4 +1,4 @@
-"""The offloaded and resident attention of one device decode step in four launches (CUDA).
+"""The offloaded and resident attention of one device decode step in three launches (CUDA).
 
 Issue 24 measured (bench/device_kernel_profile.py, H200, 128k) that the step's time went to
 ~120 kernel launches per layer, most of them small MLX ops, rather than to the bytes moved.
@@ -10,9 +10,7 @@ This module replaces the gather of keys and values, the two exact partials and t
 - :func:`attend`: a split-K decode attention over the resident set and the gathered rows,
   every query head of a kv head in one block (flash-decoding), then one block per query head
   merges the splits, applies the sink and writes the output in the query dtype, with the
-  resident share of the mass and the attended-token count for the statistics. The resident
-  slots' splits are a launch of their own (RESIDENT_APART), so they need not wait for the
-  gather.
+  resident share of the mass and the attended-token count for the statistics.
 
 Splits never straddle the two sets, so the merge also yields the resident set's own
 log-sum-exp. The MLX references are in :mod:`tiered.attend_reference` (tests compare the two).
@@ -22,7 +20,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import dispatch
 from .device_decode import CHUNK, CHUNK_WORD, DeviceTables, host_mx_dtype, kept, page_fence
 from .metal import accelerator, device_ints
 from .metal.compact import compact
@@ -185,8 +182,7 @@ _MERGE = r"""
     __shared__ int sN[G];
     float M = -INFINITY, Mr = -INFINITY;
     for (int s = g; s < NS; s += G) {
-        @AT@
-        const float mm = PM[at];
+        const float mm = pm[(uint64_t)(h * NS + s) * REP + r];
         M = fmaxf(M, mm);
         if (s < NSR) Mr = fmaxf(Mr, mm);
     }
@@ -196,14 +192,14 @@ _MERGE = r"""
     float L = 0.f, Lr = 0.f, O = 0.f;
     int ng = 0;
     for (int s = g; s < NS; s += G) {
-        @AT@
-        if (s >= NSR) ng += CN[at];
-        const float mm = PM[at];
+        const uint64_t at = (uint64_t)(h * NS + s) * REP + r;
+        if (s >= NSR) ng += cnt[at];
+        const float mm = pm[at];
         if (mm == -INFINITY) continue;
         const float c = expf(mm - M);
-        L += PL[at] * c;
-        O += PO[at * D + e] * c;
-        if (s < NSR) Lr += PL[at] * expf(mm - Mr);
+        L += pl[at] * c;
+        O += po[at * D + e] * c;
+        if (s < NSR) Lr += pl[at] * expf(mm - Mr);
     }
     sO[g][e] = O;
     if (e == 0) { sL[g] = L; sLr[g] = Lr; sN[g] = ng; }
@@ -221,17 +217,6 @@ _MERGE = r"""
     }
 """
 
-# Split s of kv head h: one launch's splits (h * NS + s), or, with the resident splits
-# launched apart from the gathered ones (RESIDENT_APART), the resident launch's (h * NSR + s)
-# and the gathered launch's (h * (NS - NSR) + s - NSR).
-_MERGE_ONE = _MERGE.replace("@AT@", "const uint64_t at = (uint64_t)(h * NS + s) * REP + r; "
-                            "const auto *PM = pm, *PL = pl, *PO = po; const auto* CN = cnt;")
-_MERGE_TWO = _MERGE.replace("@AT@", """const bool rs = s < NSR;
-        const uint64_t at = rs ? (uint64_t)(h * NSR + s) * REP + r
-                               : (uint64_t)(h * (NS - NSR) + s - NSR) * REP + r;
-        const auto *PM = rs ? pm : pmg, *PL = rs ? pl : plg, *PO = rs ? po : pog;
-        const auto* CN = rs ? cnt : cntg;""")
-
 _kernels: dict = {}
 MERGE_GROUPS = 8  # rows of threads of a merge block over the splits (1: the one-row merge before)
 # The device step hands the resident kernel's scores to the exact splits (attend's s_r), so the
@@ -241,29 +226,6 @@ MERGE_GROUPS = 8  # rows of threads of a merge block over the splits (1: the one
 # 33.2 -> 31.4 ms per token, the GPU busy 20.8 -> 20.0 ms; token rounds 26.8 / 24.7 / 26.0
 # -> 24.0 / 25.0 / 25.0 ms.
 RESIDENT_SCORES_GIVEN = True
-# The resident slots' splits in a launch of their own, apart from the gathered rows' splits,
-# and a merge that reads both: the resident splits then wait only for the resident scores
-# and run beside the selection and the host-row gather (which waits on the bus), and after
-# the gather only the gathered rows' splits and the merge are left. The same splits and
-# the same arithmetic: the output is the one launch's, bit for bit.
-RESIDENT_APART = True
-# Which inputs of each splits kernel only the resident splits read, and which only the
-# gathered ones: a launch of one set gets blanks (same dtype, nothing read) for the other's,
-# so it does not wait for them.
-_ROLES = {"splits": ({1, 2, 3}, {4, 5, 6}), "splits_sres": ({1, 2, 3}, {4, 5, 6}),
-          "splits_given": ({0, 3}, {1, 2, 4, 5})}
-_BLANKS: dict = {}
-
-
-def _blank(a: mx.array) -> mx.array:
-    """A kept one-element array of ``a``'s dtype and ndim that stands for an input a launch
-    does not read. Not an input of a compiled function anywhere (a trace captures it)."""
-    key = (a.ndim, a.dtype)
-    got = _BLANKS.get(key)
-    if got is None:
-        got = _BLANKS[key] = mx.zeros((1,) * a.ndim, a.dtype)
-        dispatch.eval(got)
-    return got
 
 
 def _kernel(name: str):
@@ -278,9 +240,7 @@ def _kernel(name: str):
                             ["pm", "pl", "po", "cnt"], _SPLITS_SRES),
             "splits_given": (["sres", "z", "idx", "rv", "gv", "ok", "dims"],
                              ["pm", "pl", "po", "cnt"], _SPLITS_GIVEN + _SPLITS_TAIL),
-            "merge": (["pm", "pl", "po", "cnt", "sink", "dims"], ["out", "stats"], _MERGE_ONE),
-            "merge_two": (["pm", "pl", "po", "cnt", "pmg", "plg", "pog", "cntg", "sink", "dims"],
-                          ["out", "stats"], _MERGE_TWO),
+            "merge": (["pm", "pl", "po", "cnt", "sink", "dims"], ["out", "stats"], _MERGE),
         }[name]
         _kernels[name] = cuda_kernel(name=f"tiered_{name}", input_names=spec[0],
                                      output_names=spec[1], source=compact(spec[2]))
@@ -374,28 +334,15 @@ def _split_attend(splits: str, inputs: list, Hq: int, H: int, D: int, R: int, T:
     # plan are runtime values, so a refresh compiles nothing.
     dims = device_ints(R, split, ns, nsr)  # kept: the same in every layer
     tmpl = [("H", H), ("REP", rep), ("D", D), ("NGAT", T)]
-
-    def launch(args, blocks, plan):
-        return _kernel(splits)(
-            inputs=args + [plan],
-            output_shapes=[(H * blocks, rep), (H * blocks, rep), (H * blocks, rep, D),
-                           (H * blocks, rep)],
-            output_dtypes=[mx.float32, mx.float32, mx.float32, mx.int32],
-            grid=(H * blocks * 128, 1, 1), threadgroup=(128, 1, 1), template=tmpl + list(extra))
-
-    if RESIDENT_APART and nsr:
-        res_only, gathered_only = _ROLES[splits]
-        parts = launch([_blank(a) if i in gathered_only else a for i, a in enumerate(inputs)],
-                       nsr, device_ints(R, split, nsr, nsr))
-        parts += launch([_blank(a) if i in res_only else a for i, a in enumerate(inputs)],
-                        nsg, device_ints(0, split, nsg, 0))
-        merge = "merge_two"
-    else:
-        parts, merge = launch(inputs, ns, dims), "merge"
+    pm, pl, po, cnt = _kernel(splits)(
+        inputs=inputs + [dims],
+        output_shapes=[(H * ns, rep), (H * ns, rep), (H * ns, rep, D), (H * ns, rep)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32, mx.int32],
+        grid=(H * ns * 128, 1, 1), threadgroup=(128, 1, 1), template=tmpl + list(extra))
     sink = kept((Hq,), 0.0) if sinks is None else mx.array(sinks).astype(mx.float32).reshape(Hq)
     groups = max(1, min(MERGE_GROUPS, 1024 // D))
-    out, stats = _kernel(merge)(
-        inputs=list(parts) + [sink, dims], output_shapes=[(Hq, D), (Hq, 2)],
+    out, stats = _kernel("merge")(
+        inputs=[pm, pl, po, cnt, sink, dims], output_shapes=[(Hq, D), (Hq, 2)],
         output_dtypes=[out_dtype, mx.float32], grid=(Hq * D, groups, 1),
         threadgroup=(D, groups, 1),
         template=tmpl + [("HAS_SINK", sinks is not None), ("OutT", out_dtype), ("G", groups)])

@@ -108,8 +108,7 @@ def step(layer, queries, scale, sinks, tables, n: int, n_host: int, cap: int, fl
            queries.dtype, host.page_size, kt.pages_per_block, vt.pages_per_block,
            kt.head_dim, vt.head_dim, kt.dtype, vt.dtype, exact, H2O_AFTER,
            device_attend.MERGE_GROUPS, device_resident.RESIDENT_ITER,
-           bool(device_attend.RESIDENT_SCORES_GIVEN), bool(device_resident.QUERY_APART),
-           bool(device_attend.RESIDENT_APART))  # what is traced
+           bool(device_attend.RESIDENT_SCORES_GIVEN))  # what is traced
     fn = compiled(_functions, key, _chain, MAX_FUNCTIONS)
     # the same arrays in every layer of the step, from their own cache (see _placeholder)
     sizes = _step_ints(n_host, n, *chunk_widths(n_host, n, W))
@@ -182,7 +181,7 @@ def compiled(functions: OrderedDict, key: tuple, body, limit: int):
 def _chain(key: tuple):
     """The traced function for ``key`` (see :func:`step` for what the key holds)."""
     (W, scale, tau, capc, floorc, alpha, rep, has_sink, out_dtype, page_size, ppb_k, ppb_v,
-     dk, dv, kdtype, vdtype, exact, h2o_after, _, _, sres, q_apart, _) = key
+     dk, dv, kdtype, vdtype, exact, h2o_after, _, _, sres) = key
     host = SimpleNamespace(  # what gather_kv reads of the host store: shapes, not data
         page_size=page_size,
         keys=SimpleNamespace(dtype=kdtype, head_dim=dk, pages_per_block=ppb_k),
@@ -192,8 +191,6 @@ def _chain(key: tuple):
               addrs_v, fence, sizes, acc_params, sink):
         Hq = queries.shape[1]
         q, s_r, cols = device_resident.resident_scores(queries, scale, res_k, res_tok, W)
-        if q_apart:  # the same values, not waiting for the resident kernel
-            q = device_resident.scaled_query(queries, scale)
         # W + 1 columns: the resident tokens' exact scores go in, and empty slots write the
         # spare column W (the buffers hold it: see width), which nothing reads
         z = mx.put_along_axis(metal.codebook_scores(q, codebook, codes, W + 1, rep=rep), cols,

@@ -123,20 +123,6 @@ def _kernel(name: str):
     return _kernels[name]
 
 
-# The compiled step scales the query for the codebook scores and the splits with an MLX op
-# of its own (:func:`scaled_query`) instead of taking the resident kernel's: the same float32
-# values, and the codebook scores then need not wait for the resident kernel (the two can
-# run side by side in MLX's CUDA graph).
-QUERY_APART = True
-
-
-def scaled_query(queries, scale: float) -> mx.array:
-    """q (Hq, D) float32: queries (1, Hq, 1, D) times ``scale``, as the resident kernel
-    writes it (the query converted to float32, then one float32 product)."""
-    Hq, D = queries.shape[1], queries.shape[3]
-    return queries.reshape(Hq, D).astype(mx.float32) * device_floats(scale)
-
-
 def resident_scores(queries, scale: float, rk, rtok, n: int):
     """The step's start in one launch: queries (1, Hq, 1, D) in any float dtype, scaled to
     q (Hq, D) float32; the resident set's exact scores s (Hq, R) float32 (-inf on empty
