@@ -68,42 +68,30 @@ _SPLITS_EXACT = r"""
             acc[r][e] = 0.f;
         }
     }
-    // A warp loads U of its tokens (rows, and the given scores) before it computes on them,
-    // so their loads are in flight together (one token at a time, each update waited on its
-    // row: 39 us per layer on an H200 at 128k); the updates run in the same order.
     int seen = 0;
-    for (int j0 = lo + warp; j0 < hi; j0 += NW * U) {
-        bool val[U];
-        float kf[U][E], vf[U][E], sr[U][REP];
-        for (int u = 0; u < U; ++u) {
-            const int j = j0 + u * NW;
-            val[u] = j < hi && (res ? rtok[(uint64_t)h * NRES + j] >= 0
-                                    : ok[(uint64_t)h * NGAT + j]);
-            if (!val[u]) continue;
-            const uint64_t row = ((uint64_t)h * len + j) * D + lane * E;
-            for (int e = 0; e < E; ++e) {
-                kf[u][e] = res ? @RES_KEY@ : static_cast<float>(gk[row + e]);
-                vf[u][e] = res ? static_cast<float>(rv[row + e]) : static_cast<float>(gv[row + e]);
-            }
-            @RES_PRE@
+    for (int j = lo + warp; j < hi; j += NW) {
+        const bool valid = res ? rtok[(uint64_t)h * NRES + j] >= 0 : ok[(uint64_t)h * NGAT + j];
+        if (!valid) continue;
+        ++seen;
+        const uint64_t row = ((uint64_t)h * len + j) * D + lane * E;
+        float kf[E], vf[E];
+        for (int e = 0; e < E; ++e) {
+            kf[e] = res ? @RES_KEY@ : static_cast<float>(gk[row + e]);
+            vf[e] = res ? static_cast<float>(rv[row + e]) : static_cast<float>(gv[row + e]);
         }
-        for (int u = 0; u < U; ++u) {
-            if (!val[u]) continue;
-            ++seen;
-            for (int r = 0; r < REP; ++r) {
-                float sc = 0.f;
-                if (@RES_SCORE@) {
-                    @RES_READ@
-                } else {  // uniform in the block: splits never straddle the two sets
-                    for (int e = 0; e < E; ++e) sc += qv[r][e] * kf[u][e];
-                    for (int o = 16; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
-                }
-                const float mn = fmaxf(m[r], sc);
-                const float c = expf(m[r] - mn), p = expf(sc - mn);
-                l[r] = l[r] * c + p;
-                for (int e = 0; e < E; ++e) acc[r][e] = acc[r][e] * c + p * vf[u][e];
-                m[r] = mn;
+        for (int r = 0; r < REP; ++r) {
+            float sc = 0.f;
+            if (@RES_SCORE@) {
+                @RES_READ@
+            } else {  // uniform in the block: splits never straddle the two sets
+                for (int e = 0; e < E; ++e) sc += qv[r][e] * kf[e];
+                for (int o = 16; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
             }
+            const float mn = fmaxf(m[r], sc);
+            const float c = expf(m[r] - mn), p = expf(sc - mn);
+            l[r] = l[r] * c + p;
+            for (int e = 0; e < E; ++e) acc[r][e] = acc[r][e] * c + p * vf[e];
+            m[r] = mn;
         }
     }
 """
@@ -120,35 +108,25 @@ _SPLITS_GIVEN = r"""
         for (int e = 0; e < E; ++e) acc[r][e] = 0.f;
     }
     int seen = 0;
-    for (int j0 = lo + warp; j0 < hi; j0 += NW * U) {  // U tokens' loads at a time, as above
-        bool val[U];
-        float vf[U][E], sv[U][REP];
-        for (int u = 0; u < U; ++u) {
-            const int j = j0 + u * NW;
-            val[u] = j < hi && (res ? sres[(uint64_t)h * REP * NRES + j] > -INFINITY
-                                    : ok[(uint64_t)h * NGAT + j]);
-            if (!val[u]) continue;
-            const uint64_t row = ((uint64_t)h * len + j) * D + lane * E;
-            for (int e = 0; e < E; ++e)
-                vf[u][e] = res ? static_cast<float>(rv[row + e]) : static_cast<float>(gv[row + e]);
-            const uint64_t t = res ? 0 : (uint64_t)max(idx[h * (NGAT / C) + j / C], 0) * C + j % C;
-            for (int r = 0; r < REP; ++r) {
-                const uint64_t qh = (uint64_t)(h * REP + r);
-                sv[u][r] = res ? sres[qh * NRES + j] : z[qh * ZW + t];
-            }
-        }
-        for (int u = 0; u < U; ++u) {
-            if (!val[u]) continue;
-            ++seen;
-            for (int r = 0; r < REP; ++r) {
-                const float sc = sv[u][r];
-                if (sc == -INFINITY) continue;
-                const float mn = fmaxf(m[r], sc);
-                const float c = expf(m[r] - mn), p = expf(sc - mn);
-                l[r] = l[r] * c + p;
-                for (int e = 0; e < E; ++e) acc[r][e] = acc[r][e] * c + p * vf[u][e];
-                m[r] = mn;
-            }
+    for (int j = lo + warp; j < hi; j += NW) {
+        const bool valid = res ? sres[(uint64_t)h * REP * NRES + j] > -INFINITY
+                               : ok[(uint64_t)h * NGAT + j];
+        if (!valid) continue;
+        ++seen;
+        const uint64_t row = ((uint64_t)h * len + j) * D + lane * E;
+        float vf[E];
+        for (int e = 0; e < E; ++e)
+            vf[e] = res ? static_cast<float>(rv[row + e]) : static_cast<float>(gv[row + e]);
+        const uint64_t t = res ? 0 : (uint64_t)max(idx[h * (NGAT / C) + j / C], 0) * C + j % C;
+        for (int r = 0; r < REP; ++r) {
+            const uint64_t qh = (uint64_t)(h * REP + r);
+            const float sc = res ? sres[qh * NRES + j] : z[qh * ZW + t];
+            if (sc == -INFINITY) continue;
+            const float mn = fmaxf(m[r], sc);
+            const float c = expf(m[r] - mn), p = expf(sc - mn);
+            l[r] = l[r] * c + p;
+            for (int e = 0; e < E; ++e) acc[r][e] = acc[r][e] * c + p * vf[e];
+            m[r] = mn;
         }
     }
 """
@@ -184,14 +162,12 @@ _SPLITS_TAIL = r"""    __shared__ float sm[NW][REP], sl[NW][REP], sa[NW][REP][D]
 """
 
 _SPLITS = (_SPLITS_EXACT.replace("@RES_KEY@", "static_cast<float>(rk[row + e])")
-           .replace("@RES_SCORE@", "false").replace("@RES_READ@", "").replace("@RES_PRE@", "")
-           + _SPLITS_TAIL)
+           .replace("@RES_SCORE@", "false").replace("@RES_READ@", "") + _SPLITS_TAIL)
 # The resident slots' scores read from the resident kernel's (Hq, R) output instead of
 # computed again from their keys: the resident keys are then read once per step, not twice.
 _SPLITS_SRES = (_SPLITS_EXACT.replace("@RES_KEY@", "0.f").replace("@RES_SCORE@", "res")
-                .replace("@RES_PRE@", "if (res) for (int r = 0; r < REP; ++r) "
-                         "sr[u][r] = sres[(uint64_t)(h * REP + r) * NRES + j];")
-                .replace("@RES_READ@", "sc = sr[u][r];") + _SPLITS_TAIL)
+                .replace("@RES_READ@", "sc = sres[(uint64_t)(h * REP + r) * NRES + j];")
+                + _SPLITS_TAIL)
 
 
 _MERGE = r"""
@@ -250,9 +226,6 @@ MERGE_GROUPS = 8  # rows of threads of a merge block over the splits (1: the one
 # 33.2 -> 31.4 ms per token, the GPU busy 20.8 -> 20.0 ms; token rounds 26.8 / 24.7 / 26.0
 # -> 24.0 / 25.0 / 25.0 ms.
 RESIDENT_SCORES_GIVEN = True
-# Tokens a warp of the splits kernels loads before it computes on them (1: one at a time, as
-# before; the outputs are the same bit for bit).
-SPLIT_LOADS = 4
 
 
 def _kernel(name: str):
@@ -365,8 +338,7 @@ def _split_attend(splits: str, inputs: list, Hq: int, H: int, D: int, R: int, T:
         inputs=inputs + [dims],
         output_shapes=[(H * ns, rep), (H * ns, rep), (H * ns, rep, D), (H * ns, rep)],
         output_dtypes=[mx.float32, mx.float32, mx.float32, mx.int32],
-        grid=(H * ns * 128, 1, 1), threadgroup=(128, 1, 1),
-        template=tmpl + [("U", SPLIT_LOADS)] + list(extra))
+        grid=(H * ns * 128, 1, 1), threadgroup=(128, 1, 1), template=tmpl + list(extra))
     sink = kept((Hq,), 0.0) if sinks is None else mx.array(sinks).astype(mx.float32).reshape(Hq)
     groups = max(1, min(MERGE_GROUPS, 1024 // D))
     out, stats = _kernel("merge")(

@@ -108,8 +108,7 @@ def step(layer, queries, scale, sinks, tables, n: int, n_host: int, cap: int, fl
            queries.dtype, host.page_size, kt.pages_per_block, vt.pages_per_block,
            kt.head_dim, vt.head_dim, kt.dtype, vt.dtype, exact, H2O_AFTER,
            device_attend.MERGE_GROUPS, device_resident.RESIDENT_ITER,
-           bool(device_attend.RESIDENT_SCORES_GIVEN),
-           device_attend.SPLIT_LOADS)  # what is traced
+           bool(device_attend.RESIDENT_SCORES_GIVEN))  # what is traced
     fn = compiled(_functions, key, _chain, MAX_FUNCTIONS)
     # the same arrays in every layer of the step, from their own cache (see _placeholder)
     sizes = _step_ints(n_host, n, *chunk_widths(n_host, n, W))
@@ -182,7 +181,7 @@ def compiled(functions: OrderedDict, key: tuple, body, limit: int):
 def _chain(key: tuple):
     """The traced function for ``key`` (see :func:`step` for what the key holds)."""
     (W, scale, tau, capc, floorc, alpha, rep, has_sink, out_dtype, page_size, ppb_k, ppb_v,
-     dk, dv, kdtype, vdtype, exact, h2o_after, _, _, sres, _) = key
+     dk, dv, kdtype, vdtype, exact, h2o_after, _, _, sres) = key
     host = SimpleNamespace(  # what gather_kv reads of the host store: shapes, not data
         page_size=page_size,
         keys=SimpleNamespace(dtype=kdtype, head_dim=dk, pages_per_block=ppb_k),
