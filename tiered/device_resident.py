@@ -105,13 +105,14 @@ _RESIDENT_TILED = r"""
 
 _kernels: dict = {}
 # Slots each lane group of the tiled resident kernel reads before it computes (0: the
-# one-warp-per-slot kernel, also what shapes the tiled one cannot take get). Off: timed on
-# an H200 (128k, Llama-3-8B shape, CUPTI over 2 steps, bench/device_probe.py --toggle
-# tiered.device_resident.RESIDENT_ITER=0,4,0,4 --toggle
-# tiered.device_attend.RESIDENT_SCORES_GIVEN=0,0,1,1) it was no faster: 2.12 against 1.96 ms
-# per token, 1.95 against 1.85 with the scores handed to the splits; token rounds within
-# their spread.
-RESIDENT_ITER = 0
+# one-warp-per-slot kernel, also what shapes the tiled one cannot take get). H200, alone
+# (bench/step_kernels.py, CUPTI, Llama-3-8B shape): 8192 slots a head 53-56 us with 0, 26 us
+# with 4 (27 with 8); 16384 slots 76-83 us with 0, 34 with 4 (34 with 8). In a 128k decode
+# step (bench/device_probe.py --toggle, one process) 58.5 -> 34.3 us a layer (median), the
+# GPU busy 19.26 -> 19.16 ms a token (18.57 with 8); token rounds host-bound there. (The
+# twenty-fifth sitting's rounds had found no difference in the token, 2.12 against 1.96 ms of
+# these kernels a token, beside other kernels of the step's start.)
+RESIDENT_ITER = 4
 
 
 def _kernel(name: str):
