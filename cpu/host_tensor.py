@@ -113,7 +113,7 @@ class HostTensor:
     def grow(self, ahead: bool = True):
         """One more block: in RAM while the host budget allows, else the oldest RAM block of
         this tensor moves to disk first (written and checked before its RAM is freed).
-        ``ahead=False``: the next block ahead is left to the caller (:meth:`_next_ahead`, once
+        ``ahead=False``: the next block ahead is left to the caller (:meth:`next_ahead`, once
         every tensor that grows with this one has its block: HostStore._new_page)."""
         b = self.budget
         self._from_pool()
@@ -129,12 +129,12 @@ class HostTensor:
             if ticket.prepared:
                 self.prepared.add(view.ctypes.data)
             if ahead:
-                self._next_ahead()
+                self.next_ahead()
             return
         if b is None or b.reserve(self.block_bytes):
             self._adopt(block_alloc.alloc_block(self.block_shape, self.dtype), None)
             if ahead:
-                self._next_ahead()
+                self.next_ahead()
             return
         ram = [i for i, d in enumerate(self.disk_index) if d < 0]
         if ram:
@@ -148,7 +148,7 @@ class HostTensor:
         sfill = np.full(self.block_shape[:-1], np.nan, np.float32) if self.dtype == "int8" else None
         self._adopt_disk(fill, sfill)
 
-    def _next_ahead(self):
+    def next_ahead(self):
         """Start allocating the next RAM block when the host budget has room for it too."""
         if not self.ahead or self.dtype == "int8" or self._spare is not None:
             return

@@ -155,7 +155,7 @@ class HostStore(PageReads):
             for t in self.tensors:
                 t.grow(ahead=False)
             for t in self.tensors:
-                t._next_ahead()
+                t.next_ahead()
         return page
 
     # ---- writes -----------------------------------------------------------------------

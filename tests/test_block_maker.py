@@ -65,7 +65,7 @@ def test_a_failed_preparation_raises_where_the_block_is_needed_and_returns_its_b
         raise RuntimeError("advice refused")
 
     t.prepare = prepare
-    t._next_ahead()
+    t.next_ahead()
     before = (store.length, len(t.blocks), t.budget.used)
     with pytest.raises(RuntimeError, match="advice refused"):
         store.append(_x(rng, 4))
