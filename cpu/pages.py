@@ -307,7 +307,11 @@ class HostStore(PageReads):
 
     @property
     def disk_bytes(self) -> int:
-        return sum(t.disk_bytes for t in self.tensors)
+        total = 0  # (read in every decode step of every layer: no generator)
+        for t in self.tensors:
+            if t.disk is not None or t.scale_disk is not None:
+                total += t.disk_bytes
+        return total
 
     def verify_tokens(self, b: int, tokens: np.ndarray) -> None:
         """Debug/test check: the CRC32 of every disk page holding these tokens."""

@@ -219,7 +219,76 @@ _param_cache: OrderedDict = OrderedDict()
 _param_lock = threading.Lock()
 
 
+# Inside a compiled function's trace (:func:`traced_params`) the arrays are copies in device
+# memory on CUDA instead: an array made from host values is managed memory there, and one of
+# <= 8 bytes sits in MLX's small pool, which the GPU reads where it lies, over the bus. H200,
+# the resident-scores kernel alone at 8192 slots a head (bench/kernel_floor.py): 28.4 us with
+# its two 4-byte parameters made from host values, 10.8 us with device copies. A trace keeps
+# what it captures, so the copy is made once per value; outside a trace values that change
+# every step (a host length) stay host-made (a copy would be a GPU op to wait for each time).
+_traced = threading.local()
+
+
+class traced_params:
+    """Context (re-entrant, per thread) in which :func:`device_ints` / :func:`device_floats`
+    give device-memory copies on MLX's CUDA backend: for the constants a trace captures."""
+
+    def __enter__(self):
+        _traced.depth = getattr(_traced, "depth", 0) + 1
+
+    def __exit__(self, *exc):
+        _traced.depth -= 1
+
+
+def traced(fn):
+    """``fn`` run inside :class:`traced_params` (the body given to ``mx.compile``: it runs only
+    while a trace is made, so replays pay nothing)."""
+
+    def body(*args):
+        with traced_params():
+            return fn(*args)
+
+    return body
+
+
+def _cuda_now() -> bool:
+    return mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available()
+
+
+def _copy_stream() -> mx.Stream:
+    """This thread's own GPU stream for the copies: evaluating one there waits for the copy
+    alone, not for the step queued on the shared stream (tiered.dispatch)."""
+    s = getattr(_traced, "stream", None)
+    if s is None:
+        s = _traced.stream = mx.new_stream(mx.gpu)
+    return s
+
+
+def _device_copy(values: tuple, dtype) -> mx.array:
+    """``values`` in device memory: padded past MLX's 8-byte small pool, copied by a GPU op,
+    evaluated; the first len(values) elements (a view) when padded."""
+    padded = list(values) + [0] * max(0, 4 - len(values))
+    with mx.stream(_copy_stream()):
+        host = mx.array(padded, dtype=dtype)
+        dev = host + mx.zeros(host.shape, dtype)
+        if len(padded) > len(values):
+            dev = dev[: len(values)]
+        mx.eval(dev)
+    return dev
+
+
 def _device_array(values: tuple, dtype) -> mx.array:
+    if getattr(_traced, "depth", 0) and _cuda_now():
+        key = ("device", str(dtype), values)
+        with _param_lock:
+            arr = _param_cache.get(key)
+        if arr is None:
+            arr = _device_copy(values, dtype)
+            with _param_lock:
+                _param_cache[key] = arr
+                while len(_param_cache) > PARAM_CACHE_SIZE:
+                    _param_cache.popitem(last=False)
+        return arr
     key = (str(dtype), values)
     with _param_lock:
         arr = _param_cache.get(key)

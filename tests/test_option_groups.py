@@ -3,6 +3,7 @@ concern the whole cache), read-only, equal to the flat options they are built fr
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -47,3 +48,17 @@ def test_selection_cap_and_heavy_horizon():
     assert TieredConfig(max_selected=0.01).selection.cap(10_000) == 100
     assert TieredConfig(max_selected=0.01).selection.cap(10) == 1
     assert TieredConfig(refresh_every=16).heavy.horizon == 17
+
+
+def test_views_are_kept_until_an_option_changes():
+    cfg = TieredConfig(tau=0.9, recent=64)
+    first = cfg.selection
+    assert cfg.selection is first  # read every layer of every step: built once
+    cfg.tau = 0.5
+    assert cfg.selection is not first and cfg.selection.tau == 0.5 and first.tau == 0.9
+    resident = cfg.resident
+    cfg.recent = 128
+    assert cfg.resident.recent == 128 and resident.recent == 64
+    twin = copy.deepcopy(cfg)
+    twin.tau = 0.7
+    assert twin.selection.tau == 0.7 and cfg.selection.tau == 0.5

@@ -38,6 +38,7 @@ from . import device_attend, device_decode, device_resident, dispatch, metal, st
 from .device_chunks import chunk_logits, chunk_widths
 from .device_decode import CHUNK, kept
 from .keys import CodebookKeys
+from .metal._build import traced
 from .metal.codebook import kernel_supports
 
 MAX_FUNCTIONS = 32  # compiled functions kept (each holds its traces); the oldest is dropped
@@ -170,7 +171,7 @@ def compiled(functions: OrderedDict, key: tuple, body, limit: int):
     recently used is dropped, with its traces)."""
     fn = functions.get(key)
     if fn is None:
-        fn = functions[key] = mx.compile(body(key))
+        fn = functions[key] = mx.compile(traced(body(key)))
         while len(functions) > limit:
             functions.popitem(last=False)
     else:

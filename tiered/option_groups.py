@@ -159,7 +159,15 @@ class Group:
         self.name = name
 
     def __get__(self, config, owner=None):
-        return self if config is None else view(config, self.cls)
+        if config is None:
+            return self
+        # Kept until the config changes (OptionGroups.__setattr__ drops them): the decode
+        # step reads views every layer, and building one costs ~10 us (dataclasses.fields)
+        views = config.__dict__.setdefault("_option_views", {})
+        got = views.get(self.name)
+        if got is None:
+            got = views[self.name] = view(config, self.cls)
+        return got
 
     def __set__(self, config, value):
         raise AttributeError(f"config.{self.name} is a read-only view: set the options it "
@@ -168,6 +176,10 @@ class Group:
 
 class OptionGroups:
     """The grouped views of :class:`tiered.config.TieredConfig` (see the module docstring)."""
+
+    def __setattr__(self, name, value):
+        object.__setattr__(self, name, value)
+        self.__dict__.pop("_option_views", None)  # every view is built again from now on
 
     selection = Group(SelectionOptions)
     heavy = Group(HeavyOptions)

@@ -100,11 +100,13 @@ class Ring:
             if addr is None:
                 addr = self.addrs[start] = uva.address_array([self.base + 4 * start])
             threads = min(BLOCKS, -(-n // 256)) * 256
-            (out,) = self.kernel(inputs=[addr], output_shapes=[(n,)],
+            # At least 16 bytes out: MLX puts arrays of <= 8 bytes in its small pool of
+            # managed memory, which kernels read over the bus (metal._build._device_copy)
+            (out,) = self.kernel(inputs=[addr], output_shapes=[(max(n, 4),)],
                                  output_dtypes=[mx.int32], grid=(threads, 1, 1),
                                  threadgroup=(256, 1, 1))
             self.held.append((start, end, out))
-        return out.reshape(np.shape(a))
+        return (out if n >= 4 else out[:n]).reshape(np.shape(a))
 
     def _release(self, start: int, end: int, tail: int | None) -> None:
         """Wait for the copies that read [start, end) of the ring (held from the lap before)
