@@ -36,10 +36,10 @@ def main():
         ops = {
             "x * 2 (fp16)": lambda: nxt()[1] * 2,
             "x.sum() (fp16 -> fp32)": lambda: nxt()[1].astype(mx.float32).sum(),
-            "matmul q @ K^T": lambda: mx.matmul(nxt()[0].reshape(H, REP, D),
-                                                nxt()[1].swapaxes(1, 2)),
-            "resident kernel": lambda: device_resident.resident_scores(
-                nxt()[0], scale, nxt()[1], nxt()[3], H * R)[1],
+            "matmul q @ K^T": lambda: (lambda s: mx.matmul(
+                s[0].reshape(H, REP, D), s[1].swapaxes(1, 2)))(nxt()),
+            "resident kernel": lambda: (lambda s: device_resident.resident_scores(
+                s[0], scale, s[1], s[3], H * R)[1])(nxt()),
         }
         for name, fn in ops.items():
             prof = profile(fn, args.reps, args.sets)
