@@ -60,43 +60,24 @@ def main():
         print(f"R={R:6d} resident kernel x4 in one eval: {kernel_us(prof, 'resident') / 4:7.1f}"
               f" us each", flush=True)
 
-        # The same kernel with its parameters (scale, n) in device memory: arrays made from
-        # host data are managed memory (<= 8 bytes: MLX's small pool, mapped for the GPU
-        # where it lies), device ones come from a GPU op and are > 8 bytes.
-        two = on_device(mx.array([2.0] * 4, mx.float16))[:1]
+        # The same kernel with its parameters (scale, n) in device memory, as a compiled
+        # step's trace makes them (metal._build.traced_params): arrays made from host data are
+        # managed memory (<= 8 bytes: MLX's small pool, mapped for the GPU where it lies)
+        two = _build._device_copy((2.0,), mx.float16)
         xs = {"x * 2 (Python scalar)": lambda: nxt()[1] * 2,
               "x * two (device, 16 B)": lambda: nxt()[1] * two,
               "x + x": lambda: (lambda a: a + a)(nxt()[1])}
         for name, fn in xs.items():
             prof = profile(fn, args.reps, args.sets)
             print(f"R={R:6d} {name:24s} {prof['device_ms'] * 1e3:7.1f} us", flush=True)
-        saved = _build._device_array
-        _build._device_array = lambda values, dtype: device_param(saved, values, dtype)
-        try:
-            prof = profile(ops["resident kernel"], args.reps, args.sets)
-            print(f"R={R:6d} resident kernel, params on the device: "
-                  f"{kernel_us(prof, 'resident'):7.1f} us", flush=True)
-        finally:
-            _build._device_array = saved
 
+        def resident_traced():
+            with _build.traced_params():
+                return ops["resident kernel"]()
 
-_dev_params: dict = {}
-
-
-def on_device(a: mx.array) -> mx.array:
-    """A copy of ``a`` (> 8 bytes) made by a GPU op: device memory."""
-    b = a + mx.zeros(a.shape, a.dtype)
-    mx.eval(b)
-    return b
-
-
-def device_param(made, values: tuple, dtype) -> mx.array:
-    key = (str(dtype), values)
-    if key not in _dev_params:
-        pad = tuple(values) + (0,) * max(0, 4 - len(values))
-        _dev_params[key] = on_device(made(pad, dtype))[: len(values)]
-        mx.eval(_dev_params[key])
-    return _dev_params[key]
+        prof = profile(resident_traced, args.reps, args.sets)
+        print(f"R={R:6d} resident kernel, params on the device: "
+              f"{kernel_us(prof, 'resident'):7.1f} us", flush=True)
 
 
 if __name__ == "__main__":

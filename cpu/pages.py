@@ -307,11 +307,7 @@ class HostStore(PageReads):
 
     @property
     def disk_bytes(self) -> int:
-        total = 0  # (read in every decode step of every layer: no generator)
-        for t in self.tensors:
-            if t.disk is not None or t.scale_disk is not None:
-                total += t.disk_bytes
-        return total
+        return sum(t.disk_bytes for t in self.tensors)
 
     def verify_tokens(self, b: int, tokens: np.ndarray) -> None:
         """Debug/test check: the CRC32 of every disk page holding these tokens."""

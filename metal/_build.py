@@ -252,6 +252,7 @@ def traced(fn):
 
 
 def _cuda_now() -> bool:
+    # the device itself, not accelerator(): tools that fake the CUDA path on the CPU set that
     return mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available()
 
 
@@ -277,26 +278,21 @@ def _device_copy(values: tuple, dtype) -> mx.array:
     return dev
 
 
+def _host_made(values: tuple, dtype) -> mx.array:
+    arr = mx.array(list(values), dtype=dtype)
+    mx.eval(arr)  # made from host values: encodes nothing (no wait for tiered.dispatch)
+    return arr
+
+
 def _device_array(values: tuple, dtype) -> mx.array:
-    if getattr(_traced, "depth", 0) and _cuda_now():
-        key = ("device", str(dtype), values)
-        with _param_lock:
-            arr = _param_cache.get(key)
-        if arr is None:
-            arr = _device_copy(values, dtype)
-            with _param_lock:
-                _param_cache[key] = arr
-                while len(_param_cache) > PARAM_CACHE_SIZE:
-                    _param_cache.popitem(last=False)
-        return arr
-    key = (str(dtype), values)
+    on_device = bool(getattr(_traced, "depth", 0)) and _cuda_now()
+    key = ("device" if on_device else "host", str(dtype), values)
     with _param_lock:
         arr = _param_cache.get(key)
         if arr is not None:
             _param_cache.move_to_end(key)
             return arr
-    arr = mx.array(list(values), dtype=dtype)
-    mx.eval(arr)  # made from host values: encodes nothing (no wait for tiered.dispatch)
+    arr = (_device_copy if on_device else _host_made)(values, dtype)
     with _param_lock:
         _param_cache[key] = arr
         while len(_param_cache) > PARAM_CACHE_SIZE:
