@@ -25,6 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from tiered import dispatch, streams
+from tiered.option_rules import check_block_bytes
 
 from .block_alloc import NP_DTYPES
 from .host_tensor import HOST_DTYPES, HostTensor  # noqa: F401 (HOST_DTYPES re-exported)
@@ -78,6 +79,9 @@ class HostStore(PageReads):
             raise ValueError(
                 f"Invalid page geometry: page_size={page_size}, pages_per_block={pages_per_block}"
             )
+        if dtype in NP_DTYPES:  # (an unknown dtype is refused by HostTensor, naming it)
+            check_block_bytes(page_size, pages_per_block * page_size * n_kv_heads * (
+                head_dim + (value_dim or head_dim)) * np.dtype(NP_DTYPES[dtype]).itemsize)
         self.n_kv_heads, self.head_dim, self.page_size = n_kv_heads, head_dim, page_size
         self.value_dim = value_dim or head_dim
         self.batch = batch

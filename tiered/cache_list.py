@@ -10,6 +10,7 @@ without routing attention through it (afm7's KV-reuse layers).
 from __future__ import annotations
 
 import copy
+import errno
 import logging
 import sys
 
@@ -19,7 +20,7 @@ from . import dispatch, integration, persist
 from .config import TieredConfig
 from .context import SharedContext
 from .contract import mla_reason
-from .cpu.disk import disk_room
+from .cpu.disk import DiskTierError, disk_room
 from .integration import is_tiered
 from .report import tier_totals
 
@@ -51,6 +52,21 @@ def _reused_whole(model, n_caches: int) -> dict[int, str]:
     if getattr(inner, "kv_reuse_layers", None) or getattr(model, "kv_reuse_layers", None):
         return {n_caches - 1: "its keys and values are read whole by the KV-reuse layers"}
     return {}
+
+
+class DiskOptionError(DiskTierError, ValueError):
+    """disk_dir or disk_budget refused when the cache is made (a ValueError naming it)."""
+
+
+def _check_disk_options(cfg) -> None:
+    """The disk tier's directory is writable and holds disk_budget: a ValueError naming
+    the option otherwise, before any work."""
+    try:
+        disk_room(cfg.disk_dir, cfg.disk_budget or 0)
+    except DiskTierError as e:
+        name, value = ("disk_budget", cfg.disk_budget) if (
+            cfg.disk_budget and e.errno == errno.ENOSPC) else ("disk_dir", cfg.disk_dir)
+        raise DiskOptionError(e.errno, f"Invalid {name}: {value!r} ({e.strerror})") from None
 
 
 def for_model(cls, model, gpu_budget=0.125, *, install: bool = True, tokenizer=None,
@@ -92,7 +108,7 @@ def for_model(cls, model, gpu_budget=0.125, *, install: bool = True, tokenizer=N
     context.tokenizer = tokenizer or getattr(model, "tiered_tokenizer", None)
     context.check_budget()
     if tiered and not cfg.exact and (cfg.host_budget is not None or cfg.disk_budget is not None):
-        disk_room(cfg.disk_dir, cfg.disk_budget or 0)  # writable, and room for its budget
+        _check_disk_options(cfg)
     if cfg.calibration != "self" and not cfg.exact and tiered:
         context.calibrate_from_text(model, tokenizer or getattr(model, "tiered_tokenizer", None),
                                     tiered)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -10,9 +11,14 @@ from typing import Any
 
 from tiered.cpu import HOST_DTYPES
 
+from . import option_rules as rules
 from .option_groups import OptionGroups
 
 METHODS = ("tiered", "hcattention", "h2o")
+# Options that change how a cache runs or where it writes, not what it holds or how it
+# decodes: a load may set them anew (every other option must equal the saved one).
+RUNTIME_OPTIONS = ("host_budget", "disk_dir", "disk_budget", "workers", "kernel_threads",
+                   "verify_pages", "keep_disk", "device_gather", "cache_dir")
 KEY_CODECS = ("auto", "codebook", "affine")
 RESCORE = ("approx", "exact")
 CALIBRATION = ("self",)  # or a path to a text file
@@ -21,6 +27,9 @@ LAYER_WEIGHTINGS = ("error", "grad", "measured")
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+MAX_BYTES = 1 << 63  # no machine holds more; larger numbers are typos
 
 
 def parse_bytes(value: Any, name: str) -> int:
@@ -35,11 +44,16 @@ def parse_bytes(value: Any, name: str) -> int:
             raise ValueError(
                 f"Invalid {name}: {value!r} (expected a byte size such as '2GB' or '512MiB')"
             )
-        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        f = float(m.group(1)) * _UNITS[m.group(2).lower()]
+        if not math.isfinite(f) or f > MAX_BYTES:
+            raise rules.name_value(name, value, f"a byte size of at most {MAX_BYTES} (8 EiB)")
+        n = int(f)
     else:
-        raise ValueError(f"Invalid {name}: {value!r} (expected a byte size such as '2GB')")
+        raise rules.name_value(name, value, "a byte size such as '2GB'")
     if n <= 0:
-        raise ValueError(f"Invalid {name}: {value!r} (must be > 0 bytes)")
+        raise rules.name_value(name, value, "a size > 0 bytes")
+    if n > MAX_BYTES:
+        raise rules.name_value(name, value, f"a byte size of at most {MAX_BYTES} (8 EiB)")
     return n
 
 
@@ -83,17 +97,25 @@ def parse_budget(value: Any) -> float | int:
             number = float(text)
         except ValueError:
             return Bytes(parse_bytes(text, "gpu_budget"))
+        if not math.isfinite(number):
+            raise rules.name_value("gpu_budget", value, "a fraction in (0, 1] or a size like "
+                                   "'2GB'")
         value = int(number) if number.is_integer() and "." not in text and "e" not in text.lower() \
             else number
     if isinstance(value, int):
         if value == 1:
             return 1.0
+        if value > MAX_BYTES:
+            raise rules.name_value("gpu_budget", value, f"a byte size of at most {MAX_BYTES}")
         if value >= MIN_BYTES_INT:
             return Bytes(value)
         if value <= 0:
             raise ValueError(f"Invalid gpu_budget: {value!r} (must be > 0)")
         raise ambiguous(value)
     if isinstance(value, float):
+        if not math.isfinite(value):
+            raise rules.name_value("gpu_budget", value, "a finite fraction in (0, 1] or a size "
+                                   "like '2GB'")
         if 0 < value <= 1:
             return value
         if value > 1:
@@ -207,81 +229,75 @@ class TieredConfig(OptionGroups):
 
     def __post_init__(self):
         self._check_budget()
-        self._choice("method", METHODS)
-        self._choice("key_codec", KEY_CODECS)
+        rules.check_choice("method", self.method, METHODS)
+        rules.check_choice("key_codec", self.key_codec, KEY_CODECS)
+        rules.check_bool("host_keys", self.host_keys)
         if self.rescore is None:  # exact rescoring needs the full keys on the host
             self.rescore = "approx" if self.method == "hcattention" or not self.host_keys else "exact"
-        self._choice("rescore", RESCORE)
+        rules.check_choice("rescore", self.rescore, RESCORE)
         if self.rescore == "exact" and not self.host_keys:
             raise ValueError("Invalid rescore: 'exact' needs host_keys=True (full keys on the host)")
-        self._choice("host_dtype", HOST_DTYPES)
-        if not isinstance(self.lookahead, bool):
-            raise ValueError(f"Invalid lookahead: {self.lookahead!r} (expected True or False)")
+        rules.check_choice("host_dtype", self.host_dtype, HOST_DTYPES)
+        rules.check_bool("lookahead", self.lookahead)
         if self.lookahead and (self.method != "tiered" or self.rescore != "exact"):
             raise ValueError("Invalid lookahead: needs method='tiered' with host keys (rescore="
                              "'exact'): the buffer holds exact keys and values of host tokens")
-        self._choice("kernels", ("auto", "numba", "mlx"))
-        self._choice("device_gather", ("auto", "on", "off"))
-        if self.codebook_groups is not None:
-            self._int("codebook_groups", 1)
-        if self.codebook_size is not None:
-            self._int("codebook_size", 2, 65536)
-        if self.affine_bits is not None and self.affine_bits not in (2, 3, 4, 8):
-            raise ValueError(f"Invalid affine_bits: {self.affine_bits!r} (expected 2, 3, 4 or 8)")
-        if self.affine_group_size not in (32, 64, 128):
-            raise ValueError(
-                f"Invalid affine_group_size: {self.affine_group_size!r} (expected 32, 64 or 128)"
-            )
-        if not (isinstance(self.tau, (int, float)) and 0 < self.tau <= 1):
-            raise ValueError(f"Invalid tau: {self.tau!r} (expected 0 < tau <= 1)")
-        cap = self.max_selected
-        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap <= 0 or (
-            isinstance(cap, float) and cap > 1
-        ):
-            raise ValueError(
-                f"Invalid max_selected: {cap!r} (a token count >= 1, or a fraction in (0, 1])"
-            )
-        self._int("min_selected", 0)
-        self._int("offloaded_min_selected", 0)
-        self._int("sinks", 0)
-        self._int("recent", 1)
-        if not (isinstance(self.ema_alpha, (int, float)) and 0 <= self.ema_alpha < 1):
-            raise ValueError(f"Invalid ema_alpha: {self.ema_alpha!r} (expected 0 <= alpha < 1)")
-        self._int("refresh_every", 1)
-        self._int("undo_tokens", 0)
-        self._int("page_size", 1)
-        if self.page_size & (self.page_size - 1):
-            raise ValueError(f"Invalid page_size: {self.page_size!r} (expected a power of two)")
+        rules.check_choice("kernels", self.kernels, ("auto", "numba", "mlx"))
+        rules.check_choice("device_gather", self.device_gather, ("auto", "on", "off"))
+        rules.check_int("codebook_groups", self.codebook_groups, 1, rules.MAX_GROUPS,
+                        optional=True)
+        rules.check_int("codebook_size", self.codebook_size, 2, rules.MAX_CENTROIDS,
+                        optional=True)
+        rules.check_bool("codebook_per_group", self.codebook_per_group, optional=True)
+        if self.affine_bits is not None and (isinstance(self.affine_bits, bool) or
+                                             self.affine_bits not in (2, 3, 4, 8) or
+                                             not isinstance(self.affine_bits, int)):
+            raise rules.name_value("affine_bits", self.affine_bits, "2, 3, 4, 8 or None")
+        if isinstance(self.affine_group_size, bool) or not isinstance(
+                self.affine_group_size, int) or self.affine_group_size not in (32, 64, 128):
+            raise rules.name_value("affine_group_size", self.affine_group_size, "32, 64 or 128")
+        rules.check_bool("rotate", self.rotate)
+        rules.check_real("tau", self.tau, 0, 1, lo_open=True)
+        rules.check_cap(self.max_selected)
+        rules.check_int("min_selected", self.min_selected, 0, rules.MAX_SET)
+        rules.check_int("offloaded_min_selected", self.offloaded_min_selected, 0, rules.MAX_SET)
+        rules.check_int("sinks", self.sinks, 0, rules.MAX_SET)
+        rules.check_int("recent", self.recent, 1, rules.MAX_SET)
+        rules.check_real("ema_alpha", self.ema_alpha, 0, 1, hi_open=True)
+        rules.check_int("refresh_every", self.refresh_every, 1, rules.MAX_SET)
+        rules.check_int("undo_tokens", self.undo_tokens, 0, rules.MAX_SET)
+        rules.check_power_of_two("page_size", self.page_size, rules.MAX_PAGE_SIZE)
         if self.host_budget is not None:
             self.host_budget = parse_bytes(self.host_budget, "host_budget")
+            ram = rules.physical_memory()
+            if ram is not None and self.host_budget > ram:
+                raise ValueError(f"Invalid host_budget: {format_bytes(self.host_budget)} is more "
+                                 f"than this machine's RAM ({format_bytes(ram)}); set it below "
+                                 "that (pages beyond it go to the disk tier), or leave it None")
         if self.disk_budget is not None:
             self.disk_budget = parse_bytes(self.disk_budget, "disk_budget")
+        rules.check_bool("keep_disk", self.keep_disk)
+        rules.check_bool("verify_pages", self.verify_pages)
         if os.environ.get("TIERED_DEBUG") == "1":
             self.verify_pages = True
-        if self.disk_dir is not None and not isinstance(self.disk_dir, (str, os.PathLike)):
-            raise ValueError(f"Invalid disk_dir: {self.disk_dir!r} (expected a path)")
-        if self.compress_from is not None:
-            self._int("compress_from", 1)
-        self._int("prefill_window", 1)
-        self._int("anchor_tokens", 0)
-        if not isinstance(self.calibration, (str, os.PathLike)) or (
-            self.calibration != "self" and not os.path.isfile(self.calibration)
-        ):
-            raise ValueError(
-                f"Invalid calibration: {self.calibration!r} (expected 'self' or the path of an "
-                "existing text file)"
-            )
-        self._int("calibration_tokens", 64)
-        self._choice("planner", PLANNERS)
-        self._choice("layer_weighting", LAYER_WEIGHTINGS)
-        if self.layer_profile is not None and not isinstance(self.layer_profile,
-                                                             (str, os.PathLike)):
-            raise ValueError(f"Invalid layer_profile: {self.layer_profile!r} (expected a path)")
-        self._int("kmeans_iters", 1)
-        self._int("workers", 1, 256)
-        self._int("kernel_threads", 1, 256)
-        self._int("step", 1)
-        self._int("seed", 0)
+        rules.check_path("disk_dir", self.disk_dir, optional=True)
+        rules.check_int("compress_from", self.compress_from, 1, rules.MAX_TOKENS, optional=True)
+        rules.check_int("prefill_window", self.prefill_window, 1, rules.MAX_TOKENS)
+        rules.check_int("anchor_tokens", self.anchor_tokens, 0, rules.MAX_TOKENS)
+        rules.check_path("calibration", self.calibration)
+        if self.calibration != "self" and not os.path.isfile(self.calibration):
+            raise rules.name_value("calibration", self.calibration,
+                                   "'self' or the path of an existing text file")
+        rules.check_int("calibration_tokens", self.calibration_tokens, 64, rules.MAX_SET)
+        rules.check_choice("planner", self.planner, PLANNERS)
+        rules.check_choice("layer_weighting", self.layer_weighting, LAYER_WEIGHTINGS)
+        rules.check_path("layer_profile", self.layer_profile, optional=True)
+        rules.check_path("cache_dir", self.cache_dir)
+        rules.check_int("kmeans_iters", self.kmeans_iters, 1, rules.MAX_KMEANS_ITERS)
+        rules.check_int("workers", self.workers, 1, 256)
+        rules.check_int("kernel_threads", self.kernel_threads, 1, 256)
+        rules.check_int("step", self.step, 1, rules.MAX_STEP)
+        rules.check_int("seed", self.seed, 0, rules.MAX_SEED)
 
     # ---- helpers -------------------------------------------------------------------------
     @property
@@ -296,19 +312,6 @@ class TieredConfig(OptionGroups):
 
     def _check_budget(self):
         self.gpu_budget = parse_budget(self.gpu_budget)
-
-    def _choice(self, name, options):
-        value = getattr(self, name)
-        if value not in options:
-            raise ValueError(f"Invalid {name}: {value!r} (expected one of {options})")
-
-    def _int(self, name, lo=None, hi=None):
-        value = getattr(self, name)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"Invalid {name}: {value!r} (expected an integer)")
-        if (lo is not None and value < lo) or (hi is not None and value > hi):
-            bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-            raise ValueError(f"Invalid {name}: {value!r} (expected an integer {bounds})")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "TieredConfig":

@@ -65,8 +65,11 @@ def _plans_at_any_budget(geometry: Geometry, config, n: int):
         try:
             yield make()
         except BudgetError:
-            yield make_plan(geometry, dataclasses.replace(config, gpu_budget=1.0),
-                            reference_tokens=n)
+            try:
+                yield make_plan(geometry, dataclasses.replace(config, gpu_budget=1.0),
+                                reference_tokens=n)
+            except BudgetError:
+                continue  # no budget makes this layout hold n tokens: not a candidate
 
 
 def exact_fits(geometry: Geometry, config, n: int) -> bool:
