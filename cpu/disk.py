@@ -11,9 +11,9 @@ A page file is anonymous: created in ``directory`` and unlinked at once, so it l
 long as the process holds it (nothing is left behind by a crash, SIGTERM or SIGKILL) and no
 other path reaches it. A save copies its blocks into the cache directory
 (:meth:`PageFile.copy_to`); a load copies them from there into a new anonymous file
-(:meth:`PageFile.adopt`), so a saved cache and a live one never share a file. Before reads,
-:meth:`PageFile.check_size` turns a file that shrank under the cache into an error (a read
-past a mapped file's end would be a SIGBUS).
+(:meth:`PageFile.adopt`), so a saved cache and a live one never share a file. Before reads
+(HostStore.check_disk), on growth and when mapping, :meth:`PageFile.check_size` turns a file
+that shrank under the cache into an error (a read past a mapped file's end is a SIGBUS).
 """
 
 from __future__ import annotations
@@ -46,21 +46,46 @@ class DiskTierError(OSError):
 
 
 def check_directory(directory: str) -> str:
-    """Create ``directory`` if needed and prove it writable; a clear error otherwise."""
+    """Create ``directory`` if needed and prove it writable; a clear error otherwise (a full
+    disk named as one, with its free bytes). The probe leaves nothing behind: an unnamed file
+    (O_TMPFILE) where the file system has them, else a named one removed whatever happens."""
     directory = os.path.abspath(os.path.expanduser(directory))
     try:
         os.makedirs(directory, exist_ok=True)
-        probe = os.path.join(directory, f".tiered-probe-{uuid.uuid4().hex}")
-        with open(probe, "wb") as f:
-            f.write(b"x")
-        os.remove(probe)
+        _probe(directory)
     except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            free = shutil.disk_usage(directory).free if os.path.isdir(directory) else 0
+            raise DiskTierError(e.errno, f"disk tier directory {directory!r} is full ({free} "
+                                f"bytes free; {e.strerror or e}): free disk space there or "
+                                "choose another disk_dir") from None
         raise DiskTierError(
             e.errno or errno.EACCES,
             f"disk tier directory {directory!r} is not writable ({e.strerror or e}); choose "
             "another disk_dir",
         ) from None
     return directory
+
+
+def _probe(directory: str) -> None:
+    """Write one byte to a new file in ``directory`` (OSError where it cannot be done)."""
+    fd = None
+    if hasattr(os, "O_TMPFILE"):
+        try:
+            fd = os.open(directory, os.O_TMPFILE | os.O_WRONLY, 0o600)
+        except OSError as e:  # not supported by this file system: a named probe below
+            if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+    path = None
+    if fd is None:
+        path = os.path.join(directory, f".tiered-probe-{uuid.uuid4().hex}")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, b"x")
+    finally:
+        os.close(fd)
+        if path is not None:
+            os.remove(path)
 
 
 _FD_LIMIT_RAISED = False
@@ -168,6 +193,7 @@ class PageFile:
         self._finalizer = weakref.finalize(self, PageFile._cleanup, self.fd, self.maps)
 
     def _map(self, index: int) -> np.ndarray:
+        self.check_size(index + 1)  # mapped past the file's end, a read would be a SIGBUS
         mm = mmap.mmap(self.fd, self.stride, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ,
                        offset=index * self.stride)
         view = np.frombuffer(mm, dtype=self.dtype, count=int(np.prod(self.block_shape)))
@@ -183,6 +209,7 @@ class PageFile:
             raise ValueError(f"Invalid block: expected {self.block_shape} {self.dtype}, got "
                              f"{block.shape} {block.dtype}")
         with self._lock:
+            self.check_size()  # on growth: the blocks held are all still there
             index = len(self.maps)
             offset = index * self.stride
             free = shutil.disk_usage(self.directory).free
@@ -215,6 +242,7 @@ class PageFile:
 
     def write_page(self, index: int, slot: int, start: int, rows: np.ndarray):
         """Overwrite tokens [start, start + n) of one page of a written block (page reuse)."""
+        self.check_size()
         page = np.array(self.views[index][slot])  # copy, patched, then written back whole
         page[:, start : start + rows.shape[1]] = rows
         offset = index * self.stride + slot * page.nbytes
@@ -227,14 +255,17 @@ class PageFile:
     def address(self, index: int) -> int:
         return int(self.views[index].ctypes.data)
 
-    def check_size(self) -> None:
-        """DiskTierError when the file no longer holds every mapped block (it was truncated
-        under the cache: reading the lost part would raise SIGBUS)."""
-        need = len(self.maps) * self.stride
+    def check_size(self, blocks: int | None = None) -> None:
+        """DiskTierError when the file no longer holds every mapped block (or ``blocks``
+        blocks): it was truncated under the cache, and reading the lost part through the
+        mapping would raise SIGBUS. One fstat."""
+        need = (len(self.maps) if blocks is None else blocks) * self.stride
         size = os.fstat(self.fd).st_size
         if size < need:
-            raise DiskTierError(errno.EIO, f"disk tier page file {self.name} shrank to {size} "
-                                f"bytes under the cache ({need} held): its blocks are lost")
+            raise DiskTierError(errno.EIO, f"disk tier page file {self.name} (unlinked, in "
+                                f"{self.directory!r}) shrank to {size} bytes under the cache, "
+                                f"which holds {need} bytes of blocks in it: they are lost; "
+                                "make a new cache (or load a saved one)")
 
     def verify(self, index: int, slots=None) -> None:
         """Raise ValueError naming the page when a page's bytes don't match its checksum."""

@@ -287,14 +287,22 @@ class HostTensor:
         return sum(f.nbytes for f in (self.disk, self.scale_disk) if f is not None)
 
     def close(self):
-        for f in (self.disk, self.scale_disk):
-            if f is not None:
-                f.close()
+        """Give back the RAM blocks and the page files now, even while this tensor is still
+        referenced: the views of disk blocks go first (a mapping that numpy still exports
+        cannot be closed, and it keeps the file's disk space and a descriptor)."""
         if self.budget is not None:
             self.budget.release(self.nbytes)
         self._drop_spare()
         self.blocks.clear()
         self.scale_blocks.clear()
+        self.views.clear()
+        self.scale_views.clear()
+        self.addrs = self.scale_addrs = np.zeros(0, np.int64)
+        self.disk_index.clear()
+        files, self.disk, self.scale_disk = (self.disk, self.scale_disk), None, None
+        for f in files:
+            if f is not None:
+                f.close()
 
     # ---- persistence (HostStore.state / from_state) ---------------------------------------
     def state(self, name: str) -> dict:
@@ -334,7 +342,10 @@ class HostTensor:
                     self.scale_addrs = np.append(self.scale_addrs,
                                                  np.int64(self.scale_disk.address(di)))
                 continue
-            # Copy: the block must be host memory this store owns and may write in place.
-            if budget is not None:
-                budget.reserve(self.block_bytes)
-            self._adopt(_host_copy(blk), None if sc is None else _host_copy(sc))
+            # Copy: the block must be host memory this store owns and may write in place;
+            # beyond the host budget it goes to the disk tier, as a growing store's would.
+            if budget is None or budget.reserve(self.block_bytes):
+                self._adopt(_host_copy(blk), None if sc is None else _host_copy(sc))
+            else:
+                self._adopt_disk(np.array(blk).reshape(self.block_shape), None if sc is None
+                                 else np.array(sc).reshape(self.block_shape[:-1]))

@@ -1,6 +1,12 @@
 """Reads of a paged host store (:class:`cpu.pages.HostStore`) on the reference path: whole
 ranges, one head's rows, every head's rows of chosen tokens, and a lazy MLX view of every token.
-The kernels read the pages themselves (block addresses + ``logical_pages``)."""
+The kernels read the pages themselves (block addresses + ``logical_pages``).
+
+Every read checks first that the store's page files still hold their blocks
+(:meth:`PageReads.check_disk`, one fstat per file): a disk-tier file truncated under the cache
+(through /proc/<pid>/fd, by this process or another) is then a DiskTierError, not a SIGBUS in
+the middle of a copy. The CPU gather checks the same before its workers read
+(:func:`tiered.ops.submit_gather`). A truncation racing the read itself still faults."""
 
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ class PageReads:
     def read(self, kind: str, b: int = 0, start: int = 0, stop: int | None = None) -> np.ndarray:
         """(H, stop-start, d) float32 copy of tokens [start, stop) of sequence b."""
         self.settle()
+        self.check_disk()
         tensor = self._tensor(kind)
         stop = self.length if stop is None else stop
         if not 0 <= start <= stop <= self.length:
@@ -34,6 +41,7 @@ class PageReads:
     def gather(self, kind: str, b: int, head: int, tokens: np.ndarray) -> np.ndarray:
         """(len(tokens), d) float32 rows of one head, in the order given (vectorized by block)."""
         self.settle()
+        self.check_disk()
         tensor = self._tensor(kind)
         tokens = np.asarray(tokens, np.int64)
         if tokens.size and (tokens.min() < 0 or tokens.max() >= self.length):
@@ -55,6 +63,7 @@ class PageReads:
         zeros) in the storage dtype: float16 and float32 rows are copied as stored, with no
         conversion; int8 rows come dequantized, as float32."""
         self.settle()
+        self.check_disk()
         tensor = self._tensor(kind)
         tokens = np.asarray(tokens)
         if tokens.ndim != 2 or tokens.shape[0] != self.n_kv_heads:
@@ -78,6 +87,7 @@ class PageReads:
         byte is read unless it is evaluated (disk-tier blocks are read here). int8 stores come
         dequantized (float32)."""
         self.settle()
+        self.check_disk()
         tensor = self._tensor(kind)
         H, d = self.n_kv_heads, tensor.head_dim
         if self.length == 0:
@@ -98,11 +108,24 @@ class PageReads:
             parts.append(rows)
         return mx.concatenate(parts, axis=1)[:, : self.length]
 
+    def check_disk(self) -> None:
+        """DiskTierError (naming the file and its sizes) when a page file of this store no
+        longer holds every block mapped from it (see PageFile.check_size)."""
+        for t in self.tensors:
+            if t.disk is not None:
+                t.disk.check_size()
+                if t.scale_disk is not None:
+                    t.scale_disk.check_size()
+
     def _tensor(self, kind) -> HostTensor:
         if kind == "values":
-            return self.values
-        if kind == "keys":
+            t = self.values
+        elif kind == "keys":
             if self.keys is None:
                 raise ValueError("this HostStore does not keep keys (host_keys=False)")
-            return self.keys
-        raise ValueError(f"Invalid kind {kind!r}: expected 'keys' or 'values'")
+            t = self.keys
+        else:
+            raise ValueError(f"Invalid kind {kind!r}: expected 'keys' or 'values'")
+        if self.length and not t.views:  # close() gave its blocks back
+            raise ValueError("this HostStore was closed: its pages are gone")
+        return t

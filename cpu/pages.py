@@ -316,6 +316,7 @@ class HostStore(PageReads):
     def verify_tokens(self, b: int, tokens: np.ndarray) -> None:
         """Debug/test check: the CRC32 of every disk page holding these tokens."""
         self.settle()
+        self.check_disk()
         pages = np.unique(self.logical_pages(b)[np.asarray(tokens, np.int64) // self.page_size])
         for t in self.tensors:
             t.verify(pages)
@@ -344,13 +345,6 @@ class HostStore(PageReads):
                 budget.charge(t.nbytes)
             if disk_budget is not None:
                 disk_budget.charge(t.disk_bytes)
-
-    def check_disk(self):
-        """DiskTierError when a page file of this store shrank (see PageFile.check_size)."""
-        for t in self.tensors:
-            for f in (t.disk, t.scale_disk):
-                if f is not None:
-                    f.check_size()
 
     def close(self):
         """Release host RAM and the page files, once the MLX work still queued has run: it may

@@ -12,16 +12,40 @@ job durations instead would credit eight workers busy for 1 ms during a 1 ms wai
 hidden; with intervals that batch hides nothing. The summed durations are kept as ``cpu_busy``.
 
 A worker's exception is re-raised in the caller by :meth:`Batch.wait`; nothing hangs: jobs
-have no inter-dependencies, and :meth:`Scheduler.close` joins every thread.
+have no inter-dependencies, and :meth:`Scheduler.close` joins every thread. A job that never
+ends (a hang in a kernel or a read) does not hang the caller: a wait gives up after
+``TIERED_GATHER_TIMEOUT`` seconds (default 300; 0 or "none": no limit) with a TimeoutError
+naming the layer, and the scheduler leaves that job's threads behind for fresh ones.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
+
+TIMEOUT_ENV = "TIERED_GATHER_TIMEOUT"
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def job_timeout() -> float | None:
+    """Seconds a wait on CPU jobs may last (``TIERED_GATHER_TIMEOUT``; None: no limit)."""
+    raw = os.environ.get(TIMEOUT_ENV, "").strip().lower()
+    if raw in ("", "default"):
+        return DEFAULT_TIMEOUT_S
+    if raw in ("0", "none", "off", "inf"):
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"Invalid {TIMEOUT_ENV}={raw!r}: expected seconds (> 0) or 'none'")
+    return value
 
 
 def union_length(intervals) -> float:
@@ -108,9 +132,24 @@ class Batch:
         return f
 
     def wait(self, accelerator_seconds: float = 0.0):
+        """The jobs' results in submission order; a job's exception is raised here, and a
+        TimeoutError naming the layer when they take longer than the scheduler's timeout."""
         t = time.perf_counter()
+        limit = self.scheduler.timeout
         try:
-            results = [f.result() for f in self.futures]
+            results = []
+            for f in self.futures:
+                left = None if limit is None else max(0.0, t + limit - time.perf_counter())
+                try:
+                    results.append(f.result(left))
+                except FutureTimeout:
+                    for g in self.futures:
+                        g.cancel()  # those not started yet
+                    self.scheduler._abandon()
+                    raise TimeoutError(
+                        f"layer {self.layer}: a CPU job (gather of host pages) still runs after "
+                        f"{limit:g} s ({TIMEOUT_ENV}); the step is not applied, and its worker "
+                        "thread is left behind (later steps run on fresh ones)") from None
         finally:
             end = time.perf_counter()
             with self._lock:
@@ -129,11 +168,14 @@ class Batch:
 class Scheduler:
     """A pool of ``workers`` threads for CPU jobs, with timing of what it overlapped."""
 
-    def __init__(self, workers: int = 2, *, record_steps: bool = True):
+    def __init__(self, workers: int = 2, *, record_steps: bool = True,
+                 timeout: float | None | str = "env"):
         if not isinstance(workers, int) or workers < 0:
             raise ValueError(f"Invalid workers: {workers!r} (expected an integer >= 1)")
         self.workers = workers
         self.record_steps = record_steps
+        # seconds a Batch.wait may last (None: no limit); "env": TIERED_GATHER_TIMEOUT
+        self.timeout = job_timeout() if timeout == "env" else timeout
         self.timings = Timings()
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
@@ -149,6 +191,17 @@ class Scheduler:
                 self._finalizer.detach()
                 self._finalizer = weakref.finalize(self, Scheduler._shutdown, [self._pool])
             return self._pool
+
+    def _abandon(self) -> None:
+        """Leave the current threads to a job that hangs: later jobs get a fresh pool (the
+        stuck thread still holds the interpreter's exit until its job ends: Python joins
+        every worker thread then)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(self, Scheduler._shutdown, [None])
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def batch(self, layer: int = -1) -> Batch:
         return Batch(self, layer)

@@ -50,7 +50,7 @@ def test_readme_tour_runs_as_written(embedded, tmp_path):
     answer = lines[0]
     assert answer.strip(), "the model answered nothing"
     assert "tiered cache:" in r.stdout and "accelerator" in r.stdout
-    assert (tmp_path / "document.safetensors").stat().st_size > 0
+    assert (tmp_path / "document" / "tiered.json").stat().st_size > 0
     assert lines[-1] == "TOUR-DONE TieredCacheList 30"  # the loaded cache, one per layer
     from tiered.tasks import is_correct
 

@@ -26,6 +26,7 @@ from conftest import make_small_model
 
 from tiered import TieredCache
 from tiered.prefill import prefill
+from tiered.snapshot import manifest_digest
 
 CHILD_TIMEOUT_S = 120
 OK, REFUSED = "loaded", "refused"
@@ -96,7 +97,8 @@ def _load(path, seed=1):
 
 
 def _files(d):
-    return sorted(p for p in d.rglob("*") if p.is_file())
+    """The snapshot's files (not its lock files, which hold no data)."""
+    return sorted(p for p in d.rglob("*") if p.is_file() and not p.name.endswith(".lock"))
 
 
 def _tree(root):
@@ -113,12 +115,14 @@ def _manifest(d):
 
 
 def _write_manifest(d, meta, *, rehash=True):
-    if rehash:  # checksums that match the (changed) files: only the other checks stand
-        for name, entry in meta.get("files", {}).items():
-            p = d / name
-            if p.is_file():
+    if rehash:  # checksums and digest that match the (changed) files: the other checks stand
+        for name, entry in meta.get("files", {}).items() if isinstance(meta.get("files"),
+                                                                        dict) else ():
+            p = d / name if isinstance(name, str) else None
+            if p is not None and isinstance(entry, dict) and p.is_file():
                 entry["bytes"] = p.stat().st_size
                 entry["sha256"] = hashlib.sha256(p.read_bytes()).hexdigest()
+        meta["digest"] = manifest_digest(meta)
     (d / "tiered.json").write_text(json.dumps(meta))
 
 
@@ -222,3 +226,138 @@ def test_hostile_manifest_values_are_refused_or_harmless(saves):
             cases.append(case)
     # a field the load does not depend on may load: then it decodes as saved
     _check_all(root, cases, expect_refused=False, reference=reference)
+
+
+# ---- every field: the manifest's options, the states' metadata, with and without re-signing --
+def _case(root, a, name):
+    """A copy of save ``a`` whose data files are hard links (a load never writes into them;
+    a case that edits one writes a new file in its place)."""
+    case = root / name
+    shutil.copytree(a, case, copy_function=os.link)
+    (case / "tiered.json").unlink()
+    shutil.copyfile(a / "tiered.json", case / "tiered.json")
+    return case
+
+
+def _other_value(v):
+    """A valid-looking value of the same kind as ``v`` that differs from it."""
+    if isinstance(v, bool):
+        return not v
+    if isinstance(v, int):
+        return v + 1
+    if isinstance(v, float):
+        return v / 2
+    if isinstance(v, str):
+        return v + "x"
+    return 1
+
+
+OPTION_VALUES = [-1, 2**63, "x", None, True, float("nan"), [], {"a": 1}]
+
+
+def _same_options(edited: dict, saved: dict) -> bool:
+    """Whether ``edited`` is ``saved`` once the config fills its defaults (rescore=None is
+    the rescoring the saved options chose), runtime options aside."""
+    from tiered import TieredConfig
+    from tiered.config import RUNTIME_OPTIONS
+
+    try:
+        a, b = (TieredConfig.from_kwargs(**c).to_dict() for c in (edited, saved))
+    except (TypeError, ValueError):
+        return False
+    return all(a[k] == b[k] for k in a if k not in RUNTIME_OPTIONS)
+
+
+def test_every_manifest_option_edited_is_refused_or_decodes_as_saved(saves):
+    """Each option in the manifest, replaced by a hostile value or another valid-looking one:
+    re-signed (checksums and digest recomputed), the load refuses it unless the option is a
+    runtime one (then it decodes as saved, writing nowhere but its directory); not re-signed,
+    the digest refuses every edit."""
+    from tiered.config import RUNTIME_OPTIONS
+
+    root, a, _ = saves
+    reference = _load(a)["logits"]
+    config = _manifest(a)["config"]
+    cases, runtime = [], []
+    for k, v in config.items():
+        for j, value in enumerate(OPTION_VALUES + [_other_value(v)]):
+            if value == v and type(value) is type(v):
+                continue
+            case = _case(root, a, f"opt_{k}_{j}")
+            meta = _manifest(case)
+            meta["config"][k] = value
+            _write_manifest(case, json.loads(json.dumps(meta)))  # NaN as JSON writes it
+            cases.append(case)
+            runtime.append(k in RUNTIME_OPTIONS)
+        case = _case(root, a, f"opt_{k}_unsigned")
+        meta = _manifest(case)
+        meta["config"][k] = _other_value(v)
+        _write_manifest(case, meta, rehash=False)  # the digest refuses it, runtime or not
+        cases.append(case)
+        runtime.append(False)
+    got = _check_all(root, cases, expect_refused=False, reference=reference)
+    for case, is_runtime, g in zip(cases, runtime, got):
+        if case.name.endswith("_unsigned") or not (
+                is_runtime or _same_options(_manifest(case)["config"], config)):
+            assert g["result"] == REFUSED, (case.name, g)
+    print(f"{len(cases)} option edits: {sum(g['result'] == OK for g in got)} loaded (runtime "
+          f"options, decoding as saved), {sum(g['result'] == REFUSED for g in got)} refused")
+    assert len(cases) >= 8 * len(config)
+
+
+def _edit_states(case, edit):
+    """Rewrite the case's states file with ``edit(meta: dict)`` applied to every layer's
+    metadata JSON (what mlx-lm stores as a string of char codes)."""
+    import mlx.core as mx
+
+    path = next(p for p in case.iterdir() if p.suffix == ".safetensors")
+    arrays, metadata = mx.load(str(path), return_metadata=True)
+    for key in list(arrays):
+        if key.count(".") == 1 and key.endswith(".2") and arrays[key].ndim == 1:
+            meta = json.loads("".join(chr(i) for i in arrays[key].tolist()))
+            edit(meta)
+            arrays[key] = mx.array([ord(c) for c in json.dumps(meta)])
+    path.unlink()  # a hard link: write a new file in its place
+    mx.save_safetensors(str(path), arrays, metadata)
+
+
+STATE_EDITS = {
+    "offset+1": lambda m: m.update(offset=m["offset"] + 1),
+    "offset-1": lambda m: m.update(offset=m["offset"] - 1),
+    "offset huge": lambda m: m.update(offset=2**62),
+    "layer": lambda m: m.update(layer=m["layer"] + 1),
+    "layers": lambda m: m.update(layers=m["layers"] * 1000),
+    "phase exact": lambda m: m.update(phase="exact"),
+    "geometry heads": lambda m: m.update(geometry=[1, 7] + m["geometry"][2:]),
+    "geometry dtype": lambda m: m.update(geometry=m["geometry"][:4] + ["int8"]),
+    "scale": lambda m: m.update(scale="x"),
+    "head_perm": lambda m: m.update(head_perm=[0, 0, 1]),
+    "returned": lambda m: m.update(returned=[[1, 2, 3]]),
+    "format": lambda m: m.update(format=1),
+}
+
+
+def test_every_state_field_edited_is_refused_or_decodes_as_saved(saves):
+    """Each layer's saved metadata (the states inside the .safetensors) edited field by field,
+    and each option in the states edited, the manifest re-signed so that only the content
+    checks stand: refused, or loaded and decoding as saved."""
+    root, a, _ = saves
+    reference = _load(a)["logits"]
+    edits = dict(STATE_EDITS)
+    for k, v in _manifest(a)["config"].items():
+        edits[f"config {k}"] = (lambda k, v: lambda m: m["config"].update({k: _other_value(v)}))(
+            k, v)
+    cases = []
+    for i, (name, edit) in enumerate(edits.items()):
+        case = _case(root, a, f"state{i}")
+        _edit_states(case, edit)
+        _write_manifest(case, _manifest(case))
+        cases.append(case)
+    got = _check_all(root, cases, expect_refused=False, reference=reference)
+    refused = sum(g["result"] == REFUSED for g in got)
+    print(f"{len(cases)} state edits: {refused} refused, {len(cases) - refused} loaded as saved")
+    from tiered.config import RUNTIME_OPTIONS
+
+    for (name, _), case, g in zip(edits.items(), cases, got):
+        if name.startswith("config ") and name[7:] not in RUNTIME_OPTIONS:
+            assert g["result"] == REFUSED, (name, g)

@@ -404,7 +404,6 @@ def test_lookahead_attends_resident_and_previous_selection_exactly(small, monkey
                                   max_selected=48, host_dtype="float32", page_size=64,
                                   recent=16, refresh_every=4, workers=2)
     _decode_logits(small, cache, _prompt(700, seed=3), 9)
-    cache.close()
     assert len(steps) == 3 * 8  # every step but the first, every layer
     spilled = 0
     for layer, q, scale, out, (res_tok, res_k, res_v), spill_tok, spill_k, mv in steps:
@@ -432,6 +431,7 @@ def test_lookahead_attends_resident_and_previous_selection_exactly(small, monkey
                 ref = (p / p.sum()) @ vals
                 np.testing.assert_allclose(out[0, h * rep + r, 0], ref, rtol=2e-4, atol=2e-5)
     assert spilled > 0
+    cache.close()  # the host pages were read above: close gives them back
 
 
 def test_lookahead_options_are_checked(small):

@@ -111,6 +111,8 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
         """
         self._require_open()
         L, before, first = keys.shape[2], self.offset, self.geometry is None
+        if self._first_layer():
+            self.context.steps.enter()  # a save in another thread reads between steps
         if not self._beside_dispatch():
             dispatch.drain()
         contract.check_update(keys, values, self.geometry)
@@ -137,6 +139,7 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
             if first and self.offset == before:
                 self.geometry = None
             self.context.abort_step(self, before, L)  # the step is applied whole or not at all
+            self.context.steps.leave()
             raise
         # attention reads the new tokens once (contract check, compression of a chunk); the
         # reference goes right after, so the chunk's K/V are not held past the layer
@@ -190,11 +193,11 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
     def state(self, st):
         layer_state.restore(self, st)
 
-    def lazy_arrays(self, door: bool = True) -> list:
+    def lazy_arrays(self, door: bool = True, flush: bool = True) -> list:
         """The arrays a prompt chunk leaves lazy (``state``'s, without building it; see
         :func:`tiered.layer_state.lazy_arrays`); ``door=False`` leaves the door's checks
-        queued (:meth:`take_door`)."""
-        return layer_state.lazy_arrays(self, door)
+        queued (:meth:`take_door`), ``flush=False`` the write-behind queue."""
+        return layer_state.lazy_arrays(self, door, flush)
 
     @property
     def meta_state(self):
@@ -258,12 +261,14 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
                     if EARLY_SETTLE:
                         self._settle_early()
                     device_append.make_next_columns()
+                self.context.end_step()
             return out
         except BaseException:
             dispatch.drain_quietly()
             if fresh:
                 L = queries.shape[2]
                 self.context.abort_step(self, self.offset - L, L)
+            self.context.steps.leave()
             raise
 
     def _beside_dispatch(self) -> bool:
@@ -284,6 +289,11 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
             if (getattr(c, "layer", None) in early and layer is not None
                     and getattr(layer, "_refresh_due", False)):
                 layer.settle()
+
+    def _first_layer(self) -> bool:
+        """Whether this is the model's first tiered layer (a step starts here)."""
+        tiered = self.context.tiered_layers
+        return self.layer == (tiered[0] if tiered else 0)
 
     def _last_layer(self) -> bool:
         """Whether this is the model's last tiered layer (the end of a step's dispatch)."""

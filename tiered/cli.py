@@ -175,7 +175,7 @@ def cmd_run(args) -> int:
             options.setdefault("gpu_budget", 0.125)
             if args.save_cache:  # the room for the save, before the prefill it would save
                 persist.check_save_target(args.save_cache, persist.estimate_save_bytes(
-                    model, len(prefix)))
+                    model, len(prefix), tiered.TieredConfig.from_kwargs(**options)))
             cache = tiered.TieredCache.for_model(model, tokenizer=tokenizer, **options)
             prefill_stats = prefill.prefill(model, cache, prefix, chunk=args.prefill_step,
                                             progress=Progress("prefill"))

@@ -25,6 +25,8 @@ selected indices and their scores cross to the CPU).
 
 from __future__ import annotations
 
+import weakref
+
 import mlx.core as mx
 import numpy as np
 
@@ -52,7 +54,7 @@ HOST_OUTLIERS = 128
 
 class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, CompressedState):
     def __init__(self, parent, plan: Plan, keys_store, capacity: int):
-        self.parent = parent
+        self.parent = weakref.proxy(parent)  # a cycle frozen by tiered.steady_gc never went
         self.config = parent.config
         self.plan = plan
         g = parent.geometry

@@ -14,8 +14,9 @@ from .codecs import (CalibrationKey, calibrate, load_calibration, model_fingerpr
                      save_calibration, train_codebook)
 from .cpu.disk import HostBudget
 from .geometry import Geometry, model_geometry
-from .planner import Plan, make_plan
+from .planner import BudgetError, Plan, make_plan
 from .scheduler import Scheduler
+from .step_guard import StepGuard
 
 
 def collect_keys(model, tokens: list[int], n_tokens: int, layers: list[int],
@@ -71,6 +72,7 @@ class SharedContext:
         self.model_ref = weakref.ref(model) if model is not None else None
         self.tokenizer = None
         self._caches = None  # weakref to the TieredCacheList (abort_step)
+        self.steps = StepGuard()  # saves read the caches between steps (tiered.step_guard)
         self.host_budget = HostBudget(config.host_budget)
         self.disk_budget = HostBudget(config.disk_budget) if config.disk_budget else None
 
@@ -108,6 +110,15 @@ class SharedContext:
                 pass
             if hasattr(c, "_fresh"):
                 c._fresh, c._new = False, None
+        dispatch.eval_held(caches)  # on this thread: streams are per thread
+
+    def end_step(self) -> None:
+        """The model's step through these caches ended on this thread. A save waiting in
+        another thread reads the caches next: what the step left lazy is evaluated here
+        first (MLX streams are per thread: that thread could not evaluate it)."""
+        if self.steps.others_waiting():
+            dispatch.eval_held(self._bound())
+        self.steps.leave()
 
     # ---- lookahead -------------------------------------------------------------------------
     def register_lookahead(self, layer: int, compressed):

@@ -39,6 +39,7 @@ import threading
 import time
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 log = logging.getLogger("tiered")
 
@@ -227,6 +228,31 @@ def drain_quietly() -> None:
         drain()
     except BaseException as e:  # noqa: BLE001
         log.warning("tiered: the dispatcher also failed: %r", e)
+
+
+def eval_held(caches) -> None:
+    """Evaluate, on this thread, what the layers of a rolled-back step hold (a TieredCache's
+    ``lazy_arrays`` without flushing, another cache's ``state``). MLX streams are per thread:
+    what the failed step and its roll-back left lazy is on the failing thread's stream, which
+    no other thread can evaluate ("There is no Stream(cpu, 1) in current thread"), and the
+    cache would be unusable from every other thread. Errors here are logged: the step's own
+    is being raised."""
+    arrays = []
+    for c in caches:
+        if getattr(c, "closed", False):
+            continue
+        try:
+            if hasattr(c, "lazy_arrays"):
+                arrays += c.lazy_arrays(door=False, flush=False)
+            else:
+                arrays += [a for _, a in tree_flatten(c.state) if isinstance(a, mx.array)]
+        except Exception as e:  # noqa: BLE001
+            log.warning("tiered: layer %s: rolling back a failed step: %r",
+                        getattr(c, "layer", "?"), e)
+    try:
+        eval(*arrays)
+    except Exception as e:  # noqa: BLE001
+        log.warning("tiered: rolling back a failed step: %r", e)
 
 
 def eval(*arrays) -> None:  # noqa: A001  (mx.eval's drop-in)

@@ -14,6 +14,8 @@ Arrays (accelerator): ``res_k``/``res_v`` (H, R, d), ``res_tok`` (H, R) int32 (-
 
 from __future__ import annotations
 
+import weakref
+
 import mlx.core as mx
 import numpy as np
 
@@ -25,7 +27,8 @@ class H2OBaselineLayer:
     """The compressed phase of a layer under method "h2o" (see the module docstring)."""
 
     def __init__(self, parent, plan: Plan):
-        self.parent, self.plan, self.config = parent, plan, parent.config
+        # weakly, as CompressedLayer.parent: no cycle with the TieredCache
+        self.parent, self.plan, self.config = weakref.proxy(parent), plan, parent.config
         g = parent.geometry
         self.H, self.dk, self.dv, self.dtype = g.kv_heads, g.k_dim, g.v_dim, g.dtype
         self.S, self.W = plan.sinks, plan.recent

@@ -37,6 +37,23 @@ FORMAT = 2
 # cache will run with}), set by tiered.persist.load.
 EXPECTED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("tiered_expected",
                                                                       default=None)
+# True while tiered.persist.save writes the states: its pages folder holds the disk tier.
+SAVING: contextvars.ContextVar[bool] = contextvars.ContextVar("tiered_saving", default=False)
+
+
+class DiskTierPages:
+    """What ``state`` holds for a disk tier outside a directory save: mlx-lm's
+    ``save_prompt_cache`` refuses it ("Model state is not serializable: <this repr>"), before
+    it writes a file that could not be loaded (the pages are in a page file, not the state)."""
+
+    def __init__(self, layer: int, nbytes: int):
+        self.layer, self.nbytes = layer, nbytes
+
+    def __repr__(self) -> str:
+        return (f"layer {self.layer} keeps {self.nbytes} bytes of pages in a disk tier, which a "
+                "single .safetensors file does not hold: save the cache to a directory with "
+                "cache.save(directory, model) and load it with "
+                "tiered.TieredCacheList.load(directory, model)")
 
 
 def _geometry_json(layer):
@@ -87,21 +104,34 @@ def state_of(layer):
     k, v = comp.pop("res_k"), comp.pop("res_v")
     arrays["compressed"] = comp
     if layer.host is not None:
-        arrays["host"] = layer.host.state()
+        host = layer.host.state()
+        if not SAVING.get():
+            for key in [k for k in host if k.endswith("_disk")]:
+                host[key] = DiskTierPages(layer.layer, layer.host.disk_bytes)
+        arrays["host"] = host
     return k, v, meta_of(layer), arrays
 
 
-def lazy_arrays(layer, door: bool = True) -> list:
+def lazy_arrays(layer, door: bool = True, flush: bool = True) -> list:
     """The arrays of ``layer`` a prompt chunk leaves lazy: what evaluating ``state`` evaluates,
     without building it (the host store's block lists and page table, the meta JSON: about
     7% of a 1M-token prefill's host time on an H200, every chunk). Reads the door's checks
-    as ``state`` does (a non-finite chunk raises here), unless ``door`` is False."""
+    as ``state`` does (a non-finite chunk raises here), unless ``door`` is False.
+    ``flush=False``: the write-behind queue and the door's checks are not written or read but
+    listed with the rest (a failed step's roll-back evaluates them: SharedContext.abort_step)."""
     if layer.geometry is None:
         return []
     if layer.phase == "exact":
         return [a for a in (layer.keys, layer.values, layer._obs) if a is not None]
-    layer.flush(door)
-    return [a for _, a in tree_flatten(layer.compressed.state()) if isinstance(a, mx.array)]
+    queued = []
+    if flush:
+        layer.flush(door)
+    else:
+        queued = [a for kv in layer._pending for a in kv] + [
+            ok for _, _, ok in layer._finite_checks] + [
+            a for a in (layer._finite_bad,) if a is not None]
+    return queued + [a for _, a in tree_flatten(layer.compressed.state())
+                     if isinstance(a, mx.array)]
 
 
 def restore(layer, st, context=None):
@@ -133,9 +163,10 @@ def _restore(layer, st, context=None):
         raise ValueError(f"Invalid TieredCache state: format "
                          f"{meta.get('format') if isinstance(meta, dict) else meta!r}, this "
                          f"tiered reads {FORMAT} (and 1)")
-    checks.meta(meta, EXPECTED.get())
-    config = TieredConfig.from_kwargs(**meta["config"])
-    ctx = context or SharedContext(config, layers=int(meta["layers"]))
+    expected = EXPECTED.get() or {}
+    checks.meta(meta, expected)
+    config = _config_of(meta["config"], expected.get("config"))
+    ctx = context or expected.get("context") or SharedContext(config, layers=int(meta["layers"]))
     layer.__init__(config, layer=int(meta["layer"]), context=ctx)
     if meta.get("q_heads"):
         ctx.q_heads = ctx.q_heads or int(meta["q_heads"])
@@ -163,6 +194,10 @@ def _restore(layer, st, context=None):
             layer._colmass = np.array(arrays["colmass"], np.float32)
     else:
         checks.need(isinstance(arrays.get("compressed"), dict), "compressed state missing")
+        host = arrays.get("host")
+        for item in (host.values() if isinstance(host, dict) else ()):
+            if isinstance(item, DiskTierPages):
+                raise SnapshotError(f"this state cannot be restored: {item!r}")
         comp = dict(arrays["compressed"], res_k=k, res_v=v)
         checks.compressed(comp, layer.geometry)
         if comp.get("kind") != "h2o":
@@ -175,6 +210,16 @@ def _restore(layer, st, context=None):
     if layer.offset != int(meta["offset"]):
         raise ValueError("Invalid TieredCache state: offset does not match the stored tokens")
     return layer
+
+
+def _config_of(saved: dict, expected: TieredConfig | None) -> TieredConfig:
+    """A state's options, with the places it may write taken from the load (``expected``:
+    the disk_dir and cache_dir the loader chose) or the defaults, never from the state."""
+    where = {"disk_dir": None, "cache_dir": TieredConfig.__dataclass_fields__[
+        "cache_dir"].default_factory()}
+    if expected is not None:
+        where = {"disk_dir": expected.disk_dir, "cache_dir": expected.cache_dir}
+    return TieredConfig.from_kwargs(**{**saved, **where})
 
 
 def _restore_compressed(layer, comp: dict, host_state):
@@ -193,7 +238,7 @@ def _restore_v1(layer, st: dict, context=None):
     if st.get("version") != 1:
         raise ValueError("Invalid TieredCache state: not written by this version of tiered "
                          f"(version {st.get('version')!r}; this tiered reads 1 and 2)")
-    config = TieredConfig.from_kwargs(**json.loads(st["config"]))
+    config = _config_of(json.loads(st["config"]), (EXPECTED.get() or {}).get("config"))
     ctx = context or SharedContext(config, layers=int(st.get("layers", 1)))
     layer.__init__(config, layer=int(st["layer"]), context=ctx)
     if "geometry" not in st:

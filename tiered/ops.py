@@ -256,6 +256,7 @@ def submit_gather(scheduler, layer, q, z, idx, count, rep, host, rescore_exact, 
     (Hq, cap) by selection slot with ``z_by_slot``; idx (H, cap) int32; count (H,) int32."""
     H = idx.shape[0]
     Hq = H * rep
+    host.check_disk()  # a page file that shrank is an error here, not a SIGBUS in a worker
     args = K.host_store_args(host)
     o = np.zeros((Hq, host.value_dim), np.float32)
     lse = np.full(Hq, -np.inf, np.float32)

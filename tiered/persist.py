@@ -7,13 +7,22 @@ tokens, every file with its size and SHA-256), every layer's ``state`` through m
 tier's page files. Nothing in it refers to a live cache's files, and a loaded cache works on
 copies: using it never writes into the saved directory.
 
-Loading refuses a damaged or swapped file (checksums), a cache made for another model
-(fingerprint, and the geometry the tensors hold) or with other layout options. Runtime options
-(host and disk budgets, disk_dir, workers) come from the save unless given again.
+Loading refuses a damaged or swapped file (checksums; the manifest's own digest), a cache
+made for another model (:func:`tiered.identity.model_identity`: every parameter's bits, and
+the geometry the tensors hold) or with other layout options, and a manifest whose options,
+layers or token count disagree with the layers' saved states. Runtime options (host and disk
+budgets, workers) come from the save unless given again; a load writes only in the cache
+directory (its disk tier, when the pages do not fit the host budget) or in the ``disk_dir``
+it is given, never in a directory a manifest names.
+
+Saves and loads of one directory are ordered by locks (:mod:`tiered.snapshot`); a save waits
+for the step another thread is decoding and holds the next one back while it reads the cache
+(:mod:`tiered.step_guard`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from typing import NamedTuple
@@ -22,21 +31,18 @@ import mlx.core as mx
 import mlx_lm.models.cache as mlx_cache
 from mlx.utils import tree_flatten
 
-from . import layer_state, snapshot
-from .codecs import model_fingerprint
-from .config import TieredConfig
+from . import dispatch, layer_state, snapshot
+from .config import RUNTIME_OPTIONS, TieredConfig, default_cache_dir
 from .context import SharedContext
 from .cpu.disk import PAGES_SOURCE, DiskTierError, check_directory
 from .geometry import model_geometry
+from .identity import model_identity
 from .integration import install, is_tiered
 from .snapshot import SnapshotError
 from .version import __version__
 
 FORMAT = "tiered.cache"
-VERSION = 2
-# Options that change how a loaded cache runs, not what it holds: a load may set them anew.
-RUNTIME_OPTIONS = ("host_budget", "disk_dir", "disk_budget", "workers", "kernel_threads",
-                   "verify_pages", "keep_disk", "device_gather")
+VERSION = 3
 
 
 def check_save_target(directory: str, need_bytes: int = 0) -> str:
@@ -79,11 +85,16 @@ def check_saved(directory: str) -> dict:
     return meta
 
 
-def estimate_save_bytes(model, n_tokens: int) -> int:
-    """Bytes a save of ``n_tokens`` of ``model``'s cache writes at most, before any work: the
-    full cache's size (a save holds the tiers: host values in the host dtype, keys as codes,
-    the resident set; never more than every token's K and V at the model's dtype), and the
-    metadata. Only the metadata where the model's arguments do not say its geometry."""
+def estimate_save_bytes(model, n_tokens: int, config: TieredConfig | None = None) -> int:
+    """Bytes a save of ``n_tokens`` of ``model``'s cache under ``config`` writes at most,
+    before any work. Per layer the larger of the exact layout (every K and V at the model's
+    dtype) and the compressed one: host pages of K (with host_keys) and V in the host dtype,
+    the last block of pages whole (it is saved as allocated), the accelerator tier within
+    its budget, the flags and accumulators (5 bytes per token and kv head); and the metadata.
+    Only the metadata where the model's arguments do not say its geometry."""
+    from .host_tier import MAX_PAGES_PER_BLOCK
+
+    config = config or TieredConfig()
     args = getattr(model, "args", None)
     heads = getattr(args, "num_key_value_heads", None) or getattr(args, "num_attention_heads", 0)
     dim = getattr(args, "head_dim", None) or (
@@ -94,8 +105,17 @@ def estimate_save_bytes(model, n_tokens: int) -> int:
                            if v.dtype in (mx.float32, mx.float16, mx.bfloat16))
     except StopIteration:
         dtype_bytes = 2
+    full = heads * dim * 2 * n_tokens * dtype_bytes  # one layer's KVCache
+    host_bytes = {"float16": 2, "float32": 4, "int8": 1}[config.host_dtype]
+    per_token = heads * dim * host_bytes + (heads * 4 if config.host_dtype == "int8" else 0)
+    pages = n_tokens + MAX_PAGES_PER_BLOCK * config.page_size
+    host = per_token * (2 if config.host_keys else 1) * pages
+    fraction = config.budget_fraction
+    accel = int(full * fraction) if fraction is not None else int(config.gpu_budget) // max(
+        layers, 1)
+    compressed = host + accel + 5 * heads * n_tokens
     metadata = 65536 + 16384 * layers  # manifest, safetensors headers, per-layer state
-    return int(layers * heads * dim * 2 * n_tokens * dtype_bytes) + metadata
+    return layers * max(full, compressed) + metadata
 
 
 def saved_bytes(caches) -> int:
@@ -110,8 +130,20 @@ def saved_bytes(caches) -> int:
 
 def save(caches, directory: str, model) -> str:
     """Write ``caches`` (a TieredCacheList) to ``directory`` as a new snapshot; returns the
-    directory. Atomic: a failed save leaves the previous snapshot as it was."""
+    directory. Atomic: a failed save leaves the previous snapshot as it was. One save writes a
+    directory at a time; a step another thread is decoding ends before the cache is read."""
     directory = check_save_target(directory)
+    identity = model_identity(model)
+    guard = caches.context.steps.saving(repr(directory)) if getattr(
+        caches, "context", None) is not None else contextlib.nullcontext()
+    with guard, snapshot.writer(directory):
+        try:
+            return _save_locked(caches, directory, identity)
+        finally:  # what the save left lazy, evaluated on its own thread (streams are per thread)
+            dispatch.eval_held(caches)
+
+
+def _save_locked(caches, directory: str, identity: str) -> str:
     caches.settle()  # save the tiers a decode step would use: codes and host pages
     layers = [c for c in caches if is_tiered(c)]
     for c in layers:
@@ -121,6 +153,7 @@ def save(caches, directory: str, model) -> str:
     sid = snapshot.new_id()
     names: list[str] = []
     pages = f"pages-{sid}"
+    token = layer_state.SAVING.set(True)
     try:
         for c in layers:
             for t in (c.host.tensors if c.host is not None else []):
@@ -133,10 +166,10 @@ def save(caches, directory: str, model) -> str:
         cache_name = f"cache-{sid}.safetensors"
         names.append(cache_name)
         mlx_cache.save_prompt_cache(os.path.join(directory, cache_name), caches,
-                          metadata={"tiered_snapshot": sid})
+                                    metadata={"tiered_snapshot": sid})
         meta = {
             "format": FORMAT, "version": VERSION, "tiered": __version__,
-            "model": model_fingerprint(model),
+            "model": identity,
             "config": caches.config.to_dict(),
             "tiered_layers": list(caches.tiered_layers),
             "kept_layers": [list(x) for x in caches.kept_layers],
@@ -152,6 +185,8 @@ def save(caches, directory: str, model) -> str:
             raise SnapshotError(f"cannot save a cache to {directory!r}: {e}; the previous "
                                 "snapshot there (if any) is unchanged") from None
         raise
+    finally:
+        layer_state.SAVING.reset(token)
     return directory
 
 
@@ -172,6 +207,17 @@ def _config_for_load(meta: dict, directory: str, overrides: dict | None):
     return wanted
 
 
+def _where_a_load_writes(config: TieredConfig, directory: str, overrides: dict | None):
+    """The loaded cache's disk tier goes to the ``disk_dir`` the caller gives, else into the
+    cache directory itself (anonymous page files); calibration and profile caches to the
+    caller's ``cache_dir``, else the default. Never where the manifest says."""
+    overrides = overrides or {}
+    config.disk_dir = os.path.abspath(overrides["disk_dir"]) if overrides.get(
+        "disk_dir") is not None else os.path.abspath(directory)
+    config.cache_dir = overrides.get("cache_dir") or default_cache_dir()
+    return config
+
+
 class Loaded(NamedTuple):
     """What :func:`load` read: the caches, one per layer as mlx-lm's loader made them, and
     what their tiered layers share from now on (``TieredCacheList.load`` links them)."""
@@ -186,30 +232,58 @@ def load(directory: str, model, *, expect_config: dict | None = None) -> Loaded:
     """The caches saved in ``directory``. ValueError if the snapshot is damaged, was made for
     another model, or (``expect_config``) with other layout options; runtime options in
     ``expect_config`` (RUNTIME_OPTIONS) replace the saved ones."""
+    with snapshot.reader(directory):
+        return _load_locked(directory, model, expect_config)
+
+
+def _load_locked(directory: str, model, expect_config: dict | None) -> Loaded:
     meta = check_saved(directory)
-    fp = model_fingerprint(model)
-    if meta["model"] != fp:
-        raise SnapshotError(f"the cache in {directory!r} was made for another model "
-                            f"({meta['model']}), not this one ({fp})")
-    config = _config_for_load(meta, directory, expect_config)
+    identity = model_identity(model)
+    if meta["model"] != identity:
+        raise SnapshotError(f"the cache in {directory!r} was made for another model (weights "
+                            f"{meta['model'][:16]}...), not this one ({identity[:16]}...): a "
+                            "cache holds keys and values only the model that made them reads")
+    config = _where_a_load_writes(_config_for_load(meta, directory, expect_config), directory,
+                                  expect_config)
     install()
     geo = model_geometry(model, len(meta["tiered_layers"]))
+    ctx = SharedContext(config, layers=len(meta["tiered_layers"]), model=model)
     pages = snapshot.resolve(directory, meta["pages"]) if meta.get("pages") else None
     token = PAGES_SOURCE.set(pages)
-    expect = layer_state.EXPECTED.set({"geometry": geo, "config": config})
+    expect = layer_state.EXPECTED.set({"geometry": geo, "config": config, "context": ctx})
     try:
         caches = mlx_cache.load_prompt_cache(snapshot.resolve(directory, meta["cache"]))
     except SnapshotError:
+        ctx.close()
         raise
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError, OverflowError) as e:
+        ctx.close()
         raise SnapshotError(f"the cache in {directory!r} cannot be read: {e}") from None
     finally:
         PAGES_SOURCE.reset(token)
         layer_state.EXPECTED.reset(expect)
-    n_layers = len(getattr(model, "layers", []))
+    try:
+        _check_layers(caches, meta, directory, len(getattr(model, "layers", [])))
+    except SnapshotError:
+        for c in caches:
+            if is_tiered(c):
+                c.close()
+        ctx.close()
+        raise
+    return Loaded(caches, ctx, config, [tuple(x) for x in meta["kept_layers"]])
+
+
+def _check_layers(caches, meta: dict, directory: str, n_layers: int) -> None:
+    """The manifest's layers and token count are the states' own."""
     tiered = [i for i, c in enumerate(caches) if is_tiered(c)]
     if tiered != meta["tiered_layers"] or (n_layers and len(caches) != n_layers):
         raise SnapshotError(f"the cache in {directory!r} holds {len(caches)} layers "
                             f"(tiered {tiered}), this model has {n_layers}")
-    ctx = SharedContext(config, layers=len(tiered), model=model)
-    return Loaded(caches, ctx, config, [tuple(x) for x in meta["kept_layers"]])
+    kept = [i for i in range(len(caches)) if i not in tiered]
+    if [x[0] if isinstance(x, list) and x else None for x in meta["kept_layers"]] != kept:
+        raise SnapshotError(f"the manifest of {directory!r} lists kept layers "
+                            f"{meta['kept_layers']!r}; the states hold {kept}")
+    tokens = max((caches[i].offset for i in tiered), default=0)
+    if tokens != meta["tokens"]:
+        raise SnapshotError(f"the manifest of {directory!r} says {meta['tokens']} tokens; the "
+                            f"states hold {tokens}")

@@ -15,21 +15,35 @@ previous snapshot is intact and is the one a load sees; after it, the previous s
 files are removed. A save that fails removes what it wrote. Names read from a manifest are
 accepted only as one or two plain components (no absolute path, no ``..``, no symbolic link),
 resolved inside the directory.
+
+One save writes a directory at a time (an exclusive ``flock`` on ``.tiered-save.lock``, held
+from the first data file to the removal of the replaced snapshot's files); a load holds a
+shared lock on ``.tiered-read.lock`` while it reads, and the save takes that one alone only to
+remove the files of the snapshot it replaced. Locks are per open file, so they order threads
+of one process as well as processes. The manifest carries a digest of its own fields: a
+manifest edited by hand is refused as damaged.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
 import uuid
 
 MANIFEST = "tiered.json"
+SAVE_LOCK = ".tiered-save.lock"
+READ_LOCK = ".tiered-read.lock"
+log = logging.getLogger("tiered")
 READ_CHUNK = 8 << 20
 _PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _OURS = re.compile(r"^(cache-[0-9a-f]{12}\.safetensors|pages-[0-9a-f]{12})$")
+_STALE_TMP = re.compile(r"^\.tiered\.json\.[0-9a-f]{12}\.tmp$")  # a killed save's manifest
 
 
 class SnapshotError(ValueError):
@@ -38,6 +52,49 @@ class SnapshotError(ValueError):
 
 def new_id() -> str:
     return uuid.uuid4().hex[:12]
+
+
+def manifest_digest(meta: dict) -> str:
+    """SHA-256 of a manifest's fields (all but ``digest`` itself), in a canonical form."""
+    body = {k: v for k, v in meta.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"))
+                          .encode()).hexdigest()
+
+
+@contextlib.contextmanager
+def _flock(directory: str, name: str, exclusive: bool, what: str, required: bool):
+    """Hold ``flock`` on ``directory/name`` (created if needed). Where it cannot be created
+    (a read-only directory: nothing can be saved there either) and not ``required``, go on
+    without it."""
+    path = os.path.join(directory, name)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        if required:
+            raise SnapshotError(f"cannot lock {directory!r} for {what}: {e}") from None
+        yield
+        return
+    try:
+        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("tiered: waiting for %s of %s", "another save" if exclusive else
+                     "a save", directory)
+            fcntl.flock(fd, mode)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def writer(directory: str):
+    """The directory's save lock: one save at a time, across threads and processes."""
+    return _flock(directory, SAVE_LOCK, True, "a save", required=True)
+
+
+def reader(directory: str):
+    """A shared lock for reading a snapshot: its files stay until the read ends."""
+    return _flock(directory, READ_LOCK, False, "a load", required=False)
 
 
 def sha256_file(path: str) -> str:
@@ -101,6 +158,9 @@ def read_manifest(directory: str) -> dict:
         raise SnapshotError(f"{path!r} is damaged ({e})") from None
     if not isinstance(meta, dict):
         raise SnapshotError(f"{path!r} is damaged (not a JSON object)")
+    if meta.get("digest") != manifest_digest(meta):
+        raise SnapshotError(f"{path!r} was changed after it was saved (its digest does not "
+                            "match its fields): the snapshot is damaged or edited")
     files = meta.get("files")
     if not isinstance(files, dict) or not files:
         raise SnapshotError(f"{path!r} lists no data files")
@@ -124,6 +184,7 @@ def read_manifest(directory: str) -> dict:
 def commit(directory: str, meta: dict) -> None:
     """Write ``meta`` as the manifest atomically, then remove the files of the snapshot it
     replaces (ours only: names of our pattern that the new manifest does not list)."""
+    meta = dict(meta, digest=manifest_digest(meta))
     tmp = os.path.join(directory, f".{MANIFEST}.{new_id()}.tmp")
     try:
         with open(tmp, "w", encoding="utf-8") as f:
@@ -136,9 +197,10 @@ def commit(directory: str, meta: dict) -> None:
         _remove(tmp)
         raise
     keep = {n.split("/")[0] for n in meta["files"]}
-    for name in os.listdir(directory):
-        if _OURS.match(name) and name not in keep:
-            _remove(os.path.join(directory, name))
+    with _flock(directory, READ_LOCK, True, "removing a replaced snapshot", required=False):
+        for name in os.listdir(directory):
+            if (_OURS.match(name) and name not in keep) or _STALE_TMP.match(name):
+                _remove(os.path.join(directory, name))
 
 
 def _remove(path: str) -> None:

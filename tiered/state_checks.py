@@ -65,6 +65,16 @@ def meta(m: dict, expected: dict | None) -> None:
     if perm is not None:
         need(isinstance(perm, list) and all(isinstance(i, int) for i in perm) and
              sorted(perm) == list(range(len(perm))), "head_perm is not a permutation")
+    config = (expected or {}).get("config")
+    if config is not None:
+        from .config import RUNTIME_OPTIONS
+
+        want = config.to_dict()
+        saved = m["config"]
+        diff = sorted(k for k in set(want) | set(saved)
+                      if k not in RUNTIME_OPTIONS and saved.get(k) != want.get(k))
+        need(not diff, "its options differ from the manifest's: " + ", ".join(
+            f"{k}={saved.get(k)!r} (manifest {want.get(k)!r})" for k in diff[:4]))
     model = (expected or {}).get("geometry")
     if model is not None:
         need(geo[1] == model.kv_heads and geo[2] == model.k_dim,

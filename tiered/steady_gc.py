@@ -6,7 +6,8 @@ step now and then: at 1M tokens on an H200, step 107 of 120 took 406 ms (the med
 in another run, step 119 took 261 ms, of which 233 ms were one collection (bench/million.py
 --step-timers). At a cache's first decode step the collector runs once and freezes what
 exists (``gc.freeze``): later collections walk only the objects made since, and the frozen
-ones are still freed when nothing refers to them (only cycles among them would stay).
+ones are still freed when nothing refers to them (only cycles among them would stay: so a
+layer's parts hold their TieredCache weakly, or the first cache to decode was never freed).
 
 ``TIERED_GC_FREEZE=0`` in the environment leaves the collector alone.
 """
