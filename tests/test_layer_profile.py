@@ -9,6 +9,7 @@ from conftest import make_small_model
 import mlx.core as mx
 
 import tiered
+from tiered.undo import Journal
 from tiered import layer_planner
 from tiered import layer_probe as P
 from tiered.layer_profile import LayerProfile, save_profile
@@ -298,7 +299,8 @@ def test_outliers_of_prompt_chunks_are_those_of_the_whole_prompt(monkeypatch):
     whole.append(mx.array(keys), 0)
     ref, _ = whole.worst_coded(mx.array(keys), compressed.HOST_OUTLIERS)
     layer = SimpleNamespace(plan=plan, keys=CodebookKeys(H, book, 512, 8, numpy_path=True),
-                            _host_outliers=None, _outlier_err=None)
+                            _host_outliers=None, _outlier_err=None,
+                            journal=Journal(0, 64))
     for a, b in ((0, 150), (150, 151), (151, 400)):
         chunk = mx.array(keys[:, a:b])
         layer.keys.append(chunk, a)
@@ -321,7 +323,8 @@ def test_outliers_are_not_searched_where_the_device_step_decodes(monkeypatch):
     keys = mx.array(rng.normal(size=(H, n, 16)).astype(np.float32))
     layer = SimpleNamespace(plan=SimpleNamespace(keep_values_resident=False, sinks=4),
                             keys=CodebookKeys(H, book, 512, 8, numpy_path=True),
-                            _host_outliers=None, _outlier_err=None)
+                            _host_outliers=None, _outlier_err=None,
+                            journal=Journal(0, 64))
     layer.keys.append(keys, 0)
     monkeypatch.setattr(uva, "available", lambda: True)
     compressed.CompressedLayer._note_outliers(layer, keys, 0)

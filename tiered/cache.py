@@ -32,7 +32,7 @@ from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from tiered.cpu import HostStore
 
-from . import cache_list, contract, device_append, dispatch, layer_state, steady_gc
+from . import cache_list, contract, device_append, dispatch, layer_state, steady_gc, trim
 from .cache_list import TieredCacheList  # noqa: F401  (it lived here: old imports keep working)
 from .cache_protocol import CacheProtocol
 from .config import TieredConfig
@@ -211,23 +211,9 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
         return self.phase == "exact" or self.compressed.is_trimmable()
 
     def trim(self, n: int) -> int:
-        n = min(self.offset, max(0, int(n)))
-        if n == 0:
-            return 0
-        if n == self.offset and self.phase == "compressed":  # back to empty: a fresh start
-            self._drop_tiers()
-            return n
-        if self.phase == "compressed":
-            n = self.compressed.trim(n)
-            self.offset -= n
-            return n
-        self.offset -= n
-        if self._colmass is not None:  # the trimmed tokens' mass goes; fed again, it comes back
-            self._colmass[:, self.offset :] = 0
-        if self._obs is not None:  # the trimmed queries leave the observation window
-            keep = self._obs.shape[2] - n
-            self._obs = self._obs[..., :keep, :] if keep > 0 else None
-        return n
+        """Give back the last n tokens (any int: clipped to [0, offset]), all or nothing; a
+        compressed layer trimmed below its threshold is exact again (:mod:`tiered.trim`)."""
+        return trim.trim_layer(self, n)
 
     def size(self) -> int:
         return self.offset

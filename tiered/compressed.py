@@ -216,6 +216,8 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
             ids, err = np.take_along_axis(ids, top, 1), np.take_along_axis(err, top, 1)
             order = np.argsort(ids, axis=1)
             ids, err = np.take_along_axis(ids, order, 1), np.take_along_axis(err, order, 1)
+        self.journal.record(n0 + keys.shape[1], "outliers", (self._host_outliers,
+                                                             self._outlier_err))
         self._host_outliers, self._outlier_err = ids, err
 
     # ---- appends ---------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import numpy as np
 from . import dispatch, ops, undo
 from .keys import AffineKeys, CodebookKeys
 from .planner import capacity
+from .trim import trim_compressed
 
 
 class CompressedState:
@@ -51,29 +52,10 @@ class CompressedState:
         return True
 
     def trim(self, n_trim: int) -> int:
-        """Give back the last n_trim tokens: undone through the journal (tiered.undo), so that
-        feeding them again reproduces the first feed; past the journal, the tokens go and the
-        resident set is rebuilt from the policy."""
-        self.settle()
-        n_trim = min(n_trim, self.n)
-        target = self.n - n_trim
-        self._spill_reset()  # the spill may hold trimmed tokens: the next update drops them
-        self.parent.drop_pending_after(target)
-        exact = undo.undo(self, target)
-        self.n = target
-        self.parent.host.truncate(min(target, self.parent.host.length))
-        if not exact:
-            tok = self._res_tok_np
-            tok[tok >= target] = -1
-            self.res_tok = mx.array(tok)
-        if self.numpy_path:
-            self._flags_np[:, target:] = 0
-        else:
-            self.flags[:, target:] = 0
-        if not exact:
-            self._rebuild_resident()
-            self.journal.forget(target)
-        return n_trim
+        """Give back the last n_trim tokens, all or nothing: undone through the journal
+        (tiered.undo), so that feeding them again reproduces the first feed; past the journal,
+        the tokens go and the resident set is rebuilt from the policy (tiered.trim)."""
+        return trim_compressed(self, n_trim)
 
     def state(self) -> dict:
         self.settle()

@@ -222,32 +222,38 @@ class SharedContext:
         """layout_at for planner="layers": (done, plan); not done: use the uniform ladder."""
         if self.layer_plans is not None:
             return True, self.layer_plans.get(layer.layer, self.plan)
-        cfg = self.config
-        if cfg.budget_fraction is None and layout.exact_fits(self.geometry_for(layer), cfg, n):
-            return True, None
-        if cfg.budget_fraction is not None and cfg.compress_from is None:
-            t = self.threshold(layer)
-            if t is None or n < t:
-                return True, None
         plans = self._layer_plans_at(layer, n)
         if plans is None:
             return False, None
         return True, plans.get(layer.layer)
 
     def layout_at(self, layer, n: int) -> Plan | None:
-        """The layout of ``layer`` at n tokens (None: exact); the shared plan once made."""
+        """The layout of ``layer`` at n tokens (None: exact). Exact below a fraction's
+        threshold (without compress_from) or within an absolute budget (before compress_from),
+        whatever plan exists (a trimmed layer goes by this too); then the plan made once,
+        where it holds n within a fraction (one made for a long document need not hold a
+        short one: compressing with it would raise)."""
+        cfg, plan, done = self.config, None, False
+        if cfg.compress_from is None or n < cfg.compress_from:
+            if cfg.budget_fraction is None:
+                if layout.exact_fits(self.geometry_for(layer), cfg, n):
+                    return None
+            elif cfg.compress_from is None:
+                t = self.threshold(layer)
+                if t is None or n < t:
+                    return None  # below the threshold (or in its sawtooth): exact
         if self._layered():
             done, plan = self._layered_layout(layer, n)
-            if done:
-                return plan
-        if self.plan is not None:
-            return self.plan
-        cfg = self.config
-        if cfg.budget_fraction is not None and cfg.compress_from is None:
-            t = self.threshold(layer)
-            if t is None or n < t:
-                return None  # below the threshold (or in its sawtooth): exact
-        return layout.layout_at(self.geometry_for(layer), cfg, n)
+        if not done:
+            if self.plan is None:
+                return layout.layout_at(self.geometry_for(layer), cfg, n)
+            plan = self.plan
+        try:
+            if plan is not None and cfg.budget_fraction is not None:
+                plan.check(n, cfg.heavy.horizon)
+        except BudgetError:
+            return None
+        return plan
 
     def threshold(self, layer) -> int | None:
         """First length at which the layer compresses (fractions: the compression threshold;

@@ -69,16 +69,17 @@ class ResidentSet:
             return self.res_tok
         return None
 
-    def _refresh_layout(self, n: int, journal: bool) -> tuple[int, int, int]:
-        """(resident slots, sinks, recent window) per head of a rebuild at n tokens."""
+    def _refresh_layout(self, n: int, journal: bool, clip: bool = False) -> tuple[int, int, int]:
+        """(resident slots, sinks, recent window) per head of a rebuild at n tokens; ``clip``:
+        a trim's, which never fails (where the plan does not hold n, at most the set's size)."""
         try:
             R = self._resident_layout(n)
         except BudgetError:
-            if not journal or self.res_tok is None:
+            if not (journal or clip) or self.res_tok is None:
                 raise  # compressing: the caller keeps the layer exact
             # A refresh never fails a decode step: the planner's look-ahead (refresh_every
             # tokens) can refuse a length the layer already holds; the set keeps its size.
-            R = self.R
+            R = min(self.R, n)
         if journal and self.on_device and R > RESIDENT_GRAIN:
             # A refresh on the device path keeps the slots' count to a multiple of the grain:
             # the budget's count grows by about a slot per refresh, and every new count is a
@@ -167,16 +168,17 @@ class ResidentSet:
         return got
 
     def _rebuild_resident(self, keys: mx.array | None = None, values: mx.array | None = None,
-                          journal: bool = False):
+                          journal: bool = False, clip: bool = False):
         """Lay out sinks, recent ring and heavy hitters; K/V from ``keys``/``values`` (H, n, d)
         when given (exact phase), else from the current resident set and the host.
-        ``journal``: record what it replaces (a refresh; see tiered.undo)."""
+        ``journal``: record what it replaces (a refresh; see tiered.undo). ``clip``: a trim's
+        rebuild (see _refresh_layout)."""
         n, H = self.n, self.H
         if keys is None and not self.on_device:
             # tokens leaving the ring are read back from the host. The device path needs no
             # flush (and no wait): whatever is not resident is on the pages already
             self.parent.flush()
-        R, S, W = self._refresh_layout(n, journal)
+        R, S, W = self._refresh_layout(n, journal, clip)
         ahead = self._take_ahead((n, H, R, S, W)) if keys is None else None
         if ahead is not None:
             self._swap_resident(ahead.tok, S, W, journal, ahead.in_place)
@@ -185,6 +187,11 @@ class ResidentSet:
         heavy = self._choose_heavy(heavy_n, n, S, W) if self.heavy is not None else np.full(
             (H, heavy_n), -1, np.int32)
         tok = refresh_plan.layout(n, H, S, W, heavy)  # the sinks are not repeated in the ring
+        if clip and keys is None and self._resident_only():
+            # no full keys on the host: a token the set does not hold now (a trim's new ring)
+            # stays offloaded (codes and host values), its slot empty
+            tok = np.where(undo.resident_mask(self._res_tok_np, n)[np.arange(H)[:, None],
+                                                                   np.maximum(tok, 0)], tok, -1)
         if keys is None:
             self._swap_resident(tok, S, W, journal)
             return

@@ -12,10 +12,13 @@ it overwrote, and trim undoes the entries of the trimmed tokens, newest first:
   journal restores those first): equal up to float rounding;
 - ``refresh``: the resident token ids before it, and the K/V rows of the tokens it demoted
   (the promoted ones are dropped again): restored exactly;
-- ``chunk`` / ``prefill_end``: the block-wise prefill's blocks before the change.
+- ``chunk`` / ``prefill_end``: the block-wise prefill's blocks before the change;
+- ``outliers``: the host outliers before a prompt chunk's were noted.
 
 Only the last ``undo_tokens`` tokens are journaled (a trim reaching further back, or past the
 compression, rebuilds the resident set from the policy, as a refresh does, and says so once).
+A trim into a journaled prompt chunk undoes the chunk and appends its first tokens again
+(:func:`tiered.trim.replay_chunk`).
 """
 
 from __future__ import annotations
@@ -181,17 +184,34 @@ def flags_from_resident(layer) -> None:
         layer.flags[:, :n] = mx.array(flags)
 
 
-def undo(layer, n_target: int) -> bool:
+def warn_once(layer) -> None:
+    j = layer.journal
+    if not j.warned:
+        j.warned = True
+        log.warning("tiered: layer %d trimmed back past its undo journal (%d tokens): the "
+                    "resident set is rebuilt from the policy", layer.parent.layer, j.limit)
+
+
+def entry_around(journal: Journal, n_target: int) -> tuple[int, int] | None:
+    """(n0, n_after) of the journaled append of several tokens (a prompt chunk) that n_target
+    falls strictly inside, else None."""
+    for n_after, kind, payload in reversed(journal.entries):
+        if n_after <= n_target:
+            return None
+        if kind == "append" and payload[0] < n_target:
+            return payload[0], n_after
+    return None
+
+
+def undo(layer, n_target: int, blocks: dict | None = None) -> bool:
     """Undo every change newer than n_target tokens; False when the journal does not reach
-    back that far (nothing is undone then)."""
+    back that far (nothing is undone then). ``blocks``: receives, by the entry's token count,
+    the local block (start, K, V) each undone chunk entry replaces (the chunk's own K/V)."""
     j = layer.journal
     if not j.covers(n_target):
-        if not j.warned:
-            j.warned = True
-            log.warning("tiered: layer %d trimmed back past its undo journal (%d tokens): the "
-                        "resident set is rebuilt from the policy", layer.parent.layer, j.limit)
+        warn_once(layer)
         return False
-    for _, kind, payload in j.pop_after(n_target):
+    for n_after, kind, payload in j.pop_after(n_target):
         if kind == "append":
             undo_append(layer, *payload)
         elif kind == "step":
@@ -199,5 +219,9 @@ def undo(layer, n_target: int) -> bool:
         elif kind == "refresh":
             undo_refresh(layer, *payload)
         elif kind in ("chunk", "prefill_end"):
+            if kind == "chunk" and blocks is not None:
+                blocks[n_after] = (layer.local_start, layer.local_k, layer.local_v)
             layer.restore_blocks(payload)
+        elif kind == "outliers":
+            layer._host_outliers, layer._outlier_err = payload
     return True
