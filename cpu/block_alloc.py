@@ -4,6 +4,8 @@ over a few CPU streams, queued ahead of need for the block maker's thread to rea
 
 from __future__ import annotations
 
+import threading
+
 import mlx.core as mx
 import numpy as np
 
@@ -26,17 +28,20 @@ PAD_MIN_BYTES = 1 << 20  # smaller blocks are asked as they are (a pad would out
 # CPU streams the blocks' fills are spread over (each stream is a thread of MLX's): one fill
 # of a fresh 32 MB managed block took ~28 ms on an H200's host (first touch of its pages).
 FILL_STREAMS = 4 if CUDA else 1
-_streams: list = []
+# Per thread: MLX streams belong to the thread that made them ("There is no Stream(cpu, 7) in
+# current thread" when a cache made in one thread grew its host pages in another).
+_local = threading.local()
 
 
 def _fill_stream():
-    """The next CPU stream of FILL_STREAMS (made on first use), in turn."""
+    """The next CPU stream of FILL_STREAMS (made on first use in this thread), in turn."""
     if FILL_STREAMS <= 1:
         return mx.cpu
-    while len(_streams) < FILL_STREAMS:
-        _streams.append(mx.new_stream(mx.cpu))
-    _streams.append(_streams.pop(0))
-    return _streams[-1]
+    streams = getattr(_local, "streams", None)
+    if streams is None:
+        streams = _local.streams = [mx.new_stream(mx.cpu) for _ in range(FILL_STREAMS)]
+    streams.append(streams.pop(0))
+    return streams[-1]
 
 
 def full_block(shape, dtype: str, fill) -> mx.array:

@@ -21,8 +21,17 @@ import pytest
 from isolated import WARM_S, Child
 
 
-def _fds() -> set:
-    return set(os.listdir("/proc/self/fd"))
+def _fds(directory: str) -> set:
+    """Descriptors of files in ``directory`` (the disk tier's, unlinked ones included; not
+    those a GPU runtime opens at the first step)."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(directory):
+                out.add(fd)
+        except OSError:
+            pass
+    return out
 
 
 def _held_inodes(inodes: set) -> dict:
@@ -54,7 +63,7 @@ def first_cache(disk_dir: str, close: bool) -> dict:
 
     model = make_small_model("llama-gqa-d64", layers=3, seed=1)
     ids = np.random.default_rng(1).integers(10, 49000, 500).tolist()
-    before = _fds()
+    before = _fds(disk_dir)
     cache = TieredCache.for_model(model, gpu_budget=0.25, page_size=64, recent=16,
                                   prefill_window=256, host_budget="150KB", disk_dir=disk_dir)
     prefill(model, cache, ids, chunk=250)
@@ -71,12 +80,12 @@ def first_cache(disk_dir: str, close: bool) -> dict:
     if close:
         cache.close()
         got["closed"] = _held_inodes(inodes)
-        got["fds_closed"] = sorted(_fds() - before)
+        got["fds_closed"] = sorted(_fds(disk_dir) - before)
     del cache, files
     gc.collect()
     got["alive"] = [type(r()).__name__ for r in refs if r() is not None]
     got["gone"] = _held_inodes(inodes)
-    got["fds_gone"] = sorted(_fds() - before)
+    got["fds_gone"] = sorted(_fds(disk_dir) - before)
     return got
 
 

@@ -13,6 +13,7 @@ from conftest import make_small_model
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import trim_prompt_cache
 
+from tiered.resident import ResidentSet
 from tiered import TieredCache, undo
 from tiered.cpu import HostStore
 from tiered.prefill import prefill
@@ -179,7 +180,8 @@ def _fail_second_call(monkeypatch, owner, name):
 @pytest.mark.parametrize("where", ["to_exact", "journal", "rebuild"])
 def test_a_failed_trim_leaves_the_cache_as_it_was(small, monkeypatch, where):
     """A trim that fails halfway (the host read of the exact phase's K/V; the undo journal
-    after one entry; the rebuild's host read) raises and leaves offset and every tier as they
+    after one entry; the rebuild's read of promoted rows, from the host pages or, on the
+    device path, by the GPU's gather) raises and leaves offset and every tier as they
     were: the state equals an untrimmed twin's, and so does the next step."""
     toks = _ids(12, seed=5)
 
@@ -193,7 +195,7 @@ def test_a_failed_trim_leaves_the_cache_as_it_was(small, monkeypatch, where):
     _assert_same_state(cache, twin)
     trim, owner, name = {"to_exact": (500, HostStore, "lazy_tokens"),
                          "journal": (6, undo, "undo_step"),
-                         "rebuild": (200, HostStore, "gather_rows")}[where]
+                         "rebuild": (200, ResidentSet, "_promoted_rows")}[where]
     calls = _fail_second_call(monkeypatch, owner, name)
     with pytest.raises(RuntimeError, match="injected"):
         trim_prompt_cache(cache, trim)

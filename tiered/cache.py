@@ -113,6 +113,7 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
         L, before, first = keys.shape[2], self.offset, self.geometry is None
         if self._first_layer():
             self.context.steps.enter()  # a save in another thread reads between steps
+            self.context.adopted = dispatch.adopt_stream(keys, values)
         if not self._beside_dispatch():
             dispatch.drain()
         contract.check_update(keys, values, self.geometry)
@@ -237,6 +238,9 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
         step's tokens gives them back (the step is applied whole or not at all)."""
         self._require_open()
         fresh = self._fresh
+        if self.context.adopted:  # this thread's first step on the shared stream (see above)
+            self.context.adopted = False
+            mx.eval(queries)
         if not (fresh and self._beside_dispatch()):
             dispatch.drain()
         try:

@@ -73,6 +73,7 @@ class SharedContext:
         self.tokenizer = None
         self._caches = None  # weakref to the TieredCacheList (abort_step)
         self.steps = StepGuard()  # saves read the caches between steps (tiered.step_guard)
+        self.adopted = False  # a step switched its thread to the shared stream (dispatch)
         self.host_budget = HostBudget(config.host_budget)
         self.disk_budget = HostBudget(config.disk_budget) if config.disk_budget else None
 

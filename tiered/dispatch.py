@@ -88,6 +88,20 @@ def on_shared_stream() -> bool:
             and mx.default_stream(mx.default_device()) == _stream)
 
 
+def adopt_stream(*arrays) -> bool:
+    """A step starting on a thread whose default stream is not the shared one (a model run
+    from a thread other than the one that made the cache, outside mlx-lm's generate): what
+    the step built so far (``arrays``, on this thread's own stream, which no other thread can
+    evaluate: the dispatcher, a save) is evaluated here, and the shared stream becomes this
+    thread's default. True when it switched."""
+    s = _stream
+    if s is None or mx.default_stream(mx.default_device()) == s:
+        return False
+    mx.eval(*arrays)
+    mx.set_default_stream(s)
+    return True
+
+
 def share_streams() -> bool:
     """Build on the shared stream from now on: the calling thread's default stream and
     mlx-lm's generation stream (``generate`` and ``stream_generate`` run the model inside

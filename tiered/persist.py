@@ -136,7 +136,9 @@ def save(caches, directory: str, model) -> str:
     identity = model_identity(model)
     guard = caches.context.steps.saving(repr(directory)) if getattr(
         caches, "context", None) is not None else contextlib.nullcontext()
-    with guard, snapshot.writer(directory):
+    shared = dispatch.stream()  # CUDA: what the steps left, and the save makes, on one stream
+    with guard, snapshot.writer(directory), (mx.stream(shared) if shared is not None
+                                             else contextlib.nullcontext()):
         try:
             return _save_locked(caches, directory, identity)
         finally:  # what the save left lazy, evaluated on its own thread (streams are per thread)
