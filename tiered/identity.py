@@ -93,15 +93,22 @@ def _mix_mx(idx: mx.array, seed: int) -> mx.array:
     return c | 1
 
 
+@mx.compile
+def _chunk_lanes(w: mx.array, start: mx.array) -> mx.array:
+    """(2,) uint32 lane sums of one chunk of words whose first index is ``start`` (compiled:
+    the index mixing fuses into one kernel per lane)."""
+    idx = mx.arange(w.size, dtype=mx.uint32) + start
+    w = w.astype(mx.uint32)
+    return mx.stack([mx.sum(w * _mix_mx(idx, s)) for s in SEEDS])
+
+
 def _lanes_device(words: mx.array) -> tuple[int, int]:
     """Both lane sums with MLX integer ops (uint32 arithmetic wraps), on the default device."""
     n = words.size
     sums = []
     for start in range(0, n, CHUNK):
         stop = min(n, start + CHUNK)
-        w = words[start:stop].astype(mx.uint32)
-        idx = mx.arange(start, stop, dtype=mx.uint32)
-        sums.append(mx.stack([mx.sum(w * _mix_mx(idx, s)) for s in SEEDS]))
+        sums.append(_chunk_lanes(words[start:stop], mx.array(start, dtype=mx.uint32)))
     if not sums:
         return 0, 0
     total = sums[0]
