@@ -11,11 +11,21 @@ apart) and ``--steps`` timed steps; the median ms/token is reported.
 
 Bytes read per step are counted from the layout (attention state only, and the model weights
 apart), and set against the machine's measured copy bandwidth; the floor column puts the same
-bytes at the measured rates (device bytes and weights at the copy bandwidth, host bytes at the
-host-to-device copy rate).
+bytes at the measured rates (device bytes and weights at the copy bandwidth; tiered's host bytes
+at the read rate of the device path's own chunk gather from pinned host pages, measured here by
+bench/host_read_rate.py on CUDA, else at the host-to-device copy rate; the streaming baseline's
+at the copy rate). "graph ms": the host time to build a token's graph (model call and argmax,
+before evaluation), median over the timed steps.
+
+``--attention realistic`` replaces the tiled keys by keys made so that tiered's tau selections
+and resident hit rates follow what the embedded model shows on real text
+(bench/attention_workload.py, bench/attention_profile_embedded.json); each tiered run then
+prints its selections per layer against the profile's.
 
     python bench/decode_speed.py                                  # embedded model, CPU
     python bench/decode_speed.py --model llama3-8b --contexts 4096 16384 65536 131072
+    python bench/decode_speed.py --model llama3-8b-2l --contexts 16384 --methods tiered \
+        --budgets 0.125 --attention realistic --steps 20 --warmup 3
 """
 
 from __future__ import annotations
@@ -33,6 +43,8 @@ from common import (RESULTS, figure, finish_axes, machine, md_table, save_figure
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
+from attention_workload import RealisticKeys, query_scales, stats_summary
+from host_read_rate import host_read_rate
 from streaming_cache import StreamingCache, host_copy_rate
 
 import tiered
@@ -102,24 +114,35 @@ def tile(a: mx.array, n: int) -> mx.array:
     return mx.concatenate([a] * reps, axis=2)[..., :n, :]
 
 
-def kv_caches(seed, n, make=KVCache):
+def kv_caches(seed, n, make=KVCache, workload=None):
     """One cache per layer (``make()``: KVCache, or the streaming baseline's StreamingCache)
-    holding the seed K/V tiled to n tokens; each layer evaluated as it is filled."""
+    holding the seed K/V tiled to n tokens; each layer evaluated as it is filled.
+    ``workload``: an attention_workload.RealisticKeys whose keys replace the tiled ones."""
     out = []
-    for k, v in seed:
+    for i, (k, v) in enumerate(seed):
         c = make()
-        mx.eval(c.update_and_fetch(tile(k, n), tile(v, n)))
+        keys = tile(k, n) if workload is None else workload.keys(i)
+        mx.eval(c.update_and_fetch(keys, tile(v, n)))
         out.append(c)
     return out
 
 
-def tiered_caches(model, seed, n, budget, options):
+def tiered_caches(model, seed, n, budget, options, workload=None):
+    """A tiered cache holding the seed K/V tiled to n tokens (exact until the first decode
+    step compresses it); ``workload``: as in :func:`kv_caches`, its keys evaluated layer by
+    layer and its observation queries seeding H2O."""
     cache = tiered.TieredCache.for_model(model, gpu_budget=budget, prefill_window=n + 1,
                                          **options)
-    for c, (k, v) in zip(cache, seed):
-        c.update_and_fetch(tile(k, n), tile(v, n))
+    for i, (c, (k, v)) in enumerate(zip(cache, seed)):
+        if workload is None:
+            c.update_and_fetch(tile(k, n), tile(v, n))
+        else:
+            c.update_and_fetch(workload.keys(i), tile(v, n))
+            mx.eval(c.state)
         c.flush()
     mx.eval([c.state for c in cache])
+    if workload is not None:
+        workload.observe(cache)
     return cache
 
 
@@ -132,10 +155,12 @@ def reset_counters(cache):
                 c.stats.phase_s.clear()
 
 
-def time_decode(model, cache, steps: int, warmup: int, loop: str = "plain"):
+def time_decode(model, cache, steps: int, warmup: int, loop: str = "plain", build_times=None):
     """(median ms/token, first-step seconds, all step times). Counters cover the timed steps.
 
-    ``loop="plain"``: each token's graph is built, then evaluated, then the next one built.
+    ``loop="plain"``: each token's graph is built, then evaluated, then the next one built;
+    ``build_times`` (a list) gets each step's host time to build its graph: from the start of
+    ``model(y)`` until the argmax of the logits is built, before ``mx.eval``.
     ``loop="generate"``: mlx-lm's own ``generate_step`` with greedy sampling, which builds
     token t + 1's graph while the device runs token t (one token ahead); a step's time is
     the time between two tokens coming out of it, as ``mlx_lm.generate`` users see it."""
@@ -149,8 +174,11 @@ def time_decode(model, cache, steps: int, warmup: int, loop: str = "plain"):
         t = time.perf_counter()
         logits = model(y, cache=cache)
         y = mx.argmax(logits[:, -1], axis=-1)[:, None]
+        built = time.perf_counter()
         mx.eval(y)
         times.append(time.perf_counter() - t)
+        if build_times is not None:
+            build_times.append(built - t)
     return 1e3 * float(np.median(times[warmup:])), times[0], times
 
 
@@ -223,12 +251,20 @@ def main(argv=None):
                    "generate_step (the next token built while the device runs this one)")
     p.add_argument("--set", action="append", default=[], metavar="MODULE.ATTR=VALUE",
                    help="set a module attribute first, e.g. a switch that is off by default")
+    p.add_argument("--attention", default="flat", choices=["flat", "realistic"],
+                   help="flat: the seed K/V tiled (random weights: attention is flat, every "
+                   "selection hits its cap); realistic: keys made so that selections follow the "
+                   "embedded model's measured profile (bench/attention_workload.py)")
+    p.add_argument("--profile-layers", type=int, nargs="+", default=None, metavar="L",
+                   help="realistic: the profile layers the model's layers follow, in turn "
+                   "(default: the profile layer at the same relative depth)")
     args = p.parse_args(argv)
     for s in args.set:
         print(f"set {common.set_attribute(s)}", flush=True)
     on_cpu = mx.default_device() == mx.cpu
     dtype = mx.float32 if on_cpu else mx.float16
-    args.name = args.name or f"decode_speed_{'cpu' if on_cpu else 'gpu'}_{args.model}"
+    args.name = args.name or (f"decode_speed_{'cpu' if on_cpu else 'gpu'}_{args.model}"
+                              + ("_realistic" if args.attention == "realistic" else ""))
     info = machine()
     model, tok = build_model(args.model, dtype)
     from tiered.geometry import model_geometry
@@ -237,9 +273,30 @@ def main(argv=None):
     bw = memory_bandwidth()
     weights = sum(v.nbytes for _, v in __import__("mlx.utils").utils.tree_flatten(model.parameters()))
     host_bw = host_copy_rate()
+    host_read, host_src, host_detail = host_read_rate(copy_rate=host_bw)
     print(f"model {args.model}: {geo}, weights {weights / 1e9:.2f} GB; copy bandwidth {bw:.0f} GB/s,"
           f" host-to-device {host_bw:.1f} GB/s", flush=True)
+    print(f"host reads priced at {host_read:.1f} GB/s: {host_src}", flush=True)
     seed = seed_kv(model, tok, args.seed_tokens)
+    scales, workloads = None, {}
+    if args.attention == "realistic":
+        scales = query_scales(model, seed)
+        print("realistic attention: scale x |q| per layer " + " ".join(
+            f"{x['scale']:.2f}" for x in scales), flush=True)
+
+    def workload(n, b):
+        """The realistic keys at n tokens for budget b (fitted once), or None (flat)."""
+        if args.attention != "realistic":
+            return None
+        if (n, b) not in workloads:
+            t = time.perf_counter()
+            workloads[(n, b)] = RealisticKeys(model, seed, n, b, options,
+                                              steps=args.warmup + args.steps,
+                                              profile_layers=args.profile_layers, scales=scales)
+            print(f"{n:>7} realistic keys fitted for budget {b} in "
+                  f"{time.perf_counter() - t:.1f}s", flush=True)
+        return workloads[(n, b)]
+
     options = dict(calibration_tokens=args.calibration_tokens)
     if args.workers:
         options["workers"] = args.workers
@@ -248,32 +305,37 @@ def main(argv=None):
     rows, records = [], []
     for n in args.contexts:
         runs = []
+        wb = workload(n, args.budgets[0])  # the baselines' keys (their speed does not need them)
         if "KVCache" in args.methods:
-            runs.append(("KVCache", lambda: kv_caches(seed, n)))
+            runs.append(("KVCache", lambda: kv_caches(seed, n, workload=wb)))
         if "streaming" in args.methods:
-            runs.append(("streaming", lambda: kv_caches(seed, n, StreamingCache)))
+            runs.append(("streaming", lambda: kv_caches(seed, n, StreamingCache, workload=wb)))
         if "QuantizedKVCache-8" in args.methods:
-            runs.append(("QuantizedKVCache-8",
-                         lambda: [c.to_quantized(group_size=64, bits=8) for c in kv_caches(seed, n)]))
+            runs.append(("QuantizedKVCache-8", lambda: [
+                c.to_quantized(group_size=64, bits=8) for c in kv_caches(seed, n, workload=wb)]))
         if "tiered" in args.methods:
             for b in args.budgets:
-                runs.append((f"tiered@{b}", lambda b=b: tiered_caches(model, seed, n, b, options)))
+                runs.append((f"tiered@{b}", lambda b=b: tiered_caches(
+                    model, seed, n, b, options, workload(n, b))))
         if "tiered+hostgather" in args.methods:  # the CPU workers gather: a sync per layer
             for b in args.budgets:
                 runs.append((f"tiered+hostgather@{b}", lambda b=b: tiered_caches(
-                    model, seed, n, b, dict(options, device_gather="off"))))
+                    model, seed, n, b, dict(options, device_gather="off"), workload(n, b))))
         if "tiered+lookahead" in args.methods:
             for b in args.budgets:
                 runs.append((f"tiered+lookahead@{b}", lambda b=b: tiered_caches(
-                    model, seed, n, b, dict(options, lookahead=True, kernels="mlx"))))
+                    model, seed, n, b, dict(options, lookahead=True, kernels="mlx"),
+                    workload(n, b))))
         for name, make in runs:
             t = time.perf_counter()
             cache = make()
             build_s = time.perf_counter() - t
             if isinstance(cache, tiered.TieredCacheList):
                 cache.scheduler.reset_timings()
+            builds = []
             try:
-                ms, first_s, times = time_decode(model, cache, args.steps, args.warmup, args.loop)
+                ms, first_s, times = time_decode(model, cache, args.steps, args.warmup, args.loop,
+                                                 build_times=builds)
             except RuntimeError as e:  # e.g. a quantized_matmul shape MLX's CUDA lacks
                 print(f"{n:>7} {name:<20} failed: {e}", flush=True)
                 records.append({"context": n, "method": name, "error": str(e)})
@@ -281,7 +343,9 @@ def main(argv=None):
                 gc.collect()
                 continue
             rec = {"context": n, "method": name, "ms_per_token": ms, "first_step_s": first_s,
-                   "build_s": build_s, "step_ms": [1e3 * x for x in times]}
+                   "build_s": build_s, "step_ms": [1e3 * x for x in times],
+                   "build_ms_per_token": 1e3 * float(np.median(builds[args.warmup:]))
+                   if builds else None, "build_ms": [1e3 * x for x in builds]}
             if isinstance(cache, tiered.TieredCacheList):
                 rep = tiered.report_dict(cache)
                 rec["bytes_resident"] = rep["bytes"]
@@ -290,15 +354,26 @@ def main(argv=None):
                 rec["step_phases_ms"] = {k: 1e3 * v / args.steps
                                          for k, v in rep.get("step_phases_s", {}).items()}
                 rec["within_budget"] = rep["bytes"]["accelerator"] <= rep.get("budget_bytes", 1 << 62)
+                rec["selection_per_layer"] = stats_summary(cache)
+                wl = workload(n, float(name.split("@")[1])) if "@" in name else None
+                if wl is not None:
+                    got = {x["layer"]: x for x in rec["selection_per_layer"]}
+                    rec["attention"] = {
+                        "workload": "realistic", "profile_context": wl.source_context,
+                        "slots": wl.slots, "layers": [
+                            dict(x, selected=got.get(x["layer"], {}).get("selected"),
+                                 hit=got.get(x["layer"], {}).get("hit")) for x in wl.layers]}
             nb = attention_bytes(name.split("@")[0] if not name.startswith("tiered") else "tiered",
                                  cache, n, geo)
             rec["bytes_per_step"] = nb
             total = nb["accelerator"] + weights
             rec["bandwidth_fraction"] = total / (ms / 1e3) / 1e9 / bw
             rec["attention_floor_ms"] = 1e3 * (nb["accelerator"] + weights) / (bw * 1e9)
-            # the same work's floor: device bytes at the copy bandwidth, host bytes at the
-            # host-to-device rate (tiered's device path reads its rows in place: a lower bound)
-            rec["floor_ms"] = rec["attention_floor_ms"] + 1e3 * nb["host"] / (host_bw * 1e9)
+            # the same work's floor: device bytes at the copy bandwidth, host bytes at the rate
+            # they can be read: tiered's at its chunk gather's (on CUDA; else the copy rate),
+            # the streaming baseline's (whole copies) at the host-to-device copy rate
+            rec["floor_ms"] = rec["attention_floor_ms"] + 1e3 * nb["host"] / (
+                (host_bw if name == "streaming" else host_read) * 1e9)
             records.append(rec)
             sched = rec.get("scheduler") or {}
             print(f"{n:>7} {name:<20} {ms:9.1f} ms/token (first step {first_s:.1f}s, build "
@@ -306,8 +381,10 @@ def main(argv=None):
                   f"{nb['host'] / 1e6:.1f} MB host, {100 * rec['bandwidth_fraction']:.0f}% of copy "
                   f"bandwidth" + (f", overlap {sched.get('overlap_ratio'):.2f}"
                                   if sched.get("overlap_ratio") is not None else "")
-                  + f", slowest step {max(times[args.warmup:]) * 1e3 / ms:.2f}x the median",
-                  flush=True)
+                  + f", slowest step {max(times[args.warmup:]) * 1e3 / ms:.2f}x the median"
+                  + (f", graph {rec['build_ms_per_token']:.1f} ms"
+                     if rec["build_ms_per_token"] is not None else ""), flush=True)
+            print_selection(rec)
             if isinstance(cache, tiered.TieredCacheList):
                 cache.close()
             del cache
@@ -318,11 +395,14 @@ def main(argv=None):
         base = sub.get("KVCache", {}).get("ms_per_token")
         for name, r in sub.items():
             if "error" in r:
-                rows.append([n, name, "fails: " + r["error"][:90], "", "", "", "", "", "", "", ""])
+                rows.append([n, name, "fails: " + r["error"][:90], "", "", "", "", "", "", "", "",
+                             ""])
                 continue
             sched = r.get("scheduler") or {}
             timed = r["step_ms"][args.warmup:]
             rows.append([n, name, f"{r['ms_per_token']:.1f}", f"{np.mean(timed):.1f}",
+                         f"{r['build_ms_per_token']:.1f}"
+                         if r.get("build_ms_per_token") is not None else "",
                          f"{r['floor_ms']:.1f}" if "floor_ms" in r else "",
                          f"{base / r['ms_per_token']:.2f}x" if base else "",
                          f"{r['bytes_per_step']['accelerator'] / 1e6:.0f}",
@@ -330,7 +410,7 @@ def main(argv=None):
                          f"{100 * r['bandwidth_fraction']:.0f}%",
                          f"{sched['overlap_ratio']:.2f}" if sched.get("overlap_ratio") is not None else "",
                          f"{r['first_step_s']:.1f}"])
-    header = ["context", "method", "ms/token (median)", "mean (incl. refresh steps)",
+    header = ["context", "method", "ms/token (median)", "mean (incl. refresh steps)", "graph ms",
               "floor ms (same bytes)",
               "speed-up vs KVCache",
               "attention MB/step (device)", "MB/step (host gather)",
@@ -339,20 +419,34 @@ def main(argv=None):
           f"{info['device']}, {info['cpu_count']} cores), {info['date']}.\n\n"
           f"Model: {args.model} ({geo.layers} layers, {geo.q_heads} q / {geo.kv_heads} kv heads, "
           f"head_dim {geo.k_dim}, {dtype}), weights {weights / 1e9:.2f} GB; measured copy "
-          f"bandwidth {bw:.0f} GB/s, host-to-device copy {host_bw:.1f} GB/s (the floor column: "
-          f"weights and device bytes at the first, host bytes at the second). Long caches: real prefill K/V of {args.seed_tokens} tokens "
-          f"tiled to each context. Median of {args.steps} steps after {args.warmup} warm-up "
+          f"bandwidth {bw:.0f} GB/s, host-to-device copy {host_bw:.1f} GB/s, host reads "
+          f"{host_read:.1f} GB/s: {host_src} (the floor column: weights and device bytes at the "
+          f"first, tiered's host bytes at the last, the streaming baseline's at the copy rate). "
+          + (f"Long caches: real prefill K/V of {args.seed_tokens} tokens tiled to each context."
+             if args.attention == "flat" else
+             f"Long caches: real prefill values of {args.seed_tokens} tokens tiled to each "
+             "context, keys made so that tiered's selections follow the embedded model's profile "
+             "on real text (bench/attention_workload.py; the baselines hold the same keys).")
+          + f" Median of {args.steps} steps after {args.warmup} warm-up "
           f"steps (the first compresses the tiered cache); "
           + ("mlx-lm's generate_step, one token built ahead while the device runs the last: a "
              "step is the time between two tokens" if args.loop == "generate" else
-             "each token built, then evaluated") + ".\n\n" + md_table(header, rows))
+             "each token built, then evaluated") + ". graph ms: host time to build a token's "
+          "graph (model call and argmax, before evaluation), median.\n\n"
+          + md_table(header, rows))
     md += phase_table(records, args)
+    md += selection_table(records)
     md += f"\n![decode speed]({args.name}.png)\n"
     data = {"machine": info, "args": vars(args), "bandwidth_gbs": bw,
-            "host_to_device_gbs": host_bw, "weights_bytes": weights,
+            "host_to_device_gbs": host_bw, "host_read_gbps": host_read,
+            "host_read_source": host_src, "host_read_detail": host_detail,
+            "attention": args.attention, "query_scales": scales, "weights_bytes": weights,
             "geometry": geo.__dict__, "records": records}
     paths = write_results(args.name, data, md)  # the figures first: a plot failure loses nothing
-    plot(records, args, os.path.join(RESULTS, f"{args.name}.png"))
+    try:
+        plot(records, args, os.path.join(RESULTS, f"{args.name}.png"))
+    except SystemExit as e:  # no matplotlib here: the tables are written, the plot is not
+        print(f"no plot: {e}", flush=True)
     print(md)
     print("wrote", *paths)
 
@@ -367,6 +461,49 @@ PHASES = {  # decode-step phases (tiered/decode_paths.py, tiered/device_decode.p
     "wait": "wait for the CPU gathers",
     "finish": "merge + H2O refresh",
 }
+
+
+def print_selection(rec):
+    """A tiered run's selections per layer (its counters): one line, and with the realistic
+    workload one per layer against the profile's median and the fit's simulation."""
+    sel = rec.get("selection_per_layer")
+    if not sel:
+        return
+    s = [x["selected"] for x in sel]
+    h = [x["hit"] for x in sel]
+    print(f"        selection (median over steps, per layer): offloaded tokens/kv head "
+          f"{min(s):.0f}-{max(s):.0f}, resident hit rate {min(h):.3f}-{max(h):.3f}", flush=True)
+    for x in (rec.get("attention") or {}).get("layers", []):
+        if x.get("selected") is None:
+            continue
+        print(f"        layer {x['layer']:>2} (profile layer {x['profile_layer']:>2}): selected "
+              f"{x['selected']:6.0f} (profile {x['target_selected']:6.0f}, fit "
+              f"{x['sim_selected']:6.0f}),"
+              f" hit {x['hit']:.3f} (profile {x['target_hit']:.3f}, fit {x['sim_hit']:.3f}); "
+              f"tau_a {x['tau_a']:.2f} tau_b {x['tau_b']:.2f}", flush=True)
+
+
+def selection_table(records) -> str:
+    """The realistic workload's selections per layer against the profile's medians."""
+    rows = []
+    for r in records:
+        for x in (r.get("attention") or {}).get("layers", []):
+            if x.get("selected") is None:
+                continue
+            rows.append([r["context"], r["method"], x["layer"], x["profile_layer"],
+                         f"{x['selected']:.0f}", f"{x['target_selected']:.0f}",
+                         f"{x['selected'] / max(x['target_selected'], 1) - 1:+.0%}",
+                         f"{x['hit']:.3f}", f"{x['target_hit']:.3f}",
+                         f"{x['hit'] / x['target_hit'] - 1:+.1%}"])
+    if not rows:
+        return ""
+    header = ["context", "method", "layer", "profile layer", "selected", "profile", "off by",
+              "hit rate", "profile", "off by"]
+    return ("\n## Selections against the profile (realistic attention)\n\nMedian over the "
+            "recorded steps (warm-up included) of the offloaded tokens selected per kv head (mean "
+            "over heads) and of the resident hit rate, per layer; the profile's per-layer medians "
+            "(bench/attention_profile_embedded.json, its longest context).\n\n"
+            + md_table(header, rows) + "\n")
 
 
 def phase_table(records, args) -> str:

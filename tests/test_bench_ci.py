@@ -130,3 +130,88 @@ def test_the_compiled_step_and_append_keep_a_few_traces(tmp_path):
     # the next token's columns are made at a step's end (make_next_columns), not at the
     # next token's first layer: made by an append only at the first compiled token
     assert got["columns"].get("made", 0) <= 1 and got["columns"]["found"] >= 4 * 38 - 1
+
+
+def test_host_read_rate_reads_the_chunks_the_store_holds(device_path):
+    """bench/host_read_rate.py times the device path's own chunk gathers (values alone, keys +
+    values) on host stores made as a layer's are; on CUDA for real, here on the kernel
+    executor: the rows read are the store's, and the bytes counted are the rows read."""
+    from host_read_rate import gather_rate
+
+    got = gather_rate(tokens=1024, select=64, stores=2, launches=3, reps=1, warmup=0, check=True)
+    assert got["values"]["bytes_per_launch"] == 8 * 64 * 128 * 2
+    assert got["keys_values"]["bytes_per_launch"] == 2 * got["values"]["bytes_per_launch"]
+    assert got["values"]["kernel"] == "tiered.device_decode.gather_chunks"
+    assert all(r["gbps"] > 0 for r in got.values())
+
+
+def test_host_read_rate_says_when_it_falls_back_to_the_copy_rate():
+    from host_read_rate import host_read_rate
+    from tiered import uva
+
+    if uva.available():
+        pytest.skip("CUDA here: the chunk gather is measured")
+    gbps, source, detail = host_read_rate()
+    assert gbps > 0 and "no CUDA" in source and detail == {}
+
+
+def _tiny_llama(head_dim=16, hidden=64, heads=4, kv_heads=2):
+    import mlx.core as mx
+    from mlx_lm.utils import _get_classes
+
+    cfg = dict(model_type="llama", hidden_size=hidden, num_hidden_layers=2, intermediate_size=128,
+               num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+               rms_norm_eps=1e-5, vocab_size=97, rope_theta=10000.0, tie_word_embeddings=False)
+    model_cls, args_cls = _get_classes(cfg)
+    mx.random.seed(0)
+    model = model_cls(args_cls.from_dict(cfg))
+    mx.eval(model.parameters())
+    return model
+
+
+def test_plain_loop_records_each_tokens_graph_build_time():
+    """decode_speed's plain loop times the graph's building apart (model call and argmax,
+    before mx.eval): one time per step, within the step's own."""
+    from decode_speed import time_decode
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = _tiny_llama()
+    builds = []
+    ms, _, times = time_decode(model, make_prompt_cache(model), steps=4, warmup=2,
+                               build_times=builds)
+    assert len(builds) == len(times) == 6
+    assert all(0 < b <= t for b, t in zip(builds, times))
+
+
+def test_realistic_keys_score_as_their_tiers_and_code_exactly():
+    """decode_speed --attention realistic's keys (bench/attention_workload.py): a fitted
+    spread per tier (heavy above tail), each codebook group of a head holding at most six
+    distinct sub-vectors (so k-means codes them exactly), a span's tokens sharing their key,
+    and against random queries at the layer's |q| each tier scoring ~N(0, spread^2)."""
+    import mlx.core as mx
+    from attention_workload import SPAN, TAU_0, RealisticKeys, span_spreads
+    from decode_speed import seed_kv
+
+    model = _tiny_llama(head_dim=64, hidden=256, heads=8)
+    seed = seed_kv(model, None, 256)
+    n = 4096
+    wl = RealisticKeys(model, seed, n, 0.125, dict(calibration_tokens=1024), steps=8,
+                       profile_layers=[21, 3])
+    scale = model.layers[0].self_attn.scale
+    for i, p in enumerate(wl.layers):
+        assert p["tau_a"] >= p["tau_b"] > 0 and p["profile_layer"] == [21, 3][i]
+        k = np.array(wl.keys(i).astype(mx.float32))[0]  # (H, n, d)
+        assert k.shape == (2, n, 64)
+        g = k.reshape(2, n, wl.groups, -1)
+        for h in range(2):
+            assert max(len(np.unique(g[h, :, j], axis=0)) for j in range(wl.groups)) <= 6
+        rng = np.random.default_rng(1000 + i)
+        spread, share = span_spreads(n, wl.slots, wl.recent, wl.sinks, p, rng, wl.calib)
+        tail = np.flatnonzero(np.isclose(spread, p["tau_b"]))
+        assert np.array_equal(k[0, tail], k[0, share[tail]]) and np.all(share[tail] % SPAN == 0)
+        q = np.random.default_rng(7).standard_normal((64, 64))
+        q *= p["scale"] / scale / np.linalg.norm(q, axis=1, keepdims=True)
+        s = scale * q @ k[0].T  # (queries, n)
+        for t in (p["tau_a"], p["tau_b"], TAU_0):
+            got = s[:, np.isclose(spread, t)].std(axis=1).mean()
+            assert got == pytest.approx(t, rel=0.2), (i, t)
