@@ -95,7 +95,7 @@ def adopt_stream(*arrays) -> bool:
     evaluate: the dispatcher, a save) is evaluated here, and the shared stream becomes this
     thread's default. True when it switched."""
     s = _stream
-    if s is None or mx.default_stream(mx.default_device()) == s:
+    if s is None or not _enabled or mx.default_stream(mx.default_device()) == s:
         return False
     mx.eval(*arrays)
     mx.set_default_stream(s)
