@@ -275,7 +275,11 @@ class RealisticKeys:
                 tau=cfg.tau, cap=cfg.selection.cap(n), floor=cfg.min_selected, groups=self.groups,
                 q_cv=key[1], steps=min(32, max(steps, every)), phase=key[2], refresh=every,
                 alpha=cfg.ema_alpha, runs=self.H))
-        with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:  # numpy lets go of the GIL
+        # numpy lets go of the GIL. Run with OPENBLAS_NUM_THREADS=1 where there are many cores:
+        # each job's matmuls otherwise start a BLAS thread per core (8 jobs at once on an H200's
+        # 16-core host had not finished the 128k fit after ~250 s; one 128k job alone takes
+        # 15-20 s on a 2-core host)
+        with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
             done = dict(zip(jobs, pool.map(lambda kv: fit(
                 n, self.slots, self.recent, self.sinks, self.rep, *kv[0][0], **kv[1]),
                 jobs.items())))

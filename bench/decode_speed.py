@@ -224,7 +224,7 @@ def attention_bytes(method: str, cache, n: int, geo) -> dict:
             acc += layer.spill_k.nbytes + layer.spill_v.nbytes
             host += int(layer.spill_rows_moved / layer.spill_moves * per_row)
         else:
-            sel = np.mean([float(x) for x in c.stats.selected[-5:]]) if c.stats.selected else 0
+            sel = np.mean([float(x) for x in list(c.stats.selected)[-5:]]) if c.stats.selected else 0
             host += int(sel * H * per_row)
         acc += codes + scores + h2o + resident
     return {"accelerator": int(acc), "host": int(host)}

@@ -60,10 +60,10 @@ def append(layer, keys: mx.array, values: mx.array) -> bool:
     n0 = layer.n
     S, W = layer.S_eff, layer.W_eff
     slot = S + n0 % W
-    old = layer._res_tok_np[:, slot]
-    if not np.all(old == old[0]):
+    old = layer._res_tok_np[:, slot].tolist()  # a few ints: lists beat numpy's calls here
+    gone = old[0]
+    if old.count(gone) != len(old):
         return False
-    gone = int(old[0])
     parent, host = layer.parent, layer.parent.host
     # the write-behind: the oldest queued token when exactly it leaves the ring now
     pending = parent._pending
@@ -81,7 +81,7 @@ def append(layer, keys: mx.array, values: mx.array) -> bool:
         host.reserve(1)  # the one step that can fail (a block to allocate): before any change
     # -- from here on the append happens --
     slots = np.array([slot], np.int32)
-    layer.journal.record(n0 + 1, "append", (n0, slots) + undo.ring_rows(layer, slots))
+    layer.journal.record(n0 + 1, "append", (n0, slots) + undo.ring_rows(layer, slots, gone=gone))
     layer._res_tok_np[:, slot] = n0
     if write:
         kw, vw = pending.pop(0)
@@ -95,7 +95,7 @@ def append(layer, keys: mx.array, values: mx.array) -> bool:
         _warm_write(layer, keys, values, pages, addrs_k, addrs_v, host, kt, vt)
     codes_now, codebook = layer.keys.codes, layer.keys.codebook
     H, g = codes_now.shape[0], codes_now.shape[2]
-    kernel = device_encode.applicable(codebook)
+    kernel = _encodes(codebook)
     key = (gone >= 0, clear, write, layer.dtype, host.page_size, kt.pages_per_block,
            vt.pages_per_block, kt.dtype, vt.dtype, codebook.shape[1] == 1, kernel,
            host.keys is not None)
@@ -122,6 +122,18 @@ def append(layer, keys: mx.array, values: mx.array) -> bool:
     if write:
         host.device_op(done)
     return True
+
+
+_ENCODES: dict = {}
+
+
+def _encodes(codebook: mx.array) -> bool:
+    """:func:`tiered.device_encode.applicable`, by the codebook's shape (the backend does not
+    change in a process)."""
+    got = _ENCODES.get(codebook.shape)
+    if got is None:
+        got = _ENCODES[codebook.shape] = device_encode.applicable(codebook)
+    return got
 
 
 def _codebook_terms(keys) -> tuple[mx.array, mx.array]:
@@ -176,9 +188,9 @@ def _guess_next(layer, shape: tuple, n1: int, S: int, W: int) -> None:
     if _next is not None:
         return  # the step's first layer noted them
     slot = S + n1 % W
-    old = layer._res_tok_np[:, slot]
-    gone = int(old[0])
-    if (old == gone).all():
+    old = layer._res_tok_np[:, slot].tolist()
+    gone = old[0]
+    if old.count(gone) == len(old):
         _next = shape + (n1, slot, gone)
 
 

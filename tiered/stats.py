@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -21,12 +22,23 @@ class Column:
         return float(np.asarray(self.array[:, self.col]).mean())
 
 
+# Steps whose counters a layer keeps (the latest): each holds a small device array on the
+# accelerator paths, read only when a report asks; a long generation kept them all.
+KEEP_STEPS = 4096
+
+
+def _steps() -> deque:
+    return deque(maxlen=KEEP_STEPS)
+
+
 @dataclass
 class LayerStats:
     decode_steps: int = 0
-    selected: list = field(default_factory=list)  # offloaded tokens selected per step (per kv head, mean)
-    live: list = field(default_factory=list)  # live tokens per step
-    resident_mass: list = field(default_factory=list)  # softmax mass on the resident set
+    # per step, the latest KEEP_STEPS: offloaded tokens selected (per kv head, mean), live
+    # tokens, the softmax mass on the resident set
+    selected: deque = field(default_factory=_steps)
+    live: deque = field(default_factory=_steps)
+    resident_mass: deque = field(default_factory=_steps)
     peak_transient_bytes: int = 0  # accelerator bytes held during prefill (exact window)
     phase_s: dict = field(default_factory=dict)  # decode-step phase -> seconds, summed over steps
 
@@ -43,12 +55,14 @@ class LayerStats:
         self.resident_mass.append(resident_mass)
 
     def summary(self) -> dict:
+        """Over the latest KEEP_STEPS decode steps (``steps_summarized``)."""
         if not self.selected:
             return {"decode_steps": 0}
         sel = np.asarray([float(x) for x in self.selected])
         live = np.asarray(self.live, dtype=np.float64)
         return {
             "decode_steps": self.decode_steps,
+            "steps_summarized": len(sel),
             "selected_mean": float(sel.mean()),
             "selected_p95": float(np.percentile(sel, 95)),
             "selected_fraction_mean": float((sel / np.maximum(live, 1)).mean()),

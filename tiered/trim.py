@@ -81,8 +81,7 @@ class Checkpoint:
         layer.ring_src = self.ring_src
         j = layer.journal
         j.entries, j.horizon, j.warned = self.journal
-        s = layer.parent.stats
-        s.decode_steps, s.selected, s.live, s.resident_mass = self.stats
+        put_back_stats(layer.parent.stats, self.stats)
         p = layer.parent
         pending, tokens, host_len = self.pending
         # a flush during the trim may have moved the queue's first tokens to the pages
@@ -269,3 +268,12 @@ def replay_chunk(layer, n0: int, k: mx.array, v: mx.array) -> None:
                                            layer._prev_local))
     layer._prev_local = (layer.local_start, layer.local_k, layer.local_v)
     layer.local_k, layer.local_v, layer.local_start = k, v, n0
+
+
+def put_back_stats(s, saved: tuple) -> None:
+    """A layer's counters as a checkpoint saved them (decode_steps and the three per-step
+    lists), in their own bounded containers (tiered.stats.KEEP_STEPS)."""
+    s.decode_steps = saved[0]
+    for kept, old in zip((s.selected, s.live, s.resident_mass), saved[1:]):
+        kept.clear()
+        kept.extend(old)

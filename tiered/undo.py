@@ -86,7 +86,7 @@ def shared_run(tokens: np.ndarray):
     return slice(int(row[0]), int(row[-1]) + 1)
 
 
-def ring_rows(layer, slots, step: bool = True) -> tuple:
+def ring_rows(layer, slots, step: bool = True, gone: int | None = None) -> tuple:
     """What a ring insert into ``slots`` overwrites: token ids (H, m) and K/V rows (H, m, d).
 
     A ring slot holding token t holds t's own K/V rows, so on an accelerator a decode token
@@ -107,7 +107,8 @@ def ring_rows(layer, slots, step: bool = True) -> tuple:
     old_tok = layer._res_tok_np[:, int(slots[0]) : int(slots[0]) + 1].copy() if one else (
         layer._res_tok_np[:, slots].copy())
     t = int(old_tok[0, 0]) if old_tok.size else -1
-    if one and t in layer.ring_src and np.all(old_tok == t):
+    # ``gone``: the caller saw every head's slot hold that token (the device append)
+    if one and t in layer.ring_src and (t == gone or np.all(old_tok == t)):
         return (old_tok,) + layer.ring_src.pop(t)
     idx = _slot_index(slots)
     k, v = mx.array(layer.res_k[:, idx]), mx.array(layer.res_v[:, idx])
