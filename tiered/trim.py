@@ -80,7 +80,9 @@ class Checkpoint:
             heavy._high, heavy._queued = self.high, None
         layer.ring_src = self.ring_src
         j = layer.journal
-        j.entries, j.horizon, j.warned = self.journal
+        j.entries.clear()
+        j.entries.extend(self.journal[0])
+        j.horizon, j.warned = self.journal[1:]
         put_back_stats(layer.parent.stats, self.stats)
         p = layer.parent
         pending, tokens, host_len = self.pending
