@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import threading
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -128,21 +129,28 @@ def saved_bytes(caches) -> int:
     return total
 
 
+# Saves and loads of one process, one at a time: on MLX 0.32.4's CUDA backend two threads
+# evaluating at once can abort the process inside MLX (H200: a load's model identity beside
+# another thread's save_prompt_cache). Taken before the snapshot's file locks, in every thread.
+MLX_WORK = threading.RLock()
+
+
 def save(caches, directory: str, model) -> str:
     """Write ``caches`` (a TieredCacheList) to ``directory`` as a new snapshot; returns the
     directory. Atomic: a failed save leaves the previous snapshot as it was. One save writes a
     directory at a time; a step another thread is decoding ends before the cache is read."""
     directory = check_save_target(directory)
-    identity = model_identity(model)
-    guard = caches.context.steps.saving(repr(directory)) if getattr(
-        caches, "context", None) is not None else contextlib.nullcontext()
-    shared = dispatch.stream()  # CUDA: what the steps left, and the save makes, on one stream
-    with guard, snapshot.writer(directory), (mx.stream(shared) if shared is not None
-                                             else contextlib.nullcontext()):
-        try:
-            return _save_locked(caches, directory, identity)
-        finally:  # what the save left lazy, evaluated on its own thread (streams are per thread)
-            dispatch.eval_held(caches)
+    with MLX_WORK:
+        identity = model_identity(model)
+        guard = caches.context.steps.saving(repr(directory)) if getattr(
+            caches, "context", None) is not None else contextlib.nullcontext()
+        shared = dispatch.stream()  # CUDA: what the steps left, and the save makes, on one stream
+        with guard, snapshot.writer(directory), (mx.stream(shared) if shared is not None
+                                                 else contextlib.nullcontext()):
+            try:
+                return _save_locked(caches, directory, identity)
+            finally:  # what the save left lazy, evaluated on its own thread (per-thread streams)
+                dispatch.eval_held(caches)
 
 
 def _save_locked(caches, directory: str, identity: str) -> str:
@@ -234,7 +242,7 @@ def load(directory: str, model, *, expect_config: dict | None = None) -> Loaded:
     """The caches saved in ``directory``. ValueError if the snapshot is damaged, was made for
     another model, or (``expect_config``) with other layout options; runtime options in
     ``expect_config`` (RUNTIME_OPTIONS) replace the saved ones."""
-    with snapshot.reader(directory):
+    with MLX_WORK, snapshot.reader(directory):
         return _load_locked(directory, model, expect_config)
 
 
