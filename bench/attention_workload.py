@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
+from functools import partial
 
 import numpy as np
 
@@ -237,6 +240,30 @@ def span_spreads(n, slots, recent, sinks, p: dict, rng, calib: int = 0):
     return spread, share
 
 
+@contextmanager
+def _one_blas_thread():
+    """Processes started inside take one BLAS / OpenMP thread each (their environment is
+    read when they import numpy); the variables are put back after."""
+    names = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+    old = {k: os.environ.get(k) for k in names}
+    os.environ.update({k: "1" for k in names})
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _fit_job(n, slots, recent, sinks, rep, item) -> dict:
+    """:func:`fit` of one (targets, query spread, phase) job, as RealisticKeys queues them (a
+    module-level function: worker processes take it by name)."""
+    key, kw = item
+    return fit(n, slots, recent, sinks, rep, *key[0], **kw)
+
+
 class RealisticKeys:
     """Per layer of ``model`` at n tokens and ``budget``: the profile layer at the same relative
     depth (or ``profile_layers`` in turn), its targets fitted over the ``steps`` decode steps a
@@ -275,14 +302,20 @@ class RealisticKeys:
                 tau=cfg.tau, cap=cfg.selection.cap(n), floor=cfg.min_selected, groups=self.groups,
                 q_cv=key[1], steps=min(32, max(steps, every)), phase=key[2], refresh=every,
                 alpha=cfg.ema_alpha, runs=self.H))
-        # numpy lets go of the GIL. Run with OPENBLAS_NUM_THREADS=1 where there are many cores:
-        # each job's matmuls otherwise start a BLAS thread per core (8 jobs at once on an H200's
-        # 16-core host had not finished the 128k fit after ~250 s; one 128k job alone takes
-        # 15-20 s on a 2-core host)
-        with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-            done = dict(zip(jobs, pool.map(lambda kv: fit(
-                n, self.slots, self.recent, self.sinks, self.rep, *kv[0][0], **kv[1]),
-                jobs.items())))
+        # One process per core, each with one BLAS thread: in threads the 128k fit took 380 s
+        # on an H200's 16-core host (OPENBLAS_NUM_THREADS=1 set), where one 128k job alone
+        # takes 15-20 s on a 2-core host (the simulation's many small numpy calls, most likely,
+        # holding the GIL). Spawned, not forked: the parent holds MLX and its device.
+        items = list(jobs.items())
+        fits = partial(_fit_job, n, self.slots, self.recent, self.sinks, self.rep)
+        workers = min(len(items), os.cpu_count() or 1)
+        if workers <= 1:
+            got = list(map(fits, items))
+        else:
+            with _one_blas_thread(), ProcessPoolExecutor(
+                    workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+                got = list(pool.map(fits, items))
+        done = dict(zip(jobs, got))
         self.layers = [{"layer": i, "profile_layer": pick[i % len(pick)], **self.scales[i],
                         **done[key]} for i, key in enumerate(keys)]
 
