@@ -26,6 +26,7 @@ import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from functools import partial
+from math import isclose
 
 import numpy as np
 
@@ -270,7 +271,10 @@ class RealisticKeys:
     run records, and its keys (:meth:`keys`)."""
 
     def __init__(self, model, seed, n: int, budget: float, options: dict, *, steps: int = 32,
-                 profile: str = PROFILE, profile_layers=None, scales=None):
+                 profile: str = PROFILE, profile_layers=None, scales=None, fitted=None):
+        """``fitted``: the per-layer fits of an earlier run at the same n, budget and model (a
+        decode_speed result's ``attention.layers``), used instead of fitting again when every
+        layer's profile layer and targets match; else ValueError."""
         import tiered
         from tiered.geometry import model_geometry
         from tiered.planner import make_plan
@@ -306,6 +310,9 @@ class RealisticKeys:
         # on an H200's 16-core host (OPENBLAS_NUM_THREADS=1 set), where one 128k job alone
         # takes 15-20 s on a 2-core host (the simulation's many small numpy calls, most likely,
         # holding the GIL). Spawned, not forked: the parent holds MLX and its device.
+        if fitted is not None:
+            self.layers = self._reuse(fitted, keys, pick, n, budget)
+            return
         items = list(jobs.items())
         fits = partial(_fit_job, n, self.slots, self.recent, self.sinks, self.rep)
         workers = min(len(items), os.cpu_count() or 1)
@@ -318,6 +325,29 @@ class RealisticKeys:
         done = dict(zip(jobs, got))
         self.layers = [{"layer": i, "profile_layer": pick[i % len(pick)], **self.scales[i],
                         **done[key]} for i, key in enumerate(keys)]
+
+    FIT = ("tau_a", "tau_b", "n_off", "sim_selected", "sim_hit", "target_selected",
+           "target_hit")
+
+    def _reuse(self, fitted, keys, pick, n, budget) -> list[dict]:
+        if len(fitted) != len(keys):
+            raise ValueError(f"the fits given cover {len(fitted)} layers, the model has "
+                             f"{len(keys)}")
+        out = []
+        for i, (key, old) in enumerate(zip(keys, fitted)):
+            j = pick[i % len(pick)]
+            same = (old.get("profile_layer") == j
+                    and all(isclose(old.get(k, float("nan")), t, rel_tol=1e-6)
+                            for k, t in zip(("target_selected", "target_hit"), key[0])))
+            if not same:
+                raise ValueError(f"layer {i}: the fit given follows profile layer "
+                                 f"{old.get('profile_layer')} with targets "
+                                 f"{old.get('target_selected')}, {old.get('target_hit')}; this "
+                                 f"run asks layer {j}, {key[0][0]}, {key[0][1]} "
+                                 f"(n={n}, budget={budget})")
+            out.append({"layer": i, "profile_layer": j, **self.scales[i],
+                        **{k: old[k] for k in self.FIT}})
+        return out
 
     def keys(self, i: int):
         """(1, H, n, d) keys of layer i in the model's dtype: every sub-vector (a codebook

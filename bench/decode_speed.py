@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import sys
 import time
@@ -230,6 +231,18 @@ def attention_bytes(method: str, cache, n: int, geo) -> dict:
     return {"accelerator": int(acc), "host": int(host)}
 
 
+def earlier_fits(path: str, n: int, budget: float) -> list[dict] | None:
+    """The per-layer fits of the tiered run at context n and ``budget`` in an earlier result
+    of this script (its JSON), or None where it has none."""
+    with open(path) as f:
+        records = json.load(f)["records"]
+    for r in records:
+        if (r.get("context") == n and r.get("method") == f"tiered@{budget}"
+                and (r.get("attention") or {}).get("layers")):
+            return r["attention"]["layers"]
+    return None
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="embedded", choices=["embedded", "llama3-8b", "llama3-8b-2l"])
@@ -258,6 +271,10 @@ def main(argv=None):
     p.add_argument("--profile-layers", type=int, nargs="+", default=None, metavar="L",
                    help="realistic: the profile layers the model's layers follow, in turn "
                    "(default: the profile layer at the same relative depth)")
+    p.add_argument("--fits-from", default=None, metavar="JSON",
+                   help="realistic: take the keys' fits from an earlier result of this script "
+                   "(its tiered runs' attention.layers at the same context and budget) instead "
+                   "of fitting again")
     args = p.parse_args(argv)
     for s in args.set:
         print(f"set {common.set_attribute(s)}", flush=True)
@@ -290,11 +307,13 @@ def main(argv=None):
             return None
         if (n, b) not in workloads:
             t = time.perf_counter()
+            fitted = earlier_fits(args.fits_from, n, b) if args.fits_from else None
             workloads[(n, b)] = RealisticKeys(model, seed, n, b, options,
                                               steps=args.warmup + args.steps,
-                                              profile_layers=args.profile_layers, scales=scales)
-            print(f"{n:>7} realistic keys fitted for budget {b} in "
-                  f"{time.perf_counter() - t:.1f}s", flush=True)
+                                              profile_layers=args.profile_layers, scales=scales,
+                                              fitted=fitted)
+            print(f"{n:>7} realistic keys {'taken from ' + args.fits_from if fitted else 'fitted'}"
+                  f" for budget {b} in {time.perf_counter() - t:.1f}s", flush=True)
         return workloads[(n, b)]
 
     options = dict(calibration_tokens=args.calibration_tokens)

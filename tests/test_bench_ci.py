@@ -215,3 +215,24 @@ def test_realistic_keys_score_as_their_tiers_and_code_exactly():
         for t in (p["tau_a"], p["tau_b"], TAU_0):
             got = s[:, np.isclose(spread, t)].std(axis=1).mean()
             assert got == pytest.approx(t, rel=0.2), (i, t)
+
+
+def test_realistic_keys_take_earlier_fits_or_refuse_other_ones():
+    """decode_speed --fits-from: the fits of an earlier run make the same keys without fitting
+    again, and fits made for other profile layers are refused, naming the layer."""
+    import mlx.core as mx
+    from attention_workload import RealisticKeys
+    from decode_speed import seed_kv
+
+    model = _tiny_llama(head_dim=64, hidden=256, heads=8)
+    seed = seed_kv(model, None, 256)
+    args = (model, seed, 4096, 0.125, dict(calibration_tokens=1024))
+    first = RealisticKeys(*args, steps=8, profile_layers=[21, 3])
+    again = RealisticKeys(*args, steps=8, profile_layers=[21, 3], scales=first.scales,
+                          fitted=[dict(x, selected=1.0) for x in first.layers])
+    assert again.layers == first.layers
+    for i in range(2):
+        assert mx.array_equal(again.keys(i), first.keys(i)).item()
+    with pytest.raises(ValueError, match="layer 0"):
+        RealisticKeys(*args, steps=8, profile_layers=[3, 21], scales=first.scales,
+                      fitted=first.layers)
