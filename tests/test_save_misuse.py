@@ -276,7 +276,7 @@ def test_saves_and_loads_from_threads_and_processes_at_once(small, tmp_path, mon
     procs = [subprocess.Popen([sys.executable, "-c", WRITER.format(
         tests=os.path.dirname(__file__), seed=DOCS[doc], live=str(tmp_path / f"p{doc}"),
         rounds=4, target=str(target))], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True) for doc in DOCS]
+        text=True, cwd=str(tmp_path)) for doc in DOCS]
     errors, seen, stop = [], [], threading.Event()
 
     def writer(doc):

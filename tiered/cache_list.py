@@ -244,11 +244,14 @@ class TieredCacheList(list):
         return out
 
     def close(self):
-        """Stop this cache's CPU workers and release its host pages and page files."""
-        if self.context is not None:
-            self.context.close()
-        for c in self._tiered():
-            c.close()
+        """Stop this cache's CPU workers and release its host pages and page files. Freeing
+        pages is MLX work: it takes the lock saves and loads take (``persist.MLX_WORK``), one
+        at a time with other threads' saves and loads."""
+        with persist.MLX_WORK:
+            if self.context is not None:
+                self.context.close()
+            for c in self._tiered():
+                c.close()
 
     def describe(self) -> str:
         kept = ", ".join(f"{i}:{n}" for i, n in self.kept_layers) or "none"
