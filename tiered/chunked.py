@@ -1,11 +1,22 @@
 """A prompt chunk's attention over a compressed layer (block-wise prefill: the anchor block, the
-local block of the previous chunk, the resident set and the selected host tokens)."""
+local block of the previous chunk, the sinks, and the host tokens the chunk's own queries pick).
+
+HCAttention's block-wise prefill lets a chunk see the anchor block, the previous chunk and
+itself only: a fact in the middle of a document never reaches the prompt's later tokens.
+Measured on the embedded model at 8k tokens with a 2048-token window (bench/blockwise_prefill.py),
+that lost every pass key and needle the exact prefill found (0/4 and 0/4 against 4/4 and 3/4).
+So each chunk also attends to the tokens between the anchor and the local block that its last
+``PROBES`` queries score highest on the compressed keys (per kv head, as many as a decode step
+selects at most: ``prefill_select``), read exactly from the host pages."""
 
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from . import ops
+
+PROBES = 16  # the chunk's last queries whose compressed scores choose the retrieved tokens
 
 
 class ChunkAttention:
@@ -42,6 +53,10 @@ class ChunkAttention:
         if S:
             parts_k.append(self.res_k[:, :S])
             parts_v.append(self.res_v[:, :S])
+        got = self._retrieved(queries, scale, A if A else S, loc0 if locn else n0, n0)
+        if got is not None:
+            parts_k.append(got[0])
+            parts_v.append(got[1])
         k0, v0 = ops.batch0(keys).astype(self.dtype), ops.batch0(values).astype(self.dtype)
         parts_k.append(k0)
         parts_v.append(v0)
@@ -62,6 +77,39 @@ class ChunkAttention:
             self.local_k, self.local_v = k0, v0
             self.local_start = n0
         return out
+
+    def _retrieved(self, queries, scale, lo: int, hi: int, n0: int):
+        """(keys, values) (H, T, d) in the layer's dtype: per kv head, the T host tokens of
+        [lo, hi) that the chunk's last PROBES queries score highest on the compressed keys (the
+        most over the probes and the head's query heads), read exactly from the host pages; or
+        None (retrieval off, no host keys, nothing between the anchor and the local block)."""
+        host = self.parent.host
+        T = self.config.prefill_select
+        if T == 0 or host is None or host.keys is None:
+            return None
+        self.parent.flush_until(hi)
+        hi = min(hi, host.length, n0)
+        if T is None:
+            T = self._cap(n0)[0]
+        T = min(T, hi - lo)
+        if T <= 0:
+            return None
+        H = self.H
+        Hq, L = queries.shape[1], queries.shape[2]
+        rep = Hq // H
+        q = (queries[0, :, max(0, L - PROBES):, :].astype(mx.float32) * scale)  # (Hq, P, d)
+        q_np = np.array(q) if self.numpy_path else None
+        best = None
+        for p in range(q.shape[1]):
+            z = self.keys.scores(q[:, p], n0, rep, None if q_np is None else q_np[:, p])
+            z = z[:, lo:hi] if isinstance(z, mx.array) else mx.array(z[:, lo:hi])
+            best = z if best is None else mx.maximum(best, z)
+        best = best.reshape(H, rep, hi - lo).max(axis=1)  # (H, hi - lo)
+        idx = mx.argpartition(-best, T - 1, axis=1)[:, :T] + lo
+        tok = np.sort(np.array(idx), axis=1)  # page order: the reads walk the pages forward
+        k = mx.array(host.gather_rows("keys", 0, tok)).astype(self.dtype)
+        v = mx.array(host.gather_rows("values", 0, tok)).astype(self.dtype)
+        return k, v
 
     @property
     def prefill_bytes(self) -> int:

@@ -207,6 +207,10 @@ class TieredConfig(OptionGroups):
     compress_from: int | None = None
     prefill_window: int = 16384  # tokens kept exact on the accelerator during prefill
     anchor_tokens: int = 1024  # block-wise prefill beyond the window: the anchor block
+    # block-wise prefill: host tokens per kv head each chunk also attends to, chosen by its last
+    # queries on the compressed keys (tiered.chunked); None: as many as a decode step selects
+    # at most (the selection cap), 0: none (HCAttention's anchor + local blocks only)
+    prefill_select: int | None = None
     calibration: str = "self"  # "self" (first prefill chunk) or a path to a text file
     calibration_tokens: int = 4096
     kmeans_iters: int = 12
@@ -284,6 +288,8 @@ class TieredConfig(OptionGroups):
         rules.check_int("compress_from", self.compress_from, 1, rules.MAX_TOKENS, optional=True)
         rules.check_int("prefill_window", self.prefill_window, 1, rules.MAX_TOKENS)
         rules.check_int("anchor_tokens", self.anchor_tokens, 0, rules.MAX_TOKENS)
+        rules.check_int("prefill_select", self.prefill_select, 0, rules.MAX_TOKENS,
+                        optional=True)
         rules.check_path("calibration", self.calibration)
         if self.calibration != "self" and not os.path.isfile(self.calibration):
             raise rules.name_value("calibration", self.calibration,

@@ -15,7 +15,7 @@ under the same names, as a frozen dataclass built when asked for:
 - ``host``: host pages and the disk tier: host_dtype, host_keys, page_size, host_budget,
   disk_dir, disk_budget, keep_disk, verify_pages;
 - ``prefill``: when a layer compresses, block-wise prefill: compress_from, prefill_window,
-  anchor_tokens;
+  anchor_tokens, prefill_select;
 - ``layer_budget``: how the budget is spread over the layers (:mod:`tiered.layer_planner`):
   planner, layer_profile, layer_weighting;
 - ``decode``: how a decode step runs (the lookahead buffer, the device gather, kernels, CPU
@@ -118,6 +118,7 @@ class PrefillOptions:
     compress_from: int | None
     prefill_window: int
     anchor_tokens: int
+    prefill_select: int | None
 
 
 @dataclass(frozen=True)
