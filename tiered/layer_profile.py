@@ -56,6 +56,11 @@ class LayerProfile:
     source: str = ""
     seconds: dict = field(default_factory=dict)
     version: int = PROFILE_VERSION
+    # the checkpoint as other dtypes and layouts load it (tiered.codecs.checkpoint_signature:
+    # {"id", "sample", "dtype"} each): the profile then serves the same weights in float16,
+    # bfloat16 or quantized; dtype: the parameters' dtype it was measured in
+    checkpoints: list[dict] | None = None
+    dtype: str | None = None
 
     # ---- the planner's view --------------------------------------------------------------
     def weights(self, weighting: str = "error") -> np.ndarray:
@@ -170,7 +175,7 @@ def measure(model, tokenizer, *, tokens: int = 1024, sequences: int = 2, tau: fl
     import mlx.core as mx
 
     from . import layer_probe as P
-    from .codecs import model_fingerprint
+    from .codecs import checkpoint_signature, model_fingerprint
     from .geometry import model_geometry
 
     say = progress or (lambda msg: log.info("tiered profile: %s", msg))
@@ -207,10 +212,14 @@ def measure(model, tokenizer, *, tokens: int = 1024, sequences: int = 2, tau: fl
 
         base_loss += P.token_loss(P.forward_logits(model, x, hook), x, start).item() / len(seqs)
     secs["forward_proxies"] = time.perf_counter() - t0
+    checkpoint, sample = checkpoint_signature(model)
+    dtype = _dtype_of(model)
     prof = LayerProfile(model_id=model_fingerprint(model), layers=L, head_dim=d, groups=groups,
                         output_error=err.tolist(), entropy=ent.tolist(), base_loss=base_loss,
                         tokens=tokens, sequences=len(seqs), tau=tau,
-                        source=f"pydoc_data.topics x{len(seqs)} x {tokens} tokens")
+                        source=f"pydoc_data.topics x{len(seqs)} x {tokens} tokens",
+                        checkpoints=[{"id": checkpoint, "sample": sample, "dtype": dtype}],
+                        dtype=dtype)
     if grads:
         t = time.perf_counter()
         gx = mx.array(seqs[0][:grad_tokens])[None]
@@ -285,6 +294,45 @@ def find_profile(model, config) -> LayerProfile | None:
             raise ValueError(f"Invalid layer profile {path}: {prof.layers} layers, the model "
                              f"has {len(model.layers)}")
         return prof
+    if config.layer_profile:
+        return None
+    return _same_checkpoint(model, [os.path.join(config.cache_dir, "profiles"), PACKAGED])
+
+
+def _dtype_of(model) -> str | None:
+    from mlx.utils import tree_flatten
+
+    floats = {str(p.dtype) for _, p in tree_flatten(model.parameters())
+              if "float" in str(p.dtype)}
+    return ",".join(sorted(floats)) or None
+
+
+def _same_checkpoint(model, folders: list[str]) -> LayerProfile | None:
+    """A profile measured on the same weights in another dtype (the embedded model's, shipped
+    in float32, for the model loaded in float16 or bfloat16): the same architecture and
+    parameter shapes, and sampled weights equal within bfloat16's rounding."""
+    from .codecs import checkpoint_signature
+
+    checkpoint, sample = checkpoint_signature(model)
+    mine = np.asarray(sample, np.float32)
+    for folder in folders:
+        names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+        for name in names:
+            if not name.endswith(".json"):
+                continue
+            try:
+                prof = load_profile(os.path.join(folder, name))
+            except ValueError:
+                continue  # another model's damaged file is not this one's concern
+            if prof is None or prof.layers != len(model.layers):
+                continue
+            for entry in prof.checkpoints or []:
+                theirs = np.asarray(entry.get("sample") or [], np.float32)
+                if (entry.get("id") == checkpoint and theirs.shape == mine.shape
+                        and np.allclose(theirs, mine, rtol=1e-2, atol=1e-5)):
+                    log.info("tiered: layer profile %s (measured in %s) used for %s", name,
+                             prof.dtype, _dtype_of(model))
+                    return prof
     return None
 
 

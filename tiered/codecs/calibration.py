@@ -369,3 +369,32 @@ def model_fingerprint(model, *, samples: int = 4, values_per_sample: int = 4096)
     if args is not None and isinstance(getattr(args, "model_type", None), str):
         model_type = args.model_type
     return f"{model_type}-{h.hexdigest()[:24]}"
+
+
+def checkpoint_signature(model, *, samples: int = 4, values: int = 64) -> tuple[str, list]:
+    """What one checkpoint keeps in every dtype it runs in: ``("<model_type>-<24 hex>"`` of the
+    model class, its ``args`` and every parameter's name and shape (no dtype), and
+    ``values`` evenly strided values of ``samples`` parameters as float32)``. A layer profile
+    measured in float32 applies to the same weights cast to float16 or bfloat16
+    (:func:`tiered.layer_profile.find_profile` compares the values with a tolerance)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    h = hashlib.sha256()
+    cls = type(model)
+    head = {"class": f"{cls.__module__}.{cls.__qualname__}", "args": _jsonable_args(model)}
+    h.update(json.dumps(head, sort_keys=True, default=str).encode("utf-8"))
+    params = sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0])
+    for name, p in params:
+        h.update(f"{name}:{tuple(p.shape)};".encode("utf-8"))
+    picked = []
+    if params:
+        for i in sorted(set(np.linspace(0, len(params) - 1, max(1, samples)).round().astype(int))):
+            flat = params[i][1].reshape(-1)
+            stride = max(1, flat.size // values)
+            picked += np.array(flat[::stride][:values].astype(mx.float32)).tolist()
+    model_type = "model"
+    args = getattr(model, "args", None)
+    if args is not None and isinstance(getattr(args, "model_type", None), str):
+        model_type = args.model_type
+    return f"{model_type}-{h.hexdigest()[:24]}", picked
