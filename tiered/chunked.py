@@ -14,7 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from . import ops
+from . import dispatch, ops
 
 PROBES = 16  # the chunk's last queries whose compressed scores choose the retrieved tokens
 
@@ -82,11 +82,12 @@ class ChunkAttention:
         """(keys, values) (H, T, d) in the layer's dtype: per kv head, the T host tokens of
         [lo, hi) that the chunk's last PROBES queries score highest on the compressed keys (the
         most over the probes and the head's query heads), read exactly from the host pages; or
-        None (retrieval off, no host keys, nothing between the anchor and the local block)."""
+        None (retrieval off, no host keys, host pages on the disk tier, nothing between the
+        anchor and the local block)."""
         host = self.parent.host
         T = self.config.prefill_select
-        if T == 0 or host is None or host.keys is None:
-            return None
+        if T == 0 or host is None or host.keys is None or host.disk_bytes:
+            return None  # pages on the disk tier: a read per chunk and layer would page them in
         self.parent.flush_until(hi)
         hi = min(hi, host.length, n0)
         if T is None:
@@ -98,6 +99,8 @@ class ChunkAttention:
         Hq, L = queries.shape[1], queries.shape[2]
         rep = Hq // H
         q = (queries[0, :, max(0, L - PROBES):, :].astype(mx.float32) * scale)  # (Hq, P, d)
+        if self.numpy_path:
+            dispatch.eval(q)  # through the dispatcher's lock: no thread encodes beside it
         q_np = np.array(q) if self.numpy_path else None
         best = None
         for p in range(q.shape[1]):
@@ -106,6 +109,7 @@ class ChunkAttention:
             best = z if best is None else mx.maximum(best, z)
         best = best.reshape(H, rep, hi - lo).max(axis=1)  # (H, hi - lo)
         idx = mx.argpartition(-best, T - 1, axis=1)[:, :T] + lo
+        dispatch.eval(idx)
         tok = np.sort(np.array(idx), axis=1)  # page order: the reads walk the pages forward
         k = mx.array(host.gather_rows("keys", 0, tok)).astype(self.dtype)
         v = mx.array(host.gather_rows("values", 0, tok)).astype(self.dtype)

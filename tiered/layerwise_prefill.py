@@ -1,9 +1,9 @@
 """Layer-by-layer exact prefill: bounded accelerator memory without block-wise attention.
 
 Block-wise prefill (past ``prefill_window`` each chunk attends to the anchor block, the previous
-chunk and itself) keeps memory bounded but changes what the prompt's tokens see: measured at 8k
-tokens on the embedded model (bench/blockwise_prefill.py), it loses pass keys the exact prefill
-finds. This prefill is exact instead: every chunk of the prompt goes through layer 0 (attending
+chunk, the host tokens it retrieves and itself) keeps memory bounded but changes what the
+prompt's tokens see: measured at 8k tokens on the embedded model (bench/blockwise_prefill.py),
+it finds 3 of 4 pass keys and 2 of 4 needles where the exact prefill finds 4 and 3. This prefill is exact instead: every chunk of the prompt goes through layer 0 (attending
 exactly to all earlier tokens of that layer), the layer is compressed, then layer 1, and so on.
 The accelerator holds at any time one layer's full K/V, the compressed layers before it, and the
 prompt's hidden states (n x hidden_size), never every layer's full K/V at once; the result is
