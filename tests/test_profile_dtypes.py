@@ -60,3 +60,26 @@ def test_the_embedded_models_shipped_profile_in_16_bit(embedded, tmp_path, dtype
     with pytest.raises(BudgetError):  # what "auto" fell back to without the profile
         tiered.TieredCache.for_model(model, 1 / 32, planner="uniform", cache_dir=str(tmp_path))
     np.testing.assert_equal(len(prof.output_error), len(model.layers))
+
+
+def test_auto_plans_by_layers_where_uniform_refuses_and_no_profile_exists(tmp_path):
+    """No profile at hand and a budget one layout for every layer cannot meet: "auto" plans
+    by layers with every layer weighed alike (LayerProfile.flat) instead of refusing; the
+    cache compresses and keeps its accelerator tier within the budget. A budget no layered
+    plan meets is still refused."""
+    model = make_small_model("llama-gqa-d64", layers=4, seed=9)
+    with pytest.raises(BudgetError):
+        tiered.TieredCache.for_model(model, 1 / 48, planner="uniform", cache_dir=str(tmp_path))
+    cache = tiered.TieredCache.for_model(model, 1 / 48, cache_dir=str(tmp_path), page_size=16)
+    assert cache.context.planner == "layers"
+    assert cache.context.layer_profile.source.startswith("flat")
+    ids = np.random.default_rng(2).integers(0, 1000, 6000).tolist()  # compresses from 4945
+    for i in range(0, len(ids), 1000):
+        model(mx.array(ids[i : i + 1000])[None], cache=cache)
+    mx.eval(model(mx.array([[7]]), cache=cache))
+    assert all(c.phase == "compressed" for c in cache)
+    rep = tiered.report_dict(cache)
+    assert rep["bytes"]["accelerator"] <= rep["budget_bytes"]
+    cache.close()
+    with pytest.raises(BudgetError):
+        tiered.TieredCache.for_model(model, 1 / 4096, cache_dir=str(tmp_path))

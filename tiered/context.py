@@ -176,8 +176,9 @@ class SharedContext:
     def _auto_profile(self):
         """planner="auto": the layer profile when the budget is a fraction below
         AUTO_LAYERS_BELOW and one is at hand without measuring (tiered.layer_profile.
-        find_profile), else None (the uniform planner: measuring one takes minutes, asked for
-        with planner="layers")."""
+        find_profile), or a flat one where the uniform planner refuses the budget
+        (tiered.layer_profile.flat_fallback); else None (the uniform planner: measuring a
+        profile takes minutes, asked for with planner="layers")."""
         frac = self.config.budget_fraction
         if frac is None or frac >= AUTO_LAYERS_BELOW:
             return None
@@ -185,6 +186,10 @@ class SharedContext:
 
         model = self.model_ref() if self.model_ref is not None else None
         prof = find_profile(model, self.config)
+        if prof is None and model is not None:
+            from .layer_profile import flat_fallback
+
+            prof = flat_fallback(model, self.config, self.model_geometry)
         if prof is not None:
             self.layer_profile = prof
         return prof

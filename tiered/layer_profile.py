@@ -62,6 +62,17 @@ class LayerProfile:
     checkpoints: list[dict] | None = None
     dtype: str | None = None
 
+    @classmethod
+    def flat(cls, model_id: str, layers: int, head_dim: int) -> "LayerProfile":
+        """A profile that weighs every layer alike, measured on nothing: the output error halves
+        with each doubling of the code bytes. planner="auto" plans by layers with it where no
+        measured profile is at hand and the uniform planner cannot meet the budget."""
+        groups = group_options(head_dim)
+        err = [0.5 ** i for i in range(len(groups))]  # coarsest first
+        return cls(model_id=model_id, layers=layers, head_dim=head_dim, groups=groups,
+                   output_error=[list(err) for _ in range(layers)], entropy=[0.5] * layers,
+                   source="flat: every layer alike, nothing measured")
+
     # ---- the planner's view --------------------------------------------------------------
     def weights(self, weighting: str = "error") -> np.ndarray:
         """Loss per unit of relative output error, per layer (mean 1).
@@ -334,6 +345,27 @@ def _same_checkpoint(model, folders: list[str]) -> LayerProfile | None:
                              prof.dtype, _dtype_of(model))
                     return prof
     return None
+
+
+def flat_fallback(model, config, geometry) -> LayerProfile | None:
+    """planner="auto" with no profile at hand: :meth:`LayerProfile.flat` where the uniform
+    planner refuses the budget at every length (so that a budget a layered plan can meet is
+    planned, not refused), else None."""
+    from .codecs import model_fingerprint
+    from .layout import check_fraction
+    from .planner import BudgetError
+
+    if geometry is None:
+        return None
+    try:
+        check_fraction(geometry, config)
+        return None
+    except BudgetError:
+        pass
+    log.warning("tiered: gpu_budget %s is below what one layout for every layer can meet and "
+                "no layer profile is at hand: planning by layers, every layer weighed alike "
+                "(planner='layers' measures a profile first)", config.gpu_budget)
+    return LayerProfile.flat(model_fingerprint(model), len(model.layers), geometry.k_dim)
 
 
 def get_profile(model, tokenizer, config, *, progress=None) -> LayerProfile:
