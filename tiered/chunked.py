@@ -105,8 +105,13 @@ class ChunkAttention:
         best = None
         for p in range(q.shape[1]):
             z = self.keys.scores(q[:, p], n0, rep, None if q_np is None else q_np[:, p])
-            z = z[:, lo:hi] if isinstance(z, mx.array) else mx.array(z[:, lo:hi])
-            best = z if best is None else mx.maximum(best, z)
+            if isinstance(z, mx.array):
+                best = z[:, lo:hi] if best is None else mx.maximum(best, z[:, lo:hi])
+            elif best is None:  # numpy path: one running maximum, not a score array per probe
+                best = np.array(z[:, lo:hi])
+            else:
+                np.maximum(best, z[:, lo:hi], out=best)
+        best = mx.array(best) if isinstance(best, np.ndarray) else best
         best = best.reshape(H, rep, hi - lo).max(axis=1)  # (H, hi - lo)
         idx = mx.argpartition(-best, T - 1, axis=1)[:, :T] + lo
         dispatch.eval(idx)
