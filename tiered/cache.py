@@ -330,8 +330,8 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
 
     # ---- life cycle ------------------------------------------------------------------------
     def settle(self):
-        """Compress now if this layer would at its next step (before a save: the saved tiers
-        are then codes and host pages, not the exact K/V)."""
+        """Compress now if this layer would at its next step. Saves do not: a layer still
+        exact is saved exact, and compresses after loading where it would have unsaved."""
         if (self.phase == "exact" and self.geometry is not None and self._scale is not None
                 and not self.closed and self._wants_compression(1)):
             self._require_routing()

@@ -154,7 +154,9 @@ def save(caches, directory: str, model) -> str:
 
 
 def _save_locked(caches, directory: str, identity: str) -> str:
-    caches.settle()  # save the tiers a decode step would use: codes and host pages
+    # Layers still exact are saved exact: loaded, they compress at the same token as a cache
+    # that was never saved (at the first decode step, with the question's queries as its
+    # observation), so a saved and loaded prompt answers as the same tokens fed at once do.
     layers = [c for c in caches if is_tiered(c)]
     for c in layers:
         c._require_open()
