@@ -337,6 +337,32 @@ def _jsonable_args(model) -> object:
     return dict(vars(args)) if hasattr(args, "__dict__") else str(args)
 
 
+def _architecture(model, *, dtypes: bool):
+    """The parts two fingerprints share: a sha256 fed the model class, its ``args`` and every
+    parameter's name and shape (and dtype when ``dtypes``), the parameters sorted by name, and
+    the model type (``args.model_type``, else ``"model"``)."""
+    from mlx.utils import tree_flatten
+
+    h = hashlib.sha256()
+    cls = type(model)
+    head = {"class": f"{cls.__module__}.{cls.__qualname__}", "args": _jsonable_args(model)}
+    h.update(json.dumps(head, sort_keys=True, default=str).encode("utf-8"))
+    params = sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0])
+    for name, p in params:
+        kind = f":{p.dtype}" if dtypes else ""
+        h.update(f"{name}:{tuple(p.shape)}{kind};".encode("utf-8"))
+    args = getattr(model, "args", None)
+    model_type = "model"
+    if args is not None and isinstance(getattr(args, "model_type", None), str):
+        model_type = args.model_type
+    return h, params, model_type
+
+
+def _picks(params, samples: int) -> list[int]:
+    """Indices of ``samples`` parameters spread evenly over the sorted list."""
+    return sorted(set(np.linspace(0, len(params) - 1, max(1, samples)).round().astype(int)))
+
+
 def model_fingerprint(model, *, samples: int = 4, values_per_sample: int = 4096) -> str:
     """A stable id of an mlx-lm model: ``"<model_type>-<24 hex>"``.
 
@@ -346,28 +372,15 @@ def model_fingerprint(model, *, samples: int = 4, values_per_sample: int = 4096)
     reading every weight). Quantized weights are hashed as their packed integers.
     """
     import mlx.core as mx
-    from mlx.utils import tree_flatten
 
-    h = hashlib.sha256()
-    cls = type(model)
-    head = {"class": f"{cls.__module__}.{cls.__qualname__}", "args": _jsonable_args(model)}
-    h.update(json.dumps(head, sort_keys=True, default=str).encode("utf-8"))
-    params = sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0])
-    for name, p in params:
-        h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode("utf-8"))
-    if params:
-        picks = sorted(set(np.linspace(0, len(params) - 1, max(1, samples)).round().astype(int)))
-        for i in picks:
-            flat = params[i][1].reshape(-1)
-            stride = max(1, flat.size // values_per_sample)
-            part = flat[::stride][:values_per_sample]
-            if part.dtype == mx.bfloat16:  # numpy has no bfloat16: hash its bits
-                part = part.view(mx.uint16)
-            h.update(np.ascontiguousarray(np.array(part)).tobytes())
-    model_type = "model"
-    args = getattr(model, "args", None)
-    if args is not None and isinstance(getattr(args, "model_type", None), str):
-        model_type = args.model_type
+    h, params, model_type = _architecture(model, dtypes=True)
+    for i in _picks(params, samples) if params else ():
+        flat = params[i][1].reshape(-1)
+        stride = max(1, flat.size // values_per_sample)
+        part = flat[::stride][:values_per_sample]
+        if part.dtype == mx.bfloat16:  # numpy has no bfloat16: hash its bits
+            part = part.view(mx.uint16)
+        h.update(np.ascontiguousarray(np.array(part)).tobytes())
     return f"{model_type}-{h.hexdigest()[:24]}"
 
 
@@ -378,23 +391,11 @@ def checkpoint_signature(model, *, samples: int = 4, values: int = 64) -> tuple[
     measured in float32 applies to the same weights cast to float16 or bfloat16
     (:func:`tiered.layer_profile.find_profile` compares the values with a tolerance)."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten
 
-    h = hashlib.sha256()
-    cls = type(model)
-    head = {"class": f"{cls.__module__}.{cls.__qualname__}", "args": _jsonable_args(model)}
-    h.update(json.dumps(head, sort_keys=True, default=str).encode("utf-8"))
-    params = sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0])
-    for name, p in params:
-        h.update(f"{name}:{tuple(p.shape)};".encode("utf-8"))
+    h, params, model_type = _architecture(model, dtypes=False)
     picked = []
-    if params:
-        for i in sorted(set(np.linspace(0, len(params) - 1, max(1, samples)).round().astype(int))):
-            flat = params[i][1].reshape(-1)
-            stride = max(1, flat.size // values)
-            picked += np.array(flat[::stride][:values].astype(mx.float32)).tolist()
-    model_type = "model"
-    args = getattr(model, "args", None)
-    if args is not None and isinstance(getattr(args, "model_type", None), str):
-        model_type = args.model_type
+    for i in _picks(params, samples) if params else ():
+        flat = params[i][1].reshape(-1)
+        stride = max(1, flat.size // values)
+        picked += np.array(flat[::stride][:values].astype(mx.float32)).tolist()
     return f"{model_type}-{h.hexdigest()[:24]}", picked
