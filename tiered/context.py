@@ -10,33 +10,12 @@ import mlx.core as mx
 import numpy as np
 
 from . import dispatch, layout, ops
-from .codecs import (CalibrationKey, calibrate, load_calibration, model_fingerprint,
-                     save_calibration, train_codebook)
+from .codecs import train_codebook
 from .cpu.disk import HostBudget
 from .geometry import Geometry, model_geometry
-from .planner import BudgetError, Plan, make_plan
+from .planner import BudgetError, Plan
 from .scheduler import Scheduler
 from .step_guard import StepGuard
-
-
-def collect_keys(model, tokens: list[int], n_tokens: int, layers: list[int],
-                 chunk: int = 1024) -> list[np.ndarray]:
-    """Post-RoPE keys (H, n, d) float32 the model makes at ``layers`` on ``tokens[:n_tokens]``."""
-    from mlx_lm.models.cache import KVCache
-
-    if len(tokens) < 64:
-        raise ValueError(f"Invalid calibration: the text has {len(tokens)} tokens (need >= 64)")
-    ids = mx.array(tokens[:n_tokens])[None]
-    caches = model.make_cache() if hasattr(model, "make_cache") else [
-        KVCache() for _ in model.layers]
-    for i in range(0, ids.shape[1], chunk):
-        model(ids[:, i : i + chunk], cache=caches)
-        dispatch.eval([c.state for c in caches])
-    out = []
-    for i in layers:
-        k = caches[i].keys[..., : caches[i].offset, :]
-        out.append(np.array(k[0].astype(mx.float32)))
-    return out
 
 
 # planner="auto": layer-aware below this fraction of the full cache. The two planners answered
@@ -325,40 +304,11 @@ class SharedContext:
 
     # ---- codebooks -------------------------------------------------------------------------
     def calibrate_from_text(self, model, tokenizer, tiered_layers: list[int], progress=None):
-        """Codebooks for every tiered layer from the keys the model makes on a text file.
+        """Codebooks for every tiered layer from the keys the model makes on a text file
+        (tiered.text_calibration.calibrate_from_text)."""
+        from .text_calibration import calibrate_from_text
 
-        Cached in ``config.cache_dir`` under a key of (model fingerprint, geometry, codec
-        parameters, the text's sha256); a corrupt or mismatched cache file is a ValueError
-        naming it (delete the file to calibrate again)."""
-        cfg = self.config
-        if self.model_geometry is None:
-            raise ValueError("calibration from a text file needs the model's geometry (args)")
-        plan = make_plan(self.model_geometry, cfg)
-        if plan.codec != "codebook":
-            return  # affine keys and h2o need no calibration
-        self.plan = plan
-        with open(cfg.calibration, "rb") as f:
-            text = f.read()
-        source = f"text:{hashlib.sha256(text).hexdigest()[:32]}:{cfg.calibration_tokens}"
-        geo = self.model_geometry
-        key = CalibrationKey(model_id=model_fingerprint(model), layers=len(tiered_layers),
-                             heads=geo.kv_heads, head_dim=geo.k_dim, groups=plan.groups,
-                             size=plan.centroids, per_group=plan.per_group,
-                             iters=cfg.kmeans_iters, seed=cfg.seed, source=source)
-        books = load_calibration(cfg.cache_dir, key)
-        if books is None:
-            if tokenizer is None:
-                raise ValueError(
-                    "Invalid calibration: calibrating from a text file needs the tokenizer; "
-                    "pass tokenizer= to TieredCache.for_model"
-                )
-            keys = collect_keys(model, tokenizer.encode(text.decode("utf-8", "replace")),
-                                cfg.calibration_tokens, tiered_layers)
-            books = calibrate(keys, groups=plan.groups, size=plan.centroids,
-                              per_group=plan.per_group, iters=cfg.kmeans_iters, seed=cfg.seed,
-                              threads=1, progress=progress)
-            save_calibration(cfg.cache_dir, key, books)
-        self.codebooks = dict(zip(tiered_layers, books))
+        calibrate_from_text(self, model, tokenizer, tiered_layers, progress)
 
     def codebook_for(self, layer, keys: mx.array) -> np.ndarray:
         """This layer's codebook: from the calibration file, or trained on its own first keys."""
