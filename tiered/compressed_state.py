@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from . import dispatch, ops, undo
+from . import chunk_select, dispatch, ops, undo
 from .keys import AffineKeys, CodebookKeys
 from .planner import capacity
 from .trim import trim_compressed
@@ -33,7 +33,8 @@ class CompressedState:
         dispatch.eval(q, s_r)
         z = self._scores_with_resident(q, np.array(q), s_r, rep)
         cap, floor = self._cap(self.n)
-        sel = ops.select(z, self.n, self._flags_np, self.config.tau, cap, floor)
+        sel = chunk_select.select_np(z, self.n, self.n, self._flags_np, self.config.tau, cap,
+                                     floor)
         return z, sel.m, sel.s
 
     def _scores_with_resident(self, q, q_np, s_r, rep):

@@ -10,9 +10,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from tiered import metal
-
-from . import dispatch, ops
+from . import chunk_select, dispatch, ops
 from .primitives import merge_partials
 
 
@@ -91,7 +89,7 @@ class DecodePaths:
         q_np = np.array(q)
         z = self._scores_with_resident(q, q_np, s_r, rep)
         cap, floor = self._cap(n)
-        sel = ops.select(z, n, self._flags_np, cfg.tau, cap, floor)
+        sel = chunk_select.select_np(z, n, n, self._flags_np, cfg.tau, cap, floor)
         idx, count = self._host_sinks(sel.idx, sel.count, self._flags_np)
         marks.append(("select", time.perf_counter()))
         self._check_pages(idx, count)
@@ -119,7 +117,8 @@ class DecodePaths:
     def _select_device(self, q, s_r, Hq: int, rep: int, select: bool = True):
         """Scores of every token from the compressed keys (the resident tokens' replaced by
         their exact scores s_r) and the tau-cumulative selection, on the device (lazy).
-        Returns (z (Hq, n + 1), sel)."""
+        Returns (z (Hq, n + 1), sel): chunks selected, their live tokens listed
+        (tiered.chunk_select)."""
         n = self.n
         z = self.keys.scores(q, n, rep)
         # Resident tokens take their exact scores (scatter into a spare column n for empty
@@ -133,7 +132,7 @@ class DecodePaths:
         if not select:
             return z, None
         cap, floor = self._cap(n)
-        sel = metal.tau_select(z, n, self.flags, self.config.tau, cap, floor, with_stats=True)
+        sel = chunk_select.select_mx(z, n, n, self.flags, self.config.tau, cap, floor)
         return z, sel
 
     def _combine(self, o_r, lse_r, o_c, lse_c, sinks, Hq: int):

@@ -1,0 +1,111 @@
+"""Chunk logits and chunk expansion on the CPU (Numba): the tau rule over chunks of ``C``
+tokens that every decode path uses (:mod:`tiered.chunk_select`), here for numpy arrays.
+
+A chunk's logit is the log-sum-exp of its live tokens (on the host pages, not resident); a
+chunk without a live token keeps the log-sum-exp of all its host tokens and is excluded, as in
+the device kernel (:mod:`tiered.device_chunks`). Non-finite scores count for nothing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import prange
+
+from ._numba import kernel
+
+
+@kernel(parallel=True, inf_safe=True)
+def _chunk_logits(z, n, n_host, flags, C, zc, excl, m_out, s_out):
+    Hq, nc = zc.shape
+    rep = Hq // flags.shape[0]
+    for h in prange(Hq):
+        k = h // rep
+        m = -np.inf
+        for t in range(n):  # the softmax statistics of the n tokens (the H2O update's)
+            x = np.float64(z[h, t])
+            if x > m and x < np.inf:
+                m = x
+        s = 0.0
+        if m > -np.inf:
+            for t in range(n):
+                x = np.float64(z[h, t])
+                if x > -np.inf and x < np.inf:
+                    s += math.exp(x - m)
+        m_out[h] = m
+        s_out[h] = s
+        for c in range(nc):
+            lo, hi = c * C, min(c * C + C, n_host)
+            m_live, m_all = -np.inf, -np.inf
+            for t in range(lo, hi):
+                x = np.float64(z[h, t])
+                if x > -np.inf and x < np.inf:
+                    m_all = max(m_all, x)
+                    if flags[k, t] == 0:
+                        m_live = max(m_live, x)
+            s_live, s_all = 0.0, 0.0
+            for t in range(lo, hi):
+                x = np.float64(z[h, t])
+                if x > -np.inf and x < np.inf:
+                    s_all += math.exp(x - m_all)
+                    if flags[k, t] == 0:
+                        s_live += math.exp(x - m_live)
+            if m_live > -np.inf:
+                zc[h, c] = m_live + math.log(s_live)
+            elif m_all > -np.inf:
+                zc[h, c] = m_all + math.log(s_all)
+            else:
+                zc[h, c] = -np.inf
+            if h % rep == 0:
+                excl[k, c] = 1 if m_live == -np.inf else 0
+
+
+def chunk_logits(z: np.ndarray, n: int, n_host: int, flags: np.ndarray, chunk: int):
+    """(zc (Hq, nc) float32, excl (H, nc) uint8, m (Hq,), s (Hq,) float32) of scores z
+    (Hq, >= n) float32 and resident flags (H, >= n_host): nc = ceil(n_host / chunk) chunk
+    logits, which chunks hold no live token, and each query head's softmax max and sum over
+    its n tokens' finite scores (-inf and 0 where none)."""
+    if not 0 <= n_host <= n <= z.shape[1] or flags.shape[1] < n_host:
+        raise ValueError(f"Invalid sizes: n_host {n_host}, n {n}, z {z.shape}, flags "
+                         f"{flags.shape} (expected n_host <= n <= z's and flags' columns)")
+    Hq, H = z.shape[0], flags.shape[0]
+    if H == 0 or Hq % H:
+        raise ValueError(f"Invalid heads: {Hq} query heads for {H} kv heads")
+    nc = -(-n_host // chunk)
+    zc = np.empty((Hq, nc), np.float32)
+    excl = np.empty((H, nc), np.uint8)
+    m, s = np.empty(Hq, np.float32), np.empty(Hq, np.float32)
+    _chunk_logits(np.ascontiguousarray(z, np.float32), n, n_host,
+                  np.ascontiguousarray(flags).view(np.uint8), chunk, zc, excl, m, s)
+    return zc, excl, m, s
+
+
+@kernel(parallel=True)
+def _expand(idxc, countc, n_host, flags, C, out, count):
+    for k in prange(out.shape[0]):
+        j = 0
+        for i in range(countc[k]):
+            c = idxc[k, i]
+            for t in range(c * C, min(c * C + C, n_host)):
+                if flags[k, t] == 0:
+                    out[k, j] = t
+                    j += 1
+        count[k] = j
+        out[k, j:] = -1
+
+
+def expand_chunks(idxc: np.ndarray, countc: np.ndarray, n_host: int, flags: np.ndarray,
+                  chunk: int, width: int):
+    """Token ids of selected chunks: idxc (H, >= countc) ascending chunk ids -> (idx (H, width)
+    ascending token ids, -1 past count; count (H,)), each chunk's tokens on the host pages
+    (< n_host) that ``flags`` (H, >= n_host) does not mark resident. width >= the chunks'
+    tokens (countc.max() * chunk)."""
+    H = idxc.shape[0]
+    if countc.size and int(countc.max()) * chunk > width:
+        raise ValueError(f"Invalid width {width}: {int(countc.max())} chunks of {chunk} tokens")
+    out = np.empty((H, width), np.int32)
+    count = np.empty(H, np.int32)
+    _expand(np.ascontiguousarray(idxc, np.int32), np.ascontiguousarray(countc, np.int32),
+            n_host, np.ascontiguousarray(flags).view(np.uint8), chunk, out, count)
+    return out, count
