@@ -57,9 +57,12 @@ from tiered.tasks_retrieval import kv_retrieval, planted_facts
 
 BUDGETS = [0.25, 0.125, 0.0625, 0.03125]
 METHODS = ["full", "tiered", "tiered_layers", "hcattention", "quantized"]
-EXTRA_METHODS = ["default"]  # on request: tiered as configured by default (planner="auto")
+# on request: tiered as configured by default (planner="auto"), on the device path and on the
+# CPU-gather path (device_gather="off": the path Metal and MLX's CPU backend run)
+EXTRA_METHODS = ["default", "default_gather_off"]
 LABELS = {"full": "KVCache (full)", "tiered": "tiered (uniform planner)",
           "default": "tiered (default: planner='auto')",
+          "default_gather_off": "tiered (default), CPU-gather path",
           "tiered_layers": "tiered (layer-aware planner)",
           "hcattention": "HCAttention config (this runtime)",
           "quantized": "QuantizedKVCache (4 / 2-bit)"}
@@ -83,6 +86,13 @@ def make_sample(task: str, tok, n: int, i: int):
     raise ValueError(f"Invalid task: {task!r}")
 
 
+def _leaves(model):
+    from mlx.utils import tree_flatten
+
+    return [(k, v) for k, v in tree_flatten(model.parameters())
+            if mx.issubdtype(v.dtype, mx.floating) and k.endswith("norm.weight")]
+
+
 def quantized(base, bits):
     return [c.to_quantized(group_size=64, bits=bits) for c in base.to_kvcache()]
 
@@ -102,7 +112,8 @@ def method_caches(base, budgets, methods):
                 else:
                     yield m, b, quantized(base, bits), f"{bits}-bit"
                 continue
-            opts = dict(default=dict(), tiered=dict(method="tiered", planner="uniform"),
+            opts = dict(default=dict(), default_gather_off=dict(device_gather="off"),
+                        tiered=dict(method="tiered", planner="uniform"),
                         hcattention=dict(method="hcattention", planner="uniform"),
                         tiered_layers=dict(method="tiered", planner="layers"))[m]
             try:
@@ -221,6 +232,11 @@ def main(argv=None):
     p.add_argument("--records", default=None, help="append records to this JSONL file as they come")
     p.add_argument("--summarize", nargs="+", default=None, metavar="JSONL",
                    help="no run: tables and plot from these record files")
+    p.add_argument("--length", type=int, default=None,
+                   help="tokens per retrieval document (default 2048)")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                   help="the model's and so the cache's dtype (default: float32 on the CPU "
+                        "backend, float16 on GPUs); budgets are fractions of that cache")
     p.add_argument("--name", default=None)
     args = p.parse_args(argv)
     args.name = args.name or ("accuracy_grid_quick" if args.quick else "accuracy_grid")
@@ -237,6 +253,7 @@ def main(argv=None):
                         walls.append(r["wall_s"])
                     elif r.get("kind") == "run":
                         runs.append(f"{r['commit']} ({r['date']})")
+                        info.update({k: r[k] for k in ("dtype", "backend") if k in r})
                     else:
                         records.append(r)
         info["runs"] = runs or ["records without a run header: " + ", ".join(args.summarize)]
@@ -246,13 +263,19 @@ def main(argv=None):
     docs = args.docs if args.docs is not None else grid["docs"]
     n_ppl, context, scored = grid["ppl"]
     n_ppl = args.ppl_docs if args.ppl_docs is not None else n_ppl
-    model, tok = tiered.load()
+    if args.length:
+        grid["length"] = args.length
+    model, tok = tiered.load(dtype=getattr(mx, args.dtype) if args.dtype else None)
+    info["dtype"] = str(next((p.dtype for _, p in _leaves(model)), "float32")).replace(
+        "mlx.core.", "")
+    info["length"] = grid["length"]
     clock = Clock()
     log = clock.log
     sink = open(args.records, "a") if args.records else None
     if sink:
         sink.write(json.dumps({"kind": "run", "commit": info["commit"], "command": info["command"],
-                               "date": info["date"]}) + "\n")
+                               "date": info["date"], "dtype": info["dtype"],
+                               "backend": info["backend"]}) + "\n")
 
     def keep(recs):
         if sink:

@@ -65,7 +65,7 @@ def acceptance(table, budgets):
     """Issue 25's acceptance: at 0.0625 within the full cache's 95% interval and ppl <= +1%;
     at 0.03125 within 5 points, ppl <= +3%."""
     rows = []
-    for m in ("tiered", "tiered_layers"):
+    for m in ("tiered", "tiered_layers", "default", "default_gather_off"):
         for b, pts, ppl_max in ((0.0625, None, 1.0), (0.03125, 5.0, 3.0)):
             if b not in budgets:
                 continue
@@ -95,8 +95,10 @@ def markdown(table, info, wall, args, budgets):
              f"cores), {info['date']}, commit `{info['commit']}`; wall time {wall / 60:.1f} min."
              + (f" Records from the runs at {'; '.join(info['runs'])}." if info.get("runs") else "")
              + "\n",
-             "Embedded SmolLM2-135M-Instruct (fp32 on the CPU backend: fractions of the fp32 "
-             "KVCache). Cells: accuracy [95% Wilson interval] over n documents, and in brackets "
+             f"Embedded SmolLM2-135M-Instruct in {info.get('dtype', 'float32')}: budgets are "
+             f"fractions of the {info.get('dtype', 'float32')} `KVCache`"
+             + (f", documents of {info['length']} tokens" if info.get("length") else "")
+             + ". Cells: accuracy [95% Wilson interval] over n documents, and in brackets "
              "the most accelerator bytes the cache held, as a fraction of the full cache. "
              "Perplexity: [95% block-bootstrap interval], Δ = paired change against the full "
              "cache on the same tokens. `n/a`: the method cannot fit the budget; `over budget`: "
@@ -104,8 +106,8 @@ def markdown(table, info, wall, args, budgets):
     for task in [t for t in TASK_NAMES if t in table]:
         header = ["method"] + [f"budget {b}" for b in budgets] + ["own size"]
         rows = []
-        for m in ("full", "tiered", "tiered_layers", "hcattention", "quantized"):
-            cells = table[task]
+        cells = table[task]
+        for m in [m for m in _methods() if any(k[0] == m for k in cells)]:
             if m == "full":
                 rows.append([LABEL(m)] + [""] * len(budgets) + [_fmt(task, cells.get((m, 1.0)))])
             elif any((m, b) in cells for b in budgets):
@@ -113,10 +115,16 @@ def markdown(table, info, wall, args, budgets):
         lines.append(f"## {TASK_NAMES[task]}\n\n" + md_table(header, rows))
     acc = acceptance(table, budgets)
     if acc:
-        lines.append("## Acceptance (issue 25)\n\n" + md_table(
+        lines.append("## Acceptance (issues 25 and 58)\n\n" + md_table(
             ["method", "budget", "task", "measured", "needed", "met"], acc))
     lines.append(f"\n![accuracy vs budget]({args.name}.png)\n")
     return "\n".join(lines)
+
+
+def _methods():
+    from accuracy_grid import EXTRA_METHODS, METHODS
+
+    return METHODS + EXTRA_METHODS
 
 
 def LABEL(m):
@@ -137,7 +145,7 @@ def plot(table, budgets, path):
             ax.axhspan(full[key[1]], full[key[2]], color="grey", alpha=0.2,
                        label="KVCache (full), 95% CI")
             ax.axhline(full[key[0]], color="grey", lw=1)
-        for j, m in enumerate(("tiered", "tiered_layers", "hcattention", "quantized")):
+        for j, m in enumerate(m for m in _methods() if m != "full"):
             pts = [(b * (1 + 0.04 * (j - 1.5)), cells[(m, b)]) for b in budgets
                    if (m, b) in cells and not cells[(m, b)]["na"]]
             if not pts:
