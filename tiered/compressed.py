@@ -362,6 +362,15 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         Returns (o (H, rep, dv) normalized, lse (H, rep); -inf where the set is empty)."""
         return ops.softmax_partial(s, self.res_v if values is None else values)
 
+    @property
+    def tau(self) -> float:
+        """This layer's tau: ``offloaded_tau`` (if higher) where every value is on the host
+        and the method is tiered, else the config's."""
+        sel = self.config.selection
+        if self.plan.method == "tiered" and not self.plan.keep_values_resident:
+            return max(sel.tau, sel.offloaded_tau)
+        return sel.tau
+
     def _cap(self, n: int) -> tuple[int, int]:
         """(cap, floor) of this step's selection, in tokens per kv head, at n live tokens."""
         selection = self.config.selection

@@ -33,7 +33,7 @@ class CompressedState:
         dispatch.eval(q, s_r)
         z = self._scores_with_resident(q, np.array(q), s_r, rep)
         cap, floor = self._cap(self.n)
-        sel = chunk_select.select_np(z, self.n, self.n, self._flags_np, self.config.tau, cap,
+        sel = chunk_select.select_np(z, self.n, self.n, self._flags_np, self.tau, cap,
                                      floor)
         return z, sel.m, sel.s
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 import weakref
 
@@ -23,6 +24,9 @@ from .step_guard import StepGuard
 # needles inside the full cache's intervals where the uniform one lost 37 and 20 points
 # (docs/accuracy-grid.md).
 AUTO_LAYERS_BELOW = 0.125
+# Where a layer's own codebook trains: faiss on the CPU backend, MLX on accelerators, unless
+# TIERED_KMEANS names one ("faiss" or "mlx"; for measurements).
+KMEANS = os.environ.get("TIERED_KMEANS") or None
 
 
 class SharedContext:
@@ -343,7 +347,7 @@ class SharedContext:
         book = train_codebook(
             sample, groups=plan.groups, size=plan.centroids, per_group=plan.per_group,
             iters=cfg.kmeans_iters, seed=cfg.seed + layer.layer, threads=1,
-            backend="faiss" if ops.on_cpu_backend() else "mlx")
+            backend=KMEANS or ("faiss" if ops.on_cpu_backend() else "mlx"))
         if pending is not None:
             pending.join()
             digest = box[0] if box else _digest(sample)  # the thread failed: hash it here

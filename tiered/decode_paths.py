@@ -89,7 +89,7 @@ class DecodePaths:
         q_np = np.array(q)
         z = self._scores_with_resident(q, q_np, s_r, rep)
         cap, floor = self._cap(n)
-        sel = chunk_select.select_np(z, n, n, self._flags_np, cfg.tau, cap, floor)
+        sel = chunk_select.select_np(z, n, n, self._flags_np, self.tau, cap, floor)
         idx, count = self._host_sinks(sel.idx, sel.count, self._flags_np)
         marks.append(("select", time.perf_counter()))
         self._check_pages(idx, count)
@@ -132,7 +132,7 @@ class DecodePaths:
         if not select:
             return z, None
         cap, floor = self._cap(n)
-        sel = chunk_select.select_mx(z, n, n, self.flags, self.config.tau, cap, floor)
+        sel = chunk_select.select_mx(z, n, n, self.flags, self.tau, cap, floor)
         return z, sel
 
     def _combine(self, o_r, lse_r, o_c, lse_c, sinks, Hq: int):

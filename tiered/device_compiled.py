@@ -105,7 +105,7 @@ def step(layer, queries, scale, sinks, tables, n: int, n_host: int, cap: int, fl
     floorc = min(capc, -(-floor // CHUNK))
     pages, addrs_k, addrs_v = page_tables(tables, host, W)
     alpha = heavy.alpha if heavy is not None else None
-    key = (W, float(scale), layer.config.tau, capc, floorc, alpha, rep, sinks is not None,
+    key = (W, float(scale), layer.tau, capc, floorc, alpha, rep, sinks is not None,
            queries.dtype, host.page_size, kt.pages_per_block, vt.pages_per_block,
            kt.head_dim, vt.head_dim, kt.dtype, vt.dtype, exact, H2O_AFTER,
            device_attend.MERGE_GROUPS, device_resident.RESIDENT_ITER,

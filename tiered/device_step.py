@@ -79,7 +79,7 @@ def decode(layer, queries, scale, sinks, tables: DeviceTables):
     z = mx.put_along_axis(mx.concatenate([z, kept((Hq, 1), 0.0)], axis=1), cols, s_r, axis=1)
     zc, excl, za = chunk_logits(z, layer.flags, n_host, rep, n)
     capc = max(1, cap // CHUNK)
-    idx, count = metal.tau_select(zc, zc.shape[1], excl, cfg.tau, capc,
+    idx, count = metal.tau_select(zc, zc.shape[1], excl, layer.tau, capc,
                                   min(capc, -(-floor // CHUNK)))
     if cfg.rescore == "exact":
         keys, vals, ok = device_attend.gather_kv(tables, host, idx, count, layer.flags)

@@ -5,7 +5,7 @@ The flat keyword options stay the API (``TieredCache.for_model(model, tau=0.95, 
 under the same names, as a frozen dataclass built when asked for:
 
 - ``selection``: tau-cumulative selection of offloaded tokens (HCAttention): tau,
-  max_selected, min_selected, rescore, offloaded_min_selected;
+  max_selected, min_selected, rescore, offloaded_min_selected, offloaded_tau;
 - ``heavy``: heavy-hitter scores and their refresh (H2O): ema_alpha, refresh_every;
 - ``resident``: the resident set's fixed parts, and what trim can give back: sinks, recent,
   undo_tokens;
@@ -35,7 +35,7 @@ class SelectionOptions:
     """Per step and kv head, the smallest set of offloaded tokens whose softmax mass reaches
     ``tau``, at least ``min_selected`` and at most ``max_selected`` tokens (an int, or a
     fraction of the live tokens); ``rescore``: "exact" (host keys) or "approx" (codes).
-    ``offloaded_min_selected``: the floor the layer-aware planner gives layers whose every
+    ``offloaded_min_selected`` and ``offloaded_tau``: the floor and tau of layers whose every
     value is on the host (:mod:`tiered.layer_planner`)."""
 
     tau: float
@@ -43,6 +43,7 @@ class SelectionOptions:
     min_selected: int
     rescore: str
     offloaded_min_selected: int
+    offloaded_tau: float
 
     def cap(self, live: int) -> int:
         """The cap in tokens with ``live`` live tokens."""
