@@ -285,8 +285,9 @@ def main(argv=None):
         return recs
 
     records = []
-    for task in [t for t in args.tasks if t != "ppl"]:
-        for i in range(args.first_doc, args.first_doc + docs):
+    # document by document, every task (a run cut short keeps every task's first documents)
+    for i in range(args.first_doc, args.first_doc + docs):
+        for task in [t for t in args.tasks if t != "ppl"]:
             records += keep(run_retrieval(model, tok, task, i, grid["length"], args.budgets,
                                           args.methods, log))
     if "ppl" in args.tasks:
