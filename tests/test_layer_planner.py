@@ -183,3 +183,25 @@ def test_offloaded_layers_take_the_offloaded_floor():
         assert ("floor 96" in p.why) != p.keep_values_resident
     with pytest.raises(ValueError, match="offloaded_min_selected"):
         TieredConfig(offloaded_min_selected=-1)
+
+
+def test_a_smaller_book_where_nothing_else_fits():
+    """1/32 of the embedded model's float16 cache at 4k-6k tokens: the 256-centroid shared
+    book of the coarsest layout does not fit beside its codes, so the coarsest layers take a
+    64-centroid book; within the budget, and only where nothing else fits."""
+    geo = Geometry(30, 3, 9, 64, 64, 2)
+    prof = synthetic_profile(geo.layers, sensitive=(0,))
+    cfg = TieredConfig(gpu_budget=0.03125, planner="layers")
+    for n in (4096, 6144):
+        plans = layer_planner.make_layer_plans(geo, cfg, prof, n, 17)
+        assert plans is not None, n
+        assert any(p.centroids == layer_planner.COARSE_CENTROIDS for p in plans.values())
+        total = sum(layer_bytes(p, n, 17) for p in plans.values())
+        any_plan = next(iter(plans.values()))
+        assert total <= any_plan.budget_bytes(n) - any_plan.workspace_bytes(n)
+        # a book size the user set is kept: nothing fits then
+        fixed = TieredConfig(gpu_budget=0.03125, planner="layers", codebook_size=256)
+        assert layer_planner.make_layer_plans(geo, fixed, prof, n, 17) is None
+    roomy = layer_planner.make_layer_plans(geo, TieredConfig(gpu_budget=0.0625, planner="layers"),
+                                           prof, 6144, 17)
+    assert all(p.centroids != layer_planner.COARSE_CENTROIDS for p in roomy.values())

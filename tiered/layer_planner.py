@@ -31,6 +31,7 @@ from .geometry import Geometry
 from .planner import MIN_RECENT, Plan, capacity
 
 PER_GROUP_SHARE = 0.1  # per-group codebooks when they take at most this part of a layer's budget
+COARSE_CENTROIDS = 64  # the book of the layout below the coarsest (allocate)
 
 
 @dataclasses.dataclass
@@ -76,9 +77,22 @@ def allocate(geometry: Geometry, config, profile, n: int, horizon: int):
     opts = _options(g, config, groups_list, total / max(L, 1))
     cap = capacity(n + horizon, config.step)
     res_bytes = g.full_token_head_bytes + 4
-    offl = np.array([g.kv_heads * (cap * (o.code_bytes + 1) + res_bytes) + o.codebook
-                     for o in opts], float)
+
+    def offloaded(options):
+        return np.array([g.kv_heads * (cap * (o.code_bytes + 1) + res_bytes) + o.codebook
+                         for o in options], float)
+
+    offl = offloaded(opts)
+    if L * offl[0] > total and config.codebook_size is None:
+        # the coarsest layout with a smaller shared book: where even it does not fit (1/32 of
+        # a 16-bit cache at 6k tokens: the 256-centroid book is a third of a layer's bytes)
+        o = opts[0]
+        small = _Option(o.groups, False, COARSE_CENTROIDS, o.groups,
+                        g.kv_heads * COARSE_CENTROIDS * (g.k_dim // o.groups) * 4)
+        opts, offl = [small] + opts, offloaded([small] + opts)
     w = profile.weights(config.layer_weighting)
+    # (a smaller book at the same groups is predicted no worse: it is taken only where nothing
+    # else fits, and left for the finer layouts as soon as the bytes allow)
     err = np.array([[profile.error_at(i, o.groups) for o in opts] for i in range(L)])
     err = np.minimum.accumulate(err, axis=1)  # finer codes never predicted worse
     cost = w[:, None] * err
