@@ -253,7 +253,9 @@ def main(argv=None):
                         walls.append(r["wall_s"])
                     elif r.get("kind") == "run":
                         runs.append(f"{r['commit']} ({r['date']})")
-                        info.update({k: r[k] for k in ("dtype", "backend") if k in r})
+                        info.update({k: r[k] for k in ("dtype", "length") if k in r})
+                        if "device" in r:  # the records' machine, not this one
+                            info["recorded_on"] = f"{r['device']} ({r.get('backend')})"
                     else:
                         records.append(r)
         info["runs"] = runs or ["records without a run header: " + ", ".join(args.summarize)]
@@ -275,7 +277,8 @@ def main(argv=None):
     if sink:
         sink.write(json.dumps({"kind": "run", "commit": info["commit"], "command": info["command"],
                                "date": info["date"], "dtype": info["dtype"],
-                               "backend": info["backend"]}) + "\n")
+                               "backend": info["backend"], "device": info["device"],
+                               "length": info["length"]}) + "\n")
 
     def keep(recs):
         if sink:

@@ -94,6 +94,7 @@ def markdown(table, info, wall, args, budgets):
              f"`{info['command']}` on {info['platform']} ({info['backend']}, {info['cpu_count']} "
              f"cores), {info['date']}, commit `{info['commit']}`; wall time {wall / 60:.1f} min."
              + (f" Records from the runs at {'; '.join(info['runs'])}." if info.get("runs") else "")
+             + (f" Recorded on {info['recorded_on']}." if info.get("recorded_on") else "")
              + "\n",
              f"Embedded SmolLM2-135M-Instruct in {info.get('dtype', 'float32')}: budgets are "
              f"fractions of the {info.get('dtype', 'float32')} `KVCache`"
