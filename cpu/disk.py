@@ -45,10 +45,12 @@ class DiskTierError(OSError):
     """The disk tier cannot take the data (unwritable directory, disk full)."""
 
 
-def check_directory(directory: str) -> str:
+def check_directory(directory: str, what: str = "disk tier directory",
+                    fix: str = "choose another disk_dir") -> str:
     """Create ``directory`` if needed and prove it writable; a clear error otherwise (a full
-    disk named as one, with its free bytes). The probe leaves nothing behind: an unnamed file
-    (O_TMPFILE) where the file system has them, else a named one removed whatever happens."""
+    disk named as one, with its free bytes), naming the directory as ``what`` and ending with
+    ``fix``. The probe leaves nothing behind: an unnamed file (O_TMPFILE) where the file
+    system has them, else a named one removed whatever happens."""
     directory = os.path.abspath(os.path.expanduser(directory))
     try:
         os.makedirs(directory, exist_ok=True)
@@ -56,13 +58,12 @@ def check_directory(directory: str) -> str:
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             free = shutil.disk_usage(directory).free if os.path.isdir(directory) else 0
-            raise DiskTierError(e.errno, f"disk tier directory {directory!r} is full ({free} "
+            raise DiskTierError(e.errno, f"{what} {directory!r} is full ({free} "
                                 f"bytes free; {e.strerror or e}): free disk space there or "
-                                "choose another disk_dir") from None
+                                f"{fix}") from None
         raise DiskTierError(
             e.errno or errno.EACCES,
-            f"disk tier directory {directory!r} is not writable ({e.strerror or e}); choose "
-            "another disk_dir",
+            f"{what} {directory!r} is not writable ({e.strerror or e}); {fix}",
         ) from None
     return directory
 

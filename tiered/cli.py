@@ -80,6 +80,9 @@ class UsageError(Exception):
 def read_document(path: str) -> str:
     """The document's text; UsageError for a missing, unreadable, empty, binary or non-UTF-8
     file (checked before the model loads)."""
+    if os.path.isdir(path):
+        raise UsageError(f"the document {path} is a directory; give one text file (join the "
+                         "files first, e.g. cat DIR/*.txt > document.txt)")
     if not os.path.isfile(path):
         raise UsageError(f"document not found: {path}")
     size = os.path.getsize(path)
@@ -102,6 +105,27 @@ def read_document(path: str) -> str:
     if not text.strip():
         raise UsageError(f"the document {path} is empty")
     return text
+
+
+def check_model_path(model: str | None) -> None:
+    """A --model that names a local path (absolute, ./, ../ or ~) must be a directory."""
+    if model is None:
+        return
+    local = os.path.isabs(model) or model.startswith((".", "~"))
+    if local and not os.path.isdir(os.path.expanduser(model)):
+        raise UsageError(f"model not found: {model}; give an mlx-lm model directory, a Hugging "
+                         "Face repo id (org/name), or leave --model out for the embedded model")
+
+
+def load_model(name: str | None):
+    """tiered.load with its failures as one line naming the fix."""
+    try:
+        return tiered.load(name)
+    except (OSError, ValueError) as e:  # huggingface_hub's errors are both
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"cannot load the model {name!r}: {first} (give an mlx-lm model "
+                         "directory, a repo id already in the Hugging Face cache, or leave "
+                         "--model out for the embedded model)") from None
 
 
 def _options(args) -> dict:
@@ -129,6 +153,15 @@ def _check_inputs(args):
     Returns the document's text (or None) and the options."""
     if (args.document is not None or args.load_cache) and not args.question:
         raise UsageError("--question is required with --document or --load-cache")
+    if args.question and args.document is None and not args.load_cache:
+        raise UsageError("--question needs --document FILE (or --load-cache DIR); without "
+                         "them tiered run reads its pass-key demo, which asks its own question")
+    if args.kv_bits is not None or args.max_kv_size is not None:
+        flag = "--kv-bits" if args.kv_bits is not None else "--max-kv-size"
+        raise UsageError(f"{flag} is mlx-lm's; tiered keeps every token and compresses the "
+                         "keys itself: set how much stays on the accelerator with --gpu-budget "
+                         "(e.g. 0.125) and drop " + flag)
+    check_model_path(args.model)
     if args.load_cache and args.document:
         raise UsageError("--load-cache answers from a saved cache; drop --document")
     if args.load_cache and args.save_cache:
@@ -149,7 +182,7 @@ def _check_inputs(args):
 def cmd_run(args) -> int:
     document, options = _check_inputs(args)
     t0 = time.perf_counter()
-    model, tokenizer = tiered.load(args.model)
+    model, tokenizer = load_model(args.model)
     print(f"model: {getattr(model, 'tiered_name', args.model)} loaded in "
           f"{time.perf_counter() - t0:.1f}s", file=sys.stderr)
     expected = None
@@ -293,6 +326,7 @@ def cmd_info(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tiered", description=DESCRIPTION)
+    p.add_argument("--version", action="version", version=f"tiered {tiered.__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="read a long document and answer a question (or run the demo)")
     r.add_argument("--document", help="text file to read; without it a pass-key demo runs")
@@ -318,6 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=None, help="demo seed (default: random)")
     r.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     r.add_argument("--json", help="also write the summary as JSON to this file")
+    for flag in ("--kv-bits", "--max-kv-size"):  # mlx-lm's: answered with what tiered does
+        r.add_argument(flag, type=int, default=None, help=argparse.SUPPRESS)
     r.set_defaults(func=cmd_run)
     i = sub.add_parser("info", help="backend, device, BLAS, versions, matmul speed")
     i.add_argument("--json", action="store_true")

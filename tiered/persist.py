@@ -50,9 +50,10 @@ def check_save_target(directory: str, need_bytes: int = 0) -> str:
     """A directory a save can write (created if needed) with ``need_bytes`` free, or a
     ValueError naming it: before the work whose result would be saved."""
     try:
-        directory = check_directory(directory)
+        directory = check_directory(directory, "save directory",
+                                    "choose another directory to save to")
     except DiskTierError as e:
-        raise SnapshotError(f"cannot save a cache to {directory!r}: {e.strerror}") from None
+        raise SnapshotError(f"cannot save a cache: {e.strerror}") from None
     free = shutil.disk_usage(directory).free
     if need_bytes > free:
         raise SnapshotError(f"cannot save a cache to {directory!r}: about {need_bytes} bytes "
