@@ -9,6 +9,8 @@ without routing attention through it (afm7's KV-reuse layers).
 
 from __future__ import annotations
 
+import os
+
 import copy
 import errno
 import logging
@@ -216,14 +218,27 @@ class TieredCacheList(list):
         for c in self._tiered():
             c.settle()
 
-    def save(self, directory: str, model) -> str:
-        """Persist this cache (after prefill) to ``directory``: ask again without re-reading."""
-        return persist.save(self, directory, model)
+    def save(self, path: str, model) -> str:
+        """Persist this cache (after prefill): ask again without re-reading. A path ending in
+        .safetensors is one file (mlx-lm's prompt-cache format with tiered's manifest; the
+        cache must fit in RAM: :mod:`tiered.save_file`), any other a snapshot directory
+        (:mod:`tiered.persist`, pages on the disk tier included)."""
+        from . import save_file
+
+        if save_file.is_file(path):
+            return save_file.save(self, path, model)
+        return persist.save(self, path, model)
 
     @classmethod
     def load(cls, directory: str, model, **expect) -> "TieredCacheList":
-        """A cache saved with :meth:`save`; refuses another model or other options."""
-        loaded = persist.load(directory, model, expect_config=expect or None)
+        """A cache saved with :meth:`save` (a directory or one file; also a file mlx-lm's
+        ``save_prompt_cache`` wrote); refuses another model or other options."""
+        from . import save_file
+
+        if os.path.isfile(directory):
+            loaded = save_file.load(directory, model, expect_config=expect or None)
+        else:
+            loaded = persist.load(directory, model, expect_config=expect or None)
         return relink(loaded.caches, loaded.context, config=loaded.config,
                       kept=loaded.kept_layers)
 

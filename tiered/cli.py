@@ -11,7 +11,7 @@ import time
 
 import tiered
 
-from . import persist, prefill, tasks
+from . import persist, prefill, save_file, tasks
 from .config import TieredConfig
 
 DESCRIPTION = """\
@@ -170,7 +170,9 @@ def _check_inputs(args):
     options = _options(args)
     try:
         TieredConfig.from_kwargs(**{"gpu_budget": 0.125, **options})
-        if args.load_cache:
+        if args.load_cache and os.path.isfile(args.load_cache):
+            save_file.check(args.load_cache)
+        elif args.load_cache:
             persist.check_saved(args.load_cache)
         if args.save_cache:
             persist.check_save_target(args.save_cache)
