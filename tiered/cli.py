@@ -17,6 +17,7 @@ from .config import TieredConfig
 DESCRIPTION = """\
 Read a long document with an MLX language model through a tiered KV cache and answer a
 question about it (tiered run), or show the backend, BLAS and versions in use (tiered info).
+tiered generate and tiered cache-prompt take mlx-lm's flags (tiered generate -h).
 Without --document, tiered run reads a generated document with a hidden pass key."""
 
 MAX_DOCUMENT_BYTES = 1 << 31  # documents are read whole
@@ -360,11 +361,33 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="backend, device, BLAS, versions, matmul speed")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=cmd_info)
+    for name, what in MLX_COMMANDS.items():  # parsed by their own parsers (tiered.cli_mlx)
+        sub.add_parser(name, help=what, add_help=False)
     return p
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+MLX_COMMANDS = {"generate": "mlx_lm.generate's flags with a tiered cache",
+                "cache-prompt": "mlx_lm.cache_prompt's flags: read a document once, save it"}
+
+
+def _mlx_command(argv):
+    from . import cli_mlx
+
+    name = argv[0]
+    parser = {"generate": cli_mlx.generate_parser,
+              "cache-prompt": cli_mlx.cache_prompt_parser}[name]()
+    args = parser.parse_args(argv[1:])
+    args.command = name
+    args.func = cli_mlx.cmd_generate if name == "generate" else cli_mlx.cmd_cache_prompt
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in MLX_COMMANDS:
+        args = _mlx_command(argv)
+    else:
+        args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except UsageError as e:

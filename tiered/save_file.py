@@ -79,12 +79,7 @@ def manifest(path: str) -> dict | None:
 
 def save(caches, path: str, model) -> str:
     """Write ``caches`` (a TieredCacheList) to the file ``path``; returns it."""
-    path = os.path.abspath(os.path.expanduser(path))
-    try:
-        check_directory(os.path.dirname(path), "save directory",
-                        "choose another file to save to")
-    except DiskTierError as e:
-        raise SnapshotError(f"cannot save a cache: {e.strerror}") from None
+    path = check_target(path)
     layers = [c for c in caches if is_tiered(c)]
     with persist.MLX_WORK:
         identity = model_identity(model)
@@ -167,6 +162,19 @@ def load(path: str, model, *, expect_config: dict | None = None) -> persist.Load
     ctx = SharedContext(config, layers=len(tiered), model=model)
     ctx.model_geometry = geo
     return persist.Loaded(caches, ctx, config, [tuple(x) for x in saved["kept_layers"]])
+
+
+def check_target(path: str) -> str:
+    """A file a save can write (its directory created and writable), or SnapshotError."""
+    path = os.path.abspath(os.path.expanduser(path))
+    try:
+        check_directory(os.path.dirname(path), "save directory",
+                        "choose another file to save to")
+    except DiskTierError as e:
+        raise SnapshotError(f"cannot save a cache: {e.strerror}") from None
+    if os.path.isdir(path):
+        raise SnapshotError(f"cannot save a cache to the file {path!r}: it is a directory")
+    return path
 
 
 def check(path: str) -> None:
