@@ -12,6 +12,7 @@ import time
 import tiered
 
 from . import persist, prefill, save_file, tasks
+from .cli_common import UsageError, check_model_path, load_model
 from .config import TieredConfig
 
 DESCRIPTION = """\
@@ -74,10 +75,6 @@ def split_prompt(tokenizer, document: str, question: str, *, chat: bool):
     return tokenizer.encode(document), tokenizer.encode(question, add_special_tokens=False)
 
 
-class UsageError(Exception):
-    """A problem with the command line or its inputs: one line, exit code 2."""
-
-
 def read_document(path: str) -> str:
     """The document's text; UsageError for a missing, unreadable, empty, binary or non-UTF-8
     file (checked before the model loads)."""
@@ -106,27 +103,6 @@ def read_document(path: str) -> str:
     if not text.strip():
         raise UsageError(f"the document {path} is empty")
     return text
-
-
-def check_model_path(model: str | None) -> None:
-    """A --model that names a local path (absolute, ./, ../ or ~) must be a directory."""
-    if model is None:
-        return
-    local = os.path.isabs(model) or model.startswith((".", "~"))
-    if local and not os.path.isdir(os.path.expanduser(model)):
-        raise UsageError(f"model not found: {model}; give an mlx-lm model directory, a Hugging "
-                         "Face repo id (org/name), or leave --model out for the embedded model")
-
-
-def load_model(name: str | None):
-    """tiered.load with its failures as one line naming the fix."""
-    try:
-        return tiered.load(name)
-    except (OSError, ValueError) as e:  # huggingface_hub's errors are both
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(f"cannot load the model {name!r}: {first} (give an mlx-lm model "
-                         "directory, a repo id already in the Hugging Face cache, or leave "
-                         "--model out for the embedded model)") from None
 
 
 def _options(args) -> dict:

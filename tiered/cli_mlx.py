@@ -24,7 +24,7 @@ import mlx.core as mx
 import tiered
 
 from . import persist, save_file
-from .cli import UsageError, check_model_path, load_model
+from .cli_common import UsageError, check_model_path, load_model
 
 QUERY = "<query>"
 
