@@ -228,3 +228,16 @@ def test_no_tierable_layer_is_a_warning_not_an_error(caplog):
 def test_for_model_refuses_a_tokenizer(embedded):
     with pytest.raises(ValueError, match="pass the model, not the tokenizer"):
         TieredCache.for_model(embedded[1])
+
+
+def test_a_batch_merge_warns_once_that_it_runs_exact(caplog):
+    """A cache that would compress, merged into mlx-lm's batch while still exact: the batch
+    runs the full cache, and one warning (not one per layer) says so."""
+    model = make_small_model("llama-gqa-d64", layers=2)
+    cache = TieredCache.for_model(model, gpu_budget=0.125)
+    model(mx.array([[1, 2, 3]]), cache=cache)
+    with caplog.at_level("WARNING", logger="tiered"):
+        for layer in cache:
+            TieredCache.merge([layer, layer])
+    said = [r for r in caplog.records if "BatchKVCache" in r.getMessage()]
+    assert len(said) == 1 and "gpu_budget" in said[0].getMessage()
