@@ -101,3 +101,32 @@ def test_the_cli_reads_a_file_the_python_api_wrote(embedded, tmp_path):
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr
     assert "red" in r.stdout.lower(), r.stdout
+
+
+def test_directory_saves_cross_between_the_python_api_and_the_cli(embedded, tmp_path):
+    """The Tour's save (a directory, TieredCacheList.save) answers through tiered run
+    --load-cache, and tiered run --save-cache's directory loads with TieredCacheList.load."""
+    import mlx_lm
+
+    from tiered.cli import split_prompt
+
+    model, tok = embedded
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The bicycle is red and it stands by the green door. " * 40)
+    prefix, suffix = split_prompt(tok, doc.read_text(), "What colour is the bicycle?", chat=True)
+    cache = tiered.TieredCache.for_model(model, gpu_budget=0.125)
+    model(mx.array(prefix)[None], cache=cache)
+    cache.save(str(tmp_path / "tour"), model)
+    r = subprocess.run([sys.executable, "-m", "tiered", "run", "--load-cache",
+                        str(tmp_path / "tour"), "--question", "What colour is the bicycle?",
+                        "--max-tokens", "8"], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and "red" in r.stdout.lower(), (r.stdout, r.stderr)
+    r = subprocess.run([sys.executable, "-m", "tiered", "run", "--document", str(doc),
+                        "--question", "What colour is the bicycle?", "--max-tokens", "4",
+                        "--save-cache", str(tmp_path / "cli")], capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr
+    loaded = tiered.TieredCacheList.load(str(tmp_path / "cli"), model)
+    text = mlx_lm.generate(model, tok, prompt=suffix, prompt_cache=loaded, max_tokens=8)
+    assert "red" in text.lower(), text
+    loaded.close()

@@ -343,7 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 MLX_COMMANDS = {"generate": "mlx_lm.generate's flags with a tiered cache",
-                "cache-prompt": "mlx_lm.cache_prompt's flags: read a document once, save it"}
+                "cache-prompt": "mlx_lm.cache_prompt's flags: read a document once, save it",
+                "serve": "mlx_lm.server's OpenAI-compatible server, a tiered cache per sequence "
+                         "(its flags, and --gpu-budget, --options)"}
 
 
 def _mlx_command(argv):
@@ -360,6 +362,16 @@ def _mlx_command(argv):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "serve":
+        from . import serve
+
+        try:
+            return serve.main(argv[1:])
+        except UsageError as e:
+            print(f"tiered serve: error: {e}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            return 130
     if argv and argv[0] in MLX_COMMANDS:
         args = _mlx_command(argv)
     else:

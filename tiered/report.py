@@ -104,6 +104,18 @@ def layer_plan_lines(plans: dict) -> list[str]:
     return lines
 
 
+def shared_memory() -> str | None:
+    """Where the accelerator tier lives in the host's memory: "the CPU backend" (MLX's CPU
+    device), "unified memory" (Metal), else None (a GPU's own memory)."""
+    import mlx.core as mx
+
+    if mx.default_device() == mx.cpu:
+        return "the CPU backend"
+    if mx.metal.is_available():
+        return "unified memory"
+    return None
+
+
 def report_dict(caches) -> dict:
     """Figures of a list of caches (``TieredCache.for_model`` output, or a loaded one)."""
     layers = [c for c in caches if is_tiered(c)]
@@ -119,6 +131,10 @@ def report_dict(caches) -> dict:
         "accelerator_fraction": per_tier["accelerator"] / full if full else None,
         "phases": sorted({c.phase for c in layers}),
         "peak_transient_accelerator_bytes": sum(c.stats.peak_transient_bytes for c in layers),
+        # the accelerator and host tiers in one memory (MLX's CPU backend, Apple's unified
+        # memory): what the process holds is their sum
+        "shared_memory": shared_memory(),
+        "accelerator_and_host_bytes": per_tier["accelerator"] + per_tier["host"],
     }
     notes: dict[str, list[int]] = {}
     for c in layers:
@@ -182,12 +198,20 @@ def report(caches) -> str:
            f"{format_bytes(d['full_cache_bytes'])})" if d["accelerator_fraction"] is not None else "")
         + f" | host {format_bytes(b['host'])} | disk {format_bytes(b['disk'])}",
     ]
+    peak = d["peak_transient_accelerator_bytes"]
     if "budget_bytes" in d and "compressed" in d["phases"]:
         ok = b["accelerator"] <= d["budget_bytes"]
-        lines.append(f"  budget {format_bytes(d['budget_bytes'])}: {'within' if ok else 'OVER'}")
-    if d["peak_transient_accelerator_bytes"]:
-        lines.append(f"  prefill transient peak (accelerator) "
-                     f"{format_bytes(d['peak_transient_accelerator_bytes'])}")
+        lines.append(f"  budget {format_bytes(d['budget_bytes'])}: the cache "
+                     f"{'within' if ok else 'OVER'} it"
+                     + (f"; the prefill's transient peak {format_bytes(peak)} was above it (the "
+                        "prompt's exact K/V before it compressed)" if peak > d["budget_bytes"]
+                        else ""))
+    elif peak:
+        lines.append(f"  prefill transient peak (accelerator) {format_bytes(peak)}")
+    if d["shared_memory"]:
+        lines.append(f"  on {d['shared_memory']} the accelerator and host tiers share one "
+                     f"memory: {format_bytes(d['accelerator_and_host_bytes'])} together (the "
+                     f"full cache: {format_bytes(d['full_cache_bytes'])})")
     if d["bytes"].get("bookkeeping"):
         lines.append(f"  H2O seed statistics {format_bytes(d['bytes']['bookkeeping'])} (the last "
                      "queries and the prompt's attention per key, kept near compression only)")
