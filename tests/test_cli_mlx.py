@@ -15,7 +15,8 @@ def _tiered(*args, stdin=None, cwd=None):
 
 
 @pytest.mark.usefixtures("embedded")
-@pytest.mark.parametrize("name", ["doc.safetensors", "docdir"])
+@pytest.mark.parametrize("name", ["doc.safetensors",
+                                  pytest.param("docdir", marks=pytest.mark.slow)])
 def test_cache_prompt_then_generate_from_the_saved_cache(tmp_path, name):
     save = str(tmp_path / name)
     r = _tiered("cache-prompt", "--prompt", "-", "--prompt-cache-file", save, stdin=DOC)

@@ -12,8 +12,7 @@ import time
 
 import pytest
 
-DOC = ("The lighthouse keeper kept a log. " * 30 + "The secret word is marigold. "
-       + "The sea was calm that night. " * 30)
+DOC = "The bicycle is red and it stands by the green door. " * 40
 
 
 def _free_port():
@@ -58,21 +57,21 @@ def test_two_requests_one_document_a_stream_and_a_bad_request(server):
     port = server
     ask = lambda q: {"messages": [{"role": "user", "content": DOC + "\n\n" + q}],  # noqa: E731
                      "max_tokens": 12, "temperature": 0}
-    status, body = _post(port, "/v1/chat/completions", ask("What is the secret word?"))
+    status, body = _post(port, "/v1/chat/completions", ask("What colour is the bicycle?"))
     assert status == 200, body
     first = json.loads(body)
-    assert "marigold" in first["choices"][0]["message"]["content"].lower()
-    status, body = _post(port, "/v1/chat/completions", ask("What did the keeper keep?"))
+    assert "red" in first["choices"][0]["message"]["content"].lower()
+    status, body = _post(port, "/v1/chat/completions", ask("Where does the bicycle stand?"))
     assert status == 200, body
     second = json.loads(body)
     cached = second["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
     assert cached > 300, second["usage"]  # the document was not read again
     status, body = _post(port, "/v1/chat/completions",
-                         dict(ask("What is the secret word?"), stream=True))
+                         dict(ask("What colour is the bicycle?"), stream=True))
     assert status == 200
     chunks = [json.loads(line[len("data: "):]) for line in body.splitlines()
               if line.startswith("data: ") and line != "data: [DONE]"]
     text = "".join(c["choices"][0].get("delta", {}).get("content") or "" for c in chunks)
-    assert len(chunks) > 1 and "marigold" in text.lower()
+    assert len(chunks) > 1 and "red" in text.lower()
     status, _ = _post(port, "/v1/chat/completions", None, raw="{not json")
     assert 400 <= status < 500
