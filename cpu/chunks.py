@@ -81,9 +81,11 @@ def chunk_logits(z: np.ndarray, n: int, n_host: int, flags: np.ndarray, chunk: i
     return zc, excl, m, s
 
 
-@kernel(parallel=True)
-def _expand(idxc, countc, n_host, flags, C, out, count):
-    for k in prange(out.shape[0]):
+@kernel(parallel=True, inf_safe=True)
+def _expand(idxc, countc, n_host, flags, C, z, m, s, out, count, mass):
+    H = out.shape[0]
+    rep = z.shape[0] // H
+    for k in prange(H):
         j = 0
         for i in range(countc[k]):
             c = idxc[k, i]
@@ -93,19 +95,32 @@ def _expand(idxc, countc, n_host, flags, C, out, count):
                     j += 1
         count[k] = j
         out[k, j:] = -1
+        for r in range(rep):  # each query head's share of its softmax mass, selected
+            h = k * rep + r
+            acc = 0.0
+            if s[h] > 0:
+                for i in range(j):
+                    x = np.float64(z[h, out[k, i]])
+                    if x > -np.inf and x < np.inf:
+                        acc += math.exp(x - m[h])
+                acc /= s[h]
+            mass[h] = acc
 
 
 def expand_chunks(idxc: np.ndarray, countc: np.ndarray, n_host: int, flags: np.ndarray,
-                  chunk: int, width: int):
+                  chunk: int, width: int, z: np.ndarray, m: np.ndarray, s: np.ndarray):
     """Token ids of selected chunks: idxc (H, >= countc) ascending chunk ids -> (idx (H, width)
-    ascending token ids, -1 past count; count (H,)), each chunk's tokens on the host pages
-    (< n_host) that ``flags`` (H, >= n_host) does not mark resident. width >= the chunks'
-    tokens (countc.max() * chunk)."""
+    ascending token ids, -1 past count; count (H,); mass (Hq,)), each chunk's tokens on the
+    host pages (< n_host) that ``flags`` (H, >= n_host) does not mark resident, and each query
+    head's softmax mass on them (scores z (Hq, >= n), the softmax max m and sum s of
+    :func:`chunk_logits`). width >= the chunks' tokens (countc.max() * chunk)."""
     H = idxc.shape[0]
     if countc.size and int(countc.max()) * chunk > width:
         raise ValueError(f"Invalid width {width}: {int(countc.max())} chunks of {chunk} tokens")
     out = np.empty((H, width), np.int32)
     count = np.empty(H, np.int32)
+    mass = np.empty(z.shape[0], np.float32)
     _expand(np.ascontiguousarray(idxc, np.int32), np.ascontiguousarray(countc, np.int32),
-            n_host, np.ascontiguousarray(flags).view(np.uint8), chunk, out, count)
-    return out, count
+            n_host, np.ascontiguousarray(flags).view(np.uint8), chunk,
+            np.ascontiguousarray(z, np.float32), m, s, out, count, mass)
+    return out, count, mass

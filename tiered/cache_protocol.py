@@ -9,7 +9,6 @@ import logging
 from . import layer_state
 
 log = logging.getLogger("tiered")
-_WARNED_BATCH: set[int] = set()  # contexts whose merge into a batch was warned of
 
 
 class CacheProtocol:
@@ -62,8 +61,8 @@ class CacheProtocol:
                     "can join; generate one sequence at a time, or use mlx-lm's own caches "
                     "for batches")
             views.append(c._as_kvcache())
-            if not c.config.exact and id(c.context) not in _WARNED_BATCH:
-                _WARNED_BATCH.add(id(c.context))  # once per model's cache, not per layer
+            if not c.config.exact and not getattr(c.context, "warned_batch", False):
+                c.context.warned_batch = True  # once per model's cache, not per layer
                 log.warning("batched generation: the tiered cache joins mlx-lm's BatchKVCache "
                             "and runs exact (the full cache, no compression); generate one "
                             "sequence at a time to keep gpu_budget")

@@ -60,19 +60,9 @@ def select_np(z: np.ndarray, n: int, n_host: int, flags: np.ndarray, tau: float,
         return Selection(np.full((H, capc * CHUNK), -1, np.int32), np.zeros(H, np.int32), m, s,
                          np.zeros_like(m))
     sel = select(zc, nc, excl, tau, capc, floorc)
-    idx, count = expand_chunks(sel.idx, sel.count, n_host, flags, CHUNK,
-                               max(capc, floorc) * CHUNK)
-    return Selection(idx, count, m, s, _mass_np(z, idx, count, m, s))
-
-
-def _mass_np(z, idx, count, m, s):
-    rep = z.shape[0] // idx.shape[0]
-    out = np.zeros(z.shape[0], np.float32)
-    for h in range(z.shape[0]):
-        row = idx[h // rep, : count[h // rep]]
-        if row.size and s[h] > 0:
-            out[h] = float(np.exp(z[h, row].astype(np.float64) - m[h]).sum() / s[h])
-    return out
+    idx, count, mass = expand_chunks(sel.idx, sel.count, n_host, flags, CHUNK,
+                                     max(capc, floorc) * CHUNK, z, m, s)
+    return Selection(idx, count, m, s, mass)
 
 
 def select_mx(z: mx.array, n: int, n_host: int, flags: mx.array, tau: float, cap: int,

@@ -12,7 +12,7 @@ import time
 import tiered
 
 from . import persist, prefill, save_file, tasks
-from .cli_common import UsageError, check_model_path, load_model
+from .cli_common import UsageError, check_model_path, json_options, load_model, mlx_cache_flag
 from .config import TieredConfig
 
 DESCRIPTION = """\
@@ -106,14 +106,7 @@ def read_document(path: str) -> str:
 
 
 def _options(args) -> dict:
-    try:
-        opts = json.loads(args.options) if args.options else {}
-    except json.JSONDecodeError as e:
-        raise UsageError(f"--options is not valid JSON ({e.msg} at character {e.pos}): "
-                         f"{args.options!r}") from None
-    if not isinstance(opts, dict):
-        raise UsageError(f"--options must be a JSON object, e.g. '{{\"tau\": 0.95}}'; got "
-                         f"{args.options!r}")
+    opts = json_options(args.options)
     if args.gpu_budget is not None:
         opts["gpu_budget"] = args.gpu_budget
     if args.method is not None:
@@ -134,10 +127,7 @@ def _check_inputs(args):
         raise UsageError("--question needs --document FILE (or --load-cache DIR); without "
                          "them tiered run reads its pass-key demo, which asks its own question")
     if args.kv_bits is not None or args.max_kv_size is not None:
-        flag = "--kv-bits" if args.kv_bits is not None else "--max-kv-size"
-        raise UsageError(f"{flag} is mlx-lm's; tiered keeps every token and compresses the "
-                         "keys itself: set how much stays on the accelerator with --gpu-budget "
-                         "(e.g. 0.125) and drop " + flag)
+        raise mlx_cache_flag("--kv-bits" if args.kv_bits is not None else "--max-kv-size")
     check_model_path(args.model)
     if args.load_cache and args.document:
         raise UsageError("--load-cache answers from a saved cache; drop --document")
@@ -147,12 +137,10 @@ def _check_inputs(args):
     options = _options(args)
     try:
         TieredConfig.from_kwargs(**{"gpu_budget": 0.125, **options})
-        if args.load_cache and os.path.isfile(args.load_cache):
+        if args.load_cache:
             save_file.check(args.load_cache)
-        elif args.load_cache:
-            persist.check_saved(args.load_cache)
         if args.save_cache:
-            persist.check_save_target(args.save_cache)
+            save_file.check_save(args.save_cache)
     except (ValueError, OSError) as e:
         raise UsageError(str(e)) from None
     return document, options
@@ -186,7 +174,7 @@ def cmd_run(args) -> int:
                                               chat=not args.no_chat)
             options.setdefault("gpu_budget", 0.125)
             if args.save_cache:  # the room for the save, before the prefill it would save
-                persist.check_save_target(args.save_cache, persist.estimate_save_bytes(
+                save_file.check_save(args.save_cache, persist.estimate_save_bytes(
                     model, len(prefix), tiered.TieredConfig.from_kwargs(**options)))
             cache = tiered.TieredCache.for_model(model, tokenizer=tokenizer, **options)
             prefill_stats = prefill.prefill(model, cache, prefix, chunk=args.prefill_step,

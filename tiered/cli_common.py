@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import tiered
@@ -30,3 +31,36 @@ def load_model(name: str | None):
         raise UsageError(f"cannot load the model {name!r}: {first} (give an mlx-lm model "
                          "directory, a repo id already in the Hugging Face cache, or leave "
                          "--model out for the embedded model)") from None
+
+
+def json_options(text: str | None) -> dict:
+    """``--options``: a JSON object of TieredConfig options (empty when not given)."""
+    try:
+        opts = json.loads(text) if text else {}
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--options is not valid JSON ({e.msg} at character {e.pos}): "
+                         f"{text!r}") from None
+    if not isinstance(opts, dict):
+        raise UsageError(f"--options must be a JSON object, e.g. '{{\"tau\": 0.95}}'; got "
+                         f"{text!r}")
+    return opts
+
+
+def cache_options(text: str | None, gpu_budget: str | None) -> dict:
+    """``--options`` and ``--gpu-budget`` as checked TieredConfig options (gpu_budget 0.125
+    unless given)."""
+    opts = {"gpu_budget": 0.125, **json_options(text)}
+    if gpu_budget is not None:
+        opts["gpu_budget"] = gpu_budget
+    try:
+        tiered.TieredConfig.from_kwargs(**opts)
+    except (TypeError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    return opts
+
+
+def mlx_cache_flag(flag: str) -> UsageError:
+    """The answer to mlx-lm's ``--kv-bits`` / ``--max-kv-size``: what tiered does instead."""
+    return UsageError(f"{flag} is mlx-lm's; tiered keeps every token and compresses the keys "
+                      "itself: set how much stays on the accelerator with --gpu-budget (e.g. "
+                      f"0.125) and drop {flag}")

@@ -15,7 +15,6 @@ flags ``--kv-bits`` and ``--max-kv-size`` are answered with what tiered does ins
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 
@@ -23,8 +22,8 @@ import mlx.core as mx
 
 import tiered
 
-from . import persist, save_file
-from .cli_common import UsageError, check_model_path, load_model
+from . import save_file
+from .cli_common import UsageError, cache_options, check_model_path, load_model, mlx_cache_flag
 
 QUERY = "<query>"
 
@@ -56,28 +55,10 @@ def cache_prompt_parser():
     return p
 
 
-def _options(args) -> dict:
-    try:
-        opts = json.loads(args.options) if args.options else {}
-    except json.JSONDecodeError as e:
-        raise UsageError(f"--options is not valid JSON ({e.msg}): {args.options!r}") from None
-    if not isinstance(opts, dict):
-        raise UsageError("--options must be a JSON object, e.g. '{\"tau\": 0.95}'")
-    if args.gpu_budget is not None:
-        opts["gpu_budget"] = args.gpu_budget
-    try:
-        tiered.TieredConfig.from_kwargs(**{"gpu_budget": 0.125, **opts})
-    except (TypeError, ValueError) as e:
-        raise UsageError(str(e)) from None
-    return opts
-
-
 def _refuse_mlx_cache_flags(args, unsupported=()):
     for flag, value in (("--kv-bits", args.kv_bits), ("--max-kv-size", args.max_kv_size)):
         if value is not None:
-            raise UsageError(f"{flag} is mlx-lm's; tiered keeps every token and compresses the "
-                             "keys itself: set how much stays on the accelerator with "
-                             f"--gpu-budget (e.g. 0.125) and drop {flag}")
+            raise mlx_cache_flag(flag)
     for flag, attr in unsupported:
         if getattr(args, attr, None):
             raise UsageError(f"{flag} is not supported with a tiered cache; use mlx_lm directly")
@@ -95,11 +76,10 @@ def cmd_generate(args) -> int:
     _refuse_mlx_cache_flags(args, (("--draft-model", "draft_model"), ("--image", "image")))
     if args.prompt_cache_file:
         try:
-            (save_file.check if save_file.is_file(args.prompt_cache_file)
-             else persist.check_saved)(args.prompt_cache_file)
+            save_file.check(args.prompt_cache_file)
         except (ValueError, OSError) as e:
             raise UsageError(str(e)) from None
-    opts = _options(args)
+    opts = cache_options(args.options, args.gpu_budget)
     check_model_path(args.model)
     if args.seed is not None:
         mx.random.seed(args.seed)
@@ -128,7 +108,7 @@ def cmd_generate(args) -> int:
             raise UsageError(str(e)) from None
     else:
         cache = tiered.TieredCache.for_model(model, tokenizer=tokenizer,
-                                             **{"gpu_budget": 0.125, **opts})
+                                             **opts)
     sampler = make_sampler(args.temp, args.top_p, args.min_p, args.min_tokens_to_keep,
                            top_k=args.top_k)
     try:
@@ -146,11 +126,10 @@ def cmd_cache_prompt(args) -> int:
     from mlx_lm.generate import generate_step
 
     _refuse_mlx_cache_flags(args)
-    opts = _options(args)
+    opts = cache_options(args.options, args.gpu_budget)
     check_model_path(args.model)
     try:
-        (save_file.check_target if save_file.is_file(args.prompt_cache_file)
-         else persist.check_save_target)(args.prompt_cache_file)
+        save_file.check_save(args.prompt_cache_file)
     except (ValueError, OSError) as e:
         raise UsageError(str(e)) from None
     model, tokenizer = load_model(args.model)
@@ -162,7 +141,7 @@ def cmd_cache_prompt(args) -> int:
     else:
         ids = tokenizer.encode(text)
     cache = tiered.TieredCache.for_model(model, tokenizer=tokenizer,
-                                         **{"gpu_budget": 0.125, **opts})
+                                         **opts)
     start = time.time()
 
     def progress(done, total):

@@ -362,26 +362,6 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         Returns (o (H, rep, dv) normalized, lse (H, rep); -inf where the set is empty)."""
         return ops.softmax_partial(s, self.res_v if values is None else values)
 
-    @property
-    def tau(self) -> float:
-        """This layer's tau: ``offloaded_tau`` (if higher) where every value is on the host
-        and the method is tiered, else the config's."""
-        sel = self.config.selection
-        if self.plan.method == "tiered" and not self.plan.keep_values_resident:
-            return max(sel.tau, sel.offloaded_tau)
-        return sel.tau
-
-    def _cap(self, n: int) -> tuple[int, int]:
-        """(cap, floor) of this step's selection, in tokens per kv head, at n live tokens."""
-        selection = self.config.selection
-        cap = selection.cap(n)
-        if self.lookahead and self.plan.keep_values_resident:
-            # The buffer (a selection and its successors) takes at most half of the resident
-            # slots the budget allows: the selection is capped to fit it.
-            r = self.plan.check(n, horizon=self.config.heavy.horizon)
-            cap = max(1, min(cap, (r // 2 - 1) // 2))
-        return cap, min(max(selection.min_selected, self.plan.min_selected), cap)
-
     def _step_done(self, mean_count: float, resident_mass):
         """What every decode step ends with: its stats, and every ``refresh_every`` steps the
         H2O refresh (promote / demote heavy hitters). Layers take turns: layer l refreshes

@@ -17,6 +17,26 @@ from .primitives import merge_partials
 class DecodePaths:
     """Methods of :class:`tiered.compressed.CompressedLayer` (see the module docstring)."""
 
+    @property
+    def tau(self) -> float:
+        """This layer's tau: ``offloaded_tau`` (if higher) where every value is on the host
+        and the method is tiered, else the config's."""
+        sel = self.config.selection
+        if self.plan.method == "tiered" and not self.plan.keep_values_resident:
+            return max(sel.tau, sel.offloaded_tau)
+        return sel.tau
+
+    def _cap(self, n: int) -> tuple[int, int]:
+        """(cap, floor) of this step's selection, in tokens per kv head, at n live tokens."""
+        selection = self.config.selection
+        cap = selection.cap(n)
+        if self.lookahead and self.plan.keep_values_resident:
+            # The buffer (a selection and its successors) takes at most half of the resident
+            # slots the budget allows: the selection is capped to fit it.
+            r = self.plan.check(n, horizon=self.config.heavy.horizon)
+            cap = max(1, min(cap, (r // 2 - 1) // 2))
+        return cap, min(max(selection.min_selected, self.plan.min_selected), cap)
+
     def _check_pages(self, idx: np.ndarray, count: np.ndarray):
         """Debug mode: verify the disk pages the gather is about to read."""
         host = self.parent.host

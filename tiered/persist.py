@@ -141,16 +141,25 @@ def save(caches, directory: str, model) -> str:
     directory. Atomic: a failed save leaves the previous snapshot as it was. One save writes a
     directory at a time; a step another thread is decoding ends before the cache is read."""
     directory = check_save_target(directory)
+    with saving(caches, model, directory) as identity, snapshot.writer(directory):
+        return _save_locked(caches, directory, identity)
+
+
+@contextlib.contextmanager
+def saving(caches, model, target: str):
+    """What every save holds while it reads ``caches`` (yields the model's identity): the
+    process's MLX work, the step boundary (a step another thread is decoding ends first, the
+    next waits), and on CUDA one stream for what the steps left and the save makes; what the
+    save left lazy is evaluated on its own thread at the end (per-thread streams)."""
     with MLX_WORK:
         identity = model_identity(model)
-        guard = caches.context.steps.saving(repr(directory)) if getattr(
+        guard = caches.context.steps.saving(repr(target)) if getattr(
             caches, "context", None) is not None else contextlib.nullcontext()
-        shared = dispatch.stream()  # CUDA: what the steps left, and the save makes, on one stream
-        with guard, snapshot.writer(directory), (mx.stream(shared) if shared is not None
-                                                 else contextlib.nullcontext()):
+        shared = dispatch.stream()
+        with guard, (mx.stream(shared) if shared is not None else contextlib.nullcontext()):
             try:
-                return _save_locked(caches, directory, identity)
-            finally:  # what the save left lazy, evaluated on its own thread (per-thread streams)
+                yield identity
+            finally:
                 dispatch.eval_held(caches)
 
 

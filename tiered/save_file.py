@@ -24,10 +24,9 @@ import json
 import os
 import struct
 
-import mlx.core as mx
 import mlx_lm.models.cache as mlx_cache
 
-from . import dispatch, persist, snapshot
+from . import persist, snapshot
 from .context import SharedContext
 from .cpu.disk import DiskTierError, check_directory
 from .geometry import model_geometry
@@ -81,39 +80,32 @@ def save(caches, path: str, model) -> str:
     """Write ``caches`` (a TieredCacheList) to the file ``path``; returns it."""
     path = check_target(path)
     layers = [c for c in caches if is_tiered(c)]
-    with persist.MLX_WORK:
-        identity = model_identity(model)
-        guard = caches.context.steps.saving(repr(path)) if getattr(
-            caches, "context", None) is not None else contextlib.nullcontext()
-        shared = dispatch.stream()
-        with guard, (mx.stream(shared) if shared is not None else contextlib.nullcontext()):
-            for c in layers:
-                c._require_open()
-                c.flush()
-                if c.host is not None and c.host.disk_bytes:
-                    raise SnapshotError(
-                        f"cannot save to the single file {path!r}: {c.host.disk_bytes} bytes of "
-                        f"layer {c.layer}'s pages are on the disk tier; save to a directory "
-                        "instead (cache.save(DIRECTORY, model), tiered run --save-cache DIR)")
-            meta = {"format": persist.FORMAT, "version": persist.VERSION, "tiered": __version__,
-                    "model": identity, "config": caches.config.to_dict(),
-                    "tiered_layers": list(caches.tiered_layers),
-                    "kept_layers": [list(x) for x in caches.kept_layers],
-                    "tokens": max((c.offset for c in layers), default=0)}
-            tmp = f"{path}.{snapshot.new_id()}.partial{SUFFIX}"
-            try:
-                mlx_cache.save_prompt_cache(tmp, caches,
-                                            metadata={MANIFEST_KEY: json.dumps(meta)})
-                os.replace(tmp, path)
-            except BaseException as e:
-                with contextlib.suppress(OSError):
-                    os.remove(tmp)
-                if isinstance(e, (OSError, RuntimeError)):
-                    raise SnapshotError(f"cannot save a cache to {path!r}: {e}; the previous "
-                                        "file there (if any) is unchanged") from None
-                raise
-            finally:
-                dispatch.eval_held(caches)
+    with persist.saving(caches, model, path) as identity:
+        for c in layers:
+            c._require_open()
+            c.flush()
+            if c.host is not None and c.host.disk_bytes:
+                raise SnapshotError(
+                    f"cannot save to the single file {path!r}: {c.host.disk_bytes} bytes of "
+                    f"layer {c.layer}'s pages are on the disk tier; save to a directory "
+                    "instead (cache.save(DIRECTORY, model), tiered run --save-cache DIR)")
+        meta = {"format": persist.FORMAT, "version": persist.VERSION, "tiered": __version__,
+                "model": identity, "config": caches.config.to_dict(),
+                "tiered_layers": list(caches.tiered_layers),
+                "kept_layers": [list(x) for x in caches.kept_layers],
+                "tokens": max((c.offset for c in layers), default=0)}
+        tmp = f"{path}.{snapshot.new_id()}.partial{SUFFIX}"
+        try:
+            mlx_cache.save_prompt_cache(tmp, caches,
+                                        metadata={MANIFEST_KEY: json.dumps(meta)})
+            os.replace(tmp, path)
+        except BaseException as e:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            if isinstance(e, (OSError, RuntimeError)):
+                raise SnapshotError(f"cannot save a cache to {path!r}: {e}; the previous "
+                                    "file there (if any) is unchanged") from None
+            raise
     return path
 
 
@@ -177,9 +169,19 @@ def check_target(path: str) -> str:
     return path
 
 
+def check_save(path: str, need_bytes: int = 0) -> str:
+    """Where a save to ``path`` writes, checked before the work: a file's directory, or a
+    snapshot directory with ``need_bytes`` free (:func:`tiered.persist.check_save_target`)."""
+    return check_target(path) if is_file(path) else persist.check_save_target(path, need_bytes)
+
+
 def check(path: str) -> None:
-    """What ``tiered run --load-cache`` checks before the model loads: a readable file."""
-    if not os.path.isfile(path):
+    """What a command checks before the model loads: a readable file, or a directory save's
+    manifest (:func:`tiered.persist.check_saved`)."""
+    if os.path.isfile(path):
+        manifest(path)
+    elif is_file(path):
         raise SnapshotError(f"no saved cache at {path!r}")
-    manifest(path)
+    else:
+        persist.check_saved(path)
 

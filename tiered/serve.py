@@ -17,29 +17,11 @@ provider loads through :func:`tiered.load` and its ``make_prompt_cache`` makes t
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import tiered
 
-from .cli_common import UsageError
-
-
-def _options(ours) -> dict:
-    try:
-        opts = json.loads(ours.options) if ours.options else {}
-    except json.JSONDecodeError as e:
-        raise UsageError(f"--options is not valid JSON ({e.msg}): {ours.options!r}") from None
-    if not isinstance(opts, dict):
-        raise UsageError("--options must be a JSON object, e.g. '{\"tau\": 0.95}'")
-    if ours.gpu_budget is not None:
-        opts["gpu_budget"] = ours.gpu_budget
-    opts = {"gpu_budget": 0.125, **opts}
-    try:
-        tiered.TieredConfig.from_kwargs(**opts)
-    except (TypeError, ValueError) as e:
-        raise UsageError(str(e)) from None
-    return opts
+from .cli_common import cache_options, mlx_cache_flag
 
 
 def provider_class(base):
@@ -69,10 +51,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--options", default=None)
     ours, rest = p.parse_known_args(argv)
     if any(a == "--kv-bits" or a.startswith("--kv-bits=") for a in rest):
-        raise UsageError("--kv-bits is mlx-lm's; tiered keeps every token and compresses the "
-                         "keys itself: set how much stays on the accelerator with --gpu-budget "
-                         "(e.g. 0.125) and drop --kv-bits")
-    opts = _options(ours)
+        raise mlx_cache_flag("--kv-bits")
+    opts = cache_options(ours.options, ours.gpu_budget)
 
     def make_prompt_cache(model, max_kv_size=None):
         return tiered.TieredCache.for_model(model, **opts)

@@ -358,8 +358,7 @@ def _architecture(model, *, dtypes: bool):
     return h, params, model_type
 
 
-def _picks(params, samples: int) -> list[int]:
-    """Indices of ``samples`` parameters spread evenly over the sorted list."""
+def _picks(params, samples: int) -> list[int]:  # ``samples`` spread over the sorted list
     return sorted(set(np.linspace(0, len(params) - 1, max(1, samples)).round().astype(int)))
 
 
