@@ -141,8 +141,17 @@ def save(caches, directory: str, model) -> str:
     directory. Atomic: a failed save leaves the previous snapshot as it was. One save writes a
     directory at a time; a step another thread is decoding ends before the cache is read."""
     directory = check_save_target(directory)
-    with saving(caches, model, directory) as identity, snapshot.writer(directory):
-        return _save_locked(caches, directory, identity)
+    with MLX_WORK:
+        identity = model_identity(model)
+        guard = caches.context.steps.saving(repr(directory)) if getattr(
+            caches, "context", None) is not None else contextlib.nullcontext()
+        shared = dispatch.stream()  # CUDA: what the steps left, and the save makes, on one stream
+        with guard, snapshot.writer(directory), (mx.stream(shared) if shared is not None
+                                                 else contextlib.nullcontext()):
+            try:
+                return _save_locked(caches, directory, identity)
+            finally:  # what the save left lazy, evaluated on its own thread (per-thread streams)
+                dispatch.eval_held(caches)
 
 
 @contextlib.contextmanager
