@@ -18,23 +18,15 @@ from ._numba import kernel
 
 @kernel(parallel=True, inf_safe=True)
 def _chunk_logits(z, n, n_host, flags, C, zc, excl, m_out, s_out):
+    # One exp per token: each chunk's terms are taken against its own maximum, its live
+    # tokens' sum is a part of them, and the head's softmax total over the n tokens is folded
+    # from the chunks' (one exp per chunk) and the tokens past n_host (three exps per token
+    # took 10 ms a layer at 64k tokens, 9 query heads, 2 cores).
     Hq, nc = zc.shape
     rep = Hq // flags.shape[0]
     for h in prange(Hq):
         k = h // rep
-        m = -np.inf
-        for t in range(n):  # the softmax statistics of the n tokens (the H2O update's)
-            x = np.float64(z[h, t])
-            if x > m and x < np.inf:
-                m = x
-        s = 0.0
-        if m > -np.inf:
-            for t in range(n):
-                x = np.float64(z[h, t])
-                if x > -np.inf and x < np.inf:
-                    s += math.exp(x - m)
-        m_out[h] = m
-        s_out[h] = s
+        M, S = -np.inf, 0.0  # the softmax statistics of the n tokens (the H2O update's)
         for c in range(nc):
             lo, hi = c * C, min(c * C + C, n_host)
             m_live, m_all = -np.inf, -np.inf
@@ -45,20 +37,43 @@ def _chunk_logits(z, n, n_host, flags, C, zc, excl, m_out, s_out):
                     if flags[k, t] == 0:
                         m_live = max(m_live, x)
             s_live, s_all = 0.0, 0.0
-            for t in range(lo, hi):
-                x = np.float64(z[h, t])
-                if x > -np.inf and x < np.inf:
-                    s_all += math.exp(x - m_all)
-                    if flags[k, t] == 0:
+            if m_all > -np.inf:
+                for t in range(lo, hi):
+                    x = np.float64(z[h, t])
+                    if x > -np.inf and x < np.inf:
+                        e = math.exp(x - m_all)
+                        s_all += e
+                        if flags[k, t] == 0:
+                            s_live += e
+            if m_live > -np.inf and s_live == 0.0:  # live terms below the chunk's range
+                for t in range(lo, hi):
+                    x = np.float64(z[h, t])
+                    if x > -np.inf and x < np.inf and flags[k, t] == 0:
                         s_live += math.exp(x - m_live)
-            if m_live > -np.inf:
                 zc[h, c] = m_live + math.log(s_live)
+            elif m_live > -np.inf:
+                zc[h, c] = m_all + math.log(s_live)
             elif m_all > -np.inf:
                 zc[h, c] = m_all + math.log(s_all)
             else:
                 zc[h, c] = -np.inf
             if h % rep == 0:
                 excl[k, c] = 1 if m_live == -np.inf else 0
+            if m_all > M:
+                S = S * math.exp(M - m_all) + s_all if M > -np.inf else s_all
+                M = m_all
+            elif m_all > -np.inf:
+                S += s_all * math.exp(m_all - M)
+        for t in range(n_host, n):  # the tokens no chunk holds (the ring past the pages)
+            x = np.float64(z[h, t])
+            if x > -np.inf and x < np.inf:
+                if x > M:
+                    S = S * math.exp(M - x) + 1.0 if M > -np.inf else 1.0
+                    M = x
+                else:
+                    S += math.exp(x - M)
+        m_out[h] = M
+        s_out[h] = S
 
 
 def chunk_logits(z: np.ndarray, n: int, n_host: int, flags: np.ndarray, chunk: int):

@@ -101,3 +101,24 @@ def test_bad_sizes_are_a_clear_error():
     z, flags = _case(5)
     with pytest.raises(ValueError, match="Invalid sizes"):
         chunk_logits(z, 300, 190, flags, 8)
+
+
+def test_chunk_logits_match_the_reference_with_far_apart_scores():
+    """Each chunk's live log-sum-exp, also where its resident tokens score far above its live
+    ones (their terms vanish against the chunk's maximum), and the softmax totals over n."""
+    from tiered.cpu.chunks import chunk_logits
+
+    z, flags = _case(7)
+    z[0, 0:3] = 900.0  # resident token 3, 4 beside them: live ones ~900 below
+    flags[0, 0:3] = 1
+    z[1, 17] = -np.inf  # a non-finite score counts for nothing
+    n, n_host = 203, 190
+    zc, excl, m, s = chunk_logits(z, n, n_host, flags, chunk_select.CHUNK)
+    want_zc, want_x = chunk_scores(mx.array(z), mx.array(flags), n_host, z.shape[0] // 2)
+    np.testing.assert_allclose(zc, np.array(want_zc), rtol=1e-5, atol=1e-4)
+    assert np.array_equal(excl, np.array(want_x).astype(np.uint8))
+    zz = z[:, :n].astype(np.float64)
+    want_m = np.max(np.where(np.isfinite(zz), zz, -np.inf), axis=1)
+    want_s = np.sum(np.where(np.isfinite(zz), np.exp(zz - want_m[:, None]), 0.0), axis=1)
+    np.testing.assert_allclose(m, want_m, rtol=1e-6)
+    np.testing.assert_allclose(s, want_s, rtol=1e-5)
