@@ -89,7 +89,7 @@ def test_short_chat_prompt_on_each_architecture(arch, embedded):
 # A fixed sample of the prefill lengths 1..40 for the default run (every length took 112 s
 # in CI): around the 4 sinks, through the 1-18 range the bug below hit, and past it. Every
 # length: the slow test (python -m pytest -m slow).
-SHORT_SAMPLE = (1, 2, 3, 4, 5, 6, 9, 17, 18, 19, 31, 40)
+SHORT_SAMPLE = (1, 2, 4, 5, 9, 17, 19, 40)
 
 
 def test_short_prefill_then_decode_matches_kvcache(embedded):

@@ -179,7 +179,7 @@ def test_a_save_while_another_thread_decodes_reads_a_step_boundary(small, tmp_pa
     decodes as a cache fed exactly the tokens it says it holds."""
     cache = TieredCache.for_model(small, **OPTS)
     prefill(small, cache, _ids(500, 1), chunk=250)
-    toks = _ids(120, 9)
+    toks = _ids(60, 9)
     done, saving, saves, errors = threading.Event(), threading.Event(), [], []
 
     def decode():
