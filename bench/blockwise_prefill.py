@@ -40,8 +40,9 @@ from tiered.tasks import is_correct, needle_in_text, passkey, topics_text
 MODES = ["full", "exact", "blockwise", "layerwise"]
 
 
-def blockwise_prefill(model, ids, budget, window, chunk):
-    cache = tiered.TieredCache.for_model(model, gpu_budget=budget, prefill_window=window)
+def blockwise_prefill(model, ids, budget, window, chunk, host_keys=True):
+    cache = tiered.TieredCache.for_model(model, gpu_budget=budget, prefill_window=window,
+                                         host_keys=host_keys)
     body = mx.array(ids[:-1])[None]
     for i in range(0, body.shape[1], chunk):
         model(body[:, i : i + chunk], cache=cache)
@@ -62,7 +63,8 @@ def caches(model, ids, args):
         base.close()
     if "blockwise" in args.modes:
         t = time.perf_counter()
-        bw = blockwise_prefill(model, ids, args.budget, args.window, args.chunk)
+        bw = blockwise_prefill(model, ids, args.budget, args.window, args.chunk,
+                               host_keys=not args.no_host_keys)
         yield "blockwise", bw, time.perf_counter() - t
     if "layerwise" in args.modes:
         t = time.perf_counter()
@@ -182,6 +184,11 @@ def main(argv=None):
     p.add_argument("--budget", type=float, default=0.125)
     p.add_argument("--tasks", nargs="+", default=["passkey", "needle", "ppl"])
     p.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                   help="the model's and so the cache's dtype (default: the loader's)")
+    p.add_argument("--no-host-keys", action="store_true",
+                   help="block-wise: values only on the host, as the million-token runs keep "
+                        "them (prompt chunks then retrieve no host tokens)")
     p.add_argument("--name", default=None)
     p.add_argument("--from", dest="source", nargs="+", default=None,
                    help="no run: the tables from JSON files this script wrote (records merged; "
@@ -202,13 +209,13 @@ def main(argv=None):
                 if (r["task"], r["doc"], r["mode"]) not in seen:
                     seen.add((r["task"], r["doc"], r["mode"]))
                     records.append(r)
-            for key in ("length", "window", "chunk", "budget"):
-                setattr(args, key, saved["args"][key])
+            for key in ("length", "window", "chunk", "budget", "dtype", "no_host_keys"):
+                setattr(args, key, saved["args"].get(key))
         info = machine()
         info["command"] += "` from the runs " + "; ".join(runs) + " `"
         return finish(info, records, wall, args)
     info = machine()
-    model, tok = tiered.load()
+    model, tok = tiered.load(dtype=getattr(mx, args.dtype) if args.dtype else None)
     clock = Clock()
     log = clock.log
 
@@ -233,7 +240,9 @@ def finish(info, records, wall, args):
           f"`{info['command']}` on {info['platform']} ({info['backend']}, {info['cpu_count']} "
           f"cores), {info['date']}, commit `{info['commit']}`; wall time {wall / 60:.1f} min.\n\n"
           f"Embedded SmolLM2-135M; tiered default method at gpu_budget {args.budget}; prompt "
-          f"chunks of {args.chunk}; block-wise: prefill_window={args.window}, anchor block 1024. "
+          f"chunks of {args.chunk}; block-wise: prefill_window={args.window}, anchor block 1024"
+          f"{', values only on the host' if args.no_host_keys else ''}; model dtype "
+          f"{args.dtype or 'as loaded'}. "
           "Accuracy [95% Wilson interval]; perplexity [95% block bootstrap], Δ paired against "
           "the full cache.\n\n" + acc + "\n" + mem + "\nPeak transient: the exact K/V held "
           "at once before compression (every layer's for exact and block-wise prefill, one "
