@@ -7,9 +7,7 @@ Measured on the embedded model at 8k tokens with a 2048-token window (bench/bloc
 that lost every pass key and needle the exact prefill found (0/4 and 0/4 against 4/4 and 3/4).
 So each chunk also attends to the tokens between the anchor and the local block that its last
 ``PROBES`` queries score highest on the compressed keys (per kv head, as many as a decode step
-selects at most: ``prefill_select``), read exactly from the host pages. Where the host keeps
-no keys (values only: the million-token layout) the retrieved tokens' keys are their codes'
-centroids, as the decode step's approximate rescoring scores them, and their values exact."""
+selects at most: ``prefill_select``), read exactly from the host pages."""
 
 from __future__ import annotations
 
@@ -83,16 +81,13 @@ class ChunkAttention:
     def _retrieved(self, queries, scale, lo: int, hi: int, n0: int):
         """(keys, values) (H, T, d) in the layer's dtype: per kv head, the T host tokens of
         [lo, hi) that the chunk's last PROBES queries score highest on the compressed keys (the
-        most over the probes and the head's query heads), read exactly from the host pages (no
-        host keys: the keys their codes give back); or None (retrieval off, host pages on the
-        disk tier, no host keys and no codebook, nothing between the anchor and the local
-        block)."""
+        most over the probes and the head's query heads), read exactly from the host pages; or
+        None (retrieval off, no host keys, host pages on the disk tier, nothing between the
+        anchor and the local block)."""
         host = self.parent.host
         T = self.config.prefill_select
-        if T == 0 or host is None or host.disk_bytes:
+        if T == 0 or host is None or host.keys is None or host.disk_bytes:
             return None  # pages on the disk tier: a read per chunk and layer would page them in
-        if host.keys is None and not hasattr(self.keys, "decode_rows"):
-            return None
         self.parent.flush_until(hi)
         hi = min(hi, host.length, n0)
         if T is None:
@@ -121,8 +116,7 @@ class ChunkAttention:
         idx = mx.argpartition(-best, T - 1, axis=1)[:, :T] + lo
         dispatch.eval(idx)
         tok = np.sort(np.array(idx), axis=1)  # page order: the reads walk the pages forward
-        k = mx.array(host.gather_rows("keys", 0, tok) if host.keys is not None
-                     else self.keys.decode_rows(tok)).astype(self.dtype)
+        k = mx.array(host.gather_rows("keys", 0, tok)).astype(self.dtype)
         v = mx.array(host.gather_rows("values", 0, tok)).astype(self.dtype)
         return k, v
 

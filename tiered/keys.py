@@ -93,23 +93,6 @@ class CodebookKeys:
         top = np.sort(np.argpartition(-err, m - 1, axis=1)[:, :m], axis=1)
         return (top + n0).astype(np.int32), np.take_along_axis(err, top, 1).astype(np.float32)
 
-    def decode_rows(self, tok: np.ndarray) -> np.ndarray:
-        """(H, T, d) float32: the keys of tokens ``tok`` (H, T) as their codes give them back
-        (each group's centroid), for reads where the host keeps no keys."""
-        H, T = tok.shape
-        book = self._codebook_np  # (H, Gc, c, ds)
-        if self.numpy_path:
-            codes = self._codes_np[np.arange(H)[:, None], tok]  # (H, T, g)
-        else:
-            idx = mx.array(np.ascontiguousarray(tok, np.int32))[..., None]
-            codes = mx.take_along_axis(self.codes, idx, axis=1)
-            dispatch.eval(codes)
-            codes = np.array(codes)
-        g = codes.shape[2]
-        gi = np.arange(g) if book.shape[1] > 1 else np.zeros(g, np.int64)
-        rec = book[np.arange(H)[:, None, None], gi[None, None, :], codes.astype(np.int64)]
-        return rec.reshape(H, T, g * book.shape[3])
-
     def sq_norms(self) -> mx.array:
         """The centroids' squared norms (H, Gc, c), kept (tiered.device_encode)."""
         if getattr(self, "_sq_norms", None) is None or self._sq_norms[0] is not self.codebook:
