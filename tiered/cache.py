@@ -56,7 +56,21 @@ log = logging.getLogger("tiered")
 
 @loadable  # tiered.install() registers it where mlx-lm's load_prompt_cache looks
 class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
-    """Tiered KV cache of one attention layer (see module docstring)."""
+    """The KV cache of one attention layer, over three tiers (accelerator, host pages, disk).
+
+    Made by :meth:`for_model` (one per layer of a model; pass the list to mlx-lm as
+    ``prompt_cache``). The model calls :meth:`update_and_fetch` with keys and values of shape
+    (batch, kv_heads, tokens, head_dim); attention reaches :meth:`attention` through
+    :func:`tiered.install`. A layer is ``exact`` (every token's full K and V on the
+    accelerator, equal to ``KVCache``) until a compressed layout meets ``gpu_budget``, then
+    ``compressed``: key codes for every token and full K/V for a resident set on the
+    accelerator, every value on the host pages (RAM, then a page file), and each decode step
+    attends to the resident set and to the offloaded tokens the tau rule selects.
+
+    ``offset`` (tokens held), ``trim(n)`` (give back the last n), ``state`` (what mlx-lm
+    saves), ``nbytes`` (accelerator bytes) and ``tier_bytes()`` (bytes per tier) follow
+    mlx-lm's cache protocol; ``close()`` frees the tiers at once. Options: :class:`TieredConfig`.
+    """
 
     @property
     def step(self) -> int:

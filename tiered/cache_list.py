@@ -157,7 +157,14 @@ def relink(caches, context=None, *, config=None, kept=None) -> "TieredCacheList"
 
 
 class TieredCacheList(list):
-    """The per-layer caches of one model, as ``mlx_lm.generate`` expects, plus shared facts."""
+    """The per-layer caches of one model: a list, as ``mlx_lm.generate`` takes it, whose tiered
+    layers share one context (the plan, the CPU workers, the host and disk budgets).
+
+    ``tiered_layers`` / ``kept_layers``: which layers are TieredCache, and which keep the
+    model's own cache and why (``describe()``). ``save(path, model)`` writes a directory (or
+    one ``.safetensors`` file), :meth:`load` reads either back for the same model;
+    ``report()`` (``tiered.report(cache)``) says what each tier holds; ``close()`` frees them.
+    """
 
     def __init__(self, caches, *, config, tiered_layers, kept_layers, context=None):
         super().__init__(caches)

@@ -139,19 +139,13 @@ def default_cache_dir() -> str:
 
 @dataclass
 class TieredConfig(OptionGroups):
-    """Options of a tiered KV cache.
+    """Options of a tiered KV cache: the keyword arguments of ``TieredCache.for_model``.
+    Unknown or invalid values raise ``ValueError`` naming the option.
 
-    gpu_budget: accelerator bytes for the whole cache, as a fraction in (0, 1] of what mlx-lm's
-        ``KVCache`` would hold for the same tokens (its dtype is the model's: fp16 for fp16
-        models), or an absolute size ("2GB", or an int of bytes). 1.0 keeps every token's full
-        K and V resident: attention is then exact and equals ``KVCache``.
-    method: "tiered" (codes + resident H2O set + host values), "hcattention" (codes, tau
-        selection, approximate weights, every value on the host), "h2o" (resident set only;
-        everything else is evicted permanently, no host tier).
-
-    The other options, grouped by the idea they serve, are also read as read-only views:
+    The options, grouped by the idea they serve, are also read as read-only views:
     ``config.selection.tau``, ``config.heavy.refresh_every``, ``config.host.page_size``...
-    (see :mod:`tiered.option_groups`).
+    (see :mod:`tiered.option_groups`). Every option, with its default (the list is made from
+    :mod:`tiered.option_docs`, as the README's table is):
     """
 
     gpu_budget: float | int | str = 0.125
@@ -343,3 +337,12 @@ class TieredConfig(OptionGroups):
         if isinstance(self.gpu_budget, Bytes):
             out["gpu_budget"] = f"{int(self.gpu_budget)}B"
         return out
+
+
+def _document_options() -> None:
+    from . import option_docs
+
+    TieredConfig.__doc__ = TieredConfig.__doc__.rstrip() + "\n\n" + option_docs.docstring() + "\n"
+
+
+_document_options()
