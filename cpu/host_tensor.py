@@ -22,7 +22,7 @@ HOST_DTYPES = ("float16", "float32", "int8")
 # Allocate each tensor's next RAM blocks ahead of need. On MLX's CUDA backend a block is managed
 # memory, allocated and NaN-filled on the thread that needed it (H200, 1M-token prefill: the
 # chunks that grew the pages took 0.35 s against 0.15, ~6 ms more per layer; idle, an 8 MB
-# block's allocation and fill take 0.66 ms: bench/host_block_probe.py). Its first read waits
+# block's allocation and fill take 0.66 ms: bench/host_block_probe.py, in git history). Its first read waits
 # for the GPU work queued before it (see tiered.cpu.block_maker), so the block maker's thread
 # takes that wait. One block ahead per tensor: with two, a spare held budget a tight host
 # budget needed for data (GPU tests: tests/test_disk.py spilled every block).

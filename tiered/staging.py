@@ -21,7 +21,7 @@ heavy tokens replaced) a refresh made one of more than 1 MiB, over the largest r
 Elsewhere (the CPU backend, Metal's unified memory) :func:`upload` is ``mx.array``.
 
 H200, 2026-11-26: an 8 KB upload takes 0.025 ms of host time against 0.051, and three small
-kernels reading it 24 us of device time against 452 (bench/upload_readers.py); in the 128k
+kernels reading it 24 us of device time against 452 (bench/upload_readers.py, in git history); in the 128k
 decode step (bench/device_probe.py, rounds of 15 steps alternating ``ENABLED``, two leases)
 9 of 10 paired rounds were faster with the ring, by 0.9 ms/token on average.
 """
