@@ -35,6 +35,7 @@ class StepGuard:
         self._step: int | None = None  # the thread inside a step
         self._saver: int | None = None  # the thread saving
         self._waiting: set[int] = set()  # threads waiting to save: the next step waits too
+        self._savers: set[int] = set()  # threads that ever saved (or tried to) this cache
 
     def enter(self) -> None:
         """A step starts on this thread (waits while another thread saves)."""
@@ -52,14 +53,21 @@ class StepGuard:
                 self._cond.notify_all()
 
     def others_waiting(self) -> bool:
-        """Whether a thread other than this one waits to save."""
-        return bool(self._waiting - {threading.get_ident()})
+        """Whether a thread other than this one waits to save, or has saved this cache: a
+        step then ends with what it left lazy evaluated on its own thread (MLX streams are per
+        thread: a save on another thread cannot evaluate them). Checking only for a waiting
+        saver left a window: a save asked for just after the check read the step's lazy
+        arrays and failed ("There is no Stream(cpu, 6) in current thread", one save in tens
+        of a thread saving in a loop beside a decoding one)."""
+        me = threading.get_ident()
+        return bool(self._waiting - {me}) or bool(self._savers - {me})
 
     @contextlib.contextmanager
     def saving(self, what: str):
         """Hold steps of other threads back while the body reads the cache."""
         me = threading.get_ident()
         with self._cond:
+            self._savers.add(me)
             self._waiting.add(me)
             try:
                 free = self._cond.wait_for(
