@@ -13,24 +13,31 @@ from ._numba import kernel
 @kernel("void(float32[:, ::1], float32[:, ::1], float32[::1], float32[::1], int64, int64, "
         "float32)", parallel=True, inf_safe=True)  # inf_safe: the guard below compares with inf
 def _acc_update(acc, z, m, s, rep, n, alpha):
+    # Per block of a kv head's tokens, its query heads one after another over contiguous
+    # scores into a float32 block sum (one head at a time vectorizes; the heads inside the
+    # token loop did not): 6.74 -> 3.63 ms at 65,536 tokens, 9 query heads, 2 cores.
     H = acc.shape[0]
     inv = np.empty(z.shape[0], np.float32)
     for h in range(z.shape[0]):
         inv[h] = (1.0 - alpha) / (rep * s[h]) if s[h] > 0 else 0.0
-    blocks = (n + 1023) // 1024
+    B = 1024
+    blocks = (n + B - 1) // B
     for b in prange(blocks * H):
         k = b // blocks
-        lo = (b % blocks) * 1024
-        hi = min(lo + 1024, n)
-        for j in range(lo, hi):
-            p = 0.0
-            for r in range(rep):
-                h = k * rep + r
-                c = math.exp(z[h, j] - m[h]) * inv[h]
+        lo = (b % blocks) * B
+        hi = min(lo + B, n)
+        p = np.zeros(hi - lo, np.float32)
+        for r in range(rep):
+            h = k * rep + r
+            mh, ih = m[h], inv[h]
+            for j in range(lo, hi):
+                c = np.float32(math.exp(z[h, j] - mh)) * ih
                 # A non-finite contribution (a NaN or Inf score, or a head with no finite
                 # score: m = -inf, s = 0) is skipped, so the accumulators stay finite.
-                p += c if c < np.inf else 0.0
-            acc[k, j] = alpha * acc[k, j] + p
+                if c < np.inf:
+                    p[j - lo] += c
+        for j in range(lo, hi):
+            acc[k, j] = alpha * acc[k, j] + p[j - lo]
 
 
 def acc_update(acc: np.ndarray, z: np.ndarray, m: np.ndarray, s: np.ndarray, rep: int, n: int,

@@ -289,8 +289,10 @@ def test_tiled_resident_lanes(d, dtype, rep, lanes, monkeypatch):
     assert device_resident.tiled_lanes(d, getattr(mx, dtype), rep) == 0
 
 
-@pytest.mark.parametrize("rescore,iters,given", [("exact", 0, False), ("exact", 4, True),
-                                                 ("approx", 0, False)])
+# ~15 s each on the kernel executor: the other two with the slow tests (python -m pytest -m slow)
+@pytest.mark.parametrize("rescore,iters,given", [
+    ("exact", 0, False), pytest.param("exact", 4, True, marks=pytest.mark.slow),
+    pytest.param("approx", 0, False, marks=pytest.mark.slow)])
 def test_all_chunks_selected_decodes_as_kvcache(rescore, iters, given, device_path,
                                                 monkeypatch):
     """With every chunk selected the device path decodes as KVCache (exactly with exact

@@ -318,6 +318,7 @@ def test_import_order_does_not_matter_for_blas():
     assert out["mlx-first"][1] >= out["tiered-first"][1] / 2, out
 
 
+@pytest.mark.slow  # ~27 s; the CLI's saves: tests/test_save_file.py, refusals: test_saved_fuzz
 def test_cli_ask_again(tmp_path):
     """--save-cache after reading, --load-cache answers without the document; a cache made
     with other options is refused."""
