@@ -342,7 +342,8 @@ class TieredConfig(OptionGroups):
 def _document_options() -> None:
     from . import option_docs
 
-    TieredConfig.__doc__ = TieredConfig.__doc__.rstrip() + "\n\n" + option_docs.docstring() + "\n"
+    TieredConfig.__doc__ = (TieredConfig.__doc__.rstrip() + "\n\n"
+                            + option_docs.docstring(TieredConfig) + "\n")
 
 
 _document_options()

@@ -1,10 +1,11 @@
 """Every option of :class:`tiered.config.TieredConfig`, documented once.
 
 ``ROWS`` is the one source: :class:`~tiered.config.TieredConfig`'s docstring and the README's
-option table are both made from it (``python -c "import tiered.option_docs as o;
-o.write_readme()"`` rewrites the README's table between its markers; a test checks that the
-README holds what this module makes and that every field is documented exactly once). Defaults come from the dataclass itself, except where a
-default is computed when a config is made (``DYNAMIC``).
+option table are both made from it. ``python -c "import tiered; from tiered import option_docs
+as o; o.write_readme(tiered.TieredConfig)"`` rewrites the README's table between its markers;
+a test checks that the README holds what this module makes and that every field is documented
+exactly once. Defaults come from the dataclass itself, except where a default is computed when
+a config is made (``DYNAMIC``). The class is passed in: this module imports nothing of tiered.
 """
 
 from __future__ import annotations
@@ -84,25 +85,24 @@ DYNAMIC = {"cache_dir": "`$XDG_CACHE_HOME/tiered` or `~/.cache/tiered`", "worker
 BEGIN, END = "<!-- options: tiered/option_docs.py -->", "<!-- options end -->"
 
 
-def _fields() -> dict:
-    from .config import TieredConfig
-
-    return {f.name: f for f in dataclasses.fields(TieredConfig) if f.name != "_"}
+def _fields(cls) -> dict:
+    return {f.name: f for f in dataclasses.fields(cls) if f.name != "_"}
 
 
-def default_text(name: str) -> str:
-    """The README's rendering of one option's default."""
+def default_text(cls, name: str) -> str:
+    """The README's rendering of one option's default (``cls``: TieredConfig, given by the
+    caller: this module imports nothing of tiered)."""
     if name in DYNAMIC:
         return DYNAMIC[name]
-    default = _fields()[name].default
+    default = _fields(cls)[name].default
     return f"`{default!r}`".replace("'", '"')
 
 
-def table() -> str:
-    """The README's option table (markdown)."""
+def table(cls) -> str:
+    """The README's option table (markdown) for ``cls`` (TieredConfig)."""
     lines = ["| option | default | what it sets |", "|---|---|---|"]
     for names, text in ROWS:
-        defaults = [default_text(n) for n in names]
+        defaults = [default_text(cls, n) for n in names]
         if len(set(defaults)) == 1:
             defaults = defaults[:1]
         lines.append(f"| {' / '.join(f'`{n}`' for n in names)} | {' / '.join(defaults)} | "
@@ -110,14 +110,14 @@ def table() -> str:
     return "\n".join(lines)
 
 
-def docstring() -> str:
+def docstring(cls) -> str:
     """The options as :class:`~tiered.config.TieredConfig`'s docstring lists them."""
     def plain(text: str) -> str:
         return re.sub(r"`([^`]*)`", r"\1", text).replace("**", "")
 
     out = []
     for names, text in ROWS:
-        defaults = ", ".join(f"{n}={plain(default_text(n))}" for n in names)
+        defaults = ", ".join(f"{n}={plain(default_text(cls, n))}" for n in names)
         out.append(textwrap.fill(f"{defaults}:", 92, initial_indent="    ",
                                  subsequent_indent="    "))
         out.append(textwrap.fill(f"{plain(text)}.", 92, initial_indent=" " * 8,
@@ -129,13 +129,14 @@ def documented() -> list[str]:
     return [n for names, _ in ROWS for n in names]
 
 
-def write_readme(path: str | Path = "README.md") -> bool:
-    """Put :func:`table` between the README's markers; returns whether it changed."""
+def write_readme(cls, path: str | Path = "README.md") -> bool:
+    """Put :func:`table` of ``cls`` (TieredConfig) between the README's markers; returns
+    whether it changed."""
     path = Path(path)
     text = path.read_text()
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    new = f"{head}{BEGIN}\n{table()}\n{END}{tail}"
+    new = f"{head}{BEGIN}\n{table(cls)}\n{END}{tail}"
     if new != text:
         path.write_text(new)
     return new != text
