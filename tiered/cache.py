@@ -44,11 +44,9 @@ from .integration import is_installed, loadable
 from .report import LayerReport
 from .stats import LayerStats
 
-# The share of the tiered layers whose refresh (queued at a step's end, on the device path)
-# applies at the end of the same step rather than at the layer's next append. Applied early in
-# the next step, the refresh's host work left the device idle (nothing queued ahead of it).
-# H200, 128k, rounds of 32 steps alternating 0 and 0.5 (bench/device_probe.py --toggle), two
-# leases: 0.5 was faster in 6 of 7 paired rounds, by 1.1 ms/token on average.
+# The share of tiered layers whose refresh (queued at a step's end, device path) applies at the
+# end of the same step, not at the layer's next append (H200, 128k, bench/device_probe.py
+# --toggle: 0.5 faster than 0 in 6 of 7 paired rounds, by 1.1 ms/token on average).
 EARLY_SETTLE = 0.5
 
 log = logging.getLogger("tiered")
@@ -56,21 +54,11 @@ log = logging.getLogger("tiered")
 
 @loadable  # tiered.install() registers it where mlx-lm's load_prompt_cache looks
 class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
-    """The KV cache of one attention layer, over three tiers (accelerator, host pages, disk).
-
-    Made by :meth:`for_model` (one per layer of a model; pass the list to mlx-lm as
-    ``prompt_cache``). The model calls :meth:`update_and_fetch` with keys and values of shape
-    (batch, kv_heads, tokens, head_dim); attention reaches :meth:`attention` through
-    :func:`tiered.install`. A layer is ``exact`` (every token's full K and V on the
-    accelerator, equal to ``KVCache``) until a compressed layout meets ``gpu_budget``, then
-    ``compressed``: key codes for every token and full K/V for a resident set on the
-    accelerator, every value on the host pages (RAM, then a page file), and each decode step
-    attends to the resident set and to the offloaded tokens the tau rule selects.
-
-    ``offset`` (tokens held), ``trim(n)`` (give back the last n), ``state`` (what mlx-lm
-    saves), ``nbytes`` (accelerator bytes) and ``tier_bytes()`` (bytes per tier) follow
-    mlx-lm's cache protocol; ``close()`` frees the tiers at once. Options: :class:`TieredConfig`.
-    """
+    """The KV cache of one attention layer over three tiers (accelerator, host pages, disk):
+    exact (full K/V, equal to ``KVCache``) until a compressed layout meets ``gpu_budget``, then
+    key codes for every token, a resident set's K/V, every value on the host; see the module
+    docstring. Keys and values are (batch, kv_heads, tokens, head_dim); made by :meth:`for_model`,
+    options in :class:`TieredConfig`."""
 
     @property
     def step(self) -> int:
