@@ -67,8 +67,8 @@ def layout(n: int, H: int, S: int, W: int, heavy: np.ndarray) -> np.ndarray:
     """(H, S + W + heavy) token ids: the sinks, the recent ring (slot t % W holds token t; the
     sinks are not repeated) and the heavy hitters."""
     ring = np.full((H, W), -1, np.int32)
-    for t in range(max(S, n - W), n):
-        ring[:, t % W] = t
+    t = np.arange(max(S, n - W), n, dtype=np.int32)  # at most W tokens: distinct slots
+    ring[:, t % W] = t  # one call, not one per token: it runs beside the main thread's Python
     sinks = np.tile(np.arange(S, dtype=np.int32), (H, 1))
     return np.concatenate([sinks, ring, heavy], axis=1).astype(np.int32)
 
