@@ -113,3 +113,54 @@ def plot(records, args, path):
         finish_axes(ax, xlabel="context, method", ylabel="ms / token",
                     title="where a tiered token's time goes", logx=False)
     save_figure(fig, path)
+
+
+def summary_md(records, args, info, geo, dtype, weights, bw, host_bw, host_read, host_src) -> str:
+    """The results' first section: the command and machine, then one row per context and
+    method (ms/token, graph ms, floor, speed-up against ``KVCache``, bytes, first step)."""
+    rows = []
+    for n in args.contexts:
+        sub = {r["method"]: r for r in records if r["context"] == n}
+        base = sub.get("KVCache", {}).get("ms_per_token")
+        for name, r in sub.items():
+            if "error" in r:
+                rows.append([n, name, "fails: " + r["error"][:90], "", "", "", "", "", "", "", "",
+                             ""])
+                continue
+            sched = r.get("scheduler") or {}
+            timed = r["step_ms"][args.warmup:]
+            rows.append([n, name, f"{r['ms_per_token']:.1f}", f"{np.mean(timed):.1f}",
+                         f"{r['build_ms_per_token']:.1f}"
+                         if r.get("build_ms_per_token") is not None else "",
+                         f"{r['floor_ms']:.1f}" if "floor_ms" in r else "",
+                         f"{base / r['ms_per_token']:.2f}x" if base else "",
+                         f"{r['bytes_per_step']['accelerator'] / 1e6:.0f}",
+                         f"{r['bytes_per_step']['host'] / 1e6:.1f}",
+                         f"{100 * r['bandwidth_fraction']:.0f}%",
+                         f"{sched['overlap_ratio']:.2f}" if sched.get("overlap_ratio") is not None else "",
+                         f"{r['first_step_s']:.1f}"])
+    header = ["context", "method", "ms/token (median)", "mean (incl. refresh steps)", "graph ms",
+              "floor ms (same bytes)",
+              "speed-up vs KVCache",
+              "attention MB/step (device)", "MB/step (host gather)",
+              "of copy bandwidth (incl. weights)", "overlap ratio", "first step s"]
+    md = (f"# Decode speed\n\n`{info['command']}` on {info['platform']} ({info['backend']}, "
+          f"{info['device']}, {info['cpu_count']} cores), {info['date']}.\n\n"
+          f"Model: {args.model} ({geo.layers} layers, {geo.q_heads} q / {geo.kv_heads} kv heads, "
+          f"head_dim {geo.k_dim}, {dtype}), weights {weights / 1e9:.2f} GB; measured copy "
+          f"bandwidth {bw:.0f} GB/s, host-to-device copy {host_bw:.1f} GB/s, host reads "
+          f"{host_read:.1f} GB/s: {host_src} (the floor column: weights and device bytes at the "
+          f"first, tiered's host bytes at the last, the streaming baseline's at the copy rate). "
+          + (f"Long caches: real prefill K/V of {args.seed_tokens} tokens tiled to each context."
+             if args.attention == "flat" else
+             f"Long caches: real prefill values of {args.seed_tokens} tokens tiled to each "
+             "context, keys made so that tiered's selections follow the embedded model's profile "
+             "on real text (bench/attention_workload.py; the baselines hold the same keys).")
+          + f" Median of {args.steps} steps after {args.warmup} warm-up "
+          f"steps (the first compresses the tiered cache); "
+          + ("mlx-lm's generate_step, one token built ahead while the device runs the last: a "
+             "step is the time between two tokens" if args.loop == "generate" else
+             "each token built, then evaluated") + ". graph ms: host time to build a token's "
+          "graph (model call and argmax, before evaluation), median.\n\n"
+          + md_table(header, rows))
+    return md

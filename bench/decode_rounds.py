@@ -22,7 +22,7 @@ import time
 import common  # noqa: F401  (tiered before mlx)
 import mlx.core as mx
 import numpy as np
-from decode_speed import build_model, kv_caches, seed_kv, tiered_caches
+from decode_setup import build_model, kv_caches, seed_kv, tiered_caches
 
 
 def rounds(model, cache, name: str, count: int, steps: int):

@@ -38,114 +38,17 @@ import sys
 import time
 
 import common  # noqa: F401  (tiered before mlx)
-from common import RESULTS, machine, md_table, write_results
+from common import RESULTS, machine, write_results
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache
 from attention_workload import RealisticKeys, query_scales, stats_summary
-from decode_report import phase_table, plot, print_selection, selection_table
+from decode_report import phase_table, plot, print_selection, selection_table, summary_md
 from host_read_rate import host_read_rate
 from streaming_cache import StreamingCache, host_copy_rate
+from decode_setup import build_model, kv_caches, memory_bandwidth, seed_kv, tiered_caches
 
 import tiered
-
-LLAMA3_8B = dict(model_type="llama", hidden_size=4096, num_hidden_layers=32,
-                 intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                 head_dim=128, rms_norm_eps=1e-5, vocab_size=128256, rope_theta=500000.0,
-                 tie_word_embeddings=False, max_position_embeddings=131072)
-
-
-def device_profile_args(ap, steps: int):
-    """The arguments the device profilers share (one Llama-3-8B-shaped model, one context)."""
-    ap.add_argument("--model", default="llama3-8b-2l", choices=["llama3-8b-2l", "llama3-8b"])
-    ap.add_argument("--context", type=int, default=131072)
-    ap.add_argument("--budget", type=float, default=0.125)
-    ap.add_argument("--steps", type=int, default=steps)
-
-
-def build_model(name: str, dtype):
-    if name == "embedded":
-        model, tok = tiered.load()
-        return model, tok
-    from mlx.utils import tree_flatten, tree_unflatten
-    from mlx_lm.utils import _get_classes
-
-    cfg = dict(LLAMA3_8B)
-    if name == "llama3-8b-2l":  # a 2-layer slice, for checking the script on small machines
-        cfg.update(num_hidden_layers=2, intermediate_size=1024, vocab_size=4096)
-    model_cls, args_cls = _get_classes(cfg)
-    mx.random.seed(0)
-    model = model_cls(args_cls.from_dict(cfg))
-    params = [(k, v.astype(dtype)) for k, v in tree_flatten(model.parameters())]
-    model.update(tree_unflatten(params))
-    mx.eval(model.parameters())
-    model.eval()
-    return model, None
-
-
-def memory_bandwidth() -> float:
-    """Device memory bandwidth in GB/s: the best of the copies and the read-only reduction
-    that bench/kernels.py measures over 1 GiB (MLX's elementwise copy alone under-reads a GPU:
-    SDPA decode outran it on the H200)."""
-    from kernels import measured_bandwidth
-
-    bws = measured_bandwidth()
-    return max(bws["copy"], bws["read"])
-
-
-def seed_kv(model, tok, n_seed: int):
-    """Per-layer (K, V) of a real prefill of n_seed tokens, (1, H, n_seed, d)."""
-    if tok is not None:
-        from tiered.tasks import topics_text
-
-        ids = tok.encode(topics_text()[:12 * n_seed])[:n_seed]
-    else:
-        ids = np.random.default_rng(0).integers(0, model.args.vocab_size, n_seed).tolist()
-    caches = [KVCache() for _ in model.layers]
-    x = mx.array(ids)[None]
-    for i in range(0, n_seed, 1024):
-        model(x[:, i : i + 1024], cache=caches)
-        mx.eval([c.state for c in caches])
-    return [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in caches]
-
-
-def tile(a: mx.array, n: int) -> mx.array:
-    reps = -(-n // a.shape[2])
-    return mx.concatenate([a] * reps, axis=2)[..., :n, :]
-
-
-def kv_caches(seed, n, make=KVCache, workload=None):
-    """One cache per layer (``make()``: KVCache, or the streaming baseline's StreamingCache)
-    holding the seed K/V tiled to n tokens; each layer evaluated as it is filled.
-    ``workload``: an attention_workload.RealisticKeys whose keys replace the tiled ones."""
-    out = []
-    for i, (k, v) in enumerate(seed):
-        c = make()
-        keys = tile(k, n) if workload is None else workload.keys(i)
-        mx.eval(c.update_and_fetch(keys, tile(v, n)))
-        out.append(c)
-    return out
-
-
-def tiered_caches(model, seed, n, budget, options, workload=None):
-    """A tiered cache holding the seed K/V tiled to n tokens (exact until the first decode
-    step compresses it); ``workload``: as in :func:`kv_caches`, its keys evaluated layer by
-    layer and its observation queries seeding H2O."""
-    cache = tiered.TieredCache.for_model(model, gpu_budget=budget, prefill_window=n + 1,
-                                         **options)
-    for i, (c, (k, v)) in enumerate(zip(cache, seed)):
-        if workload is None:
-            c.update_and_fetch(tile(k, n), tile(v, n))
-        else:
-            c.update_and_fetch(workload.keys(i), tile(v, n))
-            mx.eval(c.state)
-        c.flush()
-    mx.eval([c.state for c in cache])
-    if workload is not None:
-        workload.observe(cache)
-    return cache
-
 
 def reset_counters(cache):
     """Drop the scheduler timings and step phases of the warm-up steps (the first compresses)."""
@@ -156,7 +59,8 @@ def reset_counters(cache):
                 c.stats.phase_s.clear()
 
 
-def time_decode(model, cache, steps: int, warmup: int, loop: str = "plain", build_times=None):
+def time_decode(model, cache, steps: int, warmup: int, loop: str = "plain", build_times=None,
+                split=None):
     """(median ms/token, first-step seconds, all step times). Counters cover the timed steps.
 
     ``loop="plain"``: each token's graph is built, then evaluated, then the next one built;
@@ -164,7 +68,8 @@ def time_decode(model, cache, steps: int, warmup: int, loop: str = "plain", buil
     ``model(y)`` until the argmax of the logits is built, before ``mx.eval``.
     ``loop="generate"``: mlx-lm's own ``generate_step`` with greedy sampling, which builds
     token t + 1's graph while the device runs token t (one token ahead); a step's time is
-    the time between two tokens coming out of it, as ``mlx_lm.generate`` users see it."""
+    the time between two tokens coming out of it, as ``mlx_lm.generate`` users see it.
+    ``split``: a bench/host_split.py HostSplit, counting the timed steps' host time."""
     if loop == "generate":
         return _time_generate(model, cache, steps, warmup)
     y = mx.array([[1]])
@@ -172,6 +77,8 @@ def time_decode(model, cache, steps: int, warmup: int, loop: str = "plain", buil
     for i in range(warmup + steps):
         if i == warmup:
             reset_counters(cache)
+        if split is not None:
+            split.on = i >= warmup
         t = time.perf_counter()
         logits = model(y, cache=cache)
         y = mx.argmax(logits[:, -1], axis=-1)[:, None]
@@ -262,6 +169,9 @@ def main(argv=None):
     p.add_argument("--loop", default="plain", choices=["plain", "generate"],
                    help="plain: build a token, evaluate it, build the next; generate: mlx-lm's "
                    "generate_step (the next token built while the device runs this one)")
+    p.add_argument("--host-split", action="store_true",
+                   help="tiered: print the host time per layer of each piece of the decode "
+                   "step (bench/host_split.py) for the timed steps")
     p.add_argument("--set", action="append", default=[], metavar="MODULE.ATTR=VALUE",
                    help="set a module attribute first, e.g. a switch that is off by default")
     p.add_argument("--attention", default="flat", choices=["flat", "realistic"],
@@ -321,7 +231,7 @@ def main(argv=None):
         options["workers"] = args.workers
     if args.kernels:
         options["kernels"] = args.kernels
-    rows, records = [], []
+    records = []
     for n in args.contexts:
         runs = []
         wb = workload(n, args.budgets[0])  # the baselines' keys (their speed does not need them)
@@ -352,9 +262,13 @@ def main(argv=None):
             if isinstance(cache, tiered.TieredCacheList):
                 cache.scheduler.reset_timings()
             builds = []
+            split = None
+            if args.host_split and isinstance(cache, tiered.TieredCacheList):
+                from host_split import HostSplit
+                split = HostSplit()
             try:
                 ms, first_s, times = time_decode(model, cache, args.steps, args.warmup, args.loop,
-                                                 build_times=builds)
+                                                 build_times=builds, split=split)
             except RuntimeError as e:  # e.g. a quantized_matmul shape MLX's CUDA lacks
                 print(f"{n:>7} {name:<20} failed: {e}", flush=True)
                 records.append({"context": n, "method": name, "error": str(e)})
@@ -404,55 +318,18 @@ def main(argv=None):
                   + (f", graph {rec['build_ms_per_token']:.1f} ms"
                      if rec["build_ms_per_token"] is not None else ""), flush=True)
             print_selection(rec)
+            if split is not None:
+                split.on = False
+                rec["host_split"] = (split.report(args.steps, len(model.layers))
+                                     + split.replay_alone())
+                print("\n".join(rec["host_split"]), flush=True)
+                split.unwrap()
             if isinstance(cache, tiered.TieredCacheList):
                 cache.close()
             del cache
             gc.collect()
             mx.clear_cache()
-    for n in args.contexts:
-        sub = {r["method"]: r for r in records if r["context"] == n}
-        base = sub.get("KVCache", {}).get("ms_per_token")
-        for name, r in sub.items():
-            if "error" in r:
-                rows.append([n, name, "fails: " + r["error"][:90], "", "", "", "", "", "", "", "",
-                             ""])
-                continue
-            sched = r.get("scheduler") or {}
-            timed = r["step_ms"][args.warmup:]
-            rows.append([n, name, f"{r['ms_per_token']:.1f}", f"{np.mean(timed):.1f}",
-                         f"{r['build_ms_per_token']:.1f}"
-                         if r.get("build_ms_per_token") is not None else "",
-                         f"{r['floor_ms']:.1f}" if "floor_ms" in r else "",
-                         f"{base / r['ms_per_token']:.2f}x" if base else "",
-                         f"{r['bytes_per_step']['accelerator'] / 1e6:.0f}",
-                         f"{r['bytes_per_step']['host'] / 1e6:.1f}",
-                         f"{100 * r['bandwidth_fraction']:.0f}%",
-                         f"{sched['overlap_ratio']:.2f}" if sched.get("overlap_ratio") is not None else "",
-                         f"{r['first_step_s']:.1f}"])
-    header = ["context", "method", "ms/token (median)", "mean (incl. refresh steps)", "graph ms",
-              "floor ms (same bytes)",
-              "speed-up vs KVCache",
-              "attention MB/step (device)", "MB/step (host gather)",
-              "of copy bandwidth (incl. weights)", "overlap ratio", "first step s"]
-    md = (f"# Decode speed\n\n`{info['command']}` on {info['platform']} ({info['backend']}, "
-          f"{info['device']}, {info['cpu_count']} cores), {info['date']}.\n\n"
-          f"Model: {args.model} ({geo.layers} layers, {geo.q_heads} q / {geo.kv_heads} kv heads, "
-          f"head_dim {geo.k_dim}, {dtype}), weights {weights / 1e9:.2f} GB; measured copy "
-          f"bandwidth {bw:.0f} GB/s, host-to-device copy {host_bw:.1f} GB/s, host reads "
-          f"{host_read:.1f} GB/s: {host_src} (the floor column: weights and device bytes at the "
-          f"first, tiered's host bytes at the last, the streaming baseline's at the copy rate). "
-          + (f"Long caches: real prefill K/V of {args.seed_tokens} tokens tiled to each context."
-             if args.attention == "flat" else
-             f"Long caches: real prefill values of {args.seed_tokens} tokens tiled to each "
-             "context, keys made so that tiered's selections follow the embedded model's profile "
-             "on real text (bench/attention_workload.py; the baselines hold the same keys).")
-          + f" Median of {args.steps} steps after {args.warmup} warm-up "
-          f"steps (the first compresses the tiered cache); "
-          + ("mlx-lm's generate_step, one token built ahead while the device runs the last: a "
-             "step is the time between two tokens" if args.loop == "generate" else
-             "each token built, then evaluated") + ". graph ms: host time to build a token's "
-          "graph (model call and argmax, before evaluation), median.\n\n"
-          + md_table(header, rows))
+    md = summary_md(records, args, info, geo, dtype, weights, bw, host_bw, host_read, host_src)
     md += phase_table(records, args)
     md += selection_table(records)
     md += f"\n![decode speed]({args.name}.png)\n"

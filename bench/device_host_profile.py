@@ -15,7 +15,8 @@ import time
 import common  # noqa: F401  (tiered before mlx)
 import mlx.core as mx
 import numpy as np
-from decode_speed import build_model, device_profile_args, kv_caches, seed_kv, tiered_caches, time_decode
+from decode_setup import build_model, device_profile_args, kv_caches, seed_kv, tiered_caches
+from decode_speed import time_decode
 
 
 def split_times(model, cache, steps):

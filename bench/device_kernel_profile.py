@@ -15,7 +15,8 @@ import collections
 
 import common  # noqa: F401  (tiered before mlx)
 import mlx.core as mx
-from decode_speed import build_model, device_profile_args, kv_caches, seed_kv, tiered_caches, time_decode
+from decode_setup import build_model, device_profile_args, kv_caches, seed_kv, tiered_caches
+from decode_speed import time_decode
 
 
 def cuda_kernels(fn, spans: list | None = None):

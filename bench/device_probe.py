@@ -25,7 +25,7 @@ import time
 import common  # tiered before mlx
 import mlx.core as mx
 import numpy as np
-from decode_speed import build_model, kv_caches, seed_kv, tiered_caches
+from decode_setup import build_model, kv_caches, seed_kv, tiered_caches
 from device_host_profile import graph_ops, print_ops
 from device_kernel_profile import profile
 from tiered.dispatch import DISPATCHER

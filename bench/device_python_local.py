@@ -53,7 +53,7 @@ def fake_device_model(layers: int, context: int, budget: float = 0.125, kv: bool
     """(model, cache): a random model with Llama-3-8B's heads (narrow elsewhere) and a cache
     of ``context`` tokens on tiered's CUDA path with fake kernels (:func:`fake_cuda`), or
     mlx-lm's KVCache (``kv``). ``no_async``: mx.async_eval does nothing."""
-    from decode_speed import LLAMA3_8B, kv_caches, seed_kv, tiered_caches
+    from decode_setup import LLAMA3_8B, kv_caches, seed_kv, tiered_caches
     from mlx_lm.utils import _get_classes
 
     cfg = dict(LLAMA3_8B, num_hidden_layers=layers, hidden_size=512, intermediate_size=256,

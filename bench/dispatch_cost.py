@@ -110,7 +110,8 @@ def model_split(model, cache, steps: int):
 
 
 def main():
-    from decode_speed import build_model, device_profile_args, kv_caches, seed_kv, tiered_caches, time_decode
+    from decode_setup import build_model, device_profile_args, kv_caches, seed_kv, tiered_caches
+    from decode_speed import time_decode
 
     ap = argparse.ArgumentParser()
     device_profile_args(ap, 10)

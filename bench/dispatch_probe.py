@@ -25,7 +25,7 @@ import time
 import common  # noqa: F401  (tiered before mlx)
 import mlx.core as mx
 import numpy as np
-from decode_speed import build_model, kv_caches, seed_kv, tiered_caches
+from decode_setup import build_model, kv_caches, seed_kv, tiered_caches
 from million import decode_step
 
 from tiered import device_step, dispatch

@@ -16,7 +16,7 @@ import time
 
 import mlx.core as mx
 from common import machine, md_table, write_results
-from decode_speed import build_model
+from decode_setup import build_model
 
 from tiered.identity import identity_cost, model_identity
 

@@ -62,7 +62,7 @@ def build_model(name: str, layers: int | None, tokenizer: bool = True):
             model.model.layers = model.model.layers[:layers]
             model.args.num_hidden_layers = layers
         return model, tok
-    from decode_speed import build_model as random_model
+    from decode_setup import build_model as random_model
 
     model, _ = random_model(name, mx.float16)
     if not tokenizer:

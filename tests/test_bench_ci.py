@@ -190,7 +190,7 @@ def test_realistic_keys_score_as_their_tiers_and_code_exactly():
     and against random queries at the layer's |q| each tier scoring ~N(0, spread^2)."""
     import mlx.core as mx
     from attention_workload import SPAN, TAU_0, RealisticKeys, span_spreads
-    from decode_speed import seed_kv
+    from decode_setup import seed_kv
 
     model = _tiny_llama(head_dim=64, hidden=256, heads=8)
     seed = seed_kv(model, None, 256)
@@ -222,7 +222,7 @@ def test_realistic_keys_take_earlier_fits_or_refuse_other_ones():
     again, and fits made for other profile layers are refused, naming the layer."""
     import mlx.core as mx
     from attention_workload import RealisticKeys
-    from decode_speed import seed_kv
+    from decode_setup import seed_kv
 
     model = _tiny_llama(head_dim=64, hidden=256, heads=8)
     seed = seed_kv(model, None, 256)
