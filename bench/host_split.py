@@ -80,15 +80,20 @@ class HostSplit:
 
         plain = device_compiled.compiled
 
+        wrapped = {}  # compiled function -> its timed wrapper, made once (not per call)
+
         def compiled(functions, key, body, limit):
             fn = plain(functions, key, body, limit)
-            timed = self._timed("replay:" + body.__name__, fn)
+            got = wrapped.get(fn)
+            if got is None:
+                timed = self._timed("replay:" + body.__name__, fn)
 
-            def kept(*a):
-                if self.on:
-                    self.last[body.__name__] = (fn, a)
-                return timed(*a)
-            return kept
+                def got(*a, _fn=fn, _timed=timed, _name=body.__name__):
+                    if self.on:
+                        self.last[_name] = (_fn, a)
+                    return _timed(*a)
+                wrapped[fn] = got
+            return got
 
         self._undo.append((device_compiled, "compiled", plain))
         device_compiled.compiled = compiled
