@@ -9,6 +9,12 @@ kernel again: 5-8 s of a 1M-token prefill on an H200 and most of the first decod
 MLX will build (``build_kernel`` of ``custom_kernel.cpp``) and, when the cache lacks it, compiles
 it (:mod:`tiered.metal.nvrtc`) and writes the entry; MLX then reads it instead of compiling.
 
+The compiles run side by side on a pool of threads while the graph is built, and the places
+that hand a graph to MLX wait for them first (:func:`settle`): MLX compiles its own JIT kernels
+one at a time under a process-wide lock, and so did this cache in the launching thread, which
+left a cold machine's first decode step compiling for well over a minute (H200, Llama-3-8B
+shape: still compiling 105 s into the run, py-spy).
+
 Nothing depends on it for correctness: an entry is found only under the hash of the exact source
 MLX generates, so a mismatch (another MLX version) is a miss and MLX compiles as before, and any
 failure turns the cache off with one warning. ``TIERED_PTX_CACHE=0`` turns it off.
@@ -20,7 +26,9 @@ import ctypes
 import functools
 import os
 import threading
+import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
@@ -36,7 +44,10 @@ _TYPE_STRINGS = {mx.float32: "float", mx.float16: "float16_t", mx.bfloat16: "bfl
                  **{t: s for t, s in _CUDA_TYPES.items() if s.endswith("_t") and "::" not in s}}
 _MAX_NAME = 245  # MLX's get_ptx_path splits longer module names into directories
 _lock = threading.Lock()
-_state = {"enabled": os.environ.get("TIERED_PTX_CACHE", "1") != "0", "compiled": 0}
+_state = {"enabled": os.environ.get("TIERED_PTX_CACHE", "1") != "0", "compiled": 0,
+          "wait_s": 0.0}
+_pending: dict = {}  # entry path -> the Future writing it
+_pool: ThreadPoolExecutor | None = None
 
 
 def cache_dir() -> Path:
@@ -110,19 +121,43 @@ def kernel_source(name: str, input_names, output_names, source: str, header: str
     return func, "".join(out)
 
 
-def ensure(name, input_names, output_names, source, header, inputs, output_dtypes,
-           template) -> Path:
-    """Write the cache entry for one launch unless it is there; returns its path."""
-    from . import nvrtc
-
+def request(name, input_names, output_names, source, header, inputs, output_dtypes,
+            template) -> Future | None:
+    """Start writing the cache entry for one launch unless it is there or being written: the
+    compile runs on a pool of threads (NVRTC, called through ctypes, runs without the GIL),
+    so the kernels a graph needs compile side by side while it is built; :func:`settle`
+    waits for them before the graph is evaluated. Returns the compile's future, or None."""
     func, text = kernel_source(name, input_names, output_names, source, header, inputs,
                                output_dtypes, template)
     module = f"{func}_{std_hash(text):x}"
     path = ptx_path(module)
     if path.exists():
-        return path
+        return None
+    ordinal = _ordinal()  # read on the caller's thread (MLX's default device is per thread)
+    with _lock:
+        got = _pending.get(path)
+        if got is None:
+            got = _pending[path] = _executor().submit(_write, text, module, func, path, ordinal)
+    return got
+
+
+def ensure(name, input_names, output_names, source, header, inputs, output_dtypes,
+           template) -> Path:
+    """Write the cache entry for one launch unless it is there, and wait; returns its path."""
+    func, text = kernel_source(name, input_names, output_names, source, header, inputs,
+                               output_dtypes, template)
+    job = request(name, input_names, output_names, source, header, inputs, output_dtypes,
+                  template)
+    if job is not None:
+        job.result()
+    return ptx_path(f"{func}_{std_hash(text):x}")
+
+
+def _write(text: str, module: str, func: str, path: Path, ordinal: int) -> Path:
+    from . import nvrtc
+
     kernel = "mlx::core::cu::" + func
-    code, mangled = nvrtc.compile_kernel(text, module, kernel, _ordinal())
+    code, mangled = nvrtc.compile_kernel(text, module, kernel, ordinal)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = f".{os.getpid()}.{threading.get_ident()}.tmp"
     txt = path.with_suffix(".txt")
@@ -130,8 +165,50 @@ def ensure(name, input_names, output_names, source, header, inputs, output_dtype
     os.replace(str(txt) + tmp, txt)  # MLX finds the .ptx first, then reads the names
     Path(str(path) + tmp).write_bytes(code)
     os.replace(str(path) + tmp, path)
-    _state["compiled"] += 1
+    with _lock:
+        _state["compiled"] += 1
     return path
+
+
+def compile_threads() -> int:
+    """Threads that compile kernels side by side: ``TIERED_COMPILE_THREADS``, else one per
+    core up to 16."""
+    env = os.environ.get("TIERED_COMPILE_THREADS")
+    return max(1, int(env)) if env else max(1, min(16, os.cpu_count() or 1))
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(compile_threads(), thread_name_prefix="tiered-nvrtc")
+    return _pool
+
+
+def settle() -> None:
+    """Wait for the compiles started so far, before MLX evaluates a graph that launches those
+    kernels (MLX would otherwise compile each missing one itself, one at a time). A failed
+    compile turns the cache off with one warning: MLX then compiles as it would without it."""
+    if not _pending:
+        return
+    t = time.perf_counter()
+    with _lock:
+        jobs = list(_pending.items())
+    for path, job in jobs:
+        try:
+            job.result()
+        except Exception as e:  # noqa: BLE001 - never worse than MLX compiling it
+            _disable(e)
+        finally:
+            with _lock:
+                _pending.pop(path, None)
+    _state["wait_s"] += time.perf_counter() - t
+
+
+def _disable(e: BaseException) -> None:
+    if _state["enabled"]:
+        _state["enabled"] = False
+        warnings.warn(f"tiered: custom kernels are not cached on disk ({e}); MLX compiles "
+                      "them in each process", RuntimeWarning, stacklevel=3)
 
 
 def _ordinal() -> int:
@@ -165,14 +242,12 @@ class CachedKernel:
         with _lock:
             if key in self.seen or not _state["enabled"]:
                 return
-            try:
-                ensure(s["name"], s["input_names"], s["output_names"], s["source"],
-                       s.get("header", ""), inputs, output_dtypes, template)
-            except Exception as e:  # noqa: BLE001 - never worse than MLX compiling it
-                _state["enabled"] = False
-                warnings.warn(f"tiered: custom kernels are not cached on disk ({e}); MLX "
-                              "compiles them in each process", RuntimeWarning, stacklevel=3)
             self.seen.add(key)
+        try:
+            request(s["name"], s["input_names"], s["output_names"], s["source"],
+                    s.get("header", ""), inputs, output_dtypes, template)
+        except Exception as e:  # noqa: BLE001 - never worse than MLX compiling it
+            _disable(e)
 
 
 def cuda_kernel(**spec) -> CachedKernel:

@@ -8,8 +8,10 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 from tiered import uva
@@ -84,6 +86,7 @@ elif mode == "planted":  # another body's code under this launch's module name
     print("\n@@" + json.dumps({"o": o.item(), "flag": flag.item()}))
 else:  # through the cache
     o, flag = ptx_cache.cuda_kernel(**spec)(**launch)
+    ptx_cache.settle()  # as tiered's evaluations do: the entry written before MLX looks
     print("\n@@" + json.dumps({"o": o.item(), "flag": flag.item(),
                                "compiled": ptx_cache.compiled_here()}))
 '''
@@ -120,3 +123,64 @@ def test_a_second_process_compiles_nothing(tmp_path):
     assert first == {"o": 10.0, "flag": 1, "compiled": 1}
     assert second == {"o": 10.0, "flag": 1, "compiled": 0}
     assert len(list(tmp_path.rglob("custom_kernel_probe_3_t_float16_t_*.ptx"))) == 1
+
+
+def _probe_request(value: int):
+    return ptx_cache.request("probe", ["a"], ["o"], "o[0] = V + a[0];", "", [(mx.float32, 1)],
+                             [mx.float32], [("V", value)])
+
+
+@pytest.fixture
+def fake_nvrtc(tmp_path, monkeypatch):
+    """NVRTC replaced by a recorder, the cache in tmp_path and a fresh pool of three threads."""
+    from tiered.metal import nvrtc
+
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TIERED_COMPILE_THREADS", "3")
+    monkeypatch.setattr(ptx_cache, "_pool", None)
+    monkeypatch.setattr(ptx_cache, "_pending", {})
+    monkeypatch.setitem(ptx_cache._state, "enabled", True)
+    calls = []
+
+    def install(body):
+        def fake(text, module, kernel, ordinal=0):
+            calls.append(module)
+            body()
+            return b"// code of " + module.encode(), kernel + "_lowered"
+
+        monkeypatch.setattr(nvrtc, "compile_kernel", fake)
+        return calls
+
+    return install
+
+
+def test_compiles_run_side_by_side_and_settle_waits_for_all(fake_nvrtc, tmp_path):
+    gate = threading.Barrier(3, timeout=30)  # three compiles at once, or it breaks
+    calls = fake_nvrtc(gate.wait)
+    jobs = [_probe_request(v) for v in range(3)]
+    assert all(j is not None for j in jobs)
+    again = _probe_request(0)  # the same entry while it is written: the same job
+    assert again is None or again is jobs[0]
+    before = ptx_cache.compiled_here()
+    ptx_cache.settle()
+    assert not ptx_cache._pending
+    assert len(calls) == 3 and len(set(calls)) == 3
+    assert ptx_cache.compiled_here() - before == 3
+    for module in calls:
+        path = ptx_cache.ptx_path(module, tmp_path)
+        assert path.read_bytes() == b"// code of " + module.encode()
+        kernel, lowered = path.with_suffix(".txt").read_text().rstrip("\n").split("\t")
+        assert lowered == kernel + "_lowered" and kernel.startswith("mlx::core::cu::")
+    assert _probe_request(1) is None  # written: nothing to compile
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_a_failed_compile_turns_the_cache_off_with_a_warning(fake_nvrtc):
+    def broken():
+        raise RuntimeError("NVRTC could not compile")
+
+    fake_nvrtc(broken)
+    assert _probe_request(7) is not None
+    with pytest.warns(RuntimeWarning, match="not cached on disk"):
+        ptx_cache.settle()
+    assert not ptx_cache._state["enabled"] and not ptx_cache._pending

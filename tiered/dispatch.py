@@ -41,6 +41,8 @@ import time
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from .metal import ptx_cache
+
 log = logging.getLogger("tiered")
 
 # While the dispatcher runs, Python hands the GIL to a waiting thread after this long (the
@@ -143,6 +145,7 @@ class Dispatcher:
     def submit(self, arrays: list) -> threading.Event:
         """Queue ``mx.async_eval(*arrays)`` on the worker; the event is set once it ran (see
         :meth:`wait_handed`)."""
+        ptx_cache.settle()  # the kernels it launches compiled (side by side) first
         with self._cv:
             if self._thread is None or not self._thread.is_alive():
                 if sys.getswitchinterval() > SWITCH_INTERVAL_S:
@@ -271,9 +274,11 @@ def eval_held(caches) -> None:
 
 def eval(*arrays) -> None:  # noqa: A001  (mx.eval's drop-in)
     drain()
+    ptx_cache.settle()
     mx.eval(*arrays)
 
 
 def async_eval(*arrays) -> None:
     drain()
+    ptx_cache.settle()
     mx.async_eval(*arrays)
