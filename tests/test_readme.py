@@ -70,7 +70,6 @@ def _block(section: str, lang: str) -> str:
     return re.findall(rf"```{lang}\n(.*?)\n```", body, flags=re.S)[0]
 
 
-@pytest.mark.slow  # ~45 s: with the slow tests (python -m pytest -m slow)
 def test_readme_command_line_and_openai_client_run_as_written(embedded, tmp_path):
     """The Tour's command-line block, line by line as a user types it, on a book.txt made
     here; its `tiered serve` line then answers the Serving section's OpenAI client (the
@@ -115,7 +114,7 @@ def test_readme_command_line_and_openai_client_run_as_written(embedded, tmp_path
                 except OSError:
                     assert time.time() < deadline, "tiered serve did not come up"
                     time.sleep(0.5)
-            pytest.importorskip("openai")
+            pytest.importorskip("openai")  # the test extra installs it (pyproject.toml)
             client = tmp_path / "client.py"
             client.write_text(_block("## Serving", "python"))
             r = subprocess.run([sys.executable, str(client)], cwd=tmp_path, capture_output=True,
