@@ -43,8 +43,12 @@ import os
 import random
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "probes"))  # helpers and probes
 
 import common  # noqa: F401  (tiered before mlx)
+from accuracy_report import EXTRA_METHODS, METHODS, write_report
 from common import (RESULTS, Clock, cache_bytes, continue_greedy, full_cache_bytes, machine,
                     shared_prefill)
 
@@ -56,16 +60,6 @@ from tiered.tasks import is_correct, needle_in_text, passkey, topics_text
 from tiered.tasks_retrieval import kv_retrieval, planted_facts
 
 BUDGETS = [0.25, 0.125, 0.0625, 0.03125]
-METHODS = ["full", "tiered", "tiered_layers", "hcattention", "quantized"]
-# on request: tiered as configured by default (planner="auto"), on the device path and on the
-# CPU-gather path (device_gather="off": the path Metal and MLX's CPU backend run)
-EXTRA_METHODS = ["default", "default_gather_off"]
-LABELS = {"full": "KVCache (full)", "tiered": "tiered (uniform planner)",
-          "default": "tiered (default: planner='auto')",
-          "default_gather_off": "tiered (default), CPU-gather path",
-          "tiered_layers": "tiered (layer-aware planner)",
-          "hcattention": "HCAttention config (this runtime)",
-          "quantized": "QuantizedKVCache (4 / 2-bit)"}
 TASKS = ["passkey", "needle", "kv", "facts", "ppl"]
 GRIDS = {  # docs per retrieval task; ppl: (documents, context, scored tokens per document)
     "full": dict(docs=60, length=2048, ppl=(4, 2048, 256)),
@@ -240,7 +234,6 @@ def main(argv=None):
     p.add_argument("--name", default=None)
     args = p.parse_args(argv)
     args.name = args.name or ("accuracy_grid_quick" if args.quick else "accuracy_grid")
-    from accuracy_report import write_report
 
     info = machine()  # with the commit (common.run_commit)
     if args.summarize:

@@ -13,13 +13,13 @@ Bytes read per step are counted from the layout (attention state only, and the m
 apart), and set against the machine's measured copy bandwidth; the floor column puts the same
 bytes at the measured rates (device bytes and weights at the copy bandwidth; tiered's host bytes
 at the read rate of the device path's own chunk gather from pinned host pages, measured here by
-bench/host_read_rate.py on CUDA, else at the host-to-device copy rate; the streaming baseline's
-at the copy rate). "graph ms": the host time to build a token's graph (model call and argmax,
-before evaluation), median over the timed steps.
+bench/probes/host_read_rate.py on CUDA, else at the host-to-device copy rate; the streaming
+baseline's at the copy rate). "graph ms": the host time to build a token's graph (model call and
+argmax, before evaluation), median over the timed steps.
 
 ``--attention realistic`` replaces the tiled keys by keys made so that tiered's tau selections
 and resident hit rates follow what the embedded model shows on real text
-(bench/attention_workload.py, bench/attention_profile_embedded.json); each tiered run then
+(bench/probes/attention_workload.py, bench/attention_profile_embedded.json); each tiered run then
 prints its selections per layer against the profile's.
 
     python bench/decode_speed.py                                  # embedded model, CPU
@@ -36,6 +36,9 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "probes"))  # helpers and probes
 
 import common  # noqa: F401  (tiered before mlx)
 from common import RESULTS, machine, write_results
@@ -69,7 +72,7 @@ def time_decode(model, cache, steps: int, warmup: int, loop: str = "plain", buil
     ``loop="generate"``: mlx-lm's own ``generate_step`` with greedy sampling, which builds
     token t + 1's graph while the device runs token t (one token ahead); a step's time is
     the time between two tokens coming out of it, as ``mlx_lm.generate`` users see it.
-    ``split``: a bench/host_split.py HostSplit, counting the timed steps' host time."""
+    ``split``: a bench/probes/host_split.py HostSplit, counting the timed steps' host time."""
     if loop == "generate":
         return _time_generate(model, cache, steps, warmup)
     y = mx.array([[1]])
@@ -171,13 +174,13 @@ def main(argv=None):
                    "generate_step (the next token built while the device runs this one)")
     p.add_argument("--host-split", action="store_true",
                    help="tiered: print the host time per layer of each piece of the decode "
-                   "step (bench/host_split.py) for the timed steps")
+                   "step (bench/probes/host_split.py) for the timed steps")
     p.add_argument("--set", action="append", default=[], metavar="MODULE.ATTR=VALUE",
                    help="set a module attribute first, e.g. a switch that is off by default")
     p.add_argument("--attention", default="flat", choices=["flat", "realistic"],
                    help="flat: the seed K/V tiled (random weights: attention is flat, every "
                    "selection hits its cap); realistic: keys made so that selections follow the "
-                   "embedded model's measured profile (bench/attention_workload.py)")
+                   "embedded model's measured profile (bench/probes/attention_workload.py)")
     p.add_argument("--profile-layers", type=int, nargs="+", default=None, metavar="L",
                    help="realistic: the profile layers the model's layers follow, in turn "
                    "(default: the profile layer at the same relative depth)")

@@ -21,6 +21,9 @@ import random
 import sys
 import threading
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "probes"))  # helpers and probes
 
 import common  # noqa: F401  (tiered before mlx)
 from common import (RESULTS, figure, finish_axes, machine, md_table, save_figure,
@@ -119,7 +122,7 @@ def decode_step(model, cache, y, times, queue, out):
 
 def _pooled() -> int:
     """Bytes of host blocks allocated ahead for the prompt and not taken yet (0 on a tree
-    without the pool: bench/gpu_rounds.sh TREE= times older commits with this script)."""
+    without the pool: bench/probes/gpu_rounds.sh TREE= times older commits with this script)."""
     try:
         from tiered.cpu.block_maker import POOL
     except ImportError:
@@ -250,8 +253,7 @@ def main(argv=None):
         print(f"decode after the first 3 steps: median {1e3 * np.median(times[3:]):.1f} ms/token"
               f", of which building the graph {q:.1f} ms", flush=True)
     if args.kernel_steps:
-        from device_kernel_profile import profile
-        from device_probe import busy
+        from device_kernel_profile import busy, profile
 
         spans = []
         kern = profile(model, cache, args.kernel_steps, spans)

@@ -262,8 +262,8 @@ def test_affine_ops_matches_numpy(d, bits, group_size, dtype, rep, n):
 
 
 def test_affine_bench_hook_reports_a_choice(monkeypatch):
-    """bench/affine_choice.py (benchmark code, outside the package) times both paths."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
+    """bench/probes/affine_choice.py (benchmark code, outside the package) times both paths."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench" / "probes"))
     from affine_choice import bench_affine_scores
 
     q, wq, scales, biases = make_affine_case(

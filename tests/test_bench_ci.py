@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench", "probes"))
 
 from ci import block_bootstrap, ppl_summary, wilson  # noqa: E402
 
@@ -111,18 +112,18 @@ def test_generate_loop_times_every_token_of_mlx_lm_generate_step():
 
 
 def test_the_compiled_step_and_append_keep_a_few_traces(tmp_path):
-    """bench/compile_traces.py on the device path with fake kernels (in a process of its own:
-    it replaces MLX's CUDA kernels and the accelerator test): across refreshes the compiled
+    """bench/probes/compile_traces.py on the device path with fake kernels (in a process of its
+    own: it replaces MLX's CUDA kernels and the accelerator test): across refreshes the compiled
     step and append keep a handful of input signatures, each a trace MLX searches at every
     call. Before the pages' fence became one element (HostStore.device_op) a refresh's gather
     of a new size gave both functions another, here 7 and 6 by the 40th step."""
     import json
     import subprocess
 
-    bench = os.path.join(os.path.dirname(__file__), "..", "bench")
+    probes = os.path.join(os.path.dirname(__file__), "..", "bench", "probes")
     out = tmp_path / "traces.json"
     subprocess.run([sys.executable, "compile_traces.py", "--layers", "4", "--context", "8192",
-                    "--steps", "40", "--json", str(out)], cwd=bench, check=True, timeout=600)
+                    "--steps", "40", "--json", str(out)], cwd=probes, check=True, timeout=600)
     got = json.loads(out.read_text())
     assert got["_chain"]["calls"] == 4 * 40 and got["_body"]["calls"] >= 4 * 38
     # the fence's two dtypes (a write's int32, a gather's bool) and the resident set's sizes
@@ -133,8 +134,8 @@ def test_the_compiled_step_and_append_keep_a_few_traces(tmp_path):
 
 
 def test_host_read_rate_reads_the_chunks_the_store_holds(device_path):
-    """bench/host_read_rate.py times the device path's own chunk gathers (values alone, keys +
-    values) on host stores made as a layer's are; on CUDA for real, here on the kernel
+    """bench/probes/host_read_rate.py times the device path's own chunk gathers (values alone,
+    keys + values) on host stores made as a layer's are; on CUDA for real, here on the kernel
     executor: the rows read are the store's, and the bytes counted are the rows read."""
     from host_read_rate import gather_rate
 
@@ -184,7 +185,7 @@ def test_plain_loop_records_each_tokens_graph_build_time():
 
 
 def test_realistic_keys_score_as_their_tiers_and_code_exactly():
-    """decode_speed --attention realistic's keys (bench/attention_workload.py): a fitted
+    """decode_speed --attention realistic's keys (bench/probes/attention_workload.py): a fitted
     spread per tier (heavy above tail), each codebook group of a head holding at most six
     distinct sub-vectors (so k-means codes them exactly), a span's tokens sharing their key,
     and against random queries at the layer's |q| each tier scoring ~N(0, spread^2)."""

@@ -1,0 +1,110 @@
+"""The dispatcher thread against the main thread's hand-offs, on one cache (issue 24).
+
+Builds the Llama-3-8B-shaped model and one tiered cache at --context (as decode_speed does),
+times ``KVCache`` once for reference, then decodes in interleaved rounds, one mode per round:
+
+- ``main``: every hand-off (``mx.async_eval`` every TIERED_ASYNC_EVERY layers) on the main
+  thread, Python's default GIL switch interval (the code before tiered.dispatch);
+- ``thread<k>[/<ms>]``: the dispatcher thread hands the graph over every k layers
+  (tiered.dispatch), Python's GIL switch interval <ms> (default
+  tiered.dispatch.SWITCH_INTERVAL_S).
+
+Rounds alternate so that drift of the machine falls on every mode alike. Per mode: the median
+ms/token over its rounds' steps, and how much of a step the model call (graph building, with
+the hand-offs on the main thread) took.
+
+    python3 bench/probes/dispatch_probe.py --model llama3-8b --context 131072
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common, the scripts
+
+import common  # noqa: F401  (tiered before mlx)
+import mlx.core as mx
+import numpy as np
+from decode_setup import build_model, kv_caches, seed_kv, tiered_caches
+from million import decode_step
+
+from tiered import device_step, dispatch
+
+
+def steps(model, cache, y, n):
+    """n greedy steps (million.decode_step): the new y, each step's wall time and its model
+    call's."""
+    total, call = [], []
+    for _ in range(n):
+        y = decode_step(model, cache, y, total, call, [])
+    return y, total, call
+
+
+def set_mode(mode: str) -> None:
+    if mode == "main":
+        dispatch._enabled = False
+        device_step.ASYNC_EVERY = 4
+        sys.setswitchinterval(0.005)
+    else:  # thread<k>[/<switch interval in ms>]
+        dispatch._enabled = True
+        k, _, sw = mode.removeprefix("thread").partition("/")
+        device_step.DISPATCH_EVERY = int(k)
+        sys.setswitchinterval(float(sw) / 1e3 if sw else dispatch.SWITCH_INTERVAL_S)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="llama3-8b")
+    p.add_argument("--context", type=int, default=131072)
+    p.add_argument("--budget", type=float, default=0.125)
+    p.add_argument("--modes", nargs="+", default=["main", "thread4", "thread2", "thread1"])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=15)
+    p.add_argument("--warmup", type=int, default=70)
+    p.add_argument("--no-kv", action="store_true")
+    args = p.parse_args(argv)
+    model, tok = build_model(args.model, mx.float16)
+    seed = seed_kv(model, tok, 2048)
+    y = mx.array([[1]])
+    if not args.no_kv:
+        cache = kv_caches(seed, args.context)
+        _, total, _ = steps(model, cache, y, 5 + args.steps)
+        print(f"KVCache: {1e3 * np.median(total[5:]):.1f} ms/token", flush=True)
+        del cache
+        mx.clear_cache()
+    t = time.perf_counter()
+    cache = tiered_caches(model, seed, args.context, args.budget,
+                          dict(calibration_tokens=2048))
+    print(f"tiered cache built in {time.perf_counter() - t:.1f} s; shared stream: "
+          f"{dispatch.on_shared_stream()}", flush=True)
+    set_mode("main")
+    y, total, _ = steps(model, cache, y, args.warmup)
+    print(f"warm-up: {args.warmup} steps, last {1e3 * total[-1]:.1f} ms", flush=True)
+    got = {m: ([], []) for m in args.modes}
+    d = dispatch.DISPATCHER
+    for r in range(args.rounds):
+        for m in args.modes:
+            set_mode(m)
+            y, _, _ = steps(model, cache, y, 2)
+            busy, wait = d.busy_s, d.wait_s
+            y, total, call = steps(model, cache, y, args.steps)
+            got[m][0].extend(total)
+            got[m][1].extend(call)
+            print(f"round {r} {m:<9} {1e3 * np.median(total):6.1f} ms/token "
+                  f"(model call {1e3 * np.median(call):.1f}; per token: dispatcher busy "
+                  f"{1e3 * (d.busy_s - busy) / args.steps:.1f}, main thread waiting for it "
+                  f"{1e3 * (d.wait_s - wait) / args.steps:.1f})", flush=True)
+    print("\nmode      ms/token  model call  slowest/median", flush=True)
+    for m, (total, call) in got.items():
+        med = np.median(total)
+        print(f"{m:<8} {1e3 * med:9.1f} {1e3 * np.median(call):11.1f} "
+              f"{max(total) / med:14.2f}x", flush=True)
+    cache.close()
+
+
+if __name__ == "__main__":
+    main()
