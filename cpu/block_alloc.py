@@ -22,7 +22,7 @@ CUDA = bool(getattr(getattr(mx, "cuda", None), "is_available", lambda: False)())
 # ``cudaMemcpy`` on the calling thread). A prefill frees device buffers of a block's exact
 # 32 MB; 16 KB more (one allocator page) matches none of them: H200, a 32 MB block queued
 # with such a buffer cached took 2.1-2.6 ms of the calling thread, 0.20 ms asked 16 KB longer
-# (bench/block_alloc_probe.py). The array is flat, its views the first elements, shaped.
+# (bench/probes/block_alloc_probe.py). The array is flat, its views the first elements, shaped.
 PAD_BYTES = 16384 if CUDA else 0
 PAD_MIN_BYTES = 1 << 20  # smaller blocks are asked as they are (a pad would outweigh them)
 # CPU streams the blocks' fills are spread over (each stream is a thread of MLX's): one fill

@@ -222,7 +222,7 @@ _param_lock = threading.Lock()
 # Inside a compiled function's trace (:func:`traced_params`) the arrays are copies in device
 # memory on CUDA instead: an array made from host values is managed memory there, and one of
 # <= 8 bytes sits in MLX's small pool, which the GPU reads where it lies, over the bus. H200,
-# the resident-scores kernel alone at 8192 slots a head (bench/kernel_floor.py): 28.4 us with
+# the resident-scores kernel alone at 8192 slots a head (bench/probes/kernel_floor.py): 28.4 us with
 # its two 4-byte parameters made from host values, 10.8 us with device copies. A trace keeps
 # what it captures, so the copy is made once per value; outside a trace values that change
 # every step (a host length) stay host-made (a copy would be a GPU op to wait for each time).

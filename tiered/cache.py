@@ -45,7 +45,7 @@ from .report import LayerReport
 from .stats import LayerStats
 
 # The share of tiered layers whose refresh (queued at a step's end, device path) applies at the
-# end of the same step, not at the layer's next append (H200, 128k, bench/device_probe.py
+# end of the same step, not at the layer's next append (H200, 128k, bench/probes/device_probe.py
 # --toggle: 0.5 faster than 0 in 6 of 7 paired rounds, by 1.1 ms/token on average).
 EARLY_SETTLE = 0.5
 

@@ -23,7 +23,7 @@ array makes host arrays and two launches per call on MLX CUDA (9% of an H200 tok
 time in a native profile, with seven per layer). Indexing a token's row out of (1, H, 1, d)
 with ``x[0]`` is a gather launch in MLX; a reshape is a view. The append took 62 primitives
 per layer; with the writes above 21 (H200, 128k, same lease: a token's graph 125 -> 83 per
-layer, 46.2-49.3 -> 38.7-41.9 ms/token, bench/device_probe.py), and with the codes in one
+layer, 46.2-49.3 -> 38.7-41.9 ms/token, bench/probes/device_probe.py), and with the codes in one
 launch 12 (75.9 per layer in all; docs/decode-speed-gpu.md).
 
 The bookkeeping stays in Python (:meth:`tiered.compressed.CompressedLayer.append`): the undo

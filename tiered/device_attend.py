@@ -1,6 +1,6 @@
 """The offloaded and resident attention of one device decode step in three launches (CUDA).
 
-Issue 24 measured (bench/device_kernel_profile.py, H200, 128k) that the step's time went to
+Issue 24 measured (bench/probes/device_kernel_profile.py, H200, 128k) that the step's time went to
 ~120 kernel launches per layer, most of them small MLX ops, rather than to the bytes moved.
 This module replaces the gather of keys and values, the two exact partials and their merge
 (with sinks and the step's statistics) by:
@@ -221,7 +221,7 @@ _kernels: dict = {}
 MERGE_GROUPS = 8  # rows of threads of a merge block over the splits (1: the one-row merge before)
 # The device step hands the resident kernel's scores to the exact splits (attend's s_r), so the
 # resident keys are read once a step, not twice (34 MB a layer at 128k on the Llama-3-8B
-# shape). H200, 128k, CUPTI over 2 steps (bench/device_probe.py --toggle
+# shape). H200, 128k, CUPTI over 2 steps (bench/probes/device_probe.py --toggle
 # tiered.device_attend.RESIDENT_SCORES_GIVEN=0,1 beside RESIDENT_ITER): kernel time summed
 # 33.2 -> 31.4 ms per token, the GPU busy 20.8 -> 20.0 ms; token rounds 26.8 / 24.7 / 26.0
 # -> 24.0 / 25.0 / 25.0 ms.

@@ -195,7 +195,7 @@ def _address_upload(addrs: np.ndarray) -> mx.array:
     """The uint64 device copy of block addresses: through the staging ring where it runs (an
     ``mx.array`` of host values takes its buffer from MLX's cache, moved to managed memory
     when it was a device buffer: ~1 ms per layer of a 1M-token prefill's chunks that grew the
-    pages, 30-39 ms a chunk, bench/prefill_profile.py --timers), else ``uva.address_array``."""
+    pages, 30-39 ms a chunk, bench/probes/prefill_profile.py --timers), else ``uva.address_array``."""
     if not staging.enabled() or not len(addrs):
         return uva.address_array(addrs)
     words = np.ascontiguousarray(addrs, np.uint64).view(np.int32)
@@ -338,7 +338,7 @@ def first_bad(keys: mx.array, values: mx.array, start: int, prev: mx.array | Non
     tokens [start, start + L) of keys / values (B, H, L, d)), NO_BAD when none: the door's
     check and its fold in one launch (for a decode token six MLX ops, and a chain that grew
     every step; for a 2048-token prompt chunk of a Llama-3-8B layer ~8 MLX launches and
-    0.44 ms of GPU time on an H200, bench/prefill_profile.py)."""
+    0.44 ms of GPU time on an H200, bench/probes/prefill_profile.py)."""
     prev = device_ints(NO_BAD) if prev is None else prev
     blocks = max(1, min(DOOR_BLOCKS, keys.shape[2]))
     (bad,) = _kernel("door")(

@@ -75,7 +75,7 @@ def encode(keys: mx.array, codebook: mx.array, sq_norms: mx.array, out_dtype) ->
     against ``codebook`` (H, Gc, c, ds) float32 with ``sq_norms`` from :func:`norms`: a decode
     token's, or a prompt chunk's (there the reference's MLX ops took ~20 ms of an H200's time
     per 2048-token chunk of a Llama-3-8B, most in an argmin over a (H, g, L, c) float32
-    distance tensor; bench/prefill_profile.py)."""
+    distance tensor; bench/probes/prefill_profile.py)."""
     global _kernel
     if _kernel is None:
         _kernel = cuda_kernel(name="tiered_encode", input_names=["keys", "codebook", "norms"],

@@ -106,9 +106,9 @@ _RESIDENT_TILED = r"""
 _kernels: dict = {}
 # Slots each lane group of the tiled resident kernel reads before it computes (0: the
 # one-warp-per-slot kernel, also what shapes the tiled one cannot take get). H200, alone
-# (bench/step_kernels.py, CUPTI, Llama-3-8B shape): 8192 slots a head 53-56 us with 0, 26 us
+# (bench/probes/step_kernels.py, CUPTI, Llama-3-8B shape): 8192 slots a head 53-56 us with 0, 26 us
 # with 4 (27 with 8); 16384 slots 76-83 us with 0, 34 with 4 (34 with 8). In a 128k decode
-# step (bench/device_probe.py --toggle, one process) 58.5 -> 34.3 us a layer (median), the
+# step (bench/probes/device_probe.py --toggle, one process) 58.5 -> 34.3 us a layer (median), the
 # GPU busy 19.26 -> 19.16 ms a token (18.57 with 8); token rounds host-bound there. (Earlier
 # rounds had found no difference in the token, 2.12 against 1.96 ms of these kernels a token,
 # beside other kernels of the step's start.)

@@ -48,10 +48,10 @@ log = logging.getLogger("tiered")
 # While the dispatcher runs, Python hands the GIL to a waiting thread after this long (the
 # default 5 ms would hold each hand-off back by up to that much while the main thread runs
 # Python). The thread takes the GIL back after each mx.async_eval while the main thread
-# builds: a wait of about the interval each time (bench/gil_wait.py on a 2-core Linux host:
+# builds: a wait of about the interval each time (bench/probes/gil_wait.py on a 2-core Linux host:
 # ~270 us more than an idle thread's wake at 0.2 ms, ~80 us at 0.02 ms), and a token's 16
 # hand-offs fell behind the building. H200, 128k, three rounds each in one process
-# (bench/device_probe.py --toggle tiered.dispatch.SWITCH_INTERVAL_S=0.0002,0.00002):
+# (bench/probes/device_probe.py --toggle tiered.dispatch.SWITCH_INTERVAL_S=0.0002,0.00002):
 # 25.43 / 25.99 / 25.52 -> 23.85 / 23.83 / 23.43 ms/token, the main thread's wait for the
 # dispatcher 6.4-7.7 -> 3.1-6.8 ms.
 SWITCH_INTERVAL_S = float(os.environ.get("TIERED_DISPATCH_SWITCH_S", "0.00002"))

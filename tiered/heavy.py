@@ -132,7 +132,7 @@ class HeavyHitters:
         """The prefetched ids are in the dispatcher's submission ``done`` (tiered.dispatch):
         :meth:`top` reads them once it was handed over, without draining the dispatcher
         (which waited for the layers queued since: ~1.3 ms per refresh of a Llama-3-8B layer
-        at 128k tokens on an H200, bench/device_host_profile.py)."""
+        at 128k tokens on an H200, bench/probes/device_host_profile.py)."""
         if self.awaiting_handoff():
             self._queued[3] = done
 

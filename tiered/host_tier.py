@@ -16,7 +16,7 @@ HOST_COPY_TOKENS = 4096  # tokens per pass when the exact K/V move to the host p
 # Host pages per allocation, at most. Each block is an allocation of managed memory on MLX CUDA
 # (cudaMallocManaged on the main thread, ahead of need): fewer, larger blocks cost less once
 # the rest of a prompt chunk is cheap. H200, one lease, steady 2048-token prefill chunks of a
-# Llama-3-8B at 200k tokens (bench/prefill_profile.py --warm 200704 --chunks 32
+# Llama-3-8B at 200k tokens (bench/probes/prefill_profile.py --warm 200704 --chunks 32
 # --pages-per-block 16 / 64): 116.1 ms per chunk with 16 pages (8 MB of values per layer) and
 # 84.7 with 64 (32 MB). A block is still sized down to the tokens a layer holds when its pages
 # are made, so short contexts do not take whole blocks.

@@ -23,7 +23,7 @@ from tiered.scheduler import split_heads
 def batch0(x: mx.array) -> mx.array:
     """``x[0]`` as a view when the batch is 1: MLX's integer index is a gather launch that
     copies the array (eight per layer and 2048-token prompt chunk of a Llama-3-8B on an H200,
-    13 ms of its ~90 ms of GPU time; bench/prefill_profile.py)."""
+    13 ms of its ~90 ms of GPU time; bench/probes/prefill_profile.py)."""
     return x.reshape(x.shape[1:]) if x.shape[0] == 1 else x[0]
 
 
@@ -137,7 +137,7 @@ def column_mass(queries, keys, scale, causal):
     In the model's dtype (float16 scores from float32-accumulated products, a float32 softmax,
     a float32-accumulated sum), with the causal mask applied to the chunk's own L keys only.
     H200, 2048-token chunks of a Llama-3-8B at 8k-12k tokens: the float32 scores, a mask over
-    all n keys and the softmax took 290 ms of GPU time per chunk (bench/prefill_profile.py)."""
+    all n keys and the softmax took 290 ms of GPU time per chunk (bench/probes/prefill_profile.py)."""
     _, Hq, L, d = queries.shape
     H, n = keys.shape[1], keys.shape[2]
     rep = Hq // H

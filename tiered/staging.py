@@ -6,7 +6,7 @@ when that buffer was a GPU output (device memory), MLX first moves it to managed
 (``move_to_unified_memory``: ``cudaMallocManaged``, a ``cudaMemcpy`` and a free), and when it
 was managed memory the GPU touched, the CPU's copy faults its pages back. On an H200 at 128k
 tokens those uploads took 1.9 ms of the main thread per token, 0.14 ms each, and a
-refresh's about 1 ms (bench/device_host_profile.py).
+refresh's about 1 ms (bench/probes/device_host_profile.py).
 
 Here an upload is written into a ring of page-locked host memory (:func:`tiered.uva.register`)
 and one small kernel copies it into a device array in the stream's order, reading the host
@@ -22,7 +22,7 @@ Elsewhere (the CPU backend, Metal's unified memory) :func:`upload` is ``mx.array
 
 H200, 2026-11-26: an 8 KB upload takes 0.025 ms of host time against 0.051, and three small
 kernels reading it 24 us of device time against 452 (bench/upload_readers.py, in git history); in the 128k
-decode step (bench/device_probe.py, rounds of 15 steps alternating ``ENABLED``, two leases)
+decode step (bench/probes/device_probe.py, rounds of 15 steps alternating ``ENABLED``, two leases)
 9 of 10 paired rounds were faster with the ring, by 0.9 ms/token on average.
 """
 
