@@ -18,52 +18,56 @@ from ._numba import kernel
 
 @kernel(parallel=True, inf_safe=True)
 def _chunk_logits(z, n, n_host, flags, C, zc, excl, m_out, s_out):
-    # One exp per token: each chunk's terms are taken against its own maximum, its live
-    # tokens' sum is a part of them, and the head's softmax total over the n tokens is folded
-    # from the chunks' (one exp per chunk) and the tokens past n_host (three exps per token
-    # took 10 ms a layer at 64k tokens, 9 query heads, 2 cores).
+    # One exp per token, in float32: each chunk's terms are taken against its own maximum (so
+    # none exceeds 1 and a chunk's 8 terms sum without loss), its live tokens' sum is a part of
+    # them, and the head's softmax total over the n tokens is folded in float64 from the
+    # chunks' (one exp per chunk) and the tokens past n_host. 65,536 tokens, 9 query heads,
+    # 2 cores: three float64 exps per token 10 ms a layer, one 3.1 ms, one in float32 1.85.
     Hq, nc = zc.shape
     rep = Hq // flags.shape[0]
+    NEG, POS = np.float32(-np.inf), np.float32(np.inf)
     for h in prange(Hq):
         k = h // rep
         M, S = -np.inf, 0.0  # the softmax statistics of the n tokens (the H2O update's)
         for c in range(nc):
             lo, hi = c * C, min(c * C + C, n_host)
-            m_live, m_all = -np.inf, -np.inf
+            m_live, m_all = NEG, NEG
             for t in range(lo, hi):
-                x = np.float64(z[h, t])
-                if x > -np.inf and x < np.inf:
-                    m_all = max(m_all, x)
-                    if flags[k, t] == 0:
-                        m_live = max(m_live, x)
-            s_live, s_all = 0.0, 0.0
-            if m_all > -np.inf:
+                x = z[h, t]
+                if x > NEG and x < POS:
+                    if x > m_all:
+                        m_all = x
+                    if flags[k, t] == 0 and x > m_live:
+                        m_live = x
+            s_live, s_all = np.float32(0.0), np.float32(0.0)
+            if m_all > NEG:
                 for t in range(lo, hi):
-                    x = np.float64(z[h, t])
-                    if x > -np.inf and x < np.inf:
-                        e = math.exp(x - m_all)
+                    x = z[h, t]
+                    if x > NEG and x < POS:
+                        e = np.float32(math.exp(x - m_all))
                         s_all += e
                         if flags[k, t] == 0:
                             s_live += e
-            if m_live > -np.inf and s_live == 0.0:  # live terms below the chunk's range
+            if m_live > NEG and s_live == 0.0:  # live terms below the chunk's range
                 for t in range(lo, hi):
-                    x = np.float64(z[h, t])
-                    if x > -np.inf and x < np.inf and flags[k, t] == 0:
-                        s_live += math.exp(x - m_live)
+                    x = z[h, t]
+                    if x > NEG and x < POS and flags[k, t] == 0:
+                        s_live += np.float32(math.exp(x - m_live))
                 zc[h, c] = m_live + math.log(s_live)
-            elif m_live > -np.inf:
+            elif m_live > NEG:
                 zc[h, c] = m_all + math.log(s_live)
-            elif m_all > -np.inf:
+            elif m_all > NEG:
                 zc[h, c] = m_all + math.log(s_all)
             else:
-                zc[h, c] = -np.inf
+                zc[h, c] = NEG
             if h % rep == 0:
-                excl[k, c] = 1 if m_live == -np.inf else 0
-            if m_all > M:
-                S = S * math.exp(M - m_all) + s_all if M > -np.inf else s_all
-                M = m_all
-            elif m_all > -np.inf:
-                S += s_all * math.exp(m_all - M)
+                excl[k, c] = 1 if m_live == NEG else 0
+            ma = np.float64(m_all)
+            if ma > M:
+                S = S * math.exp(M - ma) + s_all if M > -np.inf else np.float64(s_all)
+                M = ma
+            elif ma > -np.inf:
+                S += s_all * math.exp(ma - M)
         for t in range(n_host, n):  # the tokens no chunk holds (the ring past the pages)
             x = np.float64(z[h, t])
             if x > -np.inf and x < np.inf:
