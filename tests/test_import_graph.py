@@ -212,3 +212,27 @@ def test_the_package_never_imports_benchmark_libraries():
              for name, line in imported_names(path)
              if name.split(".")[0] in BENCH_ONLY]
     assert not found, found
+
+
+def test_no_import_cycles_among_the_benchmarks():
+    # bench/ scripts import each other by bare module name (bench/ and bench/probes/ on
+    # sys.path): a module named like a file there is an edge to it
+    files = {p.stem: p for d in ("bench", "bench/probes") for p in (ROOT / d).glob("*.py")}
+    assert len(files) == len(list((ROOT / "bench").glob("*.py"))) + len(
+        list((ROOT / "bench" / "probes").glob("*.py"))), "two bench modules share a name"
+    edges: dict[str, dict[str, list[str]]] = {}
+    for name, path in files.items():
+        out = edges.setdefault(name, {})
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name.split(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = [node.module.split(".")[0]]
+            else:
+                continue
+            for t in targets:
+                if t in files and t != name:
+                    out.setdefault(t, []).append(f"line {node.lineno}")
+    cycles = find_cycles({m: set(t) for m, t in edges.items()})
+    assert not cycles, "import cycles among bench/ modules:\n" + "\n".join(
+        describe(c, edges) for c in cycles)
