@@ -31,8 +31,11 @@ case "$step" in
     # 22 s; a call that also stages and installs can pass 600 s with all of them).
     mkdir -p "${OUT:-/tmp/out}"
     MLX_ENABLE_TF32=0 timeout -k 5 "${TEST_LIMIT:-540}" python3 -P -m pytest -q -p no:cacheprovider \
-      ${TESTS:-tests/test_accel_kernels.py tests/test_metal_syntax.py tests/test_tiered_core.py \
-      tests/test_scheduler.py tests/test_disk.py tests/test_codecs.py} > "${OUT:-/tmp/out}/tests.log" 2>&1
+      ${TESTS:-tests/test_accel_kernels.py tests/test_accel_affine.py tests/test_accel_tau.py \
+      tests/test_accel_h2o.py tests/test_metal_syntax.py tests/test_metal_shim.py \
+      tests/test_table_scale.py tests/test_tiered_core.py tests/test_tiered_persistence.py \
+      tests/test_tiered_lookahead.py tests/test_scheduler.py tests/test_disk.py tests/test_codecs.py \
+      tests/test_calibration.py} > "${OUT:-/tmp/out}/tests.log" 2>&1
     rc=$?; tail -25 "${OUT:-/tmp/out}/tests.log"; exit $rc ;;
   kernels)
     python3 bench/kernels.py --sizes 16384 131072 1048576 --reps 20

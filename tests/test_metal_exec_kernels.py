@@ -20,11 +20,9 @@ import numpy as np
 import pytest
 
 import metal_exec
+from test_accel_h2o import _acc_inputs
 from test_accel_kernels import (
     KERNEL_TOL,
-    _acc_inputs,
-    assert_kernel_selection,
-    assert_kernel_threshold,
     assert_scores_close,
     make_affine_case,
     make_codebook_case,
@@ -32,6 +30,7 @@ from test_accel_kernels import (
     np_affine_scores,
     np_codebook_scores,
 )
+from test_accel_tau import assert_kernel_selection, assert_kernel_threshold
 from tiered.metal import affine, codebook, h2o, select_passes, tau, threshold
 from tiered.metal._build import METAL_SHARED_BYTES
 

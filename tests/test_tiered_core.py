@@ -1,4 +1,6 @@
-"""The compressed phase end to end: exactness limits, budgets, H2O invariants, persistence."""
+"""The compressed phase end to end: exactness limits, budgets, H2O invariants, the resident set,
+block-wise prefill. Saving and loading are in tests/test_tiered_persistence.py, lookahead
+decoding in tests/test_tiered_lookahead.py (both use this file's model and prompts)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import make_small_model
-from mlx_lm.models.cache import KVCache, save_prompt_cache
+from mlx_lm.models.cache import KVCache
 
 import tiered
 from tiered import TieredCache
@@ -185,24 +187,6 @@ def test_prompt_chunks_keep_the_resident_flags_exact(small, chunk):
                 assert set(np.flatnonzero(flags[h]).tolist()) == set(live.tolist())
 
 
-@pytest.mark.parametrize("path", PATHS, ids=["numba", "mlx", "affine"])
-def test_compressed_round_trip_through_mlx_lm(small, tmp_path, path):
-    prompt = _prompt(300, seed=6)
-    cache = TieredCache.for_model(small, page_size=64, recent=16, **path)
-    _decode_logits(small, cache, prompt, 3)
-    path = str(tmp_path / "c.safetensors")
-    save_prompt_cache(path, cache)
-    loaded = tiered.load_prompt_cache(path)
-    y = mx.array([[7]])
-    a = [small(y, cache=cache)]
-    b = [small(y, cache=loaded)]
-    for _ in range(5):
-        a.append(small(mx.argmax(a[-1][:, -1], axis=-1)[:, None], cache=cache))
-        b.append(small(mx.argmax(b[-1][:, -1], axis=-1)[:, None], cache=loaded))
-    for x, z in zip(a, b):
-        assert mx.abs(x - z).max().item() < 1e-5
-
-
 def test_compressed_trim(small):
     prompt = _prompt(300, seed=7)
     cache = TieredCache.for_model(small, gpu_budget=0.25, page_size=64, recent=16)
@@ -222,7 +206,7 @@ def test_hcattention_weights_approximate_and_mlx_path_matches_numba(small):
     give nearly the same outputs. Everything is selected (tau = 1, no cap) so that near-ties in
     a binding cap play no part; the Numba and MLX encoders may still round a near-tied code
     differently (measured: 1 code in 6416), so the bound is relative (the slot-indexed gather
-    itself is tested exactly in test_cpu_kernels)."""
+    itself is tested exactly in test_cpu_gather_kernels)."""
     prompt = _prompt(400, seed=8)
     outs = []
     for kernels in ("numba", "mlx"):
@@ -241,36 +225,6 @@ def test_compressed_needs_routing(small):
     with pytest.raises(RuntimeError, match="tiered.install"):
         small(mx.array([[5]]), cache=cache)
     assert all(c.phase == "exact" for c in cache)  # nothing half-done
-
-
-def test_calibration_from_text_is_cached_and_checked(embedded, tmp_path):
-    """A calibration text trains the codebooks once; the file is reused, and a corrupted file
-    is a clear error naming it."""
-    import glob
-
-    from tiered.tasks import topics_text
-
-    model, tok = embedded
-    text = tmp_path / "calib.txt"
-    text.write_text(topics_text()[:20000])
-    opts = dict(gpu_budget=0.25, calibration=str(text), calibration_tokens=512,
-                cache_dir=str(tmp_path / "cache"))
-    first = TieredCache.for_model(model, **opts)
-    files = glob.glob(str(tmp_path / "cache" / "*.safetensors"))
-    assert len(files) == 1
-    second = TieredCache.for_model(model, **opts)
-    a, b = first.context.codebooks, second.context.codebooks
-    assert sorted(a) == list(range(30))
-    assert all(np.array_equal(a[i], b[i]) for i in a)
-    # The layers use them: compress a short prompt and check the codebook is the calibrated one.
-    model(mx.array(tok.encode(topics_text()[50000:53000]))[None], cache=second)
-    model(mx.array([[tok.encode(" the")[0]]]), cache=second)
-    assert np.array_equal(np.array(second[5].compressed.keys.codebook), a[5])
-    raw = bytearray(open(files[0], "rb").read())
-    raw[len(raw) // 2] ^= 0xFF
-    open(files[0], "wb").write(bytes(raw))
-    with pytest.raises(ValueError, match="calibration"):
-        TieredCache.for_model(model, **opts)
 
 
 def test_blockwise_prefill_beyond_the_window(small):
@@ -301,40 +255,6 @@ def test_blockwise_prefill_beyond_the_window(small):
     # decoding drops the prefill-only blocks
     small(mx.array([[5]]), cache=cache)
     assert layer.anchor_k is None and layer.local_k is None
-
-
-@pytest.mark.parametrize("tokens", [60, 500], ids=["exact-phase", "compressed"])
-def test_save_and_load_a_cache_directory(small, tmp_path, tokens):
-    """60 tokens are below this budget's compression threshold (76): saved exact. 500 tokens
-    compress (beyond the 256-token prefill window, or at the save, which stores the layout
-    the next step would use)."""
-    prompt = _prompt(tokens, seed=12)
-    opts = dict(gpu_budget=0.25, page_size=64, recent=16, prefill_window=256,
-                host_budget="200KB", disk_dir=str(tmp_path / "live"))
-    cache = TieredCache.for_model(small, **opts)
-    from tiered.prefill import prefill
-
-    prefill(small, cache, prompt[0].tolist(), chunk=200)
-    cache.save(str(tmp_path / "saved"), small)
-    loaded = tiered.TieredCacheList.load(str(tmp_path / "saved"), small)
-    assert loaded[0].phase == cache[0].phase == ("exact" if tokens < 76 else "compressed")
-    question = mx.array([[11, 12, 13, 14]])
-    a = small(question, cache=cache)
-    b = small(question, cache=loaded)
-    assert mx.abs(a - b).max().item() < 1e-5
-    for _ in range(3):
-        y = mx.argmax(a[:, -1], axis=-1)[:, None]
-        a, b = small(y, cache=cache), small(y, cache=loaded)
-        assert mx.abs(a - b).max().item() < 1e-5
-    cache.close()  # the live page files go; the saved copies stay usable
-    y = mx.argmax(b[:, -1], axis=-1)[:, None]
-    assert mx.isfinite(small(y, cache=loaded)).all().item()
-    other = make_small_model("llama-gqa-d64", layers=3, seed=2)
-    with pytest.raises(ValueError, match="another model"):
-        tiered.TieredCacheList.load(str(tmp_path / "saved"), other)
-    with pytest.raises(ValueError, match="other options"):
-        tiered.TieredCacheList.load(str(tmp_path / "saved"), small, gpu_budget=0.125)
-    loaded.close()
 
 
 def test_without_host_keys_heavy_hitters_come_from_the_accelerator(small):
@@ -372,96 +292,3 @@ def test_observed_weights_blocked_matches_numpy():
     for block in (n, 16, 64):
         got = tops.observed_weights(mx.array(obs), mx.array(keys), scale, block=block)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
-
-
-def test_lookahead_attends_resident_and_previous_selection_exactly(small, monkeypatch):
-    """Lookahead decoding (MLX path): after the first step, each layer's output is exact
-    attention over its resident tokens and the buffer, and the buffer holds exactly the
-    previous step's selection and its successors (outside the resident set), with the rows
-    of the host pages. Checked against float64 numpy from the host store's float32 rows."""
-    from tiered import compressed as C
-    from tiered import lookahead as LA
-
-    moves, steps = {}, []
-    real_move, real_step = LA._spill_move, C.CompressedLayer._decode_lookahead
-
-    def move(idx, count, res_tok, n, spill_tok, host, *heads):
-        moves[id(host)] = (idx.copy(), count.copy(), res_tok.copy(), n)
-        return real_move(idx, count, res_tok, n, spill_tok, host, *heads)
-
-    def step(self, queries, scale, sinks):
-        res = (np.array(self.res_tok), np.array(self.res_k.astype(mx.float32)),
-               np.array(self.res_v.astype(mx.float32)))
-        out = real_step(self, queries, scale, sinks)
-        steps.append((self, np.array(queries.astype(mx.float32)), scale, np.array(
-            out.astype(mx.float32)), res, np.array(self.spill_tok), np.array(
-            self.spill_k.astype(mx.float32)), moves[id(self.parent.host)]))
-        return out
-
-    monkeypatch.setattr(LA, "_spill_move", move)
-    monkeypatch.setattr(C.CompressedLayer, "_decode_lookahead", step)
-    cache = TieredCache.for_model(small, kernels="mlx", lookahead=True, gpu_budget=0.5,
-                                  max_selected=48, host_dtype="float32", page_size=64,
-                                  recent=16, refresh_every=4, workers=2)
-    _decode_logits(small, cache, _prompt(700, seed=3), 9)
-    assert len(steps) == 3 * 8  # every step but the first, every layer
-    spilled = 0
-    for layer, q, scale, out, (res_tok, res_k, res_v), spill_tok, spill_k, mv in steps:
-        idx, count, res_at_move, n_move = mv
-        host = layer.parent.host
-        H, Hq = res_tok.shape[0], q.shape[1]
-        rep = Hq // H
-        for h in range(H):
-            res = res_tok[h][res_tok[h] >= 0]
-            held = spill_tok[h][spill_tok[h] >= 0]
-            sel = idx[h, : count[h]]
-            want = set(sel.tolist()) | set((sel + 1).tolist())
-            want = {j for j in want if j < n_move} - set(res_at_move[h].tolist())
-            assert set(held.tolist()) == want and not set(held.tolist()) & set(res.tolist())
-            spilled += len(held)
-            slots = np.flatnonzero(spill_tok[h] >= 0)
-            k_host = host.gather_rows("keys", 0, spill_tok[h][slots][None].repeat(H, 0))[h]
-            assert np.array_equal(spill_k[h, slots], k_host)
-            v_host = host.gather_rows("values", 0, held[None].repeat(H, 0))[h]
-            keys = np.concatenate([res_k[h][res_tok[h] >= 0], k_host]).astype(np.float64)
-            vals = np.concatenate([res_v[h][res_tok[h] >= 0], v_host]).astype(np.float64)
-            for r in range(rep):
-                s = keys @ (q[0, h * rep + r, 0].astype(np.float64) * scale)
-                p = np.exp(s - s.max())
-                ref = (p / p.sum()) @ vals
-                np.testing.assert_allclose(out[0, h * rep + r, 0], ref, rtol=2e-4, atol=2e-5)
-    assert spilled > 0
-    cache.close()  # the host pages were read above: close gives them back
-
-
-def test_lookahead_options_are_checked(small):
-    with pytest.raises(ValueError, match="lookahead"):
-        TieredCache.for_model(small, lookahead=True, method="hcattention")
-    with pytest.raises(ValueError, match="lookahead"):
-        TieredCache.for_model(small, lookahead=True, host_keys=False)
-    with pytest.raises(ValueError, match="lookahead"):
-        TieredCache.for_model(small, lookahead="yes")
-    # 1/8 of this small model's cache leaves ~40 resident slots per head: too few to give
-    # half to the buffer and keep the sinks, a recent window and some heavy hitters.
-    cache = TieredCache.for_model(small, kernels="mlx", lookahead=True, gpu_budget=0.125,
-                                  page_size=64, recent=16)
-    with pytest.raises(BudgetError, match="lookahead=False"):
-        _decode_logits(small, cache, _prompt(700, seed=2), 2)
-    cache.close()
-
-
-
-@pytest.mark.parametrize("budget", [0.5, 0.25])
-def test_lookahead_buffer_fits_the_budget(small, budget):
-    """The buffer comes out of the resident share: max_selected shrinks until the buffer
-    takes at most half of the resident slots, and the accelerator bytes stay in budget."""
-    cache = TieredCache.for_model(small, kernels="mlx", lookahead=True, gpu_budget=budget,
-                                  max_selected=1024, page_size=64, recent=16)
-    _decode_logits(small, cache, _prompt(700, seed=2), 20)
-    cache.close()
-    full = sum(c.full_cache_bytes() for c in cache)
-    assert tiered.report_dict(cache)["bytes"]["accelerator"] <= budget * full
-    for c in cache:
-        layer = c.compressed
-        slots = layer.plan.check(layer.n, horizon=layer.config.refresh_every + 1)
-        assert layer.spill_k is not None and layer.spill_k.shape[1] <= slots // 2 + 1

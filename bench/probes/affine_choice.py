@@ -5,7 +5,7 @@ measured winner instead, time both once with :func:`bench_affine_scores` and pas
 ``use_kernel`` from then on.
 
 Shapes: Llama-3-8B's attention (8 KV heads, 32 query heads, head_dim 128), 4-bit keys in groups
-of 64, as in ``kernels.py``.
+of 64, as in ``kernels.py`` (the shape from kernel_timing.py).
 
     python bench/probes/affine_choice.py --sizes 16384 131072 1048576
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common, the scripts
 
 import common  # noqa: F401  (tiered before mlx)
-from kernels import D, HQ, REP, H, timed
+from kernel_timing import D, HQ, REP, H, timed
 
 import mlx.core as mx
 

@@ -7,8 +7,8 @@ rest: "no lookups" (codes still read, scores still written, the table reads repl
 code itself) and "no table build" (the table is left unbuilt; the lookups read whatever is
 in shared memory). Stripped bodies give wrong scores; only their time means anything.
 Time per call: median over --reps evaluations of 8 queued calls, code sets rotated (as in
-bench/kernels.py), and on CUDA the GPU busy time per call that CUPTI records (bench/kernels.py's
-device_profile). Prints a table; writes nothing.
+bench/kernels.py), and on CUDA the GPU busy time per call that CUPTI records
+(kernel_timing.device_profile). Prints a table; writes nothing.
 
     python bench/probes/codebook_variants.py --sizes 131072 1048576
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common, the scripts
 
 import common  # noqa: F401  (tiered before mlx)
-from kernels import device_profile, timed, variant_args
+from kernel_timing import device_profile, timed, variant_args
 
 import mlx.core as mx
 import numpy as np

@@ -53,9 +53,9 @@ def build_model(name: str, dtype):
 
 def memory_bandwidth() -> float:
     """Device memory bandwidth in GB/s: the best of the copies and the read-only reduction
-    that bench/kernels.py measures over 1 GiB (MLX's elementwise copy alone under-reads a GPU:
-    SDPA decode outran it on the H200)."""
-    from kernels import measured_bandwidth
+    that bench/kernels.py measures over 1 GiB (kernel_timing.measured_bandwidth; MLX's
+    elementwise copy alone under-reads a GPU: SDPA decode outran it on the H200)."""
+    from kernel_timing import measured_bandwidth
 
     bws = measured_bandwidth()
     return max(bws["copy"], bws["read"])

@@ -31,7 +31,8 @@ shift
 case "$mode" in
   tests)
     TESTS="${TESTS:-tests/test_staging.py tests/test_streams.py tests/test_dispatch.py \
-tests/test_device_decode.py tests/test_heavy.py tests/test_refresh_plan.py}" \
+tests/test_device_decode.py tests/test_device_attend_kernels.py tests/test_device_door.py \
+tests/test_heavy.py tests/test_refresh_plan.py}" \
       TEST_LIMIT=${TEST_LIMIT:-400} bash bench/gpu_session.sh tests
     rc=$?
     (cd /tmp && tar czf "$OUT/ptx.tgz" mlx 2>/dev/null)

@@ -1,4 +1,4 @@
-"""What a small kernel costs on this device under bench/kernels.device_profile (issue 24, CUDA).
+"""What a small kernel costs on this device under kernel_timing.device_profile (issue 24, CUDA).
 
 The step's kernels alone (bench/probes/step_kernels.py, bench/probes/select_kernels.py) show a
 fixed part of ~15-22 us each beside what their bytes take (resident scores 27.8 us at 8192
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common, 
 
 import common  # noqa: F401  (tiered before mlx)
 import mlx.core as mx
-from kernels import rotating
+from kernel_timing import rotating
 from step_kernels import H, REP, D, inputs, kernel_us, profile
 
 from tiered import device_resident

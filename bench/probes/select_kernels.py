@@ -3,7 +3,7 @@
 In a 128k decode step on an H200 the codebook scores (36-46 us a layer), the chunk logits (15)
 and the tau selection (48) take ~100 us of a layer's ~600 on the GPU, far more than their bytes
 would. This times each one standalone at the Llama-3-8B shape (8 kv heads, 4 query heads
-each) with device time from CUPTI (kernels.device_profile): the codebook kernel over --tokens
+each) with device time from CUPTI (kernel_timing.device_profile): the codebook kernel over --tokens
 for two code layouts, the chunk-logits kernel, and the selection over the tokens / CHUNK chunk
 logits as one persistent launch for several chunks per threadgroup (``persistent.MIN_CHUNK``),
 with the end of each of its phases (globaltimer stamps), and as separate passes. Inputs are
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common, 
 import common  # noqa: F401  (tiered before mlx)
 import mlx.core as mx
 import numpy as np
-from kernels import device_profile, rotating
+from kernel_timing import device_profile, rotating
 from step_kernels import kernel_us, profile
 
 from tiered import metal

@@ -10,7 +10,7 @@ launch (SELECT_FUSED_TOKENS) and that launch's loads in flight per thread
 default selects (the sums are exact and ties go by index, whatever the partition); a variant
 that does not is reported as such. Time per call: median over --reps evaluations of 8 queued
 calls, and on CUDA the GPU busy time per call with each pass's share (CUPTI, through
-bench/kernels.py's device_profile). Prints a table; writes nothing.
+kernel_timing.device_profile). Prints a table; writes nothing.
 
     python bench/probes/select_variants.py --sizes 131072 1048576
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common, the scripts
 
 import common  # noqa: F401  (tiered before mlx)
-from kernels import device_profile, timed, variant_args
+from kernel_timing import device_profile, timed, variant_args
 
 import mlx.core as mx
 import numpy as np

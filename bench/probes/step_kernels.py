@@ -4,7 +4,7 @@ In a 128k decode step on an H200 the resident scores (47-68 us a layer), the spl
 and the merge run far slower than their bytes at the device's bandwidth would take. This
 times each one standalone at the Llama-3-8B shape (8 kv heads, 4 query heads each, head_dim
 128) over --resident slots and 2048 gathered rows a head, with device time from CUPTI
-(kernels.device_profile: summed kernel durations, no host time), for the knobs that change
+(kernel_timing.device_profile: summed kernel durations, no host time), for the knobs that change
 them: ``tiered.device_resident.RESIDENT_ITER`` (0: a warp per slot; k: the tiled kernel, k
 slots a lane group). Inputs rotate over --sets copies so the L2 cache (50 MB on an H200) holds none.
 
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common, 
 
 import common  # noqa: F401  (tiered before mlx)
 import mlx.core as mx
-from kernels import device_profile, rotating
+from kernel_timing import device_profile, rotating
 
 from tiered import device_attend, device_resident
 

@@ -12,7 +12,8 @@ blocks; MLX computes ``ceil(grid / threadgroup)`` blocks).
 :func:`cuda_kernel` has ``mx.fast.cuda_kernel``'s call signature and returns MLX arrays, so a
 test can put it in place of a module's ``cuda_kernel`` and run the module's own wrapper;
 :func:`route_device_path` sends all of tiered's device path here. Users: the raw kernels of
-the device step and its op-by-op decode (tests/test_device_decode.py), the shared kernels of
+the device step and its op-by-op decode (tests/test_device_decode.py,
+tests/test_device_attend_kernels.py, tests/test_device_door.py), the shared kernels of
 tiered.metal in their CUDA form (tests/test_cuda_exec_kernels.py).
 """
 
