@@ -135,7 +135,8 @@ def affine_scores(
     use_kernel: None chooses by :func:`prefer_kernel` (the kernel on CUDA for long contexts,
     else ``mx.quantized_matmul``); True runs the Metal or CUDA kernel (``ValueError`` on the CPU
     backend); False always runs ``quantized_matmul``. To keep whichever is faster on this
-    machine, time both once (``bench/probes/affine_choice.py``) and pass the winner's ``use_kernel``.
+    machine, time both once (``bench/probes/affine_choice.py``) and pass the winner's
+    ``use_kernel``.
     The kernel reads each token's packed row and scales once for all rep query heads, one
     launch for all kv heads, straight from the (H, n_cap, ...) buffers (no slice copy).
     """

@@ -1,12 +1,12 @@
 """The device step's chain from query to output as one compiled MLX function (issue 24).
 
-On an H200 the device step's host time, not its kernels, bounded a token: every layer built
-the same graph of ~15 launches through Python wrappers (checks, launch plans, parameter
-arrays), then MLX dispatched it primitive by primitive (bench/probes/dispatch_cost.py). ``mx.compile``
+On an H200 the device step's host time, not its kernels, bounded a token: every layer built the
+same graph of ~15 launches through Python wrappers (checks, launch plans, parameter arrays),
+then MLX dispatched it primitive by primitive (bench/probes/dispatch_cost.py). ``mx.compile``
 traces that chain once and replays it from C++, and fuses its element-wise ops. H200
-(bench/probes/dispatch_cost.py): 32 layers of 10 custom kernels and 20 element-wise ops took 7.52 ms
-op by op and 4.55 compiled (graph building 2.69 -> 0.68 ms); Llama-3-8B shape at 16k, tiered
-took 35.6 ms/token compiled against 62.9 op by op (measured in an earlier lease).
+(bench/probes/dispatch_cost.py): 32 layers of 10 custom kernels and 20 element-wise ops took
+7.52 ms op by op and 4.55 compiled (graph building 2.69 -> 0.68 ms); Llama-3-8B shape at 16k,
+tiered took 35.6 ms/token compiled against 62.9 op by op (measured in an earlier lease).
 
 A trace is only reused while the shapes stay the same, so the step runs at a **width** W that
 it keeps between steps: the codebook scores, chunk logits and selection cover W >= n tokens

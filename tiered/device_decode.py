@@ -195,7 +195,8 @@ def _address_upload(addrs: np.ndarray) -> mx.array:
     """The uint64 device copy of block addresses: through the staging ring where it runs (an
     ``mx.array`` of host values takes its buffer from MLX's cache, moved to managed memory
     when it was a device buffer: ~1 ms per layer of a 1M-token prefill's chunks that grew the
-    pages, 30-39 ms a chunk, bench/probes/prefill_profile.py --timers), else ``uva.address_array``."""
+    pages, 30-39 ms a chunk, bench/probes/prefill_profile.py --timers), else
+    ``uva.address_array``."""
     if not staging.enabled() or not len(addrs):
         return uva.address_array(addrs)
     words = np.ascontiguousarray(addrs, np.uint64).view(np.int32)

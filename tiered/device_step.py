@@ -36,7 +36,8 @@ from .stats import Column
 
 # Hand the graph to the device every ASYNC_EVERY layers as soon as it is queued (0: never, the
 # token's read evaluates it all). Each hand-off costs host time (a command buffer to commit):
-# H200, Llama-3-8B shape, 128k, back to back on one cache (bench/probes/device_eval_probe.py --every):
+# H200, Llama-3-8B shape, 128k, back to back on one cache
+# (bench/probes/device_eval_probe.py --every):
 # every 1 layer 48.8 ms/token, 2: 46.1, 4: 43.4, never: 46.7 (the device starts late).
 # With the dispatcher thread (tiered.dispatch) a hand-off costs the main thread nothing, and
 # every 2 layers gave the best step (H200, 128k, interleaved rounds, bench/probes/dispatch_probe.py:

@@ -137,7 +137,8 @@ def column_mass(queries, keys, scale, causal):
     In the model's dtype (float16 scores from float32-accumulated products, a float32 softmax,
     a float32-accumulated sum), with the causal mask applied to the chunk's own L keys only.
     H200, 2048-token chunks of a Llama-3-8B at 8k-12k tokens: the float32 scores, a mask over
-    all n keys and the softmax took 290 ms of GPU time per chunk (bench/probes/prefill_profile.py)."""
+    all n keys and the softmax took 290 ms of GPU time per chunk
+    (bench/probes/prefill_profile.py)."""
     _, Hq, L, d = queries.shape
     H, n = keys.shape[1], keys.shape[2]
     rep = Hq // H
