@@ -157,11 +157,11 @@ def fake_nvrtc(tmp_path, monkeypatch):
 def test_compiles_run_side_by_side_and_settle_waits_for_all(fake_nvrtc, tmp_path):
     gate = threading.Barrier(3, timeout=30)  # three compiles at once, or it breaks
     calls = fake_nvrtc(gate.wait)
+    before = ptx_cache.compiled_here()  # before any job: the workers finish on their own
     jobs = [_probe_request(v) for v in range(3)]
     assert all(j is not None for j in jobs)
     again = _probe_request(0)  # the same entry while it is written: the same job
     assert again is None or again is jobs[0]
-    before = ptx_cache.compiled_here()
     ptx_cache.settle()
     assert not ptx_cache._pending
     assert len(calls) == 3 and len(set(calls)) == 3
