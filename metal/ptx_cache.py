@@ -26,7 +26,6 @@ import ctypes
 import functools
 import os
 import threading
-import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -44,8 +43,7 @@ _TYPE_STRINGS = {mx.float32: "float", mx.float16: "float16_t", mx.bfloat16: "bfl
                  **{t: s for t, s in _CUDA_TYPES.items() if s.endswith("_t") and "::" not in s}}
 _MAX_NAME = 245  # MLX's get_ptx_path splits longer module names into directories
 _lock = threading.Lock()
-_state = {"enabled": os.environ.get("TIERED_PTX_CACHE", "1") != "0", "compiled": 0,
-          "wait_s": 0.0}
+_state = {"enabled": os.environ.get("TIERED_PTX_CACHE", "1") != "0", "compiled": 0}
 _pending: dict = {}  # entry path -> the Future writing it
 _pool: ThreadPoolExecutor | None = None
 
@@ -141,18 +139,6 @@ def request(name, input_names, output_names, source, header, inputs, output_dtyp
     return got
 
 
-def ensure(name, input_names, output_names, source, header, inputs, output_dtypes,
-           template) -> Path:
-    """Write the cache entry for one launch unless it is there, and wait; returns its path."""
-    func, text = kernel_source(name, input_names, output_names, source, header, inputs,
-                               output_dtypes, template)
-    job = request(name, input_names, output_names, source, header, inputs, output_dtypes,
-                  template)
-    if job is not None:
-        job.result()
-    return ptx_path(f"{func}_{std_hash(text):x}")
-
-
 def _write(text: str, module: str, func: str, path: Path, ordinal: int) -> Path:
     from . import nvrtc
 
@@ -190,7 +176,6 @@ def settle() -> None:
     compile turns the cache off with one warning: MLX then compiles as it would without it."""
     if not _pending:
         return
-    t = time.perf_counter()
     with _lock:
         jobs = list(_pending.items())
     for path, job in jobs:
@@ -201,7 +186,6 @@ def settle() -> None:
         finally:
             with _lock:
                 _pending.pop(path, None)
-    _state["wait_s"] += time.perf_counter() - t
 
 
 def _disable(e: BaseException) -> None:

@@ -223,16 +223,10 @@ def test_no_import_cycles_among_the_benchmarks():
     edges: dict[str, dict[str, list[str]]] = {}
     for name, path in files.items():
         out = edges.setdefault(name, {})
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                targets = [a.name.split(".")[0] for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                targets = [node.module.split(".")[0]]
-            else:
-                continue
-            for t in targets:
-                if t in files and t != name:
-                    out.setdefault(t, []).append(f"line {node.lineno}")
+        for module, line in imported_names(path):
+            top = module.split(".")[0]
+            if top in files and top != name:
+                out.setdefault(top, []).append(f"line {line}")
     cycles = find_cycles({m: set(t) for m, t in edges.items()})
     assert not cycles, "import cycles among bench/ modules:\n" + "\n".join(
         describe(c, edges) for c in cycles)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common, the scripts
@@ -26,20 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common, 
 import common  # noqa: F401  (tiered before mlx)
 import mlx.core as mx
 import numpy as np
-from decode_setup import build_model, kv_caches, seed_kv, tiered_caches
+from decode_setup import build_model, kv_caches, queued_steps, seed_kv, tiered_caches
 
 
 def rounds(model, cache, name: str, count: int, steps: int):
     y = mx.array([[1]])
     for r in range(count):
-        queue, wait = [], []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            y = mx.argmax(model(y, cache=cache)[:, -1], axis=-1)[:, None]
-            t1 = time.perf_counter()
-            mx.eval(y)
-            queue.append(t1 - t0)
-            wait.append(time.perf_counter() - t1)
+        y, queue, wait = queued_steps(model, cache, y, steps)
         total = 1e3 * (np.array(queue) + np.array(wait))
         print(f"{name} round {r} (steps {r * steps}-{(r + 1) * steps - 1}): median "
               f"{np.median(total):.2f} ms (queue {1e3 * np.median(queue):.2f}, eval "

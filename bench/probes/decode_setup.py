@@ -5,6 +5,7 @@ to any context, ``KVCache``s and ``TieredCache``s holding them."""
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common, the scripts
@@ -112,3 +113,17 @@ def tiered_caches(model, seed, n, budget, options, workload=None):
     if workload is not None:
         workload.observe(cache)
     return cache
+
+
+def queued_steps(model, cache, y, steps: int):
+    """``steps`` greedy decode steps, each built, then evaluated: (the last token, host seconds
+    building each step's graph, seconds then waiting for its evaluation)."""
+    queue, wait = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        y = mx.argmax(model(y, cache=cache)[:, -1], axis=-1)[:, None]
+        t1 = time.perf_counter()
+        mx.eval(y)
+        queue.append(t1 - t0)
+        wait.append(time.perf_counter() - t1)
+    return y, queue, wait

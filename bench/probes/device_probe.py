@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common, 
 import common  # tiered before mlx
 import mlx.core as mx
 import numpy as np
-from decode_setup import build_model, kv_caches, seed_kv, tiered_caches
+from decode_setup import build_model, kv_caches, queued_steps, seed_kv, tiered_caches
 from device_host_profile import graph_ops, print_ops
 from device_kernel_profile import busy, profile
 from tiered.dispatch import DISPATCHER
@@ -44,15 +44,8 @@ def measure(name, model, cache, args):
     print(f"{name}: {args.warmup} warm-up steps in {time.perf_counter() - t0:.1f} s", flush=True)
     for r in range(args.repeats * args.rounds):
         label = set_toggle(args, r % args.rounds) if name != "KVCache" else ""
-        q, e = [], []
         d0 = (DISPATCHER.busy_s, DISPATCHER.wait_s)
-        for _ in range(args.steps):
-            t0 = time.perf_counter()
-            y = mx.argmax(model(y, cache=cache)[:, -1], axis=-1)[:, None]
-            t1 = time.perf_counter()
-            mx.eval(y)
-            q.append(t1 - t0)
-            e.append(time.perf_counter() - t1)
+        y, q, e = queued_steps(model, cache, y, args.steps)
         tot = 1e3 * (np.array(q) + np.array(e))
         print(f"{name}{label}: {np.median(tot):.2f} ms/token (median of {args.steps}; queue "
               f"{1e3 * np.median(q):.2f}, wait {1e3 * np.median(e):.2f}; slowest "
