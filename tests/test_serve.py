@@ -1,6 +1,8 @@
 """tiered serve end to end: mlx-lm's OpenAI-compatible server started by the test on the
 embedded model, a real HTTP client: two requests on one long document (the second continues
-from the server's cached prefix), a streamed response, a malformed request."""
+from the server's cached prefix), a streamed response, a malformed request; short requests
+sent together are batched in exact caches as mlx-lm's server batches them, a long one gets a
+tiered cache."""
 
 import http.client
 import json
@@ -8,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -47,14 +50,14 @@ def server(embedded, tmp_path):
         except OSError:
             time.sleep(0.5)
         assert proc.poll() is None, open(tmp_path / "server.log").read()
-    yield port
+    yield port, tmp_path / "server.log"
     proc.terminate()
     proc.wait(timeout=60)
     log.close()
 
 
 def test_two_requests_one_document_a_stream_and_a_bad_request(server):
-    port = server
+    port, _ = server
     ask = lambda q: {"messages": [{"role": "user", "content": DOC + "\n\n" + q}],  # noqa: E731
                      "max_tokens": 12, "temperature": 0}
     status, body = _post(port, "/v1/chat/completions", ask("What colour is the bicycle?"))
@@ -75,3 +78,33 @@ def test_two_requests_one_document_a_stream_and_a_bad_request(server):
     assert len(chunks) > 1 and "red" in text.lower()
     status, _ = _post(port, "/v1/chat/completions", None, raw="{not json")
     assert 400 <= status < 500
+
+
+def test_short_requests_are_batched_exact_and_a_long_one_gets_a_tiered_cache(server):
+    port, log = server
+    # at --gpu-budget 0.25 the embedded model's caches compress from 71 tokens
+    # (SharedContext.first_compressed_length): a short chat stays below it with 4 new tokens
+    short = [{"messages": [{"role": "user", "content": q}], "max_tokens": 4, "temperature": 0}
+             for q in ("Hi.", "Say yes.", "Count: 1, 2,")]
+    got = [None] * len(short)
+
+    def send(i):
+        got[i] = _post(port, "/v1/chat/completions", short[i])
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(short))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for status, body in got:
+        assert status == 200, body
+        assert json.loads(body)["choices"][0]["message"]["content"]
+    status, body = _post(port, "/v1/chat/completions",
+                         {"messages": [{"role": "user", "content": DOC + "\n\nWhat colour "
+                                        "is the bicycle?"}], "max_tokens": 8, "temperature": 0})
+    assert status == 200, body
+    assert "red" in json.loads(body)["choices"][0]["message"]["content"].lower()
+    routes = [line for line in log.read_text().splitlines() if "tiered serve: a request" in line]
+    assert len(routes) >= 4, log.read_text()[-3000:]
+    assert sum("stays exact" in r and "batched" in r for r in routes) == 3, routes
+    assert "a tiered cache, served alone" in routes[-1], routes

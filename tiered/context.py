@@ -262,6 +262,32 @@ class SharedContext:
             self._threshold = (t,)
         return self._threshold[0]
 
+    def first_compressed_length(self) -> int | None:
+        """The shortest sequence (prompt and generated tokens) that may hold a compressed
+        layer, from the model's geometry before any token is seen; None: it stays exact at
+        every length (an exact configuration, or no model geometry). Conservative: with
+        ``compress_from`` the earlier of it and the threshold (tiered.serve batches what is
+        shorter in exact caches)."""
+        geo, cfg = self.model_geometry, self.config
+        if geo is None or cfg.exact or self.layers == 0:
+            return None
+        geo = Geometry(self.layers, geo.kv_heads, geo.q_heads, geo.k_dim, geo.v_dim,
+                       geo.dtype_bytes)
+        if cfg.budget_fraction is None:
+            t = cfg.gpu_budget // max(geo.full_bytes(1), 1) + 1
+        else:
+            t = None
+            if self._layered():
+                from . import layer_planner
+
+                t = layer_planner.threshold(geo, cfg, self.profile(), cfg.heavy.horizon,
+                                            self.tiered_layers)
+            if t is None:
+                t = layout.compression_threshold(geo, cfg)
+        if cfg.compress_from is not None:
+            t = cfg.compress_from if t is None else min(t, cfg.compress_from)
+        return t
+
     def adopt_plan(self, text: str, layer: int | None = None) -> Plan:
         """The plan saved with a cache (a loaded cache keeps the parameters it was built with);
         a layer whose saved plan differs from the first one (layer-aware plans) keeps its own."""
