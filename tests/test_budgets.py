@@ -33,12 +33,14 @@ def _kvcache_bytes(cache_layer, n: int) -> int:
 def check_length(model, tok, length: int, budget, seed: int = 0):
     ids = np.random.default_rng(seed + length).integers(10, 49000, length).tolist()
     cache = TieredCache.for_model(model, gpu_budget=budget)
+    first = cache.context.first_compressed_length()  # from the model alone (tiered serve)
     mlx_lm.generate(model, tok, ids, max_tokens=2, prompt_cache=cache)  # never raises
     layers = [c for c in cache if isinstance(c, TieredCache)]
     n = layers[0].offset
     cfg = cache.config
     rep = tiered.report(cache)
     threshold = cache.context.threshold(layers[0])
+    assert first == (None if cfg.exact else threshold), (length, budget, first, threshold)
     compressed = [c for c in layers if c.phase == "compressed"]
     if compressed:
         budget_bytes = (cfg.gpu_budget * sum(c.full_cache_bytes() for c in layers)
