@@ -3,10 +3,12 @@
 Embedded SmolLM2-135M (fp32 on the CPU backend: budgets are fractions of the fp32 KVCache).
 Tasks, all offline, every document ~2k tokens (the model is weak past ~4k):
 
-- passkey: a 5-digit key in filler (tiered.tasks.passkey), random depth per document;
-- needle: a made-up fact planted in pydoc_data.topics (tiered.tasks.needle_in_text);
-- kv: key-value retrieval, ~150 look-alike ``key: value`` lines, one asked (tiered.tasks_retrieval);
-- facts: four planted facts of one template in real text, one asked (tiered.tasks_retrieval);
+- passkey: a 5-digit key in filler (tiered.planning.tasks.passkey), random depth per document;
+- needle: a made-up fact planted in pydoc_data.topics (tiered.planning.tasks.needle_in_text);
+- kv: key-value retrieval, ~150 look-alike ``key: value`` lines, one asked
+(tiered.planning.tasks_retrieval);
+- facts: four planted facts of one template in real text, one asked
+(tiered.planning.tasks_retrieval);
 - ppl: perplexity of held-out pydoc tokens scored one by one after a 2k context, the compressed
   cache in the loop (the same tokens for every method: paired).
 
@@ -55,9 +57,9 @@ from common import (RESULTS, Clock, cache_bytes, continue_greedy, full_cache_byt
 import mlx.core as mx
 
 import tiered
-from tiered.planner import BudgetError
-from tiered.tasks import is_correct, needle_in_text, passkey, topics_text
-from tiered.tasks_retrieval import kv_retrieval, planted_facts
+from tiered.planning.planner import BudgetError
+from tiered.planning.tasks import is_correct, needle_in_text, passkey, topics_text
+from tiered.planning.tasks_retrieval import kv_retrieval, planted_facts
 
 BUDGETS = [0.25, 0.125, 0.0625, 0.03125]
 TASKS = ["passkey", "needle", "kv", "facts", "ppl"]
@@ -123,7 +125,7 @@ def plan_signature(cache, n: int):
     cfg = getattr(cache, "config", None)
     if cfg is None or cfg.method != "hcattention" or cfg.planner != "uniform":
         return None
-    from tiered import layout
+    from tiered.planning import layout
 
     plan = layout.layout_at(cache.context.model_geometry, cfg, n)
     if plan is None:

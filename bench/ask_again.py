@@ -26,7 +26,7 @@ from common import continue_greedy, machine, md_table, write_results
 
 import tiered
 from tiered.prefill import prefill
-from tiered.tasks import is_correct, passkey
+from tiered.planning.tasks import is_correct, passkey
 
 
 def main(argv=None):

@@ -35,7 +35,7 @@ import mlx.core as mx
 
 import tiered
 from tiered.layerwise_prefill import layerwise_prefill
-from tiered.tasks import is_correct, needle_in_text, passkey, topics_text
+from tiered.planning.tasks import is_correct, needle_in_text, passkey, topics_text
 
 MODES = ["full", "exact", "blockwise", "layerwise"]
 

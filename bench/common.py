@@ -62,7 +62,7 @@ def set_attribute(spec: str) -> str:
 
 def machine() -> dict:
     """Machine, versions and the exact command line, for every result file."""
-    from tiered.cli import info_dict
+    from tiered.commands.cli import info_dict
 
     info = info_dict()
     info["commit"] = run_commit()
@@ -210,7 +210,7 @@ def rotating_cache(model, window: int, keep: int = 4):
 
 def full_cache_bytes(model, n_tokens: int) -> int:
     """Bytes mlx-lm's KVCache holds for n tokens (all layers), in the model's dtype."""
-    from tiered.geometry import model_geometry
+    from tiered.planning.geometry import model_geometry
 
     geo = model_geometry(model, len(model.layers))
     return geo.full_bytes(n_tokens)

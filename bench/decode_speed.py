@@ -197,7 +197,7 @@ def main(argv=None):
                               + ("_realistic" if args.attention == "realistic" else ""))
     info = machine()
     model, tok = build_model(args.model, dtype)
-    from tiered.geometry import model_geometry
+    from tiered.planning.geometry import model_geometry
 
     geo = model_geometry(model, len(model.layers))
     bw = memory_bandwidth()

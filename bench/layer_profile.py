@@ -29,11 +29,12 @@ from common import RESULTS, figure, machine, md_table, save_figure
 import numpy as np
 
 import tiered
-from tiered.layer_profile import LayerProfile, measure
+from tiered.planning.layer_profile import LayerProfile, measure
 
 
 def read_profile(path: str) -> LayerProfile:
-    """A profile file (tiered.layer_profile), or a result of this script (its "profile")."""
+    """A profile file (tiered.planning.layer_profile), or a result of this script (its
+    "profile")."""
     with open(path) as f:
         d = json.load(f)
     return LayerProfile.from_json(json.dumps(d.get("profile", d)), where=path)

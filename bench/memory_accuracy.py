@@ -38,8 +38,8 @@ import mlx.core as mx
 import numpy as np
 
 import tiered
-from tiered.planner import BudgetError
-from tiered.tasks import is_correct, multi_needle, needle_in_text, passkey, topics_text
+from tiered.planning.planner import BudgetError
+from tiered.planning.tasks import is_correct, multi_needle, needle_in_text, passkey, topics_text
 
 BUDGETS = [0.5, 0.25, 0.125, 0.0625]
 METHODS = ["full", "rotating", "quant8", "quant4", "h2o", "hcattention", "tiered"]

@@ -35,13 +35,13 @@ import mlx.core as mx
 import numpy as np
 
 import tiered
-from tiered.cli import Progress
+from tiered.commands.cli import Progress
 from tiered.prefill import current_rss_bytes, peak_rss_bytes, prefill
 
 
 def document_tokens(tok, n_tokens: int, seed: int = 0):
     """(token ids, pass key) of a shuffled-pydoc document of n_tokens with a key at 10%."""
-    from tiered.tasks import topics_text
+    from tiered.planning.tasks import topics_text
 
     paras = [p for p in topics_text().split("\n\n") if p.strip()]
     rng = random.Random(seed)
@@ -193,7 +193,7 @@ def main(argv=None):
         print(f"token ids folded into the model's vocabulary of {vocab} (random weights: the "
               "text means nothing to it; the pass key check does not apply)", flush=True)
         ids = [i % vocab for i in ids]
-    from tiered.geometry import model_geometry
+    from tiered.planning.geometry import model_geometry
 
     geo = model_geometry(model, len(model.layers))
     print(f"document: {len(ids)} tokens ({time.perf_counter() - t:.0f}s to build); model "
@@ -278,7 +278,7 @@ def main(argv=None):
         "host_tier_bytes": max(s["host"] for s in samples),
         "disk_bytes": max(s["disk"] for s in samples),
     }
-    host_budget = tiered.config.parse_bytes(args.host_budget, "host_budget")
+    host_budget = tiered.options.config.parse_bytes(args.host_budget, "host_budget")
     full = geo.full_bytes(len(ids))  # the model-dtype cache a streaming offload moves per step
     streaming_ms = 1e3 * full / (host_bw * 1e9)
     checks = {

@@ -20,7 +20,7 @@ from common import (Timer, cache_bytes, continue_greedy, full_cache_bytes, machi
                     rotating_from, shared_prefill, write_results)
 
 import tiered
-from tiered.tasks import is_correct, passkey
+from tiered.planning.tasks import is_correct, passkey
 
 
 def main(argv=None):

@@ -14,6 +14,15 @@ from .block_maker import MAKER, Ticket
 MX_DTYPES = {"float16": mx.float16, "float32": mx.float32, "int8": mx.int8}
 NP_DTYPES = {"float16": np.float16, "float32": np.float32, "int8": np.int8}
 
+# Host pages per allocation, at most. Each block is an allocation of managed memory on MLX CUDA
+# (cudaMallocManaged on the main thread, ahead of need): fewer, larger blocks cost less once
+# the rest of a prompt chunk is cheap. H200, one lease, steady 2048-token prefill chunks of a
+# Llama-3-8B at 200k tokens (bench/probes/prefill_profile.py --warm 200704 --chunks 32
+# --pages-per-block 16 / 64): 116.1 ms per chunk with 16 pages (8 MB of values per layer) and
+# 84.7 with 64 (32 MB). A block is still sized down to the tokens a layer holds when its pages
+# are made, so short contexts do not take whole blocks.
+MAX_PAGES_PER_BLOCK = 64
+
 CUDA = bool(getattr(getattr(mx, "cuda", None), "is_available", lambda: False)())
 # Bytes a block is asked longer than it is, on MLX's CUDA backend. MLX's allocator serves an
 # allocation from its buffer cache when a freed buffer of at least the size and less than

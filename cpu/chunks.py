@@ -1,9 +1,9 @@
 """Chunk logits and chunk expansion on the CPU (Numba): the tau rule over chunks of ``C``
-tokens that every decode path uses (:mod:`tiered.chunk_select`), here for numpy arrays.
+tokens that every decode path uses (:mod:`tiered.step.chunk_select`), here for numpy arrays.
 
 A chunk's logit is the log-sum-exp of its live tokens (on the host pages, not resident); a
 chunk without a live token keeps the log-sum-exp of all its host tokens and is excluded, as in
-the device kernel (:mod:`tiered.device_chunks`). Non-finite scores count for nothing.
+the device kernel (:mod:`tiered.step.device_chunks`). Non-finite scores count for nothing.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ import numpy as np
 
 ALIGN = mmap.ALLOCATIONGRANULARITY
 COPY_CHUNK = 64 << 20  # bytes per copy_file_range call
-# The saved cache directory's pages/ folder while tiered.persist loads from it: the only
+# The saved cache directory's pages/ folder while tiered.persistence.persist loads from it: the only
 # place a state's disk blocks are read from (by bare name).
 PAGES_SOURCE: contextvars.ContextVar[str | None] = contextvars.ContextVar("pages_source",
                                                                          default=None)

@@ -1,6 +1,6 @@
 """Gather + partial attention from the paged host store (Numba), and the CPU prefill's causal
 softmax (see :mod:`tiered.cpu.kernels` for the notation). The partial this returns merges with
-others through :func:`tiered.primitives.merge_partials`."""
+others through :func:`tiered.runtime.primitives.merge_partials`."""
 
 from __future__ import annotations
 

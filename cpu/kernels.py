@@ -1,6 +1,6 @@
 """Numba kernels of the CPU tier: codebook scores, tau-cumulative selection, paged gather.
 (The merge of attention partials is one function for numpy and MLX arrays:
-:func:`tiered.primitives.merge_partials`.)
+:func:`tiered.runtime.primitives.merge_partials`.)
 
 Notation: ``H`` kv heads, ``Hq`` query heads, ``rep = Hq // H`` (query head ``qh`` reads kv head
 ``qh // rep``), ``d`` key head_dim, ``dv`` value head_dim, ``n`` live tokens, ``g`` codebook

@@ -6,7 +6,7 @@ Every read checks first that the store's page files still hold their blocks
 (:meth:`PageReads.check_disk`, one fstat per file): a disk-tier file truncated under the cache
 (through /proc/<pid>/fd, by this process or another) is then a DiskTierError, not a SIGBUS in
 the middle of a copy. The CPU gather checks the same before its workers read
-(:func:`tiered.ops.submit_gather`). A truncation racing the read itself still faults."""
+(:func:`tiered.runtime.ops.submit_gather`). A truncation racing the read itself still faults."""
 
 from __future__ import annotations
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from tiered import dispatch, streams
-from tiered.option_rules import check_block_bytes
+from tiered.runtime import dispatch, streams
+from tiered.options.option_rules import check_block_bytes
 
 from .block_alloc import NP_DTYPES
 from .host_tensor import HOST_DTYPES, HostTensor  # noqa: F401 (HOST_DTYPES re-exported)
@@ -94,7 +94,7 @@ class HostStore(PageReads):
         )
         self.length = 0  # tokens per sequence
         # A small output (lazy) of the last device kernel that read or wrote these pages by
-        # address (tiered.device_decode): the next such kernel takes it as an input, so they run
+        # address (tiered.step.device_decode): the next such kernel takes it as an input, so they run
         # in the order they were queued (see :meth:`device_op`).
         self.fence = None
         self._pages: list[list[int]] = [[] for _ in range(batch)]
@@ -179,7 +179,7 @@ class HostStore(PageReads):
 
     def reserve(self, n: int):
         """Take the next n tokens' slots (pages allocated, length advanced) without writing
-        them: a device writes the bytes (``tiered.device_decode``). Reads from the host wait
+        them: a device writes the bytes (``tiered.step.device_decode``). Reads from the host wait
         for the device first (:meth:`settle`)."""
         self._advance(n, None, None)
 
@@ -348,7 +348,7 @@ class HostStore(PageReads):
 
     def close(self):
         """Release host RAM and the page files, once the MLX work still queued has run: it may
-        read them (mlx-lm's generate leaves a step queued; tiered.streams)."""
+        read them (mlx-lm's generate leaves a step queued; tiered.runtime.streams)."""
         streams.drain()
         for t in self.tensors:
             t.close()

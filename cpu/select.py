@@ -9,7 +9,7 @@ import math
 import numpy as np
 from numba import prange
 
-from tiered.primitives import Selection, check_select_args
+from tiered.runtime.primitives import Selection, check_select_args
 
 from ._numba import kernel
 from .kernel_base import (AVAILABLE, EXCLUDED, EXP_CHUNK, IN_UNION, MASS_SPAN, NBINS,
@@ -276,7 +276,7 @@ def _tau_select(z, n, exclude, tau, cap, floor, idx, count, m_out, s_out, mass_o
 def tau_select(z, n, exclude, tau, cap, floor=0, *, cap_alloc=None, with_stats=False,
                out=None):
     """tau-cumulative selection of offloaded tokens, one union per kv head: the arguments and
-    result of :func:`tiered.metal.tau_select` (:mod:`tiered.primitives`), on numpy arrays.
+    result of :func:`tiered.metal.tau_select` (:mod:`tiered.runtime.primitives`), on numpy arrays.
 
     z (Hq, >= n) float32 scores, columns >= n never read; n live tokens; exclude (H, >= n)
     bool/uint8, nonzero: never select (names H); tau in (0, 1]; cap >= 1; floor >= 0;

@@ -7,7 +7,7 @@ kernel where the default device has one and the reference elsewhere (the CPU bac
 Importing this package builds nothing; kernels are compiled on first use.
 """
 
-from tiered.primitives import Selection
+from tiered.runtime.primitives import Selection
 
 from ._build import accelerator, device_floats, device_ints
 from .affine import affine_scores, affine_scores_ops

@@ -258,7 +258,7 @@ def _cuda_now() -> bool:
 
 def _copy_stream() -> mx.Stream:
     """This thread's own GPU stream for the copies: evaluating one there waits for the copy
-    alone, not for the step queued on the shared stream (tiered.dispatch)."""
+    alone, not for the step queued on the shared stream (tiered.runtime.dispatch)."""
     s = getattr(_traced, "stream", None)
     if s is None:
         s = _traced.stream = mx.new_stream(mx.gpu)
@@ -280,7 +280,7 @@ def _device_copy(values: tuple, dtype) -> mx.array:
 
 def _host_made(values: tuple, dtype) -> mx.array:
     arr = mx.array(list(values), dtype=dtype)
-    mx.eval(arr)  # made from host values: encodes nothing (no wait for tiered.dispatch)
+    mx.eval(arr)  # made from host values: encodes nothing (no wait for tiered.runtime.dispatch)
     return arr
 
 

@@ -21,7 +21,7 @@ ACC_SPEC = KernelSpec(
 )
 # The same kernel with an input it does not read: MLX orders a launch after its inputs' writers,
 # so ``after`` (an output of another kernel) keeps the update from running beside that kernel
-# (tiered.device_compiled: beside the tau selection's persistent kernel both took 1.5-3x as
+# (tiered.step.device_compiled: beside the tau selection's persistent kernel both took 1.5-3x as
 # long on an H200).
 ACC_AFTER_SPEC = KernelSpec(
     name="tiered_h2o_acc_after", body="h2o_acc.h",

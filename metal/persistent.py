@@ -35,7 +35,7 @@ from ._build import (
     launch,
     shared_memory_limit,
 )
-from tiered.primitives import Selection, check_select_args
+from tiered.runtime.primitives import Selection, check_select_args
 
 from .codebook import CODEBOOK_SPEC, codebook_launch, static_shared
 from .select_passes import LMAX_BINS, SELECT_BINS, SPAN_L, SPAN_T

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from tiered.primitives import Selection
+from tiered.runtime.primitives import Selection
 
 from ._build import KernelSpec, Launch, device_floats, device_ints, launch, token_blocks
 

@@ -4,7 +4,7 @@ HCAttention keeps, per query head, the smallest set of tokens (by descending sof
 whose mass reaches tau (the threshold: :mod:`.threshold`). :func:`tau_select` unites the sets
 of the rep query heads of each kv head into one capped, topped-up index list, with the same
 arguments and result as the CPU's :func:`tiered.cpu.kernels.tau_select`
-(:mod:`tiered.primitives`). Three implementations, one result up to the kernels' bin widths:
+(:mod:`tiered.runtime.primitives`). Three implementations, one result up to the kernels' bin widths:
 :func:`tau_select_ops` (plain MLX ops, the reference and the CPU backend's path), the kernel
 passes (:mod:`.select_passes`, Metal and CUDA) and one persistent launch (:mod:`.persistent`,
 CUDA).
@@ -16,7 +16,7 @@ import math
 
 import mlx.core as mx
 
-from tiered.primitives import Selection, check_select_args
+from tiered.runtime.primitives import Selection, check_select_args
 
 from . import persistent
 from ._build import resolve_backend
@@ -112,7 +112,7 @@ def tau_select(
     cap_alloc columns of idx, >= max(cap, floor) (default that)
     Returns (idx int32 (H, cap_alloc), count int32 (H,)): idx[h, :count[h]] are the selected
     token indices in ascending order, the rest -1; with_stats=True returns a
-    :class:`tiered.primitives.Selection` that adds m, s and the selected softmax mass per
+    :class:`tiered.runtime.primitives.Selection` that adds m, s and the selected softmax mass per
     query head (and the kernels' thresholds). The arguments and result of
     :func:`tiered.cpu.kernels.tau_select` (``use_kernel`` and ``zmax`` are this one's own).
 

@@ -101,7 +101,7 @@ def device_path(monkeypatch):
     with every kernel run by the kernel executor (metal_exec.cuda.route_device_path): host
     pages read and written by address, the refreshes, the H2O update, all of it but the
     compiled chain and the page-locked upload ring."""
-    from tiered import uva
+    from tiered.runtime import uva
 
     if uva.available():
         yield "cuda"
@@ -121,6 +121,6 @@ def device_path(monkeypatch):
 def _restore_mlx_lm():
     """Every test leaves mlx-lm unpatched, whatever it did."""
     yield
-    from tiered.integration import uninstall
+    from tiered.runtime.integration import uninstall
 
     uninstall()

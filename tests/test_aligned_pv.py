@@ -5,7 +5,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tiered import ops
+from tiered.runtime import ops
 
 
 @pytest.mark.parametrize("R", [5, 8, 61, 2048, 35437])

@@ -71,18 +71,19 @@ def test_report_cells_and_acceptance():
 
 def test_set_attribute_sets_typed_values_and_refuses_bad_settings():
     import common
-    from tiered import device_attend, device_resident
+    from tiered.step import device_attend, device_resident
 
     was = device_resident.RESIDENT_ITER, device_attend.RESIDENT_SCORES_GIVEN
     try:
-        assert common.set_attribute("tiered.device_resident.RESIDENT_ITER=4") == "RESIDENT_ITER=4"
+        got = common.set_attribute("tiered.step.device_resident.RESIDENT_ITER=4")
+        assert got == "RESIDENT_ITER=4"
         assert device_resident.RESIDENT_ITER == 4
-        common.set_attribute("tiered.device_attend.RESIDENT_SCORES_GIVEN=0")
+        common.set_attribute("tiered.step.device_attend.RESIDENT_SCORES_GIVEN=0")
         assert device_attend.RESIDENT_SCORES_GIVEN == 0
     finally:
         device_resident.RESIDENT_ITER, device_attend.RESIDENT_SCORES_GIVEN = was
-    for bad in ["tiered.device_resident.RESIDENT_ITER", "RESIDENT_ITER=4",
-                "tiered.device_resident.NO_SUCH_SWITCH=1"]:
+    for bad in ["tiered.step.device_resident.RESIDENT_ITER", "RESIDENT_ITER=4",
+                "tiered.step.device_resident.NO_SUCH_SWITCH=1"]:
         with pytest.raises(ValueError, match="Invalid setting"):
             common.set_attribute(bad)
 
@@ -142,13 +143,13 @@ def test_host_read_rate_reads_the_chunks_the_store_holds(device_path):
     got = gather_rate(tokens=1024, select=64, stores=2, launches=3, reps=1, warmup=0, check=True)
     assert got["values"]["bytes_per_launch"] == 8 * 64 * 128 * 2
     assert got["keys_values"]["bytes_per_launch"] == 2 * got["values"]["bytes_per_launch"]
-    assert got["values"]["kernel"] == "tiered.device_decode.gather_chunks"
+    assert got["values"]["kernel"] == "tiered.step.device_decode.gather_chunks"
     assert all(r["gbps"] > 0 for r in got.values())
 
 
 def test_host_read_rate_says_when_it_falls_back_to_the_copy_rate():
     from host_read_rate import host_read_rate
-    from tiered import uva
+    from tiered.runtime import uva
 
     if uva.available():
         pytest.skip("CUDA here: the chunk gather is measured")

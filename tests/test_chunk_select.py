@@ -1,13 +1,14 @@
-"""The one selection rule (tiered.chunk_select): tau over 8-token chunks on the numpy and MLX
-paths, checked against the device step's chunk logits (tiered.device_chunks.chunk_scores, the
+"""The one selection rule (tiered.step.chunk_select): tau over 8-token chunks on the numpy and MLX
+paths, checked against the device step's chunk logits (tiered.step.device_chunks.chunk_scores, the
 MLX reference) and the token rule's softmax statistics."""
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from tiered import chunk_select, ops
-from tiered.device_chunks import chunk_scores
+from tiered.step import chunk_select
+from tiered.runtime import ops
+from tiered.step.device_chunks import chunk_scores
 
 
 def _case(seed, Hq=6, H=2, n=203, n_host=190):

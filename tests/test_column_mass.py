@@ -1,4 +1,5 @@
-"""The attention mass per key that seeds the heavy hitters (tiered.ops.column_mass), against a
+"""The attention mass per key that seeds the heavy hitters (tiered.runtime.ops.column_mass), against
+a
 float64 reference, and its lazy sum over a prompt's chunks on the path that is not the CPU
 backend's float32 one (there it stays on the device until compression reads it)."""
 
@@ -9,7 +10,8 @@ import numpy as np
 import pytest
 from conftest import make_small_model
 
-from tiered import TieredCache, ops
+from tiered import TieredCache
+from tiered.runtime import ops
 from tiered.prefill import prefill
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from tiered.cpu import HostStore
 from tiered.cpu import kernels as K
-from tiered.primitives import merge_partials
+from tiered.runtime.primitives import merge_partials
 
 
 # ---- reference ----------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tiered.device_decode import CHUNK
+from tiered.step.device_decode import CHUNK
 
 
 @pytest.mark.parametrize("out", ["float32", "float16"])
@@ -21,7 +21,7 @@ def test_approx_attend_is_softmax_over_both_sets(sinks, H, rep, R, n, dv, capc, 
     its kernels, else MLX ops): one softmax over the resident tokens' exact scores and the
     gathered tokens' code scores, with the sink in the denominator; stats = [attended
     gathered tokens per kv head, resident share of the mass]."""
-    from tiered.device_attend import approx_attend
+    from tiered.step.device_attend import approx_attend
 
     rng = np.random.default_rng(3)
     Hq = H * rep
@@ -65,8 +65,8 @@ def test_attend_kernel_matches_ops(R, T, rep, d, sinks, dtype, given, device_pat
     """The split-K attention over the resident set and the gathered rows equals the MLX-op
     partials and merge: output, attended count and resident share of the mass; also with the
     resident scores given (the splits then read them, not the resident keys)."""
-    from tiered.attend_reference import attend_ops
-    from tiered.device_attend import attend
+    from tiered.step.attend_reference import attend_ops
+    from tiered.step.device_attend import attend
     rng = np.random.default_rng(R + T)
     H = 2
     dt = getattr(mx, dtype)
@@ -103,9 +103,9 @@ def test_resident_scores_kernel_matches_ops(R, rep, d, dtype, iters, monkeypatch
     exact scores (-inf on empty slots) and the columns they replace (n for empty slots); the
     tiled kernel at 4 and 1 slots a lane group, and the one-warp-per-slot kernel (0, also
     what d = 96 gets)."""
-    from tiered import device_resident
-    from tiered.attend_reference import resident_scores_ops
-    from tiered.device_resident import resident_scores
+    from tiered.step import device_resident
+    from tiered.step.attend_reference import resident_scores_ops
+    from tiered.step.device_resident import resident_scores
     monkeypatch.setattr(device_resident, "RESIDENT_ITER", iters)
     rng = np.random.default_rng(R + rep)
     H, n, scale = 2, 10 * R + 7, 0.125
@@ -131,7 +131,7 @@ def test_tiled_resident_lanes(d, dtype, rep, lanes, monkeypatch):
     """The tiled resident kernel's lanes per slot read a key row in 16-byte words, a power of
     two of them up to a warp; other shapes, and every shape with RESIDENT_ITER 0, take the
     one-warp-per-slot kernel (0)."""
-    from tiered import device_resident
+    from tiered.step import device_resident
     monkeypatch.setattr(device_resident, "RESIDENT_ITER", 4)
     assert device_resident.tiled_lanes(d, getattr(mx, dtype), rep) == lanes
     monkeypatch.setattr(device_resident, "RESIDENT_ITER", 0)

@@ -1,4 +1,4 @@
-"""The accelerator decode path with no host round trip (tiered.device_decode).
+"""The accelerator decode path with no host round trip (tiered.step.device_decode).
 
 - chunk logits and exclusions against a numpy reference (any backend);
 - the device encoder's codes against the MLX encoder's;
@@ -18,9 +18,10 @@ import pytest
 from conftest import make_small_model
 from mlx_lm.models.cache import KVCache
 
-from tiered import TieredCache, uva
-from tiered.device_chunks import chunk_logits, chunk_scores, chunk_tokens
-from tiered.device_decode import CHUNK
+from tiered import TieredCache
+from tiered.runtime import uva
+from tiered.step.device_chunks import chunk_logits, chunk_scores, chunk_tokens
+from tiered.step.device_decode import CHUNK
 
 needs_cuda = pytest.mark.skipif(not uva.available(),
                                 reason="the device path needs MLX's CUDA backend")
@@ -87,7 +88,7 @@ def test_chunk_logits_kernel_matches_ops(n_host, rep, device_path):
 
 @pytest.mark.parametrize("n_host,n,width", [(61, 66, 256), (4099, 4100, 4608), (0, 9, 16)])
 def test_chunk_logits_at_a_kept_width(n_host, n, width, device_path):
-    """At a width past n (tiered.device_compiled keeps one between steps) the chunks up to the
+    """At a width past n (tiered.step.device_compiled keeps one between steps) the chunks up to the
     host pages are as without it, later ones excluded with logit -inf, za -inf past n."""
     rng = np.random.default_rng(n)
     H, rep = 2, 4
@@ -109,12 +110,13 @@ def test_chunk_logits_at_a_kept_width(n_host, n, width, device_path):
 @pytest.mark.parametrize("host_keys", [True, False])
 @pytest.mark.parametrize("iters,given", [(0, False), (4, True)])
 def test_compiled_step_decodes_as_the_step_op_by_op(monkeypatch, host_keys, iters, given):
-    """tiered.device_compiled and tiered.device_append: the chain compiled at a kept width, and
+    """tiered.step.device_compiled and tiered.step.device_append: the chain compiled at a kept
+    width, and
     the append as one compiled call, give the outputs, pages, H2O accumulators, codes and
     resident set of the same steps built op by op, across refreshes and width changes; without
     host keys (approximate rescoring, as at 1M tokens) too; with the tiled resident kernel and
     its scores handed to the exact splits too."""
-    from tiered import device_append, device_attend, device_compiled, device_resident
+    from tiered.step import device_append, device_attend, device_compiled, device_resident
     monkeypatch.setattr(device_resident, "RESIDENT_ITER", iters)
     monkeypatch.setattr(device_attend, "RESIDENT_SCORES_GIVEN", given)
 
@@ -176,7 +178,7 @@ def test_all_chunks_selected_decodes_as_kvcache(rescore, iters, given, device_pa
     """With every chunk selected the device path decodes as KVCache (exactly with exact
     rescoring; approximate rescoring within its bound), with the tiled resident kernel and
     its scores handed to the splits too, and writes the model's values into the pages."""
-    from tiered import device_attend, device_resident
+    from tiered.step import device_attend, device_resident
     monkeypatch.setattr(device_resident, "RESIDENT_ITER", iters)
     monkeypatch.setattr(device_attend, "RESIDENT_SCORES_GIVEN", given)
     model = make_small_model("llama-gqa-d64", layers=3, seed=7)
@@ -247,12 +249,12 @@ def test_tokens_fed_without_evaluation_decode_as_evaluated_ones():
     (2, 16, 300, 4, 64, "float16", 1), (8, 32, 64, 4, 128, "float16", 777),
     (3, 1, 256, 8, 64, "bfloat16", 130)])
 def test_encode_kernel_picks_a_nearest_centroid(H, Gc, c, ds, d, dtype, L, device_path):
-    """tiered.device_encode: each group's code is a nearest centroid, as the MLX encoder's is
+    """tiered.step.device_encode: each group's code is a nearest centroid, as the MLX encoder's is
     (their distances agree to float32 rounding; the codes agree where no two centroids tie),
     for a decode token and for a prompt chunk (read through a transposed view, as the model
     hands its keys over)."""
     from tiered.codecs.pq import encode_mx
-    from tiered.device_encode import encode, norms
+    from tiered.step.device_encode import encode, norms
     rng = np.random.default_rng(c + L)
     g = d // ds
     book = rng.normal(size=(H, Gc, c, ds)).astype(np.float32)

@@ -1,4 +1,4 @@
-"""The device path's door (tiered.device_decode.first_bad): the first token holding a NaN or
+"""The device path's door (tiered.step.device_decode.first_bad): the first token holding a NaN or
 Inf in its keys or values, for a decode token and across a prompt chunk's blocks (on CUDA,
 else on the kernel executor through the device_path fixture)."""
 
@@ -13,7 +13,7 @@ import pytest
 def test_door_kernel_finds_the_first_non_finite_token(dtype, device_path):
     """first_bad: the first token (from start) holding a NaN or Inf in keys or values, folded
     with the previous steps' value; NO_BAD when every entry is finite."""
-    from tiered.device_decode import NO_BAD, first_bad
+    from tiered.step.device_decode import NO_BAD, first_bad
 
     rng = np.random.default_rng(0)
     H, L, dk, dv = 3, 5, 64, 32
@@ -35,7 +35,7 @@ def test_door_kernel_finds_the_first_non_finite_token(dtype, device_path):
 def test_door_kernel_over_a_prompt_chunk(device_path):
     """A prompt chunk's door spans many blocks (each folds its minimum in): the first bad token
     wherever it lies, keys or values, late or early; the previous value when it is earlier."""
-    from tiered.device_decode import NO_BAD, first_bad
+    from tiered.step.device_decode import NO_BAD, first_bad
 
     rng = np.random.default_rng(1)
     H, L, d = 8, 2048, 128

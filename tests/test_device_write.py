@@ -1,4 +1,5 @@
-"""The decode token's write-behind kernel (tiered.device_append._write_one, CUDA): it writes the
+"""The decode token's write-behind kernel (tiered.step.device_append._write_one, CUDA): it writes
+the
 token's rows into their host page, and a dry launch (token -1, the one that compiles the
 kernel at a layer's first decode step) writes nothing."""
 
@@ -8,9 +9,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tiered import device_append, device_compiled
+from tiered.step import device_append, device_compiled
 from tiered.cpu import HostStore
-from tiered.device_decode import DeviceTables
+from tiered.step.device_decode import DeviceTables
 
 
 @pytest.mark.parametrize("host_keys", [True, False])

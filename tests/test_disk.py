@@ -233,7 +233,7 @@ def test_cache_with_host_budget_spills_and_stays_correct(tmp_path):
 
 
 def test_a_block_spills_only_after_the_queued_device_writes(tmp_path):
-    """Device kernels write reserved slots by address (tiered.device_decode); a block moving
+    """Device kernels write reserved slots by address (tiered.step.device_decode); a block moving
     to the disk tier is copied by the CPU, so the store waits for them first (and only then)."""
     store, budget = _store(tmp_path, 4)
     store.reserve(32)  # a block each for keys and values: room for two more

@@ -1,4 +1,4 @@
-"""tiered.dispatch: the dispatcher thread hands graphs to the device in order, raises what
+"""tiered.runtime.dispatch: the dispatcher thread hands graphs to the device in order, raises what
 fails where the caller waits, takes over what it cannot evaluate, and (on CUDA) decodes the
 same tokens as the main thread's hand-offs."""
 
@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 from conftest import assert_same_state, make_small_model, settled_state
 
-from tiered import TieredCache, device_step, dispatch, uva
+from tiered import TieredCache
+from tiered.step import device_step
+from tiered.runtime import dispatch, uva
 
 needs_cuda = pytest.mark.skipif(not uva.available(),
                                 reason="the dispatcher runs on CUDA (shared stream)")

@@ -108,7 +108,7 @@ def _check_short_prefills(embedded, lengths):
     resident), and with tau = 1 so do the next ones. (The sinks used to be stored twice, in
     their slots and in the recent ring: the first step after a 1-18 token prefill was off by
     up to 2.8 in the logits.)"""
-    from tiered.tasks import topics_text
+    from tiered.planning.tasks import topics_text
 
     model, tok = embedded
     ids = tok.encode(topics_text()[:2000])

@@ -199,7 +199,7 @@ def test_install_is_explicit_and_reversible():
     import mlx_lm.models.base as base
     import mlx_lm.models.llama as llama
 
-    from tiered.integration import routed_scaled_dot_product_attention as routed
+    from tiered.runtime.integration import routed_scaled_dot_product_attention as routed
 
     original = base.scaled_dot_product_attention
     assert llama.scaled_dot_product_attention is original  # importing tiered patched nothing
@@ -230,7 +230,7 @@ def test_router_passes_other_caches_through():
 # ---- CLI -----------------------------------------------------------------------------------------
 def _cli(*args, timeout=600):
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, "-m", "tiered.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tiered.commands.cli", *args], capture_output=True,
                           text=True, timeout=timeout, env=env)
 
 

@@ -1,4 +1,4 @@
-"""Heavy hitters' choice on the accelerator path (tiered.heavy): the choice among resident ids
+"""Heavy hitters' choice on the accelerator path (tiered.layer.heavy): the choice among resident ids
 (``among``, computed on the device) against the host's masked choice (``allowed``)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tiered import undo
-from tiered.heavy import HeavyHitters
+from tiered.step import undo
+from tiered.layer.heavy import HeavyHitters
 
 
 def _hitters(H: int, n: int, seed: int) -> HeavyHitters:
@@ -83,7 +83,7 @@ def test_refresh_without_host_keys_is_skipped_only_where_it_keeps_the_set(monkey
     from conftest import make_small_model
 
     from tiered import TieredCache
-    from tiered.resident import ResidentSet
+    from tiered.layer.resident import ResidentSet
 
     model = make_small_model("llama-gqa-d64", layers=2, seed=3)
     prompt = mx.array(np.random.default_rng(21).integers(0, 49152, (1, 400)))
@@ -127,8 +127,9 @@ def test_refresh_in_place_matches_a_rebuilt_layout(monkeypatch, kernels):
     from mlx_lm.models.cache import trim_prompt_cache
 
     from conftest import make_small_model
-    from tiered import TieredCache, refresh_plan
-    from tiered.resident import ResidentSet
+    from tiered import TieredCache
+    from tiered.layer import refresh_plan
+    from tiered.layer.resident import ResidentSet
 
     model = make_small_model("llama-gqa-d64", layers=2, seed=5)
     prompt = mx.array(np.random.default_rng(8).integers(0, 49152, (1, 400)))

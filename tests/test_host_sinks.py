@@ -7,8 +7,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tiered import ops
-from tiered.keys import CodebookKeys
+from tiered.runtime import ops
+from tiered.step.keys import CodebookKeys
 
 
 def test_host_sinks_join_the_selection_once_in_order():
@@ -67,7 +67,7 @@ def _reference_worst(keys, book, codes, m):
 
 @pytest.mark.parametrize("books", [1, 4])
 def test_worst_coded_tokens_match_a_loop_reference(books):
-    """The host outliers (tiered.compressed.HOST_OUTLIERS): the tokens whose codes miss their
+    """The host outliers (tiered.layer.compressed.HOST_OUTLIERS): the tokens whose codes miss their
     keys the most, per head, as a loop over tokens finds them; a planted rare key is one."""
     rng = np.random.default_rng(books)
     H, n, d, g, c = 2, 60, 16, 4, 8

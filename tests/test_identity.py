@@ -1,4 +1,5 @@
-"""tiered.identity.model_identity: the same digest from MLX integer ops (the GPU's path) and the
+"""tiered.persistence.identity.model_identity: the same digest from MLX integer ops (the GPU's path)
+and the
 host's Numba kernel, for every dtype and for lengths around the chunking; any one changed
 element (one bit) changes it; names, shapes and dtypes count."""
 
@@ -9,8 +10,8 @@ import numpy as np
 import pytest
 from conftest import make_small_model
 
-from tiered import identity
-from tiered.identity import model_identity, parameter_lanes
+from tiered.persistence import identity
+from tiered.persistence.identity import model_identity, parameter_lanes
 
 DTYPES = [mx.float32, mx.float16, mx.bfloat16, mx.uint8, mx.int8, mx.uint32, mx.int32,
           mx.bool_, mx.int64]

@@ -25,6 +25,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 BENCH_ONLY = ("matplotlib",)  # the "bench" extra of pyproject.toml
 
+# tiered's subpackages from the lowest: a module imports its own level and the levels below
+# ("tiered": the package's own modules, the public face). The codecs and the kernel packages
+# (tiered.codecs, .cpu, .metal, .scheduler) are the foundations every level may use; they
+# themselves use only tiered.runtime and tiered.options. Each subpackage's __init__ says so.
+LADDER = ("runtime", "options", "planning", "step", "layer", "persistence", "tiered",
+          "commands")
+FOUNDATIONS = ("codecs", "cpu", "metal", "scheduler")
+ENTRY_POINTS = {("tiered.__main__", "tiered.commands.cli")}  # ``python -m tiered``
+
 # Edges left out of the check until their owner removes the cycle. Each entry must say why.
 ALLOWED_EDGES: dict[tuple[str, str], str] = {}
 
@@ -183,8 +192,9 @@ def test_every_module_is_found():
                  "tiered.metal.tau", "tiered.scheduler.pool"):
         assert name in modules, name
     # the files on disk: every .py of the mapped folders is one of them
-    on_disk = {p.resolve() for d in ("tiered", "tiered/codecs", "cpu", "metal", "scheduler")
-               for p in (ROOT / d).glob("*.py")}
+    folders = ("tiered", "cpu", "metal", "scheduler") + tuple(
+        f"tiered/{d}" for d in ("codecs",) + LADDER if d != "tiered")
+    on_disk = {p.resolve() for d in folders for p in (ROOT / d).glob("*.py")}
     assert on_disk == {p.resolve() for p in modules.values()}
 
 
@@ -230,3 +240,45 @@ def test_no_import_cycles_among_the_benchmarks():
     cycles = find_cycles({m: set(t) for m, t in edges.items()})
     assert not cycles, "import cycles among bench/ modules:\n" + "\n".join(
         describe(c, edges) for c in cycles)
+
+
+def level(module: str) -> int | str:
+    """A module's rung on :data:`LADDER`, or the foundation package it belongs to."""
+    part = module.split(".")[1] if "." in module else "tiered"
+    if part in FOUNDATIONS:
+        return part
+    return LADDER.index(part) if part in LADDER else LADDER.index("tiered")
+
+
+def upward(edges) -> list[str]:
+    """The imports that go up the ladder, or from a foundation to above tiered.options."""
+    bad = []
+    for mod, targets in edges.items():
+        for t, where in targets.items():
+            a, b = level(mod), level(t)
+            if (mod, t) in ENTRY_POINTS or isinstance(b, str):
+                continue
+            if isinstance(a, str):
+                if b > LADDER.index("options"):
+                    bad.append(f"{mod} -> {t} (a foundation reaching up): {', '.join(where)}")
+            elif b > a:
+                bad.append(f"{mod} ({LADDER[a]}) -> {t} ({LADDER[b]}): {', '.join(where)}")
+    return bad
+
+
+def test_the_ladder_check_sees_an_upward_import():
+    edges = {"tiered.step.keys": {"tiered.layer.heavy": ["keys.py:1"],
+                                  "tiered.runtime.ops": ["keys.py:2"]},
+             "tiered.cpu.pages": {"tiered.planning.layout": ["pages.py:3"]},
+             "tiered.__main__": {"tiered.commands.cli": ["__main__.py:4"]}}
+    assert upward(edges) == [
+        "tiered.step.keys (step) -> tiered.layer.heavy (layer): keys.py:1",
+        "tiered.cpu.pages -> tiered.planning.layout (a foundation reaching up): pages.py:3"]
+
+
+def test_subpackages_import_only_down_the_ladder():
+    modules = project_modules()
+    assert {m.split(".")[1] for m in modules if m.count(".") >= 2 and
+            m.split(".")[1] not in FOUNDATIONS} == set(LADDER) - {"tiered"}
+    bad = upward(import_edges(modules))
+    assert not bad, "imports up the ladder of subpackages:\n" + "\n".join(bad)

@@ -105,12 +105,12 @@ def test_bad_backend_and_shapes_are_refused():
 
 def test_a_layer_s_codebook_is_trained_once_per_sample(monkeypatch):
     """Forks of one prefill share the memo: the same first keys of a layer give back the same
-    codebook without training again; other keys train their own (tiered.context)."""
+    codebook without training again; other keys train their own (tiered.planning.context)."""
     import mlx.core as mx
     from conftest import make_small_model
 
     import tiered
-    from tiered import context
+    from tiered.planning import context
 
     model = make_small_model("llama-gqa-d64", layers=2)
     cache = tiered.TieredCache.for_model(model, gpu_budget=0.25, compress_from=64)

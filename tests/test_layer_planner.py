@@ -8,11 +8,11 @@ import json
 import numpy as np
 import pytest
 
-from tiered import layer_planner
-from tiered.config import TieredConfig
-from tiered.layer_profile import LayerProfile, load_profile, save_profile
-from tiered.geometry import Geometry
-from tiered.planner import capacity
+from tiered.planning import layer_planner
+from tiered.options.config import TieredConfig
+from tiered.planning.layer_profile import LayerProfile, load_profile, save_profile
+from tiered.planning.geometry import Geometry
+from tiered.planning.planner import capacity
 
 
 def synthetic_profile(layers: int, head_dim: int = 64, *, sensitive=(), seed: int = 0):
@@ -96,7 +96,7 @@ def test_low_budget_offloads_and_high_budget_keeps_residents():
 
 def test_uniform_refuses_what_layers_plan(tmp_path):
     """At 1/32 of an fp16 cache no uniform layout fits 8k tokens; the layer plans do."""
-    from tiered import layout
+    from tiered.planning import layout
 
     geo = GEOMETRIES[1]
     cfg_u = TieredConfig(gpu_budget=0.03125)

@@ -9,10 +9,10 @@ from conftest import make_small_model
 import mlx.core as mx
 
 import tiered
-from tiered.undo import Journal
-from tiered import layer_planner
-from tiered import layer_probe as P
-from tiered.layer_profile import LayerProfile, save_profile
+from tiered.step.undo import Journal
+from tiered.planning import layer_planner
+from tiered.planning import layer_probe as P
+from tiered.planning.layer_profile import LayerProfile, save_profile
 
 
 def reference_simulated(q, k, v, ka, scale, tau, sinks, recent, cap=None):
@@ -147,7 +147,8 @@ def synthetic(layers, sensitive):
 
 
 def test_layer_aware_cache_stays_within_budget(small, tmp_path, monkeypatch):
-    from tiered import compressed, ops, uva
+    from tiered.layer import compressed
+    from tiered.runtime import ops, uva
 
     seen = []
     join = ops.with_host_sinks
@@ -241,7 +242,7 @@ def test_auto_planner_is_layer_aware_below_an_eighth_with_a_profile_at_hand(smal
 def test_auto_planner_without_a_profile_measures_nothing(small, tmp_path, monkeypatch):
     """No profile at hand (an empty cache_dir, none shipped for this model): "auto" plans
     uniformly and never starts the minutes-long measurement."""
-    import tiered.layer_profile as LP
+    import tiered.planning.layer_profile as LP
 
     def measure(*a, **k):
         raise AssertionError("auto must not measure a profile")
@@ -257,7 +258,7 @@ def test_auto_planner_without_a_profile_measures_nothing(small, tmp_path, monkey
 def test_find_profile_order_and_the_shipped_one(small, embedded, tmp_path, monkeypatch):
     """find_profile: the per-model cache file first, then a shipped one named by the model's
     fingerprint; layer_profile= alone when given. tiered ships the embedded model's."""
-    import tiered.layer_profile as LP
+    import tiered.planning.layer_profile as LP
     from tiered.codecs import model_fingerprint
 
     fid = model_fingerprint(small)
@@ -285,8 +286,9 @@ def test_outliers_of_prompt_chunks_are_those_of_the_whole_prompt(monkeypatch):
     HOST_OUTLIERS worst of all the tokens seen, as one pass over them all finds them."""
     from types import SimpleNamespace
 
-    from tiered import compressed, uva
-    from tiered.keys import CodebookKeys
+    from tiered.layer import compressed
+    from tiered.runtime import uva
+    from tiered.step.keys import CodebookKeys
 
     monkeypatch.setattr(uva, "available", lambda: False)  # where they are searched
 
@@ -314,8 +316,9 @@ def test_outliers_are_not_searched_where_the_device_step_decodes(monkeypatch):
     and keys are read back to find them (they stay None)."""
     from types import SimpleNamespace
 
-    from tiered import compressed, uva
-    from tiered.keys import CodebookKeys
+    from tiered.layer import compressed
+    from tiered.runtime import uva
+    from tiered.step.keys import CodebookKeys
 
     rng = np.random.default_rng(6)
     H, n = 2, 200

@@ -4,7 +4,7 @@
   too), even while the caller still holds the cache;
 - after ``close()`` (or none) + ``del`` + ``gc.collect()``, nothing of the cache stays: not
   for the first cache that decodes in a process either (its first decode step freezes the
-  collector, tiered.steady_gc: a reference cycle frozen then was never collected);
+  collector, tiered.runtime.steady_gc: a reference cycle frozen then was never collected);
 - the disk tier's directory probe leaves no file behind, and a full disk is reported as a
   full disk (its free bytes), not as "not writable".
 

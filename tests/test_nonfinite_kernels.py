@@ -297,7 +297,7 @@ def merge_cases():
     +inf lse; as rows of one call (dv = 2)."""
     import warnings
 
-    from tiered.primitives import merge_partials
+    from tiered.runtime.primitives import merge_partials
 
     inf, nan = np.inf, np.nan
     o1 = np.array([[0, 0], [1, 2], [1, 2], [nan, 1], [1, 1]], np.float32)

@@ -1,12 +1,13 @@
-"""Every option of TieredConfig is documented once (tiered.option_docs), and the README's table
+"""Every option of TieredConfig is documented once (tiered.options.option_docs), and the README's
+table
 and the class's docstring are what that one source makes."""
 
 import dataclasses
 import os
 
 import tiered
-from tiered import option_docs
-from tiered.config import TieredConfig
+from tiered.options import option_docs
+from tiered.options.config import TieredConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from tiered import TieredConfig
-from tiered.option_groups import GROUPS, UNGROUPED
+from tiered.options.option_groups import GROUPS, UNGROUPED
 
 
 def test_every_option_is_in_one_group():

@@ -90,7 +90,7 @@ def shrunk_reads(disk_dir: str, lost: str) -> dict:
 
 
 def failed_step_in_a_thread(disk_dir: str) -> dict:
-    from tiered import ops
+    from tiered.runtime import ops
 
     model, ref = _cache(os.path.join(disk_dir, "ref"))
     want = [_step(model, ref, t) for t in (6, 7, 8, 9)]
@@ -125,7 +125,7 @@ def failed_step_in_a_thread(disk_dir: str) -> dict:
 
 
 def hung_gather(disk_dir: str) -> dict:
-    from tiered import ops
+    from tiered.runtime import ops
 
     model, ref = _cache(os.path.join(disk_dir, "ref"))
     want = [_step(model, ref, t) for t in (6, 7)]

@@ -1,5 +1,5 @@
 """What a prompt chunk leaves lazy is evaluated with the layer's state: on accelerators a
-decode token's journaled ring rows (tiered.undo.ring_rows) wait in the layer's ``_later`` for
+decode token's journaled ring rows (tiered.step.undo.ring_rows) wait in the layer's ``_later`` for
 its step, but no step comes during a prompt. Left there, each chunk's held the ring's whole
 buffer as of its chunk: on an H200, 47 GiB of a 1M-token prefill of a Llama-3-8B. So a chunk's
 rows are tied to the ring instead, and evaluating the state evaluates them, whether tiered's

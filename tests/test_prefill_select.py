@@ -1,4 +1,4 @@
-"""Block-wise prefill with retrieval (tiered.chunked): a prompt chunk past ``prefill_window``
+"""Block-wise prefill with retrieval (tiered.layer.chunked): a prompt chunk past ``prefill_window``
 also attends to the host tokens its last queries score highest on the compressed keys. With
 every token retrieved the chunk sees what an exact prefill sees, so every layer's keys and
 values on the host pages are the exact prefill's; without retrieval (HCAttention's anchor and

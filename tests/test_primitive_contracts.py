@@ -1,5 +1,5 @@
 """Every implementation of each decode-step primitive, on the same inputs, against one rule
-(tiered.primitives: one argument order, one Selection, one merge of partials).
+(tiered.runtime.primitives: one argument order, one Selection, one merge of partials).
 
 tau_select runs as the Numba kernel (tiered.cpu), MLX ops (the reference), the Metal kernel
 passes on the CPU executor (tests/metal_exec; passes 1 and 1b in one launch and in two) and,
@@ -27,7 +27,7 @@ import pytest
 import metal_exec
 from tiered import metal
 from tiered.cpu import kernels as K
-from tiered.primitives import Selection, merge_partials
+from tiered.runtime.primitives import Selection, merge_partials
 
 H = 2  # kv heads
 LEVELS = 12  # score levels per group: 0, -0.5, ..., -5.5 (before the per-head constant)
@@ -80,7 +80,8 @@ MARGIN = 1e-4  # of softmax mass between tau and the mass at either end of the b
 
 
 def rule(z, n, exclude, tau, cap, floor, rep):
-    """The tau/cap/floor rule in float64 (tiered.primitives): (sets per kv head, m, s, mass).
+    """The tau/cap/floor rule in float64 (tiered.runtime.primitives): (sets per kv head, m, s,
+    mass).
     Asserts the margins: the boundary level's mass holds tau's cut with MARGIN to spare on
     either side, and the selection's last token and the first one left out sit on different
     levels."""

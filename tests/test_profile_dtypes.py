@@ -1,5 +1,6 @@
 """A layer profile serves the checkpoint it was measured on in every dtype and layout it loads
-in (tiered.layer_profile.find_profile): the embedded model's, shipped measured in float32 on
+in (tiered.planning.layer_profile.find_profile): the embedded model's, shipped measured in float32
+on
 the CPU, is found for the model as GPUs load it (quantized, float16 or bfloat16), so
 planner="auto" plans by layers there without measuring; other weights do not take it."""
 
@@ -12,9 +13,9 @@ from conftest import make_small_model
 import mlx.core as mx
 
 import tiered
-from tiered.config import TieredConfig
-from tiered.layer_profile import LayerProfile, find_profile, profile_path, save_profile
-from tiered.planner import BudgetError
+from tiered.options.config import TieredConfig
+from tiered.planning.layer_profile import LayerProfile, find_profile, profile_path, save_profile
+from tiered.planning.planner import BudgetError
 
 
 def _profile_for(model, layers):

@@ -14,7 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from tiered import uva
+from tiered.runtime import uva
 from tiered.metal import ptx_cache
 
 needs_cuda = pytest.mark.skipif(not uva.available(),

@@ -54,7 +54,7 @@ def test_readme_tour_runs_as_written(embedded, tmp_path):
     assert "tiered cache:" in r.stdout and "accelerator" in r.stdout
     assert (tmp_path / "document" / "tiered.json").stat().st_size > 0
     assert lines[-1] == "TOUR-DONE TieredCacheList 30"  # the loaded cache, one per layer
-    from tiered.tasks import is_correct
+    from tiered.planning.tasks import is_correct
 
     assert is_correct(expected, answer), (answer, expected)
 

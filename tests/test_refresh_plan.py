@@ -1,4 +1,4 @@
-"""tiered.refresh_plan: a refresh's host side planned on a worker thread is the plan the
+"""tiered.layer.refresh_plan: a refresh's host side planned on a worker thread is the plan the
 settle makes on the main thread, a plan whose inputs changed is dropped, and (on CUDA) a
 decode with plans made ahead is the decode without them."""
 
@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 from conftest import assert_same_state, make_small_model, settled_state
 
-from tiered import TieredCache, dispatch, refresh_plan, uva
-from tiered.heavy import ids_layout
+from tiered import TieredCache
+from tiered.runtime import dispatch, uva
+from tiered.layer import refresh_plan
+from tiered.layer.heavy import ids_layout
 
 needs_cuda = pytest.mark.skipif(not uva.available(),
                                 reason="plans are made ahead where the dispatcher runs (CUDA)")
@@ -85,8 +87,8 @@ def test_the_worker_runs_in_order_and_passes_errors_on():
 def test_refreshes_planned_ahead_decode_as_planned_at_the_settle(monkeypatch):
     """The same decode with refresh_plan.ENABLED off and on: the same outputs, resident sets
     and accumulators, and with it on the settles applied plans made on the worker."""
-    from tiered import device_step
-    from tiered.resident import ResidentSet
+    from tiered.step import device_step
+    from tiered.layer.resident import ResidentSet
 
     model = make_small_model("llama-gqa-d64", layers=4, seed=6)
     rng = np.random.default_rng(11)

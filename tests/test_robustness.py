@@ -18,7 +18,7 @@ from mlx_lm.models.cache import trim_prompt_cache
 import tiered
 from tiered import TieredCache
 from tiered.cpu.disk import DiskTierError
-from tiered.ops import on_cpu_backend
+from tiered.runtime.ops import on_cpu_backend
 from tiered.prefill import prefill
 
 V = 49152
@@ -274,14 +274,14 @@ def test_a_non_finite_token_of_the_exact_window_keeps_the_layer_exact(where):
 # ---- budgets, cleanup -------------------------------------------------------------------------
 def test_an_absolute_budget_is_met_or_refused_never_exceeded(embedded):
     model, tok = embedded
-    from tiered.tasks import topics_text
+    from tiered.planning.tasks import topics_text
 
     ids = tok.encode(topics_text())[:6000]
     cache = TieredCache.for_model(model, gpu_budget="400KB")
     try:
         prefill(model, cache, ids, chunk=2048)
         _feed(model, cache, ids[:3])
-    except tiered.planner.BudgetError as e:
+    except tiered.planning.planner.BudgetError as e:
         assert "smallest budget that works" in str(e)
         return
     rep = tiered.report_dict(cache)
@@ -331,7 +331,7 @@ def _dir_bytes(path):
 @pytest.mark.parametrize("budget", [1.0, 0.125])
 def test_save_estimate_bounds_what_a_save_writes(small, tmp_path, budget):
     """The space a save needs, estimated before the prefill, is at least what it writes."""
-    from tiered import persist
+    from tiered.persistence import persist
 
     toks = _ids(900, seed=5)
     cache = TieredCache.for_model(small, gpu_budget=budget)
@@ -347,7 +347,8 @@ def test_cli_refuses_a_save_without_room_before_the_prefill(tmp_path, monkeypatc
     no prefill done."""
     import shutil
 
-    from tiered import cli, prefill as prefill_mod
+    from tiered.commands import cli
+    from tiered import prefill as prefill_mod
 
     doc = tmp_path / "doc.txt"
     doc.write_text("The harbour master keeps a blue bicycle behind the bakery. " * 60)
@@ -367,7 +368,7 @@ def test_a_refresh_the_planner_refuses_keeps_the_resident_set(monkeypatch):
     """The planner sizes the resident set refresh_every tokens ahead; where it refuses a length
     the layer already holds (a tight budget at a short length), the H2O refresh keeps the
     set's size instead of failing the decode step with a BudgetError."""
-    from tiered.planner import BudgetError, Plan
+    from tiered.planning.planner import BudgetError, Plan
 
     model = make_small_model("llama-gqa-d64", layers=2, seed=3)
     cache = TieredCache.for_model(model, gpu_budget=0.25, page_size=64, recent=16,

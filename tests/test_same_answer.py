@@ -9,7 +9,7 @@ import mlx_lm
 
 import tiered
 from tiered.prefill import prefill
-from tiered.tasks import passkey
+from tiered.planning.tasks import passkey
 
 
 def test_cli_generate_and_a_saved_cache_give_the_same_tokens(embedded, tmp_path):

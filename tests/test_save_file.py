@@ -1,4 +1,5 @@
-"""One save format read by every loader (tiered.save_file): a file while the cache fits in RAM,
+"""One save format read by every loader (tiered.persistence.save_file): a file while the cache fits
+in RAM,
 a directory otherwise; the Python API, the CLI and mlx-lm's loader read each other's saves."""
 
 import subprocess
@@ -10,7 +11,7 @@ import pytest
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 import tiered
-from tiered.snapshot import SnapshotError
+from tiered.persistence.snapshot import SnapshotError
 
 
 def _model():
@@ -90,7 +91,7 @@ def test_a_disk_tier_cache_is_refused_as_one_file(tmp_path):
 def test_the_cli_reads_a_file_the_python_api_wrote(embedded, tmp_path):
     model, tok = embedded
     doc = "The bicycle is red and it stands by the green door. " * 40
-    from tiered.cli import split_prompt
+    from tiered.commands.cli import split_prompt
 
     prefix, _ = split_prompt(tok, doc, "What colour is the bicycle?", chat=True)
     cache = tiered.TieredCache.for_model(model, gpu_budget=0.125)
@@ -108,7 +109,7 @@ def test_directory_saves_cross_between_the_python_api_and_the_cli(embedded, tmp_
     --load-cache, and tiered run --save-cache's directory loads with TieredCacheList.load."""
     import mlx_lm
 
-    from tiered.cli import split_prompt
+    from tiered.commands.cli import split_prompt
 
     model, tok = embedded
     doc = tmp_path / "doc.txt"

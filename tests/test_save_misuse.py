@@ -31,7 +31,7 @@ from mlx_lm.models.cache import save_prompt_cache
 import tiered
 from tiered import TieredCache, TieredCacheList
 from tiered.prefill import prefill
-from tiered.snapshot import manifest_digest
+from tiered.persistence.snapshot import manifest_digest
 
 OPTS = dict(gpu_budget=0.25, page_size=64, recent=16, prefill_window=256)
 DOCS = {"a": 1, "b": 2}  # document name -> seed of its token ids
@@ -127,7 +127,7 @@ def test_a_cache_refuses_a_model_with_other_weights(small, tmp_path):
 
 
 def test_identity_sees_one_changed_weight_of_the_embedded_model(embedded):
-    from tiered.identity import model_identity
+    from tiered.persistence.identity import model_identity
 
     model, _ = embedded
     before = model_identity(model)
@@ -159,7 +159,7 @@ def test_a_host_budget_given_at_load_holds(small, tmp_path):
                                                   ("int8", True), ("float16", False)])
 def test_save_estimate_bounds_what_a_save_writes_for_fp16_models(tmp_path, host_dtype,
                                                                  host_keys):
-    from tiered import persist
+    from tiered.persistence import persist
 
     model = make_small_model("llama-gqa-d64", layers=3, seed=1)
     model.set_dtype(mx.float16)
@@ -251,11 +251,13 @@ def test_saves_and_loads_from_threads_and_processes_at_once(small, tmp_path, mon
     as one of the two documents (never a mix, never a missing file). Several threads run the
     model at once here: on CUDA that takes the dispatcher off (``TIERED_DISPATCH_THREAD=0``),
     and the threads run the model one at a time, under the lock tiered's saves and loads take
-    (tiered.persist.MLX_WORK), as the README asks: on MLX 0.32.4's CUDA backend two threads
+    (tiered.persistence.persist.MLX_WORK), as the README asks: on MLX 0.32.4's CUDA backend two
+    threads
     evaluating at once aborted the process inside MLX (H200: a prefill beside a decode)."""
     import contextlib
 
-    from tiered import dispatch, persist, uva
+    from tiered.runtime import dispatch, uva
+    from tiered.persistence import persist
 
     monkeypatch.setattr(dispatch, "_enabled", False)
     one = persist.MLX_WORK if uva.available() else contextlib.nullcontext()

@@ -26,7 +26,7 @@ from conftest import make_small_model
 
 from tiered import TieredCache
 from tiered.prefill import prefill
-from tiered.snapshot import manifest_digest
+from tiered.persistence.snapshot import manifest_digest
 
 CHILD_TIMEOUT_S = 120
 OK, REFUSED = "loaded", "refused"
@@ -259,7 +259,7 @@ def _same_options(edited: dict, saved: dict) -> bool:
     """Whether ``edited`` is ``saved`` once the config fills its defaults (rescore=None is
     the rescoring the saved options chose), runtime options aside."""
     from tiered import TieredConfig
-    from tiered.config import RUNTIME_OPTIONS
+    from tiered.options.config import RUNTIME_OPTIONS
 
     try:
         a, b = (TieredConfig.from_kwargs(**c).to_dict() for c in (edited, saved))
@@ -273,7 +273,7 @@ def test_every_manifest_option_edited_is_refused_or_decodes_as_saved(saves):
     re-signed (checksums and digest recomputed), the load refuses it unless the option is a
     runtime one (then it decodes as saved, writing nowhere but its directory); not re-signed,
     the digest refuses every edit."""
-    from tiered.config import RUNTIME_OPTIONS
+    from tiered.options.config import RUNTIME_OPTIONS
 
     root, a, _ = saves
     reference = _load(a)["logits"]
@@ -356,7 +356,7 @@ def test_every_state_field_edited_is_refused_or_decodes_as_saved(saves):
     got = _check_all(root, cases, expect_refused=False, reference=reference)
     refused = sum(g["result"] == REFUSED for g in got)
     print(f"{len(cases)} state edits: {refused} refused, {len(cases) - refused} loaded as saved")
-    from tiered.config import RUNTIME_OPTIONS
+    from tiered.options.config import RUNTIME_OPTIONS
 
     for (name, _), case, g in zip(edits.items(), cases, got):
         if name.startswith("config ") and name[7:] not in RUNTIME_OPTIONS:

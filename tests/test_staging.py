@@ -1,4 +1,4 @@
-"""Small uploads through the page-locked ring (tiered.staging).
+"""Small uploads through the page-locked ring (tiered.runtime.staging).
 
 - any backend: ``upload`` and ``upload_many`` give int32 arrays equal to their sources;
 - on CUDA: a ring a few records long, lapped many times with every copy left lazy until the
@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tiered import staging, uva
+from tiered.runtime import staging, uva
 
 needs_cuda = pytest.mark.skipif(not uva.available(), reason="the ring needs MLX's CUDA backend")
 

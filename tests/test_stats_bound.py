@@ -4,7 +4,7 @@ still takes back exactly the steps it gave."""
 
 import numpy as np
 
-from tiered import stats
+from tiered.runtime import stats
 
 
 def test_counters_keep_the_latest_steps(monkeypatch):
@@ -24,7 +24,7 @@ def test_counters_keep_the_latest_steps(monkeypatch):
 
 
 def test_a_trim_checkpoint_puts_the_counters_back(monkeypatch):
-    from tiered.trim import put_back_stats
+    from tiered.layer.trim import put_back_stats
 
     monkeypatch.setattr(stats, "KEEP_STEPS", 4)
     s = stats.LayerStats()

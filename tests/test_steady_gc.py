@@ -1,5 +1,6 @@
 """The garbage collector is frozen at a cache's first decode step, once per process, and left
-alone with TIERED_GC_FREEZE=0 (tiered.steady_gc). Each case runs in a child process: freezing
+alone with TIERED_GC_FREEZE=0 (tiered.runtime.steady_gc). Each case runs in a child process:
+freezing
 the pytest process would keep every test's cyclic garbage."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ sys.path.insert(0, sys.argv[1])
 from conftest import make_small_model
 import mlx.core as mx
 import tiered
-from tiered import steady_gc
+from tiered.runtime import steady_gc
 
 calls = []
 real_freeze = gc.freeze

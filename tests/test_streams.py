@@ -1,11 +1,11 @@
-"""MLX work still queued when a process exits or a cache closes (tiered.streams)."""
+"""MLX work still queued when a process exits or a cache closes (tiered.runtime.streams)."""
 
 import subprocess
 import sys
 
 import pytest
 
-from tiered import _platform, streams
+from tiered.runtime import _platform, streams
 
 import mlx.core as mx
 
@@ -26,7 +26,7 @@ else:
 with mx.stream(stream):
     b = a @ a @ a @ a
 mx.async_eval(b)
-print("queued", tiered._platform.BLAS.status, flush=True)
+print("queued", tiered.runtime._platform.BLAS.status, flush=True)
 """
 
 

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from tiered.tasks_retrieval import kv_retrieval, planted_facts
+from tiered.planning.tasks_retrieval import kv_retrieval, planted_facts
 
 
 @pytest.mark.parametrize("make", [kv_retrieval, planted_facts])

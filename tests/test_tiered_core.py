@@ -12,7 +12,7 @@ from mlx_lm.models.cache import KVCache
 
 import tiered
 from tiered import TieredCache
-from tiered.planner import BudgetError
+from tiered.planning.planner import BudgetError
 
 
 def _prompt(n, seed=0, vocab=49152):
@@ -67,7 +67,7 @@ def _teacher_forced(model, cache, prompt, cont):
 def test_default_policy_tracks_the_full_cache_on_real_text(embedded):
     """Embedded model, real text, 1/4 of the accelerator bytes: the next-token distributions
     stay close to the full cache's (teacher-forced, so both see the same tokens)."""
-    from tiered.tasks import topics_text
+    from tiered.planning.tasks import topics_text
 
     model, tok = embedded
     ids = tok.encode(topics_text()[20000:26000])[:624]
@@ -279,7 +279,7 @@ def test_without_host_keys_heavy_hitters_come_from_the_accelerator(small):
 
 def test_observed_weights_blocked_matches_numpy():
     """The H2O seed's observation weights: one-block and multi-block paths against numpy."""
-    from tiered import ops as tops
+    from tiered.runtime import ops as tops
 
     rng = np.random.default_rng(0)
     H, rep, w, n, d = 2, 3, 5, 70, 16

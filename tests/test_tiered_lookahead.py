@@ -11,7 +11,7 @@ from test_tiered_core import _decode_logits, _prompt
 
 import tiered
 from tiered import TieredCache
-from tiered.planner import BudgetError
+from tiered.planning.planner import BudgetError
 
 small = core.small  # the module-scoped small model (a fixture: one model per module)
 
@@ -21,8 +21,8 @@ def test_lookahead_attends_resident_and_previous_selection_exactly(small, monkey
     attention over its resident tokens and the buffer, and the buffer holds exactly the
     previous step's selection and its successors (outside the resident set), with the rows
     of the host pages. Checked against float64 numpy from the host store's float32 rows."""
-    from tiered import compressed as C
-    from tiered import lookahead as LA
+    from tiered.layer import compressed as C
+    from tiered.layer import lookahead as LA
 
     moves, steps = {}, []
     real_move, real_step = LA._spill_move, C.CompressedLayer._decode_lookahead

@@ -41,7 +41,7 @@ def test_calibration_from_text_is_cached_and_checked(embedded, tmp_path):
     is a clear error naming it."""
     import glob
 
-    from tiered.tasks import topics_text
+    from tiered.planning.tasks import topics_text
 
     model, tok = embedded
     text = tmp_path / "calib.txt"

@@ -1,4 +1,4 @@
-"""Trims of a compressed TieredCache (tiered/trim.py): any length succeeds, or fails with the
+"""Trims of a compressed TieredCache (tiered/layer/trim.py): any length succeeds, or fails with the
 cache as it was; below the compression threshold the layer is exact again, holding what
 KVCache holds; a trim into a journaled prompt chunk equals a cache fed up to there in the
 same chunks."""
@@ -13,8 +13,9 @@ from conftest import make_small_model
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import trim_prompt_cache
 
-from tiered.resident import ResidentSet
-from tiered import TieredCache, undo
+from tiered.layer.resident import ResidentSet
+from tiered import TieredCache
+from tiered.step import undo
 from tiered.cpu import HostStore
 from tiered.prefill import prefill
 

@@ -7,22 +7,22 @@
     print(tiered.report(cache))
 
 Importing tiered first loads an optimized BLAS for MLX's CPU backend on Linux (see
-``tiered._platform``); it patches nothing in mlx-lm until :func:`install` is called
+``tiered.runtime._platform``); it patches nothing in mlx-lm until :func:`install` is called
 (``TieredCache.for_model`` calls it).
 """
 
-from ._platform import BLAS, preload_blas
+from .runtime._platform import BLAS, preload_blas
 
 preload_blas()
 
 from . import cache_list  # noqa: E402
 from .cache import TieredCache  # noqa: E402
 from .cache_list import TieredCacheList  # noqa: E402
-from .config import TieredConfig  # noqa: E402
-from .integration import install, installed, uninstall  # noqa: E402
+from .options.config import TieredConfig  # noqa: E402
+from .runtime.integration import install, installed, uninstall  # noqa: E402
 from .model import load  # noqa: E402
 from .report import report, report_dict  # noqa: E402
-from .version import __version__  # noqa: E402
+from .persistence.version import __version__  # noqa: E402
 
 
 def load_prompt_cache(path: str, return_metadata: bool = False):

@@ -1,7 +1,7 @@
-"""``python -m tiered``: the command line (tiered.cli)."""
+"""``python -m tiered``: the command line (tiered.commands.cli)."""
 
 import sys
 
-from .cli import main
+from .commands.cli import main
 
 sys.exit(main())

@@ -7,19 +7,18 @@ Phases of a layer:
 
 - ``exact``: every token's full K and V on the accelerator, pre-allocated and grown in steps as
   mlx-lm's ``KVCache`` grows them, and nothing else of K/V anywhere: attention is mlx-lm's,
-  bit for bit. A budget of 1.0 stays here for good; a smaller budget stays here while no
-  compressed layout meets it (:mod:`tiered.layout`), and for a batch of several sequences.
+  bit for bit. A budget of 1.0 stays here for good; a smaller one while no compressed layout
+  meets it (:mod:`tiered.planning.layout`), and for a batch of several sequences.
 - ``compressed``: the accelerator keeps key codes for every token and full K/V for the resident
-  set only; every value (and key) is on the host (:mod:`tiered.compressed`). The layer moves
-  here at a decode step, or when a prompt outgrows ``prefill_window`` (or an absolute budget),
-  once the layout pays: its K/V go to the host pages in one pass.
+  set only; every value (and key) is on the host (:mod:`tiered.layer.compressed`). It moves here
+  at a decode step, or when a prompt outgrows ``prefill_window`` (or an absolute budget), once
+  the layout pays: its K/V go to the host pages in one pass.
 
-``report()`` says per layer which phase it is in and why (``layout_note``).
-
-The class is assembled by topic: the exact phase and the move to compression
-(:mod:`tiered.exact_phase`), the host tier (:mod:`tiered.host_tier`), the rest of mlx-lm's
-protocol (:mod:`tiered.cache_protocol`), what the tiers hold (:class:`tiered.report.LayerReport`);
-what ``update_and_fetch`` and attention must look like is :mod:`tiered.contract`.
+``report()`` says per layer which phase it is in and why (``layout_note``). The class is
+assembled by topic: the exact phase and the move to compression (:mod:`tiered.exact_phase`),
+the host tier (:mod:`tiered.host_tier`), the rest of mlx-lm's protocol
+(:mod:`tiered.cache_protocol`), what the tiers hold (:class:`tiered.report.LayerReport`); the
+contract of ``update_and_fetch`` and attention is :mod:`tiered.planning.contract`.
 """
 
 from __future__ import annotations
@@ -30,25 +29,27 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
-from tiered.cpu import HostStore
-
-from . import cache_list, contract, device_append, dispatch, layer_state, steady_gc, trim
-from .cache_list import TieredCacheList  # noqa: F401  (it lived here: old imports keep working)
+from . import cache_list
 from .cache_protocol import CacheProtocol
-from .config import TieredConfig
-from .context import SharedContext
+from .cpu import HostStore
 from .exact_phase import ExactPhase
-from .geometry import Geometry
 from .host_tier import HostTier
-from .integration import is_installed, loadable
+from .layer import trim
+from .options.config import TieredConfig
+from .persistence import layer_state
+from .planning import contract
+from .planning.context import SharedContext
+from .planning.geometry import Geometry
 from .report import LayerReport
-from .stats import LayerStats
+from .runtime import dispatch, steady_gc
+from .runtime.integration import is_installed, loadable
+from .runtime.stats import LayerStats
+from .step import device_append
 
 # The share of tiered layers whose refresh (queued at a step's end, device path) applies at the
-# end of the same step, not at the layer's next append (H200, 128k, bench/probes/device_probe.py
-# --toggle: 0.5 faster than 0 in 6 of 7 paired rounds, by 1.1 ms/token on average).
+# end of the same step, not at the layer's next append (H200, 128k, device_probe.py --toggle:
+# 0.5 faster than 0 in 6 of 7 paired rounds, by 1.1 ms/token on average).
 EARLY_SETTLE = 0.5
-
 log = logging.getLogger("tiered")
 
 
@@ -93,7 +94,7 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
         self._pending: list[tuple[mx.array, mx.array]] = []  # write-behind queue
         self._pending_tokens = 0
         self.geometry: Geometry | None = None  # set by the first keys
-        self.compressed = None  # tiered.compressed.CompressedLayer once compressed
+        self.compressed = None  # tiered.layer.compressed.CompressedLayer once compressed
         self._obs = None  # the last queries before compression (they seed the heavy hitters)
         self._colmass = None  # attention mass per key over the prompt (H2O seed)
         self._scale = None  # the attention scale the model uses
@@ -189,7 +190,7 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
         """(keys, values, meta, arrays), as mlx-lm's caches keep arrays and scalars in
         ``state``: keys/values are the exact K/V (exact phase) or the resident set's
         (compressed); ``meta`` a JSON string; ``arrays`` the rest by name. See
-        :mod:`tiered.layer_state`."""
+        :mod:`tiered.persistence.layer_state`."""
         return layer_state.state_of(self)
 
     @state.setter
@@ -198,7 +199,7 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
 
     def lazy_arrays(self, door: bool = True, flush: bool = True) -> list:
         """The arrays a prompt chunk leaves lazy (``state``'s, without building it; see
-        :func:`tiered.layer_state.lazy_arrays`); ``door=False`` leaves the door's checks
+        :func:`tiered.persistence.layer_state.lazy_arrays`); ``door=False`` leaves the door's checks
         queued (:meth:`take_door`), ``flush=False`` the write-behind queue."""
         return layer_state.lazy_arrays(self, door, flush)
 
@@ -215,7 +216,7 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
 
     def trim(self, n: int) -> int:
         """Give back the last n tokens (any int: clipped to [0, offset]), all or nothing; a
-        compressed layer trimmed below its threshold is exact again (:mod:`tiered.trim`)."""
+        compressed layer trimmed below its threshold is exact again (:mod:`tiered.layer.trim`)."""
         return trim.trim_layer(self, n)
 
     def size(self) -> int:
@@ -266,13 +267,14 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
     def _beside_dispatch(self) -> bool:
         """Whether this layer's step may be built while the dispatcher thread hands earlier
         work to the device: the device path of a compressed layer, whose evaluations all go
-        through tiered.dispatch (which waits for the thread) and whose reads of device arrays
+        through tiered.runtime.dispatch (which waits for the thread) and whose reads of device
+        arrays
         follow them. Any other step waits for the thread first."""
         return self.phase == "compressed" and bool(getattr(self.compressed, "on_device", False))
 
     def _settle_early(self) -> None:
         """Apply now the refreshes queued this step by the first EARLY_SETTLE of the tiered
-        layers (:meth:`~tiered.resident.ResidentSet.settle`) rather than at their next append:
+        layers (:meth:`~tiered.layer.resident.ResidentSet.settle`) rather than at their next append:
         the device still runs this step's last layers, and those layers' ids are computed."""
         tiered = self.context.tiered_layers or list(range(self.context.layers))
         early = set(tiered[: max(1, round(len(tiered) * EARLY_SETTLE))])
@@ -311,7 +313,7 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
         return out if self.head_perm is None else out[:, mx.array(np.argsort(self.head_perm))]
 
     def _check_contract(self, queries, keys, values, mask, new):
-        """Whether this layer may ever compress (see :mod:`tiered.contract`); ``new``: the
+        """Whether this layer may ever compress (see :mod:`tiered.planning.contract`); ``new``: the
         keys/values the update stored."""
         if self.exact_reason is not None or self.config.exact:
             return
@@ -377,8 +379,7 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
             return other
         other.geometry = self.geometry
         k, v = self._exact_view()
-        other.keys, other.values = k[..., :, :], v[..., :, :]  # new array objects
-        other.offset = self.offset
+        other.keys, other.values, other.offset = k[..., :, :], v[..., :, :], self.offset
         other._obs, other._scale, other._returned = self._obs, self._scale, self._returned
         other.head_perm, other.exact_reason = self.head_perm, self.exact_reason
         other._colmass = None if self._colmass is None else self._colmass.copy()

@@ -3,7 +3,7 @@
 ``for_model`` gives each full-attention layer whose attention reaches mlx-lm's
 ``scaled_dot_product_attention`` a TieredCache, and keeps the model's own cache, with the
 reason, for every other layer: sliding-window and SSM layers (their caches are not KVCache),
-MLA layers (:func:`tiered.contract.mla_reason`), a cache whose K/V other layers read whole
+MLA layers (:func:`tiered.planning.contract.mla_reason`), a cache whose K/V other layers read whole
 without routing attention through it (afm7's KV-reuse layers).
 """
 
@@ -18,12 +18,13 @@ import sys
 
 from mlx_lm.models.cache import KVCache
 
-from . import dispatch, integration, persist
-from .config import TieredConfig
-from .context import SharedContext
-from .contract import mla_reason
+from .runtime import dispatch, integration
+from .persistence import persist
+from .options.config import TieredConfig
+from .planning.context import SharedContext
+from .planning.contract import mla_reason
 from .cpu.disk import DiskTierError, disk_room
-from .integration import is_tiered
+from .runtime.integration import is_tiered
 from .report import tier_totals
 
 log = logging.getLogger("tiered")
@@ -82,7 +83,7 @@ def for_model(cls, model, gpu_budget=0.125, *, install: bool = True, tokenizer=N
     that text (``tokenizer`` is then needed unless the result is already in ``cache_dir``); the
     default ``"self"`` trains each layer's codebook on the document's own first keys.
     Unknown or invalid options raise ``ValueError`` naming them; a budget that no document
-    length can meet raises :class:`tiered.planner.BudgetError` here, before any work.
+    length can meet raises :class:`tiered.planning.planner.BudgetError` here, before any work.
     """
     layers = _check_model(model)
     cfg = TieredConfig.from_kwargs(gpu_budget=gpu_budget, **config)
@@ -228,9 +229,9 @@ class TieredCacheList(list):
     def save(self, path: str, model) -> str:
         """Persist this cache (after prefill): ask again without re-reading. A path ending in
         .safetensors is one file (mlx-lm's prompt-cache format with tiered's manifest; the
-        cache must fit in RAM: :mod:`tiered.save_file`), any other a snapshot directory
-        (:mod:`tiered.persist`, pages on the disk tier included)."""
-        from . import save_file
+        cache must fit in RAM: :mod:`tiered.persistence.save_file`), any other a snapshot directory
+        (:mod:`tiered.persistence.persist`, pages on the disk tier included)."""
+        from .persistence import save_file
 
         if save_file.is_file(path):
             return save_file.save(self, path, model)
@@ -240,7 +241,7 @@ class TieredCacheList(list):
     def load(cls, directory: str, model, **expect) -> "TieredCacheList":
         """A cache saved with :meth:`save` (a directory or one file; also a file mlx-lm's
         ``save_prompt_cache`` wrote); refuses another model or other options."""
-        from . import save_file
+        from .persistence import save_file
 
         if os.path.isfile(directory):
             loaded = save_file.load(directory, model, expect_config=expect or None)

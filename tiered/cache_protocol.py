@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import logging
 
-from . import layer_state
+from .persistence import layer_state
 
 log = logging.getLogger("tiered")
 

@@ -7,20 +7,14 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from tiered.cpu import HostStore
-from tiered.cpu.disk import disk_room
+from .cpu import HostStore
+from .cpu.disk import disk_room
+from .cpu.block_alloc import MAX_PAGES_PER_BLOCK
 
-from . import device_decode, dispatch, ops, uva
+from .step import device_decode
+from .runtime import dispatch, ops, uva
 
 HOST_COPY_TOKENS = 4096  # tokens per pass when the exact K/V move to the host pages
-# Host pages per allocation, at most. Each block is an allocation of managed memory on MLX CUDA
-# (cudaMallocManaged on the main thread, ahead of need): fewer, larger blocks cost less once
-# the rest of a prompt chunk is cheap. H200, one lease, steady 2048-token prefill chunks of a
-# Llama-3-8B at 200k tokens (bench/probes/prefill_profile.py --warm 200704 --chunks 32
-# --pages-per-block 16 / 64): 116.1 ms per chunk with 16 pages (8 MB of values per layer) and
-# 84.7 with 64 (32 MB). A block is still sized down to the tokens a layer holds when its pages
-# are made, so short contexts do not take whole blocks.
-MAX_PAGES_PER_BLOCK = 64
 
 
 def _finite(keys: mx.array, values: mx.array, axis=None) -> mx.array:
@@ -134,7 +128,7 @@ class HostTier:
             self.flush()
 
     def flush_on_device(self, tables, upto: int) -> list:
-        """Write-behind on the device (tiered.device_decode): queued tokens go to the host
+        """Write-behind on the device (tiered.step.device_decode): queued tokens go to the host
         pages until the pages hold ``upto`` tokens (whole queue entries; the current step's
         own tokens stay queued while the ring holds them). The door's finiteness checks fold
         into one lazy flag, read when the CPU next reads the pages. Returns the writes (and
@@ -191,7 +185,7 @@ class HostTier:
         door's checks stay queued (see :meth:`take_door`)."""
         # Reading the queue or the door's flags here evaluates them on this thread, so nothing
         # may be dispatched beside it: a layer leaves the device path in the middle of a chunk
-        # handed over by tiered.dispatch when its pages reach the disk tier (H200,
+        # handed over by tiered.runtime.dispatch when its pages reach the disk tier (H200,
         # tests/test_million.py: a crash in MLX's graph capture, then a segfault).
         if not self._pending:
             if door and (self._finite_checks or self._finite_bad is not None):

@@ -8,7 +8,7 @@ import time
 
 import mlx.core as mx
 
-from . import dispatch
+from .runtime import dispatch
 from .cpu.block_maker import POOL
 
 # Bytes of freed buffers MLX keeps for reuse during a prefill. 16 GiB (an eighth of an H200's
@@ -45,7 +45,8 @@ def _body(model):
 
 def _finish(work, doors, handed):
     """Wait for a queued chunk, then read its door checks (a non-finite chunk raises).
-    ``handed``: the dispatcher's event of the chunk (tiered.dispatch), or None (the chunk was
+    ``handed``: the dispatcher's event of the chunk (tiered.runtime.dispatch), or None (the chunk
+    was
     handed to the device on this thread). Once it is handed over, the reads below only wait."""
     if handed is not None:
         dispatch.wait_handed(handed)
@@ -79,7 +80,7 @@ def prefill(model, cache, tokens, *, chunk: int = 2048, progress=None, on_chunk=
     """Run ``tokens`` (a list of ids) through ``model`` into ``cache``, ``chunk`` at a time.
 
     Only the transformer body runs (no logits). progress(done, total) is called after every
-    chunk (``tiered.cli.Progress`` draws a bar); on_chunk(done) too, e.g. to sample memory.
+    chunk (``tiered.commands.cli.Progress`` draws a bar); on_chunk(done) too, e.g. to sample memory.
     Returns timing figures."""
     total = len(tokens)
     body = _body(model)
@@ -118,7 +119,7 @@ def prefill(model, cache, tokens, *, chunk: int = 2048, progress=None, on_chunk=
                         for c in cache]
                 doors = [(c, c.take_door()) for c in cache if hasattr(c, "take_door")]
                 # On the shared stream the dispatcher thread hands the chunk over while this
-                # thread builds the next one (tiered.dispatch), the door flags with it
+                # thread builds the next one (tiered.runtime.dispatch), the door flags with it
                 handed = None
                 if dispatch.on_shared_stream() and _beside(cache):
                     handed = dispatch.submit(work, out, lazy, _door_arrays(doors))

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .config import format_bytes
-from .integration import is_tiered
+from .options.config import format_bytes
+from .runtime.integration import is_tiered
 
 
 TIERS = ("accelerator", "transient", "host", "disk", "bookkeeping")
@@ -90,7 +90,7 @@ def _ranges(ids) -> str:
 
 
 def layer_plan_lines(plans: dict) -> list[str]:
-    """Lines for report() of the layer-aware planner's plans (tiered.layer_planner): layers
+    """Lines for report() of the layer-aware planner's plans (tiered.planning.layer_planner): layers
     grouped by codec and layout."""
     groups: dict[tuple, list[int]] = {}
     for layer, p in sorted(plans.items()):

@@ -5,7 +5,7 @@
 with a tiered cache at 1/8, then decodes the text's next tokens (teacher-forced); each
 compressed layer's selections are recorded per step and kv head on tiered's CPU path: offloaded
 tokens selected (tau 0.9) and the resident hit rate (the resident set's share of the attended
-mass, tiered/stats.py's ``resident_mass``). Written to ``attention_profile_embedded.json``:
+mass, tiered/runtime/stats.py's ``resident_mass``). Written to ``attention_profile_embedded.json``:
 
     python bench/probes/attention_profile.py measure            # 2k, 4k, 8k tokens, 32 steps
 """
@@ -33,8 +33,8 @@ PROFILE = os.path.join(HERE, "attention_profile_embedded.json")
 def spy_selections():
     """{layer: [(count, hit) per step]}: each decode step's offloaded selection per kv head and
     resident hit rate (mean over its query heads of exp(lse_resident - lse)), caught at the CPU
-    path's merge (tiered.decode_paths.DecodePaths._finish)."""
-    from tiered.decode_paths import DecodePaths
+    path's merge (tiered.layer.decode_paths.DecodePaths._finish)."""
+    from tiered.layer.decode_paths import DecodePaths
 
     got: dict[int, list] = {}
     orig = DecodePaths._finish
@@ -91,7 +91,7 @@ def measure(contexts, steps: int, budget: float) -> dict:
     import mlx.core as mx
 
     import tiered
-    from tiered.tasks import topics_text
+    from tiered.planning.tasks import topics_text
 
     model, tok = tiered.load()
     ids = tok.encode(topics_text())
@@ -156,7 +156,7 @@ def main(argv=None):
     prof = measure(args.contexts, args.steps, args.budget)
     data = {"command": info["command"], "commit": info["commit"], "date": info["date"],
             "backend": info["backend"], "model": "embedded (SmolLM2-135M, float32)",
-            "text": "tiered.tasks.topics_text() (pydoc topics), teacher-forced decode",
+            "text": "tiered.planning.tasks.topics_text() (pydoc topics), teacher-forced decode",
             "gpu_budget": args.budget, "steps": args.steps,
             "what": "per compressed layer, 10/50/90th percentiles over steps x kv heads of the "
                     "offloaded tokens selected per kv head (tau 0.9, floor 32, cap 2048) and of "

@@ -32,7 +32,7 @@ import numpy as np
 
 from attention_profile import PROFILE, profile_targets, stats_summary  # noqa: F401
 
-SPAN = 8  # tokens of a span (tiered.device_decode.CHUNK)
+SPAN = 8  # tokens of a span (tiered.step.device_decode.CHUNK)
 TAU_0 = 0.5  # the background's score spread
 TOP = 2048  # units the simulation sorts per query (the tau mass is reached among them)
 CALIBRATION = (0.2, 0.4)  # shares of the codebook's calibration tokens in heavy / tail spans
@@ -276,8 +276,8 @@ class RealisticKeys:
         decode_speed result's ``attention.layers``), used instead of fitting again when every
         layer's profile layer and targets match; else ValueError."""
         import tiered
-        from tiered.geometry import model_geometry
-        from tiered.planner import make_plan
+        from tiered.planning.geometry import model_geometry
+        from tiered.planning.planner import make_plan
 
         self.n, self.model = n, model
         self.source_context, targets = profile_targets(profile)

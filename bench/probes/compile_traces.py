@@ -33,8 +33,8 @@ def main(argv=None):
     from device_python_local import fake_device_model
 
     model, cache = fake_device_model(args.layers, args.context, no_async=True)
-    import tiered.device_append as da
-    import tiered.device_compiled as dc
+    import tiered.step.device_append as da
+    import tiered.step.device_compiled as dc
 
     seen: set = set()
     calls = collections.defaultdict(lambda: {"calls": 0, "signatures": 0, "new_s": [],

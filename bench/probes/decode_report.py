@@ -11,7 +11,7 @@ import numpy as np
 from common import figure, finish_axes, md_table, save_figure
 
 
-PHASES = {  # decode-step phases (tiered/decode_paths.py, tiered/device_decode.py), as the tables and plots name them
+PHASES = {  # decode-step phases (tiered/layer/decode_paths.py, tiered/step/device_decode.py), as the tables and plots name them
     "spill": "lookahead: finish this layer's buffer move (wait for its worker, upload) and start the next layer's",
     "build": "queue scores + selection (host)",
     "sync": "wait for the device (scores, selection, and the layers before)",

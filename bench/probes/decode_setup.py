@@ -65,7 +65,7 @@ def memory_bandwidth() -> float:
 def seed_kv(model, tok, n_seed: int):
     """Per-layer (K, V) of a real prefill of n_seed tokens, (1, H, n_seed, d)."""
     if tok is not None:
-        from tiered.tasks import topics_text
+        from tiered.planning.tasks import topics_text
 
         ids = tok.encode(topics_text()[:12 * n_seed])[:n_seed]
     else:

@@ -124,7 +124,7 @@ def main():
     cache = tiered_caches(model, seed, args.context, args.budget, dict(calibration_tokens=2048))
     ms, _, _ = time_decode(model, cache, 5, args.warmup)
     print(f"tiered: {ms:.2f} ms/token (median of 5)")
-    from tiered import device_step
+    from tiered.step import device_step
     for every in args.every:  # layers per hand-off to the device, same cache, back to back
         device_step.ASYNC_EVERY = every
         ms, _, _ = time_decode(model, cache, 8, 2)

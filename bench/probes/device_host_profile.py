@@ -41,7 +41,7 @@ def split_times(model, cache, steps):
 
 def graph_ops(model, cache, path="/tmp/step.dot"):
     """Primitives in one token's graph, by name (each one is dispatched by MLX at eval)."""
-    from tiered import device_step
+    from tiered.step import device_step
     was = device_step.ASYNC_EVERY, device_step.DISPATCH_EVERY
     device_step.ASYNC_EVERY = device_step.DISPATCH_EVERY = 0  # the whole token unevaluated
     try:
@@ -82,7 +82,7 @@ def main():
     print_ops("KVCache", graph_ops(model, kv), layers)
     del kv
     cache = tiered_caches(model, seed, args.context, args.budget, dict(calibration_tokens=2048))
-    from tiered import device_step
+    from tiered.step import device_step
     for _ in range(3):
         print_ops("tiered", graph_ops(model, cache), layers)
     for flag in (1, 0, 1):

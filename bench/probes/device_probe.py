@@ -32,7 +32,7 @@ import numpy as np
 from decode_setup import build_model, kv_caches, queued_steps, seed_kv, tiered_caches
 from device_host_profile import graph_ops, print_ops
 from device_kernel_profile import busy, profile
-from tiered.dispatch import DISPATCHER
+from tiered.runtime.dispatch import DISPATCHER
 
 
 def measure(name, model, cache, args):

@@ -28,7 +28,7 @@ import numpy as np
 def fake_cuda():
     """Route tiered onto its CUDA code path with kernels that return zeros."""
     import tiered.metal._build as build
-    from tiered import uva
+    from tiered.runtime import uva
     from tiered.metal import ptx_cache
 
     def cuda_kernel(name, input_names, output_names, source, **_):
@@ -43,7 +43,7 @@ def fake_cuda():
     ptx_cache.enable(False)  # nothing to compile: the kernels are fakes
     uva.available = lambda: True
     uva.advise_host = lambda view: 0
-    import tiered.staging as staging
+    import tiered.runtime.staging as staging
     staging.ENABLED = False  # the page-locked ring needs the CUDA driver: uploads via mx.array
     for mod in list(sys.modules.values()):
         if getattr(mod, "accelerator", None) is build.accelerator:
@@ -98,7 +98,7 @@ def main():
                                      no_async=args.no_async)
     # the host's evaluations inside a step (a refresh reading the heavy hitters' ids) compute
     # the fake graph on the CPU here: their time is taken out of the second figure
-    import tiered.dispatch as dispatch
+    import tiered.runtime.dispatch as dispatch
 
     in_eval = [0.0]
     plain_eval = dispatch.eval

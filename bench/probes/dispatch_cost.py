@@ -65,7 +65,7 @@ def chain(n: int, kind: str, size: int = 1024):
 def compiled_layers(compiled: bool, layers: int = 32, size: int = 4096):
     """(wall, build, async_eval) ms per "token" of ``layers`` layers, each 10 custom kernels
     and 20 element-wise ops, a put_along_axis and a logsumexp, built op by op or replayed by
-    ``mx.compile`` (tiered.device_compiled's reason to exist)."""
+    ``mx.compile`` (tiered.step.device_compiled's reason to exist)."""
     k = _kernel()
     idx = mx.arange(0, size, 7, dtype=mx.int32)[None]
 

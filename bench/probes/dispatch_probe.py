@@ -4,10 +4,10 @@ Builds the Llama-3-8B-shaped model and one tiered cache at --context (as decode_
 times ``KVCache`` once for reference, then decodes in interleaved rounds, one mode per round:
 
 - ``main``: every hand-off (``mx.async_eval`` every TIERED_ASYNC_EVERY layers) on the main
-  thread, Python's default GIL switch interval (the code before tiered.dispatch);
+  thread, Python's default GIL switch interval (the code before tiered.runtime.dispatch);
 - ``thread<k>[/<ms>]``: the dispatcher thread hands the graph over every k layers
-  (tiered.dispatch), Python's GIL switch interval <ms> (default
-  tiered.dispatch.SWITCH_INTERVAL_S).
+  (tiered.runtime.dispatch), Python's GIL switch interval <ms> (default
+  tiered.runtime.dispatch.SWITCH_INTERVAL_S).
 
 Rounds alternate so that drift of the machine falls on every mode alike. Per mode: the median
 ms/token over its rounds' steps, and how much of a step the model call (graph building, with
@@ -31,7 +31,8 @@ import numpy as np
 from decode_setup import build_model, kv_caches, seed_kv, tiered_caches
 from million import decode_step
 
-from tiered import device_step, dispatch
+from tiered.step import device_step
+from tiered.runtime import dispatch
 
 
 def steps(model, cache, y, n):

@@ -25,7 +25,7 @@ from common import continue_greedy, shared_prefill
 import mlx.core as mx
 
 import tiered
-from tiered.tasks import is_correct
+from tiered.planning.tasks import is_correct
 
 
 def main(argv=None):

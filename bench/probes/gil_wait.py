@@ -1,6 +1,6 @@
 """How long a thread waits to take Python's lock back beside a busy main thread (issue 24).
 
-tiered's dispatcher thread (tiered.dispatch) takes the GIL back after each ``mx.async_eval``
+tiered's dispatcher thread (tiered.runtime.dispatch) takes the GIL back after each ``mx.async_eval``
 while the main thread builds the next layers in Python. Here a worker thread sleeps 0.3 ms in
 a loop (the sleep releases the lock, as MLX's evaluation does) while the main thread runs
 Python, per switch interval; printed: the median time past the same sleep on an idle thread.

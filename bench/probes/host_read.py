@@ -27,7 +27,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from tiered import uva
+from tiered.runtime import uva
 
 SOURCE = """
     const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;

@@ -1,9 +1,9 @@
 """The rate at which the device path reads host bytes: its chunk-gather kernel alone (issue 57).
 
 decode_speed.py's floor puts a tiered step's host bytes at this rate. On CUDA it is measured
-here: ``tiered.device_decode.gather_chunks`` (the kernel of a decode step that reads the
+here: ``tiered.step.device_decode.gather_chunks`` (the kernel of a decode step that reads the
 selected 8-token chunks of values from the host pages, in place, by address) and
-``tiered.device_attend.gather_kv`` (keys and values of the same chunks in one launch: the
+``tiered.step.device_attend.gather_kv`` (keys and values of the same chunks in one launch: the
 step's kernel with exact rescoring), each on host stores as a layer's are made
 (``cpu.pages.HostStore``, Llama-3-8B shape: 8 kv heads, head_dim 128, page_size 256, fp16
 rows, blocks of up to ``MAX_PAGES_PER_BLOCK`` pages, advised and mapped for the GPU by the
@@ -32,10 +32,11 @@ import common  # noqa: F401  (tiered before mlx)
 import mlx.core as mx
 import numpy as np
 
-from tiered import device_attend, uva
-from tiered import device_decode as dd
+from tiered.step import device_attend
+from tiered.runtime import uva
+from tiered.step import device_decode as dd
 from tiered.cpu.pages import HostStore
-from tiered.host_tier import MAX_PAGES_PER_BLOCK
+from tiered.cpu.block_alloc import MAX_PAGES_PER_BLOCK
 from tiered.metal import device_ints
 
 H, D, PAGE = 8, 128, 256  # Llama-3-8B: kv heads, head_dim; the default page_size
@@ -120,8 +121,8 @@ def _rate(held, kind, tokens, select, launches, reps, warmup, seed, check) -> di
             _check(held[0], idx_np[0], outs[0], kv)
     sec = float(np.median(times[warmup:]))
     return {"gbps": launches * per_launch / sec / 1e9, "ms_per_launch": 1e3 * sec / launches,
-            "bytes_per_launch": per_launch, "kernel": "tiered.device_attend.gather_kv" if kv
-            else "tiered.device_decode.gather_chunks", "tokens": tokens, "select": select,
+            "bytes_per_launch": per_launch, "kernel": "tiered.step.device_attend.gather_kv" if kv
+            else "tiered.step.device_decode.gather_chunks", "tokens": tokens, "select": select,
             "stores": len(held), "launches": launches, "reps": reps, "warmup": warmup}
 
 

@@ -24,22 +24,22 @@ import common  # noqa: F401  (tiered before mlx)
 
 PIECES = [  # (label, "module:qualified name"), outermost first
     ("update_and_fetch", "tiered.cache:TieredCache.update_and_fetch"),
-    ("  CompressedLayer.append", "tiered.compressed:CompressedLayer.append"),
-    ("    device_append.append", "tiered.device_append:append"),
+    ("  CompressedLayer.append", "tiered.layer.compressed:CompressedLayer.append"),
+    ("    device_append.append", "tiered.step.device_append:append"),
     ("      replay: append", "replay:_body"),
     ("attention", "tiered.cache:TieredCache.attention"),
-    ("  device_step.decode", "tiered.device_step:decode"),
-    ("    device_compiled.step", "tiered.device_compiled:step"),
+    ("  device_step.decode", "tiered.step.device_step:decode"),
+    ("    device_compiled.step", "tiered.step.device_compiled:step"),
     ("      replay: step", "replay:_chain"),
-    ("    _finish", "tiered.device_step:_finish"),
-    ("      _end_step", "tiered.decode_paths:DecodePaths._end_step"),
-    ("      dispatch.submit", "tiered.dispatch:submit"),
+    ("    _finish", "tiered.step.device_step:_finish"),
+    ("      _end_step", "tiered.layer.decode_paths:DecodePaths._end_step"),
+    ("      dispatch.submit", "tiered.runtime.dispatch:submit"),
     ("  _attention", "tiered.cache:TieredCache._attention"),
     ("  _settle_early (last layer)", "tiered.cache:TieredCache._settle_early"),
-    ("  dispatch.drain", "tiered.dispatch:drain"),
-    ("  end_step (last layer)", "tiered.context:SharedContext.end_step"),
-    ("settle (a refresh applied)", "tiered.resident:ResidentSet.settle"),
-    ("  prepare_refresh", "tiered.resident:ResidentSet.prepare_refresh"),
+    ("  dispatch.drain", "tiered.runtime.dispatch:drain"),
+    ("  end_step (last layer)", "tiered.planning.context:SharedContext.end_step"),
+    ("settle (a refresh applied)", "tiered.layer.resident:ResidentSet.settle"),
+    ("  prepare_refresh", "tiered.layer.resident:ResidentSet.prepare_refresh"),
 ]
 
 
@@ -80,7 +80,7 @@ class HostSplit:
         setattr(owner, attr, self._timed(spec, getattr(owner, attr)))
 
     def _wrap_replays(self):
-        from tiered import device_compiled
+        from tiered.step import device_compiled
 
         plain = device_compiled.compiled
 
@@ -155,7 +155,7 @@ def main():
     import numpy as np
     from device_python_local import fake_device_model
 
-    import tiered.dispatch as dispatch
+    import tiered.runtime.dispatch as dispatch
 
     model, cache = fake_device_model(args.layers, args.context, no_async=not args.async_eval)
     split = HostSplit()

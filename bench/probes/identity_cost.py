@@ -1,4 +1,5 @@
-"""What a save and a load spend on the model's identity (tiered.identity.model_identity: every
+"""What a save and a load spend on the model's identity (tiered.persistence.identity.model_identity:
+every
 parameter's bits, two 32-bit lane sums each, under one SHA-256).
 
     python bench/probes/identity_cost.py --model embedded          # CPU: the Numba lanes
@@ -22,7 +23,7 @@ import mlx.core as mx
 from common import machine, md_table, write_results
 from decode_setup import build_model
 
-from tiered.identity import identity_cost, model_identity
+from tiered.persistence.identity import identity_cost, model_identity
 
 
 def main():

@@ -23,7 +23,7 @@ import mlx.core as mx
 from kernel_timing import rotating
 from step_kernels import H, REP, D, inputs, kernel_us, profile
 
-from tiered import device_resident
+from tiered.step import device_resident
 from tiered.metal import _build
 
 

@@ -40,7 +40,7 @@ def main():
     args = ap.parse_args()
     from metal_exec import cuda as executor
 
-    from tiered import device_attend, device_chunks, device_resident
+    from tiered.step import device_attend, device_chunks, device_resident
     from tiered.metal import nvrtc, ptx_cache
 
     site = Path(args.site)

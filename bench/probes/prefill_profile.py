@@ -78,9 +78,10 @@ def graph_ops(model, cache, ids, path="/tmp/chunk.dot"):
 # --timers: host wall time per chunk in these calls (inclusive), split as the chunk times are
 TIMED = {"mx.eval", "mx.async_eval", "tiered.cpu.host_tensor.HostTensor.grow",
          "tiered.cpu.block_alloc.block_ahead", "tiered.cpu.block_alloc.alloc_block",
-         "tiered.uva.advise_host", "tiered.device_decode.DeviceTables.addrs",
-         "tiered.device_decode.DeviceTables.pages", "tiered.prefill._finish",
-         "tiered.dispatch.Dispatcher.wait_handed", "tiered.dispatch.Dispatcher.drain"}
+         "tiered.runtime.uva.advise_host", "tiered.step.device_decode.DeviceTables.addrs",
+         "tiered.step.device_decode.DeviceTables.pages", "tiered.prefill._finish",
+         "tiered.runtime.dispatch.Dispatcher.wait_handed",
+         "tiered.runtime.dispatch.Dispatcher.drain"}
 
 
 def _print_timers(split):

@@ -27,8 +27,8 @@ from kernel_timing import device_profile, rotating
 from step_kernels import kernel_us, profile
 
 from tiered import metal
-from tiered.device_chunks import chunk_logits, chunk_sizes
-from tiered.device_decode import CHUNK
+from tiered.step.device_chunks import chunk_logits, chunk_sizes
+from tiered.step.device_decode import CHUNK
 from tiered.metal import persistent
 from tiered.metal.select_passes import tau_select_fused
 

@@ -5,7 +5,7 @@ and the merge run far slower than their bytes at the device's bandwidth would ta
 times each one standalone at the Llama-3-8B shape (8 kv heads, 4 query heads each, head_dim
 128) over --resident slots and 2048 gathered rows a head, with device time from CUPTI
 (kernel_timing.device_profile: summed kernel durations, no host time), for the knobs that change
-them: ``tiered.device_resident.RESIDENT_ITER`` (0: a warp per slot; k: the tiled kernel, k
+them: ``tiered.step.device_resident.RESIDENT_ITER`` (0: a warp per slot; k: the tiled kernel, k
 slots a lane group). Inputs rotate over --sets copies so the L2 cache (50 MB on an H200) holds none.
 
     python bench/probes/step_kernels.py --resident 8192 16384 --iters 0 1 2 4 8
@@ -23,7 +23,7 @@ import common  # noqa: F401  (tiered before mlx)
 import mlx.core as mx
 from kernel_timing import device_profile, rotating
 
-from tiered import device_attend, device_resident
+from tiered.step import device_attend, device_resident
 
 H, REP, D, T = 8, 4, 128, 2048
 

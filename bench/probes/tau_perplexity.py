@@ -22,7 +22,7 @@ from common import machine, shared_prefill
 import mlx.core as mx
 
 import tiered
-from tiered.tasks import topics_text
+from tiered.planning.tasks import topics_text
 
 
 def nll_of(model, cache, last, cont) -> list[float]:

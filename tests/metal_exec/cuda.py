@@ -202,7 +202,8 @@ def route_device_path(monkeypatch) -> None:
     ``tiered.metal._build.build_kernel``'s cache after (it is cleared here first)."""
     import sys
 
-    from tiered import device_chunks, device_encode, staging, uva
+    from tiered.step import device_chunks, device_encode
+    from tiered.runtime import staging, uva
     from tiered.metal import _build, ptx_cache
 
     monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_kernel)

@@ -388,7 +388,7 @@ def checkpoint_signature(model, *, samples: int = 4, values: int = 64) -> tuple[
     model class, its ``args`` and every parameter's name and shape (no dtype), and
     ``values`` evenly strided values of ``samples`` parameters as float32)``. A layer profile
     measured in float32 applies to the same weights cast to float16 or bfloat16
-    (:func:`tiered.layer_profile.find_profile` compares the values with a tolerance)."""
+    (:func:`tiered.planning.layer_profile.find_profile` compares the values with a tolerance)."""
     import mlx.core as mx
 
     h, params, model_type = _architecture(model, dtypes=False)
