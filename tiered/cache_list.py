@@ -9,23 +9,22 @@ without routing attention through it (afm7's KV-reuse layers).
 
 from __future__ import annotations
 
-import os
-
 import copy
 import errno
 import logging
+import os
 import sys
 
 from mlx_lm.models.cache import KVCache
 
-from .runtime import dispatch, integration
-from .persistence import persist
+from .cpu.disk import DiskTierError, disk_room
 from .options.config import TieredConfig
+from .persistence import persist
 from .planning.context import SharedContext
 from .planning.contract import mla_reason
-from .cpu.disk import DiskTierError, disk_room
-from .runtime.integration import is_tiered
 from .report import tier_totals
+from .runtime import dispatch, integration
+from .runtime.integration import is_tiered
 
 log = logging.getLogger("tiered")
 

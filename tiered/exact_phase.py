@@ -9,9 +9,9 @@ import logging
 import mlx.core as mx
 import numpy as np
 
-from .runtime import dispatch, ops
 from .layer.compressed import CompressedLayer
 from .layer.h2o_baseline import H2OBaselineLayer
+from .runtime import dispatch, ops
 
 log = logging.getLogger("tiered")
 

@@ -8,11 +8,10 @@ import mlx.core as mx
 import numpy as np
 
 from .cpu import HostStore
-from .cpu.disk import disk_room
 from .cpu.block_alloc import MAX_PAGES_PER_BLOCK
-
-from .step import device_decode
+from .cpu.disk import disk_room
 from .runtime import dispatch, ops, uva
+from .step import device_decode
 
 HOST_COPY_TOKENS = 4096  # tokens per pass when the exact K/V move to the host pages
 

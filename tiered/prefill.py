@@ -8,8 +8,8 @@ import time
 
 import mlx.core as mx
 
-from .runtime import dispatch
 from .cpu.block_maker import POOL
+from .runtime import dispatch
 
 # Bytes of freed buffers MLX keeps for reuse during a prefill. 16 GiB (an eighth of an H200's
 # memory limit) took a 1M-token prefill's device memory to 139 GiB (NVML) against 89 and saved

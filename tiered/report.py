@@ -10,7 +10,6 @@ import numpy as np
 from .options.config import format_bytes
 from .runtime.integration import is_tiered
 
-
 TIERS = ("accelerator", "transient", "host", "disk", "bookkeeping")
 
 

@@ -31,18 +31,16 @@ import mlx.core as mx
 import numpy as np
 
 from .. import metal
-
-from ..step import device_append, device_decode, device_step, undo
+from ..planning.planner import Plan, capacity
 from ..runtime import dispatch, ops, uva
+from ..step import device_append, device_decode, device_step, undo
+from ..step.keys import AffineKeys, CodebookKeys
 from .chunked import ChunkAttention
 from .compressed_state import CompressedState
 from .decode_paths import DecodePaths
 from .heavy import HeavyHitters
-from ..step.keys import AffineKeys, CodebookKeys
 from .lookahead import Lookahead
-from ..planning.planner import Plan, capacity
 from .resident import ResidentSet
-
 
 # Tokens per kv head whose codes miss their keys the most: in the offloaded layout with host
 # sinks (the layer-aware planner's), they join every selection like the sinks (gathered and

@@ -6,10 +6,10 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ..step import chunk_select, undo
-from ..runtime import dispatch, ops
-from ..step.keys import AffineKeys, CodebookKeys
 from ..planning.planner import capacity
+from ..runtime import dispatch, ops
+from ..step import chunk_select, undo
+from ..step.keys import AffineKeys, CodebookKeys
 from .trim import trim_compressed
 
 

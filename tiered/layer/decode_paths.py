@@ -10,9 +10,9 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from ..step import chunk_select
 from ..runtime import dispatch, ops
 from ..runtime.primitives import merge_partials
+from ..step import chunk_select
 
 
 class DecodePaths:

@@ -19,8 +19,8 @@ import weakref
 import mlx.core as mx
 import numpy as np
 
-from ..runtime import ops
 from ..planning.planner import Plan
+from ..runtime import ops
 
 
 class H2OBaselineLayer:

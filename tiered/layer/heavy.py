@@ -15,8 +15,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ..runtime import dispatch, ops
 from .. import metal
+from ..runtime import dispatch, ops
 
 
 class HeavyHitters:

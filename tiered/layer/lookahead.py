@@ -9,7 +9,6 @@ import time
 import mlx.core as mx
 import numpy as np
 
-
 from ..runtime import dispatch, ops
 
 

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..runtime import dispatch, staging
 from ..cpu.resident_maps import Swap
+from ..runtime import dispatch, staging
 
 ENABLED = os.environ.get("TIERED_REFRESH_AHEAD", "1") not in ("0", "false", "no", "off")
 

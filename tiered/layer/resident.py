@@ -10,12 +10,12 @@ import logging
 import mlx.core as mx
 import numpy as np
 
-from ..step import device_decode, undo
-from ..runtime import dispatch, staging
-from . import refresh_plan
 from ..cpu.resident_maps import Swap
-from .heavy import ids_layout
 from ..planning.planner import BudgetError
+from ..runtime import dispatch, staging
+from ..step import device_decode, undo
+from . import refresh_plan
+from .heavy import ids_layout
 
 log = logging.getLogger("tiered")
 

@@ -24,9 +24,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from ..planning.planner import BudgetError
 from ..runtime import dispatch
 from ..step import undo
-from ..planning.planner import BudgetError
 
 
 def _own(x):

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..cpu import HOST_DTYPES
-
 from . import option_rules as rules
 from .option_groups import OptionGroups
 

@@ -23,13 +23,12 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..cpu import HostStore
-
-from . import state_checks as checks
 from ..layer.compressed import CompressedLayer
+from ..layer.h2o_baseline import H2OBaselineLayer
 from ..options.config import TieredConfig
 from ..planning.context import SharedContext
 from ..planning.geometry import Geometry
-from ..layer.h2o_baseline import H2OBaselineLayer
+from . import state_checks as checks
 from .snapshot import SnapshotError
 
 FORMAT = 2

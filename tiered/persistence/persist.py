@@ -35,14 +35,14 @@ import mlx.core as mx
 import mlx_lm.models.cache as mlx_cache
 from mlx.utils import tree_flatten
 
-from ..runtime import dispatch
-from . import layer_state, snapshot
+from ..cpu.disk import PAGES_SOURCE, DiskTierError, check_directory
 from ..options.config import RUNTIME_OPTIONS, TieredConfig, default_cache_dir
 from ..planning.context import SharedContext
-from ..cpu.disk import PAGES_SOURCE, DiskTierError, check_directory
 from ..planning.geometry import model_geometry
-from .identity import model_identity
+from ..runtime import dispatch
 from ..runtime.integration import install, is_tiered
+from . import layer_state, snapshot
+from .identity import model_identity
 from .snapshot import SnapshotError
 from .version import __version__
 

@@ -26,12 +26,12 @@ import struct
 
 import mlx_lm.models.cache as mlx_cache
 
-from . import persist, snapshot
-from ..planning.context import SharedContext
 from ..cpu.disk import DiskTierError, check_directory
+from ..planning.context import SharedContext
 from ..planning.geometry import model_geometry
-from .identity import model_identity
 from ..runtime.integration import install, is_tiered
+from . import persist, snapshot
+from .identity import model_identity
 from .snapshot import SnapshotError
 from .version import __version__
 

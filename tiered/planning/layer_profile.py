@@ -185,8 +185,8 @@ def measure(model, tokenizer, *, tokens: int = 1024, sequences: int = 2, tau: fl
     """Measure a model's layer profile (see the module docstring). ``progress(msg)`` reports."""
     import mlx.core as mx
 
-    from . import layer_probe as P
     from ..codecs import checkpoint_signature, model_fingerprint
+    from . import layer_probe as P
     from .geometry import model_geometry
 
     say = progress or (lambda msg: log.info("tiered profile: %s", msg))

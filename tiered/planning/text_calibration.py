@@ -8,9 +8,14 @@ import hashlib
 import mlx.core as mx
 import numpy as np
 
+from ..codecs import (
+    CalibrationKey,
+    calibrate,
+    load_calibration,
+    model_fingerprint,
+    save_calibration,
+)
 from ..runtime import dispatch
-from ..codecs import (CalibrationKey, calibrate, load_calibration, model_fingerprint,
-                      save_calibration)
 from .planner import make_plan
 
 

@@ -13,11 +13,11 @@ import contextlib
 import mlx.core as mx
 import numpy as np
 
-from . import dispatch
 from ..cpu import kernels as K
 from ..cpu.attention import causal_attention
 from ..cpu.h2o import acc_update  # noqa: F401  (re-exported)
 from ..scheduler import split_heads
+from . import dispatch
 
 
 def batch0(x: mx.array) -> mx.array:

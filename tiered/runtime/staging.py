@@ -37,9 +37,9 @@ import threading
 import mlx.core as mx
 import numpy as np
 
-from . import dispatch, uva
 from ..metal.compact import compact
 from ..metal.ptx_cache import cuda_kernel
+from . import dispatch, uva
 
 RING_INTS = 1 << 22  # 16 MiB of int32 (a refresh at 128k with flat attention: over 1 MiB)
 HEADER = 4  # ints before each record's data: its length, then padding (16-byte aligned data)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..runtime import ops
-from .device_chunks import chunk_token_ids
 from ..runtime.primitives import merge_partials
+from .device_chunks import chunk_token_ids
 
 
 def resident_scores_ops(queries, scale: float, rk, rtok, n: int):

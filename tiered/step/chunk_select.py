@@ -29,9 +29,9 @@ import mlx.core as mx
 import numpy as np
 
 from ..cpu.chunks import chunk_logits, expand_chunks
+from ..runtime.primitives import Selection
 from .device_chunks import chunk_scores, chunk_tokens
 from .device_decode import CHUNK as DEVICE_CHUNK
-from ..runtime.primitives import Selection
 
 CHUNK = int(os.environ.get("TIERED_SELECT_CHUNK") or DEVICE_CHUNK)
 

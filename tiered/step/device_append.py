@@ -40,8 +40,8 @@ from collections import OrderedDict
 import mlx.core as mx
 import numpy as np
 
-from . import device_compiled, device_encode, undo
 from ..runtime import dispatch, staging
+from . import device_compiled, device_encode, undo
 from .device_decode import NO_BAD, _kernel, host_mx_dtype
 
 MAX_FUNCTIONS = 16

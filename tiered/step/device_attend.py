@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .device_decode import CHUNK, CHUNK_WORD, DeviceTables, host_mx_dtype, kept, page_fence
 from ..metal import accelerator, device_ints
 from ..metal.compact import compact
 from ..metal.ptx_cache import cuda_kernel
 from .attend_reference import approx_attend_ops
+from .device_decode import CHUNK, CHUNK_WORD, DeviceTables, host_mx_dtype, kept, page_fence
 
 _GATHER_KV = r"""
     // grid.y selects the tensor (0 keys, 1 values); one thread per 16-byte word of its out

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .device_decode import CHUNK
 from ..metal import device_ints
 from ..metal.compact import compact
 from ..metal.ptx_cache import cuda_kernel
+from .device_decode import CHUNK
 
 _CHUNKS = r"""
     // One thread per (query head, chunk of the first n tokens): za, the log-sum-exp of the

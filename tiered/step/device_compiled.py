@@ -34,14 +34,14 @@ from types import SimpleNamespace
 import mlx.core as mx
 import numpy as np
 
-from . import device_attend, device_decode, device_resident
-from ..runtime import dispatch, staging
 from .. import metal
+from ..metal._build import traced
+from ..metal.codebook import kernel_supports
+from ..runtime import dispatch, staging
+from . import device_attend, device_decode, device_resident
 from .device_chunks import chunk_logits, chunk_widths
 from .device_decode import CHUNK, kept
 from .keys import CodebookKeys
-from ..metal._build import traced
-from ..metal.codebook import kernel_supports
 
 MAX_FUNCTIONS = 32  # compiled functions kept (each holds its traces); the oldest is dropped
 MIN_GRAIN, MAX_GRAIN = 256, 4096  # tokens: W is n rounded up to a multiple of a grain

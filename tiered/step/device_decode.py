@@ -21,10 +21,10 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ..runtime import dispatch, ops, staging, uva
 from ..metal import device_ints
 from ..metal.compact import compact
 from ..metal.ptx_cache import cuda_kernel
+from ..runtime import dispatch, ops, staging, uva
 
 # The door's lazy flag: no non-finite position seen. A power of two: MLX passes a kernel's
 # init_value as a float, and INT32_MAX is not one (it came back as INT32_MIN).

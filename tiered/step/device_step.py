@@ -29,12 +29,12 @@ import time
 
 import mlx.core as mx
 
-from . import device_attend, device_compiled, device_resident
-from ..runtime import dispatch
 from .. import metal
+from ..runtime import dispatch
+from ..runtime.stats import Column
+from . import device_attend, device_compiled, device_resident
 from .device_chunks import chunk_logits
 from .device_decode import CHUNK, DeviceTables, gather_chunks, kept
-from ..runtime.stats import Column
 
 # Hand the graph to the device every ASYNC_EVERY layers as soon as it is queued (0: never, the
 # token's read evaluates it all). Each hand-off costs host time (a command buffer to commit):

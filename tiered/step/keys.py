@@ -16,14 +16,13 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from . import device_encode
-from ..runtime import dispatch
 from .. import metal
 from ..codecs import encode_mx, random_rotation
 from ..cpu import kernels as K
-
-from ..runtime.ops import numpy_view
 from ..planning.planner import capacity  # one growth rule for all buffers
+from ..runtime import dispatch
+from ..runtime.ops import numpy_view
+from . import device_encode
 
 
 @mx.compile

@@ -29,8 +29,8 @@ from collections import deque
 import mlx.core as mx
 import numpy as np
 
-from ..runtime import dispatch
 from ..cpu.resident_maps import Swap
+from ..runtime import dispatch
 
 log = logging.getLogger("tiered")
 
