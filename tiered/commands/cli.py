@@ -10,8 +10,8 @@ import sys
 import time
 
 import tiered
+import tiered.prefill as prefill
 
-from .. import prefill
 from ..options.config import TieredConfig
 from ..persistence import persist, save_file
 from ..planning import tasks

@@ -30,7 +30,8 @@ import weakref
 import mlx.core as mx
 import numpy as np
 
-from .. import metal
+import tiered.metal as metal
+
 from ..planning.planner import Plan, capacity
 from ..runtime import dispatch, ops, uva
 from ..step import device_append, device_decode, device_step, undo

@@ -15,7 +15,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from .. import metal
+import tiered.metal as metal
+
 from ..runtime import dispatch, ops
 
 

@@ -69,7 +69,7 @@ def select_np(z: np.ndarray, n: int, n_host: int, flags: np.ndarray, tau: float,
 def select_mx(z: mx.array, n: int, n_host: int, flags: mx.array, tau: float, cap: int,
               floor: int) -> Selection:
     """:func:`select_np` on MLX arrays (lazy): z (Hq, >= n) float32, flags (H, >= n)."""
-    from .. import metal
+    import tiered.metal as metal
 
     if CHUNK <= 1:
         return metal.tau_select(z, n, flags, tau, cap, floor, with_stats=True)

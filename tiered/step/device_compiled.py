@@ -34,7 +34,8 @@ from types import SimpleNamespace
 import mlx.core as mx
 import numpy as np
 
-from .. import metal
+import tiered.metal as metal
+
 from ..metal._build import traced
 from ..metal.codebook import kernel_supports
 from ..runtime import dispatch, staging

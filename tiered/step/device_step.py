@@ -29,7 +29,8 @@ import time
 
 import mlx.core as mx
 
-from .. import metal
+import tiered.metal as metal
+
 from ..runtime import dispatch
 from ..runtime.stats import Column
 from . import device_attend, device_compiled, device_resident

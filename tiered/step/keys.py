@@ -16,7 +16,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from .. import metal
+import tiered.metal as metal
+
 from ..codecs import encode_mx, random_rotation
 from ..cpu import kernels as K
 from ..planning.planner import capacity  # one growth rule for all buffers
