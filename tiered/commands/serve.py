@@ -10,11 +10,11 @@ request that starts with a document the server has read continues from a copy of
 
 A request whose prompt and ``max_tokens`` stay below the length at which the caches would
 compress (:meth:`tiered.planning.context.SharedContext.first_compressed_length`) is batched as
-mlx-lm's
-server batches it, in mlx-lm's own exact caches; a longer one (or one mlx-lm serves alone: a
-seed, images) is served alone with a tiered cache (mlx-lm batches only caches that merge, and
-a compressed layer does not). The server's prompt-cache reuse keeps the two kinds apart: a
-batched request continues only from an exact cache, a tiered one only from a tiered cache.
+mlx-lm's server batches it, in mlx-lm's own exact caches; a longer one (or one mlx-lm serves
+alone: a seed, images) is served alone with a tiered cache (mlx-lm batches only caches that
+merge, and a compressed layer does not). The server's prompt-cache reuse keeps the two kinds
+apart: a batched request continues only from an exact cache, a tiered one only from a tiered
+cache.
 Each request's route is logged. ``--kv-bits`` is answered with ``--gpu-budget``. What this
 changes in mlx-lm is local to the command: its model provider loads through
 :func:`tiered.load`, its response generator routes requests as above and its
@@ -53,8 +53,11 @@ def provider_class(base, opts: dict):
 
             # what mlx-lm's batches hold: its own caches, where they merge
             self.is_batchable = all(hasattr(c, "merge") for c in make_prompt_cache(model))
-            caches = tiered.TieredCache.for_model(model, **opts)
-            self.exact_below = caches[0].context.first_compressed_length() if caches else None
+            caches = tiered.TieredCache.for_model(model, **opts)  # asked, then closed
+            try:
+                self.exact_below = caches[0].context.first_compressed_length() if caches else None
+            finally:
+                caches.close()
 
     return TieredModelProvider
 

@@ -47,8 +47,7 @@ class SharedContext:
         self._lookahead = weakref.WeakValueDictionary()
         self._threshold = None  # (length,) once computed
         # planner="layers" (tiered.planning.layer_planner): a plan per model layer index, the
-        # profile
-        # they come from, and where to measure it (the model, weakly; its tokenizer)
+        # profile they come from, and where to measure it (the model, weakly; its tokenizer)
         self.layer_plans: dict[int, Plan] | None = None
         self.layer_profile = None
         self._auto_layers: bool | None = None  # planner="auto": decided at first use
@@ -249,42 +248,32 @@ class SharedContext:
         """First length at which the layer compresses (fractions: the compression threshold;
         absolute budgets: the first length the exact cache outgrows), computed once."""
         if self._threshold is None:
-            geo = self.geometry_for(layer)
-            t = None
-            if self._layered() and self.config.budget_fraction is not None:
-                from . import layer_planner
-
-                t = layer_planner.threshold(geo, self.config, self.profile(),
-                                            self.config.heavy.horizon, self.tiered_layers)
-            if t is None and self.config.budget_fraction is not None:
-                t = layout.compression_threshold(geo, self.config)  # the uniform ladder's
-            elif t is None:
-                t = self.config.gpu_budget // max(geo.full_bytes(1), 1) + 1
-            self._threshold = (t,)
+            self._threshold = (self._threshold_of(self.geometry_for(layer)),)
         return self._threshold[0]
+
+    def _threshold_of(self, geo: Geometry) -> int | None:
+        cfg = self.config
+        if cfg.budget_fraction is None:
+            return cfg.gpu_budget // max(geo.full_bytes(1), 1) + 1
+        t = None
+        if self._layered():
+            from . import layer_planner
+
+            t = layer_planner.threshold(geo, cfg, self.profile(), cfg.heavy.horizon,
+                                        self.tiered_layers)
+        return layout.compression_threshold(geo, cfg) if t is None else t  # the uniform ladder's
 
     def first_compressed_length(self) -> int | None:
         """The shortest sequence (prompt and generated tokens) that may hold a compressed
-        layer, from the model's geometry before any token is seen; None: it stays exact at
-        every length (an exact configuration, or no model geometry). Conservative: with
-        ``compress_from`` the earlier of it and the threshold (tiered.commands.serve batches what is
-        shorter in exact caches)."""
+        layer, from the model's geometry before any token is seen (:meth:`threshold` without a
+        layer); None: exact at every length (an exact configuration, no model geometry).
+        Conservative: with ``compress_from`` the earlier of it and the threshold
+        (tiered.commands.serve batches what is shorter in exact caches)."""
         geo, cfg = self.model_geometry, self.config
         if geo is None or cfg.exact or self.layers == 0:
             return None
-        geo = Geometry(self.layers, geo.kv_heads, geo.q_heads, geo.k_dim, geo.v_dim,
-                       geo.dtype_bytes)
-        if cfg.budget_fraction is None:
-            t = cfg.gpu_budget // max(geo.full_bytes(1), 1) + 1
-        else:
-            t = None
-            if self._layered():
-                from . import layer_planner
-
-                t = layer_planner.threshold(geo, cfg, self.profile(), cfg.heavy.horizon,
-                                            self.tiered_layers)
-            if t is None:
-                t = layout.compression_threshold(geo, cfg)
+        t = self._threshold_of(Geometry(self.layers, geo.kv_heads, geo.q_heads, geo.k_dim,
+                                        geo.v_dim, geo.dtype_bytes))
         if cfg.compress_from is not None:
             t = cfg.compress_from if t is None else min(t, cfg.compress_from)
         return t
