@@ -5,11 +5,9 @@ there), and the first read of such an array waited for the GPU work queued befor
 not only for the block's fill: in a 1M-token prefill on an H200 the chunks that grew the host
 pages took ~80 ms more than the others, the main thread waiting for the chunk before to finish
 (bench/host_wait_probe.py, in git history). Here one daemon thread takes that wait: it reads each
-queued block
-(its numpy view; MLX releases the GIL while it waits) and runs the block's ``prepare`` hook
-(the device path's advice, ``tiered.runtime.uva.advise_host``), so the main thread adopts a block
-that
-is ready and keeps queueing work meanwhile.
+queued block (its numpy view; MLX releases the GIL while it waits) and runs the block's ``prepare``
+hook (the device path's advice, ``tiered.runtime.uva.advise_host``), so the main thread adopts a
+block that is ready and keeps queueing work meanwhile.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
 """The attention mass per key that seeds the heavy hitters (tiered.runtime.ops.column_mass), against
-a
-float64 reference, and its lazy sum over a prompt's chunks on the path that is not the CPU
+a float64 reference, and its lazy sum over a prompt's chunks on the path that is not the CPU
 backend's float32 one (there it stays on the device until compression reads it)."""
 
 from __future__ import annotations

@@ -111,8 +111,7 @@ def test_chunk_logits_at_a_kept_width(n_host, n, width, device_path):
 @pytest.mark.parametrize("iters,given", [(0, False), (4, True)])
 def test_compiled_step_decodes_as_the_step_op_by_op(monkeypatch, host_keys, iters, given):
     """tiered.step.device_compiled and tiered.step.device_append: the chain compiled at a kept
-    width, and
-    the append as one compiled call, give the outputs, pages, H2O accumulators, codes and
+    width, and the append as one compiled call, give the outputs, pages, H2O accumulators, codes and
     resident set of the same steps built op by op, across refreshes and width changes; without
     host keys (approximate rescoring, as at 1M tokens) too; with the tiled resident kernel and
     its scores handed to the exact splits too."""

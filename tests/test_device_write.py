@@ -1,6 +1,5 @@
 """The decode token's write-behind kernel (tiered.step.device_append._write_one, CUDA): it writes
-the
-token's rows into their host page, and a dry launch (token -1, the one that compiles the
+the token's rows into their host page, and a dry launch (token -1, the one that compiles the
 kernel at a layer's first decode step) writes nothing."""
 
 from __future__ import annotations

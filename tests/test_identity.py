@@ -1,6 +1,5 @@
 """tiered.persistence.identity.model_identity: the same digest from MLX integer ops (the GPU's path)
-and the
-host's Numba kernel, for every dtype and for lengths around the chunking; any one changed
+and the host's Numba kernel, for every dtype and for lengths around the chunking; any one changed
 element (one bit) changes it; names, shapes and dtypes count."""
 
 from __future__ import annotations

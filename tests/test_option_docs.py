@@ -1,6 +1,5 @@
 """Every option of TieredConfig is documented once (tiered.options.option_docs), and the README's
-table
-and the class's docstring are what that one source makes."""
+table and the class's docstring are what that one source makes."""
 
 import dataclasses
 import os

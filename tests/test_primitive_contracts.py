@@ -81,8 +81,7 @@ MARGIN = 1e-4  # of softmax mass between tau and the mass at either end of the b
 
 def rule(z, n, exclude, tau, cap, floor, rep):
     """The tau/cap/floor rule in float64 (tiered.runtime.primitives): (sets per kv head, m, s,
-    mass).
-    Asserts the margins: the boundary level's mass holds tau's cut with MARGIN to spare on
+    mass). Asserts the margins: the boundary level's mass holds tau's cut with MARGIN to spare on
     either side, and the selection's last token and the first one left out sit on different
     levels."""
     zv = np.asarray(z, np.float64)[:, :n]

@@ -1,7 +1,6 @@
 """A layer profile serves the checkpoint it was measured on in every dtype and layout it loads
 in (tiered.planning.layer_profile.find_profile): the embedded model's, shipped measured in float32
-on
-the CPU, is found for the model as GPUs load it (quantized, float16 or bfloat16), so
+on the CPU, is found for the model as GPUs load it (quantized, float16 or bfloat16), so
 planner="auto" plans by layers there without measuring; other weights do not take it."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One save format read by every loader (tiered.persistence.save_file): a file while the cache fits
-in RAM,
-a directory otherwise; the Python API, the CLI and mlx-lm's loader read each other's saves."""
+in RAM, a directory otherwise; the Python API, the CLI and mlx-lm's loader read each other's
+saves."""
 
 import subprocess
 import sys

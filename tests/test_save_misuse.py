@@ -252,8 +252,7 @@ def test_saves_and_loads_from_threads_and_processes_at_once(small, tmp_path, mon
     model at once here: on CUDA that takes the dispatcher off (``TIERED_DISPATCH_THREAD=0``),
     and the threads run the model one at a time, under the lock tiered's saves and loads take
     (tiered.persistence.persist.MLX_WORK), as the README asks: on MLX 0.32.4's CUDA backend two
-    threads
-    evaluating at once aborted the process inside MLX (H200: a prefill beside a decode)."""
+    threads evaluating at once aborted the process inside MLX (H200: a prefill beside a decode)."""
     import contextlib
 
     from tiered.runtime import dispatch, uva

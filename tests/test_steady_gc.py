@@ -1,7 +1,6 @@
 """The garbage collector is frozen at a cache's first decode step, once per process, and left
 alone with TIERED_GC_FREEZE=0 (tiered.runtime.steady_gc). Each case runs in a child process:
-freezing
-the pytest process would keep every test's cyclic garbage."""
+freezing the pytest process would keep every test's cyclic garbage."""
 
 from __future__ import annotations
 

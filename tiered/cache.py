@@ -268,8 +268,7 @@ class TieredCache(ExactPhase, HostTier, CacheProtocol, LayerReport, _BaseCache):
         """Whether this layer's step may be built while the dispatcher thread hands earlier
         work to the device: the device path of a compressed layer, whose evaluations all go
         through tiered.runtime.dispatch (which waits for the thread) and whose reads of device
-        arrays
-        follow them. Any other step waits for the thread first."""
+        arrays follow them. Any other step waits for the thread first."""
         return self.phase == "compressed" and bool(getattr(self.compressed, "on_device", False))
 
     def _settle_early(self) -> None:

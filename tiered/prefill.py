@@ -46,8 +46,7 @@ def _body(model):
 def _finish(work, doors, handed):
     """Wait for a queued chunk, then read its door checks (a non-finite chunk raises).
     ``handed``: the dispatcher's event of the chunk (tiered.runtime.dispatch), or None (the chunk
-    was
-    handed to the device on this thread). Once it is handed over, the reads below only wait."""
+    was handed to the device on this thread). Once it is handed over, the reads below only wait."""
     if handed is not None:
         dispatch.wait_handed(handed)
     mx.eval(work)

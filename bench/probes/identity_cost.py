@@ -1,6 +1,5 @@
 """What a save and a load spend on the model's identity (tiered.persistence.identity.model_identity:
-every
-parameter's bits, two 32-bit lane sums each, under one SHA-256).
+every parameter's bits, two 32-bit lane sums each, under one SHA-256).
 
     python bench/probes/identity_cost.py --model embedded          # CPU: the Numba lanes
     python bench/probes/identity_cost.py --model llama3-8b         # GPU: MLX integer ops

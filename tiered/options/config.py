@@ -200,8 +200,7 @@ class TieredConfig(OptionGroups):
     verify_pages: bool = False  # check disk pages' CRC32 on every read (debug; also TIERED_DEBUG=1)
     # prefill and calibration
     # None: a layer compresses once a compressed layout meets gpu_budget (tiered.planning.layout);
-    # an
-    # int: from that many tokens on wherever a compressed layout fits the budget, even where
+    # an int: from that many tokens on wherever a compressed layout fits the budget, even where
     # the exact cache is smaller (tests and benchmarks of the compressed path on short inputs)
     compress_from: int | None = None
     prefill_window: int = 16384  # tokens kept exact on the accelerator during prefill
@@ -218,8 +217,7 @@ class TieredConfig(OptionGroups):
     # set), "layers" (tiered.planning.layer_planner: by the model's layer profile, measured once and
     # cached in cache_dir, or read from ``layer_profile``; ``layer_weighting`` is how the
     # profile weighs layers, see tiered.planning.layer_profile.LayerProfile.weights) or "auto"
-    # ("layers"
-    # below 1/8 of the full cache when a profile is at hand without measuring: the cached
+    # ("layers" below 1/8 of the full cache when a profile is at hand without measuring: the cached
     # one, ``layer_profile``'s, or the one shipped for the embedded model; else "uniform")
     planner: str = "auto"
     layer_profile: str | None = None

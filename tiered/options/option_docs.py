@@ -4,8 +4,9 @@
 README's option table are both made from it. ``python -c "import tiered; from tiered.options
 import option_docs as o; o.write_readme(tiered.TieredConfig)"`` rewrites the README's table
 between its markers; a test checks that the README holds what this module makes and that
-every field is documented exactly once. Defaults come from the dataclass itself, except where a default is computed when
-a config is made (``DYNAMIC``). The class is passed in: this module imports nothing of tiered.
+every field is documented exactly once. Defaults come from the dataclass itself, except where a
+default is computed when a config is made (``DYNAMIC``). The class is passed in: this module
+imports nothing of tiered.
 """
 
 from __future__ import annotations

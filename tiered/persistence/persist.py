@@ -1,25 +1,22 @@
 """Ask again: save a prefilled tiered cache to a directory, and load it for a new question.
 
 A saved cache is an immutable, self-contained snapshot (:mod:`tiered.persistence.snapshot`): a
-manifest
-(``tiered.json``: format, tiered version, the model's fingerprint, the config, the layers, the
-tokens, every file with its size and SHA-256), every layer's ``state`` through mlx-lm's
+manifest (``tiered.json``: format, tiered version, the model's fingerprint, the config, the layers,
+the tokens, every file with its size and SHA-256), every layer's ``state`` through mlx-lm's
 ``save_prompt_cache`` (accelerator arrays, host RAM pages, policy state) and copies of the disk
 tier's page files. Nothing in it refers to a live cache's files, and a loaded cache works on
 copies: using it never writes into the saved directory.
 
 Loading refuses a damaged or swapped file (checksums; the manifest's own digest), a cache
 made for another model (:func:`tiered.persistence.identity.model_identity`: every parameter's bits,
-and
-the geometry the tensors hold) or with other layout options, and a manifest whose options,
+and the geometry the tensors hold) or with other layout options, and a manifest whose options,
 layers or token count disagree with the layers' saved states. Runtime options (host and disk
 budgets, workers) come from the save unless given again; a load writes only in the cache
 directory (its disk tier, when the pages do not fit the host budget) or in the ``disk_dir``
 it is given, never in a directory a manifest names.
 
 Saves and loads of one directory are ordered by locks (:mod:`tiered.persistence.snapshot`); a save
-waits
-for the step another thread is decoding and holds the next one back while it reads the cache
+waits for the step another thread is decoding and holds the next one back while it reads the cache
 (:mod:`tiered.planning.step_guard`).
 """
 

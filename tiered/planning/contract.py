@@ -41,8 +41,7 @@ def _check_kv(name: str, x: Any) -> None:
 def check_update(keys, values, geometry) -> None:
     """ValueError naming what is wrong unless ``keys``/``values`` (B, H, L, d) can be appended
     to a cache holding ``geometry`` (a :class:`tiered.planning.geometry.Geometry`; None: an empty
-    cache
-    takes any)."""
+    cache takes any)."""
     _check_kv("keys", keys)
     _check_kv("values", values)
     if keys.shape[:3] != values.shape[:3]:

@@ -15,8 +15,7 @@ class Geometry:
 
     A layer's geometry (:meth:`of_tensors`) has layers = 1 and its MLX ``dtype``; the
     planner's (:meth:`for_budget`, ``tiered.planning.context.model_geometry``) counts the tiered
-    layers
-    and folds the batch into the heads, and has no dtype (it travels as JSON in saved plans).
+    layers and folds the batch into the heads, and has no dtype (it travels as JSON in saved plans).
     """
 
     layers: int

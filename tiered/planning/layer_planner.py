@@ -17,8 +17,7 @@ heavy
    the rest among the resident layers.
 
 Each layer's :class:`~tiered.planning.planner.Plan` carries its ``share`` of the per-layer budget;
-the
-shares average at most 1, so the model stays within ``gpu_budget`` (``report()`` measures it).
+the shares average at most 1, so the model stays within ``gpu_budget`` (``report()`` measures it).
 Low budgets thus get the layout that answered best there (all values offloaded, finer codes
 where the profile says so), and 1/32 of the cache works where the uniform ladder refuses it.
 """

@@ -3,8 +3,7 @@
 A step is the model's forward pass through the tiered layers of one cache: it starts at the
 first tiered layer's ``update_and_fetch`` and ends when the last tiered layer's attention
 returns or raises. A save (:func:`tiered.persistence.persist.save`) waits for the step running in
-another
-thread to end (the next step waits from the moment a save asks), then holds steps back until
+another thread to end (the next step waits from the moment a save asks), then holds steps back until
 it has read the cache; where the other
 thread does not end its step within ``TIERED_SAVE_WAIT`` seconds (default 60: a step that
 raised outside tiered's calls leaves no end mark), the save is refused. A thread's own step

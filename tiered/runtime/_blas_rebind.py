@@ -3,8 +3,7 @@
 CPython loads extensions with RTLD_NOW, so by the time ``mlx.core`` is imported every BLAS
 call site of ``libmlx.so`` is bound, through its global offset table (GOT), to the reference
 BLAS the wheel bundles. Preloading OpenBLAS first (``tiered.runtime._platform``) wins only when
-tiered
-is imported before MLX. This module handles the other order: it reads libmlx's dynamic
+tiered is imported before MLX. This module handles the other order: it reads libmlx's dynamic
 relocations from the file, and for each function the optimized library also exports it writes
 that function's address into the GOT slot (the page made writable for the write when RELRO
 protects it, and its protection restored). Each slot is one aligned 8-byte store, so a call on

@@ -23,9 +23,8 @@ Elsewhere (the CPU backend, Metal's unified memory) :func:`upload` is ``mx.array
 
 H200, 2026-11-26: an 8 KB upload takes 0.025 ms of host time against 0.051, and three small
 kernels reading it 24 us of device time against 452 (bench/upload_readers.py, in git history); in
-the 128k
-decode step (bench/probes/device_probe.py, rounds of 15 steps alternating ``ENABLED``, two leases)
-9 of 10 paired rounds were faster with the ring, by 0.9 ms/token on average.
+the 128k decode step (bench/probes/device_probe.py, rounds of 15 steps alternating ``ENABLED``, two
+leases) 9 of 10 paired rounds were faster with the ring, by 0.9 ms/token on average.
 """
 
 from __future__ import annotations
@@ -116,8 +115,7 @@ class Ring:
         old: the front of ``held`` from ``tail`` on). Records are released a half ring at a
         time: the whole half [start, end) falls in, so the next records there wait for
         nothing. A wait (:func:`tiered.runtime.dispatch.eval`) first waits for the dispatcher
-        thread,
-        which one per record made the main thread wait once the ring had wrapped."""
+        thread, which one per record made the main thread wait once the ring had wrapped."""
         half = self.buf.size // 2
         end = -(-end // half) * half
         outs = []

@@ -50,8 +50,7 @@ def drain() -> None:
 
 def drain_at_exit() -> None:
     """The interpreter-exit hook (:mod:`tiered.runtime._platform` registers it): :func:`drain`; a
-    wait
-    that fails is reported on stderr and the exit goes on."""
+    wait that fails is reported on stderr and the exit goes on."""
     try:
         drain()
     except Exception as e:  # noqa: BLE001 - reported; the exit must not stop here

@@ -15,10 +15,9 @@ eight of them, so the tau mass is reached over more of the tokens that hold it.
 token-level ``tau_select`` did, so gathers, host sinks and the H2O update read it unchanged:
 ``m``/``s`` are the softmax statistics over all n tokens (the H2O update's), ``mass`` the
 selected tokens' share of it. The CPU-gather paths pass n_host = n: the flags mark the ring's tokens
-resident, every
-other token is on the host pages once the step's write-behind ran (how far the write-behind got
-would otherwise change the selection). ``TIERED_SELECT_CHUNK=1`` selects token by token (the rule
-before; for measurements).
+resident, every other token is on the host pages once the step's write-behind ran (how far the
+write-behind got would otherwise change the selection). ``TIERED_SELECT_CHUNK=1`` selects token by
+token (the rule before; for measurements).
 """
 
 from __future__ import annotations
