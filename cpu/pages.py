@@ -94,8 +94,8 @@ class HostStore(PageReads):
         )
         self.length = 0  # tokens per sequence
         # A small output (lazy) of the last device kernel that read or wrote these pages by
-        # address (tiered.step.device_decode): the next such kernel takes it as an input, so they run
-        # in the order they were queued (see :meth:`device_op`).
+        # address (tiered.step.device_decode): the next such kernel takes it as an input, so they
+        # run in the order they were queued (see :meth:`device_op`).
         self.fence = None
         self._pages: list[list[int]] = [[] for _ in range(batch)]
         self._free: list[int] = []
