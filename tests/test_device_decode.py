@@ -115,7 +115,9 @@ def test_compiled_step_decodes_as_the_step_op_by_op(monkeypatch, host_keys, iter
     resident set of the same steps built op by op, across refreshes and width changes; without
     host keys (approximate rescoring, as at 1M tokens) too; with the tiled resident kernel and
     its scores handed to the exact splits too."""
-    from tiered.step import device_append, device_attend, device_compiled, device_resident
+    from tiered.step import (device_append, device_attend, device_compiled, device_resident,
+                             native_append)
+    monkeypatch.setattr(native_append, "ENABLED", False)  # the compiled append is under test
     monkeypatch.setattr(device_resident, "RESIDENT_ITER", iters)
     monkeypatch.setattr(device_attend, "RESIDENT_SCORES_GIVEN", given)
 

@@ -7,13 +7,16 @@ times ``KVCache`` once for reference, then decodes in interleaved rounds, one mo
   thread, Python's default GIL switch interval (the code before tiered.runtime.dispatch);
 - ``thread<k>[/<ms>]``: the dispatcher thread hands the graph over every k layers
   (tiered.runtime.dispatch), Python's GIL switch interval <ms> (default
-  tiered.runtime.dispatch.SWITCH_INTERVAL_S).
+  tiered.runtime.dispatch.SWITCH_INTERVAL_S);
+- a suffix ``+native`` / ``+compiled``: a decode token's append takes the native in-place
+  kernel (tiered.step.native_append) or the compiled MLX function.
 
 Rounds alternate so that drift of the machine falls on every mode alike. Per mode: the median
 ms/token over its rounds' steps, and how much of a step the model call (graph building, with
 the hand-offs on the main thread) took.
 
     python3 bench/probes/dispatch_probe.py --model llama3-8b --context 131072
+    python3 bench/probes/dispatch_probe.py --context 32768 --modes thread2+native thread2+compiled
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ import numpy as np
 from decode_setup import build_model, kv_caches, seed_kv, tiered_caches
 from million import decode_step
 
-from tiered.step import device_step
+from tiered import TieredCache
 from tiered.runtime import dispatch
+from tiered.step import device_step, native_append
 
 
 def steps(model, cache, y, n):
@@ -44,7 +48,13 @@ def steps(model, cache, y, n):
     return y, total, call
 
 
-def set_mode(mode: str) -> None:
+def set_mode(mode: str, cache=()) -> None:
+    mode, _, append = mode.partition("+")
+    if append:
+        native_append.ENABLED = append == "native"
+        for c in cache:
+            if isinstance(c, TieredCache) and c.compressed is not None:
+                c.compressed._native = None  # decided again at the next append
     if mode == "main":
         dispatch._enabled = False
         device_step.ASYNC_EVERY = 4
@@ -89,16 +99,19 @@ def main(argv=None):
     d = dispatch.DISPATCHER
     for r in range(args.rounds):
         for m in args.modes:
-            set_mode(m)
+            set_mode(m, cache)
             y, _, _ = steps(model, cache, y, 2)
             busy, wait = d.busy_s, d.wait_s
             y, total, call = steps(model, cache, y, args.steps)
             got[m][0].extend(total)
             got[m][1].extend(call)
+            native = sum(bool(getattr(c.compressed, "_native", False)) for c in cache
+                         if isinstance(c, TieredCache) and c.compressed is not None)
             print(f"round {r} {m:<9} {1e3 * np.median(total):6.1f} ms/token "
                   f"(model call {1e3 * np.median(call):.1f}; per token: dispatcher busy "
                   f"{1e3 * (d.busy_s - busy) / args.steps:.1f}, main thread waiting for it "
-                  f"{1e3 * (d.wait_s - wait) / args.steps:.1f})", flush=True)
+                  f"{1e3 * (d.wait_s - wait) / args.steps:.1f}; native appends in {native} "
+                  "layers)", flush=True)
     print("\nmode      ms/token  model call  slowest/median", flush=True)
     for m, (total, call) in got.items():
         med = np.median(total)

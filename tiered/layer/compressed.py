@@ -71,6 +71,7 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         # the device path's tables once a step took it (tiered.step.device_decode)
         self._tables = None
         self._compile_ok = None  # whether its step runs compiled (tiered.step.device_compiled)
+        self._native = None  # whether its appends take the native kernel (tiered.step.native_append)
         self._alloc(capacity)
         self.res_k = self.res_v = self.res_tok = None
         self._res_tok_np = None
@@ -102,6 +103,10 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         # evaluated with the layer's next step, not handed to the device on their own (each
         # mx.async_eval cost ~1.6 ms of host time on an H200; see _take_later)
         self._later: list = []
+        # the last decode step's outputs: every kernel of that step that read this layer's
+        # buffers is one of their ancestors (an in-place append waits for them:
+        # tiered.step.native_append)
+        self._step_reads: list = []
 
     # ---- storage ---------------------------------------------------------------------------
     def _alloc(self, capacity: int, n: int = 0):

@@ -41,7 +41,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..runtime import dispatch, staging
-from . import device_compiled, device_encode, undo
+from . import device_compiled, device_encode, native_append, undo
 from .device_decode import NO_BAD, _kernel, host_mx_dtype
 
 MAX_FUNCTIONS = 16
@@ -90,6 +90,33 @@ def append(layer, keys: mx.array, values: mx.array) -> bool:
     else:
         kw = vw = None
     pages, addrs_k, addrs_v = device_compiled.page_tables(layer._tables, host, Wd)
+    ph = device_compiled._placeholder
+    fence = ph((1,), mx.int32) if host.fence is None else host.fence
+    bad = parent._finite_bad
+    if layer._native is None:
+        layer._native = native_append.applies(layer)
+    if layer._native:  # one launch, the layer's buffers written in place
+        outs = native_append.append(
+            layer, keys, values, layer.keys.sq_norms(), layer.keys.codes, kw, vw, pages,
+            addrs_k, addrs_v, fence, bad, parent.offset, t_w, n0, slot, gone, clear, write)
+    else:
+        outs = _compiled(layer, keys, values, kw, vw, pages, addrs_k, addrs_v, fence, bad,
+                         t_w, n0, slot, gone, clear, write, S, W)
+    codes, layer.res_k, layer.res_v, layer.res_tok, layer.flags, acc, done, bad, k, v = outs
+    parent._finite_bad = bad
+    layer.keys.codes = codes
+    layer.ring_src[n0] = (k, v)  # the journal's rows of this token when it leaves the ring
+    if clear:
+        heavy.updated(acc, n0)
+    if write:
+        host.device_op(done)
+    return True
+
+
+def _compiled(layer, keys, values, kw, vw, pages, addrs_k, addrs_v, fence, bad, t_w: int,
+              n0: int, slot: int, gone: int, clear: bool, write: bool, S: int, W: int):
+    """The append as the compiled MLX function (:func:`_body`); its outputs."""
+    parent, host, heavy = layer.parent, layer.parent.host, layer.heavy
     vt = host.values
     kt = vt if host.keys is None else host.keys  # no host keys: only values written behind
     if not write:
@@ -102,28 +129,16 @@ def append(layer, keys: mx.array, values: mx.array) -> bool:
            host.keys is not None)
     fn = device_compiled.compiled(_functions, key, _body, MAX_FUNCTIONS)
     ph = device_compiled._placeholder
-    fence = ph((1,), mx.int32) if host.fence is None else host.fence
-    bad = parent._finite_bad
     cbt, norms = ((codebook, layer.keys.sq_norms()) if kernel
                   else _codebook_terms(layer.keys))
     at = _columns(H, g, keys.shape[3], values.shape[3], n0, slot, gone)
     _guess_next(layer, (H, g, keys.shape[3], values.shape[3]), n0 + 1, S, W)
-    outs = fn(keys, values, cbt, norms, codes_now, layer.res_k, layer.res_v, layer.res_tok,
+    return fn(keys, values, cbt, norms, codes_now, layer.res_k, layer.res_v, layer.res_tok,
               layer.flags, heavy.acc if clear else ph((1, 1)),
               kw if write else ph((1, 1, 1, 1)), vw if write else ph((1, 1, 1, 1)),
               pages, addrs_k, addrs_v, fence,
               device_compiled._step_ints(NO_BAD) if bad is None else bad,
               device_compiled._step_ints(parent.offset, t_w), *at)
-    codes, layer.res_k, layer.res_v, layer.res_tok, layer.flags, acc, done, bad, k, v = outs
-    parent._finite_bad = bad
-    layer.keys.codes = codes
-    layer.ring_src[n0] = (k, v)  # the journal's rows of this token when it leaves the ring
-    if clear:
-        heavy.updated(acc, n0)
-    if write:
-        host.device_op(done)
-    return True
-
 
 _ENCODES: dict = {}
 

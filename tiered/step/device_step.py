@@ -108,6 +108,7 @@ def _finish(layer, queries, o, mass, mean_count, marks, writes):
     """The step's end: stats, refresh, the output ordered after the step's writes and handed
     to the device every ASYNC_EVERY layers."""
     marks.append(("build", time.perf_counter()))
+    layer._step_reads = [o, *writes]  # what the next in-place append waits for
     out = layer._end_step(queries, o, mass, mean_count, marks, keep_later=True)
     writes += layer._take_later()  # a refresh's lazy arrays: evaluated with this step
     out = mx.depends(out, writes) if writes else out

@@ -1,0 +1,150 @@
+"""tiered's native launcher: kernels as one MLX primitive that may write its inputs in place.
+
+On an H200 the device step's time is the host's: MLX spends ~10 us of host time per custom
+kernel it encodes (output allocation, the source hashed at every launch, an ``init_value``
+fill, its graph bookkeeping; docs/decode-speed-gpu.md), and a decode token's append was a
+dozen such kernels a layer plus the copies its scatters made of their sources. MLX arrays are
+immutable and MLX's CUDA graph orders a kernel only after the last *declared* writer of each
+buffer it reads, so a custom kernel cannot safely update a buffer in place from Python.
+
+``native.cpp`` adds the missing primitive: launches of kernels compiled here (NVRTC,
+:mod:`tiered.metal.nvrtc`) with a plain parameter list (64-bit integers, new output addresses,
+input addresses), whose outputs may alias inputs that the kernels write. It declares every
+buffer it writes to MLX's command encoder, so later readers are ordered after it. Readers
+*before* it in the same graph are not (MLX has no such edge): the caller passes every lazy array
+that still reads a buffer it writes as an input (:mod:`tiered.step.native_append`).
+
+It is built on first use with the C++ compiler and nanobind (a dependency), against the MLX
+headers the wheel ships, into ``~/.cache/tiered/native`` (``TIERED_NATIVE_DIR``); about 5 s.
+Where that fails (no compiler, another MLX ABI), :func:`load` says why once and returns None, and
+tiered keeps the Python route. ``TIERED_NATIVE=0`` turns it off. ``python -m tiered.metal.native``
+builds it and prints where.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import threading
+import warnings
+from importlib import resources
+from pathlib import Path
+
+_lock = threading.Lock()
+_state: dict = {}
+NAME = "_tiered_native"
+
+
+def enabled() -> bool:
+    return os.environ.get("TIERED_NATIVE", "1") != "0"
+
+
+def source() -> str:
+    return resources.files(__package__).joinpath("native.cpp").read_text(encoding="utf-8")
+
+
+def _mlx_root() -> Path:
+    import mlx
+
+    for root in mlx.__path__:
+        if (Path(root) / "include" / "mlx" / "array.h").exists():
+            return Path(root)
+    raise FileNotFoundError("the MLX package ships no C++ headers (mlx/include)")
+
+
+def build_dir() -> Path:
+    """Where the module for this source, Python ABI and MLX version is built: a new directory
+    whenever any of them changes."""
+    import mlx.core as mx
+
+    key = hashlib.sha256((source() + sysconfig.get_config_var("EXT_SUFFIX") + mx.__version__)
+                         .encode()).hexdigest()[:16]
+    root = os.environ.get("TIERED_NATIVE_DIR") or Path.home() / ".cache" / "tiered" / "native"
+    return Path(root) / key
+
+
+def compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which(
+        "clang++")
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile native.cpp into this build's directory (nothing when it is there); its path."""
+    out_dir = build_dir()
+    target = out_dir / (NAME + sysconfig.get_config_var("EXT_SUFFIX"))
+    if target.exists():
+        return target
+    cxx = compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++, c++ or clang++; or set CXX)")
+    import nanobind
+
+    nb = Path(nanobind.include_dir()).parent
+    mlx_root = _mlx_root()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    src = out_dir / "native.cpp"
+    src.write_text(source())
+    tmp = target.with_suffix(f".{os.getpid()}.tmp")
+    cmd = [cxx, "-std=c++20", "-O2", "-fPIC", "-shared", "-fvisibility=hidden", "-DNDEBUG",
+           "-DNB_DOMAIN=mlx", f"-I{nb / 'include'}", f"-I{nb / 'ext' / 'robin_map' / 'include'}",
+           f"-I{sysconfig.get_paths()['include']}", f"-I{mlx_root / 'include'}", str(src),
+           str(nb / "src" / "nb_combined.cpp"), f"-L{mlx_root / 'lib'}", "-lmlx",
+           f"-Wl,-rpath,{mlx_root / 'lib'}", "-ldl", "-o", str(tmp)]
+    if verbose:
+        print("tiered.native: building", target, file=sys.stderr, flush=True)
+    got = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if got.returncode != 0:
+        raise RuntimeError(f"{cxx} failed:\n{got.stderr[-4000:]}")
+    os.replace(tmp, target)
+    return target
+
+
+def load():
+    """The native module, or None where it cannot be built or loaded (said once)."""
+    with _lock:
+        if "module" in _state:
+            return _state["module"]
+        module, why = None, None
+        if not enabled():
+            why = "TIERED_NATIVE=0"
+        else:
+            try:
+                import mlx.core  # noqa: F401 - the module's array type comes from here
+
+                path = build(verbose=os.environ.get("TIERED_NATIVE_VERBOSE") == "1")
+                spec = importlib.util.spec_from_file_location(NAME, path)
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+            except Exception as e:  # noqa: BLE001 - the Python route stays
+                module, why = None, f"{type(e).__name__}: {e}"
+        _state["module"], _state["why"] = module, why
+        if why is not None and why != "TIERED_NATIVE=0":
+            warnings.warn(f"tiered: the native launcher is unavailable ({why}); the Python "
+                          "route runs instead", RuntimeWarning, stacklevel=2)
+        return module
+
+
+def why_not() -> str | None:
+    """Why the native launcher does not run on this process's MLX build, or None."""
+    module = load()
+    if module is None:
+        return _state.get("why") or "not built"
+    if not module.cuda_ready():
+        return f"not on MLX's CUDA backend ({module.cuda_missing()})"
+    return None
+
+
+def cuda():
+    """The module where it can launch on CUDA, else None."""
+    module = load()
+    return module if module is not None and module.cuda_ready() else None
+
+
+if __name__ == "__main__":
+    print(build(verbose=True))
+    print("launches on CUDA" if why_not() is None else f"loads; does not launch: {why_not()}")
