@@ -263,6 +263,28 @@ def test_cli_document_run(tmp_path):
     assert "accelerator" in r.stdout and "host" in r.stdout
 
 
+def test_cli_reads_a_document_layer_by_layer(tmp_path):
+    """tiered run --prefill layers reads the document layer by layer, exactly: in an exact
+    cache it answers as the chunked prefill does, token for token (greedy). Which prefill
+    --prefill auto picks: tests/test_layerwise_prefill.py."""
+    import json
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The meeting with the lighthouse keeper is on Thursday at noon. " * 40)
+    answers = []
+    for how in ("layers", "chunks"):
+        out = tmp_path / f"{how}.json"
+        r = _cli("run", "--document", str(doc), "--question", "When is the meeting?",
+                 "--max-tokens", "12", "--gpu-budget", "1.0", "--prefill", how, "--json",
+                 str(out))
+        assert r.returncode == 0, r.stderr
+        assert f"prefill: {'layer by layer' if how == 'layers' else 'chunk by chunk'}" in r.stderr
+        got = json.loads(out.read_text())
+        assert got["prefill"]["how"] == how
+        answers.append(got["answer"])
+    assert answers[0] == answers[1] and "Thursday" in answers[0]
+
+
 def test_numpy_first_still_gets_an_optimized_blas():
     """numpy's bundled OpenBLAS prefixes its symbols and cannot serve MLX: tiered must not
     mistake it for one (it would leave MLX on the ~30x slower reference BLAS)."""

@@ -45,7 +45,29 @@ def test_every_layer_compresses_after_its_pass(small):
     small(mx.array([[7]]), cache=cache)
     rep = tiered.report_dict(cache)
     assert rep["bytes"]["accelerator"] <= rep["budget_bytes"]
+    # the exact K/V held at once: one layer's, not every layer's
+    peaks = [c.stats.peak_transient_bytes for c in cache]
+    assert rep["prefill_by_layer"] and rep["peak_transient_accelerator_bytes"] == max(peaks) > 0
+    assert "one layer's at a time" in tiered.report(cache) or (
+        rep["peak_transient_accelerator_bytes"] <= rep["budget_bytes"])
     cache.close()
+
+
+def test_tiered_run_chooses_the_prefill(small):
+    """tiered run --prefill auto: layer by layer past prefill_window where the model allows
+    it, chunk by chunk (exact) within it, in an exact cache, or where the model does not."""
+    from tiered.commands.cli import prefill_choice
+
+    assert prefill_choice("auto", small, 900, {"prefill_window": 512})[0] == "layers"
+    assert prefill_choice("auto", small, 400, {"prefill_window": 512})[0] == "chunks"
+    assert prefill_choice("auto", small, 900, {"prefill_window": 512,
+                                               "gpu_budget": 1.0})[0] == "chunks"
+    assert prefill_choice("chunks", small, 900, {"prefill_window": 512})[0] == "chunks"
+    gemma = make_small_model("gemma3-mha-d64", layers=2)
+    how, why = prefill_choice("auto", gemma, 900, {"prefill_window": 512})
+    assert how == "chunks" and "supports" in why
+    with pytest.raises(ValueError, match="supports"):
+        prefill_choice("layers", gemma, 900, {})
 
 
 def test_refusals(small):

@@ -32,6 +32,11 @@ def _inner(model):
     return inner
 
 
+def check_layerwise(model) -> None:
+    """Raise ValueError (saying why) unless :func:`layerwise_prefill` runs ``model``."""
+    _inner(model)
+
+
 def layerwise_prefill(model, cache, tokens: list[int], *, chunk: int = 2048,
                       progress=None) -> dict:
     """Prefill ``tokens`` into ``cache`` (a fresh ``TieredCache.for_model`` list) layer by layer.
@@ -64,6 +69,8 @@ def layerwise_prefill(model, cache, tokens: list[int], *, chunk: int = 2048,
         mx.eval(h)
         if hasattr(c, "settle"):
             c.settle()
+        if hasattr(c, "stats"):
+            c.stats.prefill_by_layer = True
         mx.clear_cache()
         if progress:
             progress(li + 1, len(layers))

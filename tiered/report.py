@@ -115,6 +115,18 @@ def shared_memory() -> str | None:
     return None
 
 
+_BY_LAYER = ", one layer's at a time"
+
+
+def _peak_transient(layers) -> int:
+    """The prefill's exact K/V held at once: every layer's together (chunk by chunk), or the
+    largest layer's (layer by layer: tiered.layerwise_prefill)."""
+    peaks = [c.stats.peak_transient_bytes for c in layers]
+    if layers and all(c.stats.prefill_by_layer for c in layers):
+        return max(peaks)
+    return sum(peaks)
+
+
 def report_dict(caches) -> dict:
     """Figures of a list of caches (``TieredCache.for_model`` output, or a loaded one)."""
     layers = [c for c in caches if is_tiered(c)]
@@ -129,7 +141,8 @@ def report_dict(caches) -> dict:
         "full_cache_bytes": full,
         "accelerator_fraction": per_tier["accelerator"] / full if full else None,
         "phases": sorted({c.phase for c in layers}),
-        "peak_transient_accelerator_bytes": sum(c.stats.peak_transient_bytes for c in layers),
+        "peak_transient_accelerator_bytes": _peak_transient(layers),
+        "prefill_by_layer": bool(layers) and all(c.stats.prefill_by_layer for c in layers),
         # the accelerator and host tiers in one memory (MLX's CPU backend, Apple's unified
         # memory): what the process holds is their sum
         "shared_memory": shared_memory(),
@@ -198,13 +211,14 @@ def report(caches) -> str:
         + f" | host {format_bytes(b['host'])} | disk {format_bytes(b['disk'])}",
     ]
     peak = d["peak_transient_accelerator_bytes"]
+    by_layer = d.get("prefill_by_layer", False)
     if "budget_bytes" in d and "compressed" in d["phases"]:
         ok = b["accelerator"] <= d["budget_bytes"]
         lines.append(f"  budget {format_bytes(d['budget_bytes'])}: the cache "
                      f"{'within' if ok else 'OVER'} it"
                      + (f"; the prefill's transient peak {format_bytes(peak)} was above it (the "
-                        "prompt's exact K/V before it compressed)" if peak > d["budget_bytes"]
-                        else ""))
+                        f"prompt's exact K/V before it compressed{_BY_LAYER if by_layer else ''})"
+                        if peak > d["budget_bytes"] else ""))
     elif peak:
         lines.append(f"  prefill transient peak (accelerator) {format_bytes(peak)}")
     if d["shared_memory"]:

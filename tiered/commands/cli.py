@@ -12,6 +12,7 @@ import time
 import tiered
 import tiered.prefill as prefill
 
+from ..layerwise_prefill import check_layerwise, layerwise_prefill
 from ..options.config import TieredConfig
 from ..persistence import persist, save_file
 from ..planning import tasks
@@ -27,10 +28,10 @@ MAX_DOCUMENT_BYTES = 1 << 31  # documents are read whole
 
 
 class Progress:
-    """A one-line progress bar on stderr: tokens done, tokens/s, ETA."""
+    """A one-line progress bar on stderr: tokens (or layers) done, their rate, ETA."""
 
-    def __init__(self, label: str, stream=sys.stderr, width: int = 30):
-        self.label, self.stream, self.width = label, stream, width
+    def __init__(self, label: str, stream=sys.stderr, width: int = 30, unit: str = "tokens"):
+        self.label, self.stream, self.width, self.unit = label, stream, width, unit
         self.start = time.perf_counter()
         self.tty = stream.isatty()
         self._last_printed = -1.0
@@ -40,9 +41,10 @@ class Progress:
         frac = done / total if total else 1.0
         rate = done / max(now - self.start, 1e-9)
         eta = f"{(total - done) / rate:,.0f}s" if rate > 0 else "--"  # nothing done yet
-        speed = f"{rate:,.0f} tok/s" if done else "-- tok/s"
+        per = "tok/s" if self.unit == "tokens" else f"{self.unit}/s"
+        speed = f"{rate:,.{0 if self.unit == 'tokens' else 2}f} {per}" if done else f"-- {per}"
         bar = "#" * int(frac * self.width)
-        line = f"{self.label} [{bar:<{self.width}}] {done}/{total} tokens {speed} ETA {eta}"
+        line = f"{self.label} [{bar:<{self.width}}] {done}/{total} {self.unit} {speed} ETA {eta}"
         if self.tty:
             self.stream.write("\r" + line + ("\n" if done >= total else ""))
             self.stream.flush()
@@ -148,6 +150,33 @@ def _check_inputs(args):
     return document, options
 
 
+PREFILLS = {"layers": "layer by layer, exact",
+            "chunks": "chunk by chunk: exact within prefill_window, block-wise past it"}
+
+
+def prefill_choice(choice: str, model, n: int, options: dict) -> tuple[str, str]:
+    """("layers" | "chunks", why) for a document of n tokens. ``auto``: layer by layer where the
+    document is longer than ``prefill_window`` (chunks past it would be block-wise, which loses
+    planted answers: bench/results/blockwise_prefill.md) and the model is one
+    :func:`~tiered.layerwise_prefill.layerwise_prefill` runs; else chunk by chunk (exact)."""
+    cfg = TieredConfig.from_kwargs(**options)
+    if choice != "auto":
+        if choice == "layers":
+            check_layerwise(model)
+        return choice, "--prefill " + choice
+    if cfg.exact:
+        return "chunks", "an exact cache: every chunk is exact"
+    if n <= cfg.prefill_window:
+        return "chunks", f"{n} tokens fit prefill_window {cfg.prefill_window}: exact"
+    try:
+        check_layerwise(model)
+    except ValueError as e:
+        return "chunks", f"past prefill_window {cfg.prefill_window} tokens: {e}"
+    return "layers", (f"{n} tokens, past prefill_window {cfg.prefill_window}: exact with one "
+                      "layer's keys and values held at a time; --prefill chunks is faster and "
+                      "block-wise")
+
+
 def cmd_run(args) -> int:
     document, options = _check_inputs(args)
     t0 = time.perf_counter()
@@ -178,9 +207,19 @@ def cmd_run(args) -> int:
             if args.save_cache:  # the room for the save, before the prefill it would save
                 save_file.check_save(args.save_cache, persist.estimate_save_bytes(
                     model, len(prefix), tiered.TieredConfig.from_kwargs(**options)))
+            how, why = prefill_choice(args.prefill, model, len(prefix), options)
+            print(f"prefill: {PREFILLS[how]} ({why})", file=sys.stderr)
+            if how == "layers":  # each layer stays exact during its own pass
+                options["prefill_window"] = max(len(prefix), options.get(
+                    "prefill_window", TieredConfig.prefill_window))
             cache = tiered.TieredCache.for_model(model, tokenizer=tokenizer, **options)
-            prefill_stats = prefill.prefill(model, cache, prefix, chunk=args.prefill_step,
-                                            progress=Progress("prefill"))
+            if how == "layers":
+                prefill_stats = layerwise_prefill(model, cache, prefix, chunk=args.prefill_step,
+                                                  progress=Progress("prefill", unit="layers"))
+            else:
+                prefill_stats = prefill.prefill(model, cache, prefix, chunk=args.prefill_step,
+                                                progress=Progress("prefill"))
+            prefill_stats["how"] = how
             if args.save_cache:
                 cache.save(args.save_cache, model)
                 print(f"cache saved to {args.save_cache}", file=sys.stderr)
@@ -317,6 +356,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-tokens", type=int, default=None,
                    help="tokens to generate (default: 32, or 10 for the demo)")
     r.add_argument("--prefill-step", type=int, default=2048)
+    r.add_argument("--prefill", default="auto", choices=["auto", "layers", "chunks"],
+                   help="how the document is read: layer by layer (exact, one layer's full "
+                        "K/V at a time), chunk by chunk (exact within prefill_window, block-wise "
+                        "past it), or auto: layers where the document is longer than "
+                        "prefill_window and the model allows it")
     r.add_argument("--demo-tokens", type=int, default=3000)
     r.add_argument("--seed", type=int, default=None, help="demo seed (default: random)")
     r.add_argument("--no-chat", action="store_true", help="do not apply the chat template")

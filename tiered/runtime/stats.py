@@ -40,6 +40,7 @@ class LayerStats:
     live: deque = field(default_factory=_steps)
     resident_mass: deque = field(default_factory=_steps)
     peak_transient_bytes: int = 0  # accelerator bytes held during prefill (exact window)
+    prefill_by_layer: bool = False  # prefilled layer by layer: its peak held alone, not with others
     phase_s: dict = field(default_factory=dict)  # decode-step phase -> seconds, summed over steps
 
     def record_phases(self, marks) -> None:
