@@ -16,7 +16,13 @@ from ..layerwise_prefill import check_layerwise, layerwise_prefill
 from ..options.config import TieredConfig
 from ..persistence import persist, save_file
 from ..planning import tasks
-from .cli_common import UsageError, check_model_path, json_options, load_model, mlx_cache_flag
+from .cli_common import (
+    UsageError,
+    check_model_path,
+    json_options,
+    load_model,
+    mlx_cache_flag,
+)
 
 DESCRIPTION = """\
 Read a long document with an MLX language model through a tiered KV cache and answer a
