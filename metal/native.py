@@ -14,11 +14,13 @@ buffer it writes to MLX's command encoder, so later readers are ordered after it
 *before* it in the same graph are not (MLX has no such edge): the caller passes every lazy array
 that still reads a buffer it writes as an input (:mod:`tiered.step.native_append`).
 
-It is built on first use with the C++ compiler and nanobind (a dependency), against the MLX
-headers the wheel ships, into ``~/.cache/tiered/native`` (``TIERED_NATIVE_DIR``); about 5 s.
-Where that fails (no compiler, another MLX ABI), :func:`load` says why once and returns None, and
-tiered keeps the Python route. ``TIERED_NATIVE=0`` turns it off. ``python -m tiered.metal.native``
-builds it and prints where.
+It is opt-in (``TIERED_NATIVE=1``): on an H200 the native append measured no faster than the
+compiled one (32k, alternating rounds on one cache: 23.1 against 22.7 ms/token, rounds spread
+19.7-25.1; docs/decode-speed-gpu.md), the token being bound elsewhere. Once asked for, it is built
+with the C++ compiler and nanobind (a dependency), against the MLX headers the wheel ships, into
+``~/.cache/tiered/native`` (``TIERED_NATIVE_DIR``); about 5 s. Where that fails (no compiler,
+another MLX ABI), :func:`load` says why once and returns None, and tiered keeps the Python
+route. ``python -m tiered.metal.native`` builds it and prints where.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ NAME = "_tiered_native"
 
 
 def enabled() -> bool:
-    return os.environ.get("TIERED_NATIVE", "1") != "0"
+    """Whether the native launcher is asked for (``TIERED_NATIVE=1``)."""
+    return os.environ.get("TIERED_NATIVE", "0") == "1"
 
 
 def source() -> str:
@@ -111,7 +114,7 @@ def load():
             return _state["module"]
         module, why = None, None
         if not enabled():
-            why = "TIERED_NATIVE=0"
+            why = "not asked for (TIERED_NATIVE=1)"
         else:
             try:
                 import mlx.core  # noqa: F401 - the module's array type comes from here
@@ -123,7 +126,7 @@ def load():
             except Exception as e:  # noqa: BLE001 - the Python route stays
                 module, why = None, f"{type(e).__name__}: {e}"
         _state["module"], _state["why"] = module, why
-        if why is not None and why != "TIERED_NATIVE=0":
+        if why is not None and enabled():
             warnings.warn(f"tiered: the native launcher is unavailable ({why}); the Python "
                           "route runs instead", RuntimeWarning, stacklevel=2)
         return module
@@ -146,5 +149,6 @@ def cuda():
 
 
 if __name__ == "__main__":
+    os.environ["TIERED_NATIVE"] = "1"
     print(build(verbose=True))
     print("launches on CUDA" if why_not() is None else f"loads; does not launch: {why_not()}")

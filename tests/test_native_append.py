@@ -23,6 +23,15 @@ from tiered import TieredCache
 from tiered.runtime import uva
 
 
+@pytest.fixture(autouse=True)
+def _asked_for(monkeypatch):
+    """The launcher is opt-in (TIERED_NATIVE=1): asked for here, loaded afresh."""
+    monkeypatch.setenv("TIERED_NATIVE", "1")
+    native._state.clear()
+    yield
+    native._state.clear()
+
+
 def _module():
     if native.compiler() is None:
         pytest.skip("no C++ compiler")

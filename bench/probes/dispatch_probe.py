@@ -22,6 +22,7 @@ the hand-offs on the main thread) took.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -78,6 +79,8 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=70)
     p.add_argument("--no-kv", action="store_true")
     args = p.parse_args(argv)
+    if any(m.endswith("+native") for m in args.modes):
+        os.environ["TIERED_NATIVE"] = "1"  # the launcher is opt-in (tiered.metal.native)
     model, tok = build_model(args.model, mx.float16)
     seed = seed_kv(model, tok, 2048)
     y = mx.array([[1]])

@@ -36,6 +36,7 @@ from ..metal.ptx_cache import _CUDA_TYPES
 NO_BAD = 1 << 30  # tiered.step.device_decode.NO_BAD
 THREADS = 256
 ENABLED = True  # False: appends take the compiled MLX function (bench A/B: --set ...ENABLED=0)
+# (and only where the native launcher is asked for: TIERED_NATIVE=1, tiered.metal.native)
 
 _SOURCE = r"""
 #include "mlx/backend/cuda/device/utils.cuh"
