@@ -242,6 +242,7 @@ def test_cli_info_reports_blas():
     d = json.loads(r.stdout)
     assert d["backend"] in ("cpu", "metal", "cuda")
     assert d["matmul_gflops"] > 0
+    assert d["decode_step"]["path"] and d["decode_step"]["native_append"]
     if sys.platform.startswith("linux"):
         assert d["blas"]["status"] in ("loaded", "already-loaded"), d["blas"]
         assert "blas" in (d["blas"]["path"] or "").lower()

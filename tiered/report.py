@@ -42,6 +42,31 @@ class LayerReport:
         return self.geometry.full_bytes(self.offset)
 
     @property
+    def step_note(self) -> str | None:
+        """Which decode step this layer runs, and why not the device step where it does not
+        (None: not compressed, attended as mlx-lm's KVCache is)."""
+        c = self.compressed if self.phase == "compressed" else None
+        if c is None:
+            return None
+        if c.numpy_path:
+            return "CPU backend: Numba kernels over the host pages"
+        if c._tables is not None:
+            how = "compiled" if c._compile_ok else "op by op"
+            append = ("appends in place (TIERED_NATIVE=1)" if c._native else
+                      "appends compiled" if c._compile_ok else "appends op by op")
+            return (f"device step (CUDA): selected chunks read from the host pages in place, "
+                    f"no host round trip; {how}, {append}")
+        if c.steps == 0:
+            return "no decode step yet"
+        if self.config.device_gather == "off":
+            why = "device_gather='off'"
+        else:
+            from .step import device_decode
+
+            why = device_decode.supported(c) or "not decided"
+        return f"one sync a layer, CPU workers gather the selected rows (not the device step: {why})"
+
+    @property
     def layout_note(self) -> str:
         """Which layout this layer is in, and why (for report())."""
         if self.phase == "compressed":
@@ -152,6 +177,12 @@ def report_dict(caches) -> dict:
     for c in layers:
         notes.setdefault(c.layout_note, []).append(c.layer)
     out["layouts"] = {note: ids for note, ids in notes.items()}
+    steps: dict[str, list[int]] = {}
+    for c in layers:
+        if (note := c.step_note) is not None:
+            steps.setdefault(note, []).append(c.layer)
+    if steps:
+        out["decode_steps"] = steps
     kept = getattr(caches, "kept_layers", None)
     if kept:
         out["kept_layers"] = [list(x) for x in kept]
@@ -231,6 +262,9 @@ def report(caches) -> str:
     for note, ids in d.get("layouts", {}).items():
         which = "all tiered layers" if len(ids) == d["tiered_layers"] else f"layers {_ranges(ids)}"
         lines.append(f"  {which}: {note}")
+    for note, ids in d.get("decode_steps", {}).items():
+        which = "all tiered layers" if len(ids) == d["tiered_layers"] else f"layers {_ranges(ids)}"
+        lines.append(f"  decode step, {which}: {note}")
     if "layer_plans" in d and any(c != "exact" for c in d["phases"]):
         asked = d.get("planner", {}).get("asked", "layers")
         lines.append(f"  plan: layer-aware (planner='{asked}'), by the model's layer profile:")

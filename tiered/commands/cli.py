@@ -320,7 +320,23 @@ def info_dict() -> dict:
         "versions": versions,
         "cpu_count": os.cpu_count(),
         "matmul_gflops": round(_matmul_gflops(), 1),
+        "decode_step": _decode_step(),
     }
+
+
+def _decode_step() -> dict:
+    """Which decode step a compressed layer takes here, and the native launcher's state."""
+    from ..metal import accelerator, native
+    from ..runtime import uva
+
+    if uva.available():
+        step = "device step: selected chunks read from the host pages in place (CUDA)"
+    elif accelerator() == "cpu":
+        step = "CPU backend: Numba kernels over the host pages"
+    else:
+        step = "one sync a layer, CPU workers gather (the device step runs on CUDA only)"
+    why = native.why_not() if native.enabled() else "not asked for (TIERED_NATIVE=1)"
+    return {"path": step, "native_append": "in place" if why is None else why}
 
 
 def cmd_info(args) -> int:
@@ -335,6 +351,9 @@ def cmd_info(args) -> int:
           + (f" ({blas['detail']})" if blas["detail"] else ""))
     print("versions: " + ", ".join(f"{k} {v}" for k, v in d["versions"].items()))
     print(f"matmul: {d['matmul_gflops']} GFLOP/s (fp32 1024x1024)")
+    step = d["decode_step"]
+    print(f"decode step of a compressed layer: {step['path']}; native in-place append: "
+          f"{step['native_append']}")
     return 0
 
 
