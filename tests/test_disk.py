@@ -232,6 +232,45 @@ def test_cache_with_host_budget_spills_and_stays_correct(tmp_path):
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".pages")]
 
 
+def test_memory_budget_caps_the_accelerator_tier_and_host_ram_together(tmp_path):
+    """memory_budget: host pages get what the accelerator tier leaves of it, the rest goes to
+    disk; accelerator and host RAM together stay within it, and the output is the one of the
+    same cache without it (the disk tier stores pages exactly). report() says so."""
+    import mlx.core as mx
+    from conftest import make_small_model
+
+    import tiered
+
+    model = make_small_model("llama-gqa-d64", layers=2, seed=2)
+    prompt = mx.array(np.random.default_rng(7).integers(10, 49000, 900))[None]
+    opts = dict(gpu_budget=0.25, host_dtype="float32", page_size=16, recent=16,
+                disk_dir=str(tmp_path))
+
+    def run(cache):
+        out = [model(prompt, cache=cache)[:, -1]]
+        for _ in range(4):
+            out.append(model(mx.argmax(out[-1], axis=-1)[:, None], cache=cache)[:, -1])
+        return mx.concatenate(out)
+
+    free = tiered.TieredCache.for_model(model, **opts)
+    ref = run(free)
+    rep = tiered.report_dict(free)
+    budget = rep["bytes"]["accelerator"] + rep["bytes"]["host"] // 3
+    free.close()
+    cache = tiered.TieredCache.for_model(model, memory_budget=budget, **opts)
+    got = run(cache)
+    rep = tiered.report_dict(cache)
+    b = rep["bytes"]
+    assert b["disk"] > 0 and b["accelerator"] + b["host"] <= budget
+    assert rep["memory_budget"] == {"bytes": budget, "held": b["accelerator"] + b["host"],
+                                    "within": True}
+    assert "memory budget" in tiered.report(cache) and "within it" in tiered.report(cache)
+    assert mx.abs(ref - got).max().item() == 0
+    cache.close()
+    with pytest.raises(ValueError, match="not both"):
+        tiered.TieredCache.for_model(model, memory_budget="1MB", host_budget="1MB")
+
+
 def test_a_block_spills_only_after_the_queued_device_writes(tmp_path):
     """Device kernels write reserved slots by address (tiered.step.device_decode); a block moving
     to the disk tier is copied by the CPU, so the store waits for them first (and only then)."""

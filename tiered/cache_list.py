@@ -109,7 +109,8 @@ def for_model(cls, model, gpu_budget=0.125, *, install: bool = True, tokenizer=N
     context.tiered_layers = tiered
     context.tokenizer = tokenizer or getattr(model, "tiered_tokenizer", None)
     context.check_budget()
-    if tiered and not cfg.exact and (cfg.host_budget is not None or cfg.disk_budget is not None):
+    if tiered and not cfg.exact and (cfg.host_budget is not None or cfg.disk_budget is not None
+                                     or cfg.memory_budget is not None):
         _check_disk_options(cfg)
     if cfg.calibration != "self" and not cfg.exact and tiered:
         context.calibrate_from_text(model, tokenizer or getattr(model, "tiered_tokenizer", None),

@@ -16,6 +16,12 @@ TIERS = ("accelerator", "transient", "host", "disk", "bookkeeping")
 class LayerReport:
     """Methods of :class:`tiered.cache.TieredCache` (see the module docstring)."""
 
+    def accelerator_bytes(self) -> int:
+        """The accelerator tier's bytes of :meth:`tier_bytes`, without reading the host."""
+        if self.phase == "exact":
+            return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+        return self.compressed.nbytes
+
     def tier_bytes(self) -> dict:
         """Bytes per tier, measured from the arrays this layer holds. ``transient``: the part of
         "accelerator" that only prefill holds (the exact window of a compressing cache, or the
@@ -173,6 +179,11 @@ def report_dict(caches) -> dict:
         "shared_memory": shared_memory(),
         "accelerator_and_host_bytes": per_tier["accelerator"] + per_tier["host"],
     }
+    cfg = layers[0].config if layers else None
+    if cfg is not None and cfg.memory_budget is not None:
+        held = per_tier["accelerator"] + per_tier["host"]
+        out["memory_budget"] = {"bytes": cfg.memory_budget, "held": held,
+                                "within": held <= cfg.memory_budget}
     notes: dict[str, list[int]] = {}
     for c in layers:
         notes.setdefault(c.layout_note, []).append(c.layer)
@@ -256,6 +267,11 @@ def report(caches) -> str:
         lines.append(f"  on {d['shared_memory']} the accelerator and host tiers share one "
                      f"memory: {format_bytes(d['accelerator_and_host_bytes'])} together (the "
                      f"full cache: {format_bytes(d['full_cache_bytes'])})")
+    if "memory_budget" in d:
+        m = d["memory_budget"]
+        lines.append(f"  memory budget {format_bytes(m['bytes'])}: accelerator and host RAM "
+                     f"together {format_bytes(m['held'])}, {'within' if m['within'] else 'OVER'}"
+                     f" it; disk {format_bytes(b['disk'])}")
     if d["bytes"].get("bookkeeping"):
         lines.append(f"  H2O seed statistics {format_bytes(d['bytes']['bookkeeping'])} (the last "
                      "queries and the prompt's attention per key, kept near compression only)")

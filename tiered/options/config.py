@@ -16,7 +16,8 @@ from .option_groups import OptionGroups
 METHODS = ("tiered", "hcattention", "h2o")
 # Options that change how a cache runs or where it writes, not what it holds or how it
 # decodes: a load may set them anew (every other option must equal the saved one).
-RUNTIME_OPTIONS = ("host_budget", "disk_dir", "disk_budget", "workers", "kernel_threads",
+RUNTIME_OPTIONS = ("host_budget", "memory_budget", "disk_dir", "disk_budget", "workers",
+                   "kernel_threads",
                    "verify_pages", "keep_disk", "device_gather", "cache_dir")
 KEY_CODECS = ("auto", "codebook", "affine")
 RESCORE = ("approx", "exact")
@@ -194,6 +195,9 @@ class TieredConfig(OptionGroups):
     host_keys: bool = True
     page_size: int = 256
     host_budget: int | str | None = None  # host RAM for pages; beyond it they go to disk_dir
+    # the accelerator tier and host RAM together (one memory on Apple silicon and MLX's CPU
+    # backend): host pages get what the accelerator tier leaves; beyond it they go to disk_dir
+    memory_budget: int | str | None = None
     disk_dir: str | None = None  # default: the system temp directory
     disk_budget: int | str | None = None  # cap on disk-tier bytes (None: the disk's free space)
     keep_disk: bool = False  # no effect since tiered 0.2: page files are anonymous, saves copy them
@@ -277,6 +281,20 @@ class TieredConfig(OptionGroups):
                 raise ValueError(f"Invalid host_budget: {format_bytes(self.host_budget)} is more "
                                  f"than this machine's RAM ({format_bytes(ram)}); set it below "
                                  "that (pages beyond it go to the disk tier), or leave it None")
+        if self.memory_budget is not None:
+            if self.host_budget is not None:
+                raise ValueError("Invalid memory_budget: give memory_budget (the accelerator "
+                                 "tier and host RAM together) or host_budget (host RAM alone), "
+                                 "not both")
+            self.memory_budget = parse_bytes(self.memory_budget, "memory_budget")
+            if self.memory_budget <= 0:
+                raise ValueError(f"Invalid memory_budget: {self.memory_budget} (must be > 0)")
+            ram = rules.physical_memory()
+            if ram is not None and self.memory_budget > ram:
+                raise ValueError(f"Invalid memory_budget: {format_bytes(self.memory_budget)} is "
+                                 f"more than this machine's RAM ({format_bytes(ram)}); set it "
+                                 "below that (pages beyond it go to the disk tier), or leave it "
+                                 "None")
         if self.disk_budget is not None:
             self.disk_budget = parse_bytes(self.disk_budget, "disk_budget")
         rules.check_bool("keep_disk", self.keep_disk)

@@ -58,6 +58,9 @@ ROWS = [
     (("host_budget", "disk_dir", "disk_budget"), "host RAM for pages; beyond it, a page file in "
      "`disk_dir` (`None`: the temp directory); the disk tier's cap (`None`: the disk's free "
      "space)"),
+    (("memory_budget",), "the accelerator tier and host RAM together (one memory on Apple "
+     "silicon and MLX's CPU backend), instead of `host_budget`: host pages get what the "
+     "accelerator tier leaves, the rest goes to the page file"),
     (("keep_disk", "verify_pages"), "no effect (page files are anonymous, saves copy them); "
      "check disk pages' CRC32 on every read (also `TIERED_DEBUG=1`)"),
     (("compress_from",), "`None`: a layer compresses once a compressed layout meets the budget; "

@@ -14,7 +14,7 @@ under the same names, as a frozen dataclass built when asked for:
   codebook_size, codebook_per_group, affine_bits, affine_group_size, rotate, calibration,
   calibration_tokens, kmeans_iters, cache_dir;
 - ``host``: host pages and the disk tier: host_dtype, host_keys, page_size, host_budget,
-  disk_dir, disk_budget, keep_disk, verify_pages;
+  memory_budget, disk_dir, disk_budget, keep_disk, verify_pages;
 - ``prefill``: when a layer compresses, block-wise prefill: compress_from, prefill_window,
   anchor_tokens, prefill_select;
 - ``layer_budget``: how the budget is spread over the layers (:mod:`tiered.planning.layer_planner`):
@@ -100,12 +100,14 @@ class CodecOptions:
 @dataclass(frozen=True)
 class HostOptions:
     """Host pages (``page_size`` tokens, values and, with ``host_keys``, keys in
-    ``host_dtype``) within ``host_budget`` bytes; beyond it the disk tier in ``disk_dir``."""
+    ``host_dtype``) within ``host_budget`` bytes (or what ``memory_budget`` leaves beside the
+    accelerator tier); beyond it the disk tier in ``disk_dir``."""
 
     host_dtype: str
     host_keys: bool
     page_size: int
     host_budget: int | None
+    memory_budget: int | None
     disk_dir: str | None
     disk_budget: int | None
     keep_disk: bool

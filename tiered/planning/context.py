@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..codecs import train_codebook
-from ..cpu.disk import HostBudget
+from ..cpu.disk import HostBudget, SharedMemoryBudget
 from ..runtime import dispatch, ops
 from ..scheduler import Scheduler
 from . import layout
@@ -57,7 +57,9 @@ class SharedContext:
         self._caches = None  # weakref to the TieredCacheList (abort_step)
         self.steps = StepGuard()  # saves read the caches between steps (tiered.planning.step_guard)
         self.adopted = False  # a step switched its thread to the shared stream (dispatch)
-        self.host_budget = HostBudget(config.host_budget)
+        self.host_budget = (SharedMemoryBudget(config.memory_budget, self.accelerator_bytes)
+                            if config.memory_budget is not None
+                            else HostBudget(config.host_budget))
         self.disk_budget = HostBudget(config.disk_budget) if config.disk_budget else None
 
     # ---- the steps of the model's layers ---------------------------------------------------
@@ -68,6 +70,11 @@ class SharedContext:
     def _bound(self) -> list:
         caches = self._caches() if self._caches is not None else None
         return list(caches) if caches is not None else []
+
+    def accelerator_bytes(self) -> int:
+        """Accelerator bytes the caches this context serves hold now (``memory_budget``'s
+        other part; read without touching the host pages or their locks)."""
+        return sum(c.accelerator_bytes() for c in self._bound() if hasattr(c, "accelerator_bytes"))
 
     def bound_caches(self) -> list:
         """The caches this context serves (:meth:`bind`), [] when none are known."""
