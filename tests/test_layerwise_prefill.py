@@ -68,6 +68,11 @@ def test_tiered_run_chooses_the_prefill(small):
     assert how == "chunks" and "supports" in why
     with pytest.raises(ValueError, match="supports"):
         prefill_choice("layers", gemma, 900, {})
+    # with a disk tier: chunk by chunk (layer by layer lost an answer there; cli.DISK_TIER_NOTE)
+    how, why = prefill_choice("auto", small, 900, {"prefill_window": 512, "host_budget": "1MB"})
+    assert how == "chunks" and "disk tier" in why
+    with pytest.raises(ValueError, match="disk tier"):
+        prefill_choice("layers", small, 900, {"memory_budget": "1MB"})
 
 
 def test_refusals(small):
