@@ -54,6 +54,8 @@ class LayerReport:
         c = self.compressed if self.phase == "compressed" else None
         if c is None:
             return None
+        if not hasattr(c, "numpy_path"):  # method="h2o": mlx-lm's attention over kept tokens
+            return f"{type(c).__name__}: attention over the tokens it keeps"
         if c.numpy_path:
             return "CPU backend: Numba kernels over the host pages"
         if c._tables is not None:
