@@ -56,7 +56,7 @@ def test_every_layer_compresses_after_its_pass(small):
 def test_tiered_run_chooses_the_prefill(small):
     """tiered run --prefill auto: layer by layer past prefill_window where the model allows
     it, chunk by chunk (exact) within it, in an exact cache, or where the model does not."""
-    from tiered.commands.cli import prefill_choice
+    from tiered.commands.cli_prefill import prefill_choice
 
     assert prefill_choice("auto", small, 900, {"prefill_window": 512})[0] == "layers"
     assert prefill_choice("auto", small, 400, {"prefill_window": 512})[0] == "chunks"
@@ -68,7 +68,7 @@ def test_tiered_run_chooses_the_prefill(small):
     assert how == "chunks" and "supports" in why
     with pytest.raises(ValueError, match="supports"):
         prefill_choice("layers", gemma, 900, {})
-    # with a disk tier: chunk by chunk (layer by layer lost an answer there; cli.DISK_TIER_NOTE)
+    # with a disk tier: chunk by chunk (layer by layer lost an answer there; cli_prefill.DISK_TIER_NOTE)
     how, why = prefill_choice("auto", small, 900, {"prefill_window": 512, "host_budget": "1MB"})
     assert how == "chunks" and "disk tier" in why
     with pytest.raises(ValueError, match="disk tier"):

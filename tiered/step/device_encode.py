@@ -22,20 +22,9 @@ from ..metal.ptx_cache import cuda_kernel
 
 MAX_CENTROIDS = 4096  # a warp scans them all; larger codebooks take the MLX ops
 
-_SOURCE = r"""
-    // One warp per (kv head h, token t, group i): code = argmin_k norms[h, gi, k] -
-    // 2 x_i . cb[h, gi, k] (gi = i, or 0 for a shared codebook), x_i = the DS values of group
-    // i of token t's key, keys (H, L, G * DS).
-    const uint64_t gid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    const uint64_t warp = gid / 32;
-    const uint32_t lane = gid % 32;
-    const uint32_t H = keys_shape[0], L = keys_shape[1];
-    if (warp >= (uint64_t)H * L * G) return;
-    const uint32_t i = warp % G, gi = GC == 1 ? 0 : i;
-    const uint64_t ht = warp / G;  // h * L + t
-    const uint32_t h = ht / L;
-    float x[DS];
-    for (int e = 0; e < DS; ++e) x[e] = static_cast<float>(keys[ht * G * DS + i * DS + e]);
+# The warp's scan for the nearest centroid of x[DS] (kv head h, codebook group gi): ``arg``,
+# the lowest index on ties. Shared with tiered.step.native_append's in-place append.
+NEAREST = r"""
     const uint64_t row = ((uint64_t)h * GC + gi) * C;
     float best = INFINITY;
     int arg = 0;
@@ -51,7 +40,23 @@ _SOURCE = r"""
         const int oa = __shfl_xor_sync(0xffffffffu, arg, o);
         if (ob < best || (ob == best && oa < arg)) { best = ob; arg = oa; }
     }
-    if (lane == 0) codes[warp] = static_cast<OutT>(arg);
+"""
+
+_SOURCE = r"""
+    // One warp per (kv head h, token t, group i): code = argmin_k norms[h, gi, k] -
+    // 2 x_i . cb[h, gi, k] (gi = i, or 0 for a shared codebook), x_i = the DS values of group
+    // i of token t's key, keys (H, L, G * DS).
+    const uint64_t gid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const uint64_t warp = gid / 32;
+    const uint32_t lane = gid % 32;
+    const uint32_t H = keys_shape[0], L = keys_shape[1];
+    if (warp >= (uint64_t)H * L * G) return;
+    const uint32_t i = warp % G, gi = GC == 1 ? 0 : i;
+    const uint64_t ht = warp / G;  // h * L + t
+    const uint32_t h = ht / L;
+    float x[DS];
+    for (int e = 0; e < DS; ++e) x[e] = static_cast<float>(keys[ht * G * DS + i * DS + e]);
+""" + NEAREST + r"""    if (lane == 0) codes[warp] = static_cast<OutT>(arg);
 """
 
 _kernel = None

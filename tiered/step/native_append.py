@@ -31,6 +31,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..metal import device_ints, native, nvrtc
+from .device_encode import NEAREST
 from ..metal.ptx_cache import _CUDA_TYPES
 
 NO_BAD = 1 << 30  # tiered.step.device_decode.NO_BAD
@@ -60,22 +61,7 @@ __global__ void tiered_native_append(
         float x[DS];
         for (int e = 0; e < DS; ++e)  // the key as the ring holds it (the layer's dtype)
             x[e] = static_cast<float>(static_cast<RT>(static_cast<float>(keys[h * DK + i * DS + e])));
-        const long long row = ((long long)h * GC + gi) * C;
-        float best = INFINITY;
-        int arg = 0;
-        for (int k = lane; k < C; k += 32) {
-            const float* cb = codebook + (row + k) * DS;
-            float dot = 0.f;
-            for (int e = 0; e < DS; ++e) dot += x[e] * cb[e];
-            const float dist = norms[row + k] - 2.f * dot;
-            if (dist < best) { best = dist; arg = k; }
-        }
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-            const int oa = __shfl_xor_sync(0xffffffffu, arg, o);
-            if (ob < best || (ob == best && oa < arg)) { best = ob; arg = oa; }
-        }
-        if (lane == 0) codes[((long long)h * code_cap + n0) * G + i] = static_cast<CodeT>(arg);
+""" + NEAREST.replace("%", "%%") + r"""        if (lane == 0) codes[((long long)h * code_cap + n0) * G + i] = static_cast<CodeT>(arg);
         return;
     }
     bool found = false;  // the door: a NaN or Inf in the token's keys or values
