@@ -10,32 +10,20 @@ PREFILLS = {"layers": "layer by layer, exact",
             "chunks": "chunk by chunk: exact within prefill_window, block-wise past it"}
 
 
-# Embedded model, an 8k-token pass-key demo (seed 1), host pages partly on disk: prefilled layer
-# by layer it answered garbage, chunk by chunk it found the key (CPU, float32); not yet understood
-DISK_TIER_NOTE = ("layer by layer prefill with pages on the disk tier lost the answer in a "
-                  "measured case (not yet understood)")
-
-
 def prefill_choice(choice: str, model, n: int, options: dict) -> tuple[str, str]:
     """("layers" | "chunks", why) for a document of n tokens. ``auto``: layer by layer where the
     document is longer than ``prefill_window`` (chunks past it would be block-wise, which loses
     planted answers: bench/results/blockwise_prefill.md) and the model is one
     :func:`~tiered.layerwise_prefill.layerwise_prefill` runs; else chunk by chunk (exact)."""
     cfg = TieredConfig.from_kwargs(**options)
-    disk = cfg.host_budget is not None or cfg.memory_budget is not None
     if choice != "auto":
         if choice == "layers":
             check_layerwise(model)
-            if disk:  # see DISK_TIER_NOTE
-                raise ValueError("--prefill layers with host_budget or memory_budget: "
-                                 + DISK_TIER_NOTE + "; use --prefill chunks")
         return choice, "--prefill " + choice
     if cfg.exact:
         return "chunks", "an exact cache: every chunk is exact"
     if n <= cfg.prefill_window:
         return "chunks", f"{n} tokens fit prefill_window {cfg.prefill_window}: exact"
-    if disk:
-        return "chunks", f"past prefill_window {cfg.prefill_window} tokens: {DISK_TIER_NOTE}"
     try:
         check_layerwise(model)
     except ValueError as e:

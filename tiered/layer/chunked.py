@@ -81,13 +81,15 @@ class ChunkAttention:
     def _retrieved(self, queries, scale, lo: int, hi: int, n0: int):
         """(keys, values) (H, T, d) in the layer's dtype: per kv head, the T host tokens of
         [lo, hi) that the chunk's last PROBES queries score highest on the compressed keys (the
-        most over the probes and the head's query heads), read exactly from the host pages; or
-        None (retrieval off, no host keys, host pages on the disk tier, nothing between the
-        anchor and the local block)."""
+        most over the probes and the head's query heads), read exactly from the host pages (those
+        on the disk tier read ahead first); or None (retrieval off, no host keys, nothing between
+        the anchor and the local block). Without it a chunk over pages on disk (a question asked
+        after a layer-by-layer prefill spilled them) saw only the anchor, the local block and
+        itself, and lost the pass key the same cache found in RAM."""
         host = self.parent.host
         T = self.config.prefill_select
-        if T == 0 or host is None or host.keys is None or host.disk_bytes:
-            return None  # pages on the disk tier: a read per chunk and layer would page them in
+        if T == 0 or host is None or host.keys is None:
+            return None
         self.parent.flush_until(hi)
         hi = min(hi, host.length, n0)
         if T is None:
@@ -116,6 +118,8 @@ class ChunkAttention:
         idx = mx.argpartition(-best, T - 1, axis=1)[:, :T] + lo
         dispatch.eval(idx)
         tok = np.sort(np.array(idx), axis=1)  # page order: the reads walk the pages forward
+        if host.disk_bytes:
+            host.prefetch_tokens(0, tok.reshape(-1))
         k = mx.array(host.gather_rows("keys", 0, tok)).astype(self.dtype)
         v = mx.array(host.gather_rows("values", 0, tok)).astype(self.dtype)
         return k, v
