@@ -62,7 +62,7 @@ def set_attribute(spec: str) -> str:
 
 def machine() -> dict:
     """Machine, versions and the exact command line, for every result file."""
-    from tiered.commands.cli import info_dict
+    from tiered.commands.cli_info import info_dict
 
     info = info_dict()
     info["commit"] = run_commit()

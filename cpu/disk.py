@@ -244,9 +244,16 @@ class PageFile:
     def write_page(self, index: int, slot: int, start: int, rows: np.ndarray):
         """Overwrite tokens [start, start + n) of one page of a written block (page reuse)."""
         self.check_size()
-        page = np.array(self.views[index][slot])  # copy, patched, then written back whole
+        shape = self.block_shape[1:]
+        nbytes = int(np.prod(shape)) * self.dtype.itemsize
+        offset = index * self.stride + slot * nbytes
+        # read, patched, written back whole; read with pread, not through the mapping: a page
+        # read there stays mapped, in the process's RSS (a layer-by-layer prefill writing its
+        # pages on disk one chunk at a time held them all, 160 MiB at 8k tokens)
+        with self._lock:
+            page = np.frombuffer(bytearray(os.pread(self.fd, nbytes, offset)),
+                                 self.dtype).reshape(shape)
         page[:, start : start + rows.shape[1]] = rows
-        offset = index * self.stride + slot * page.nbytes
         data = page.view(np.uint8).reshape(-1)
         with self._lock:
             os.pwrite(self.fd, memoryview(data), offset)

@@ -13,11 +13,14 @@ class SharedMemoryBudget(HostBudget):
 
     def __init__(self, total: int, accelerator_bytes):
         self._accelerator_bytes = accelerator_bytes
+        # bytes a prefill's working set holds meanwhile (hidden states, a chunk's attention):
+        # set by tiered.layerwise_prefill for its pass, 0 otherwise
+        self.transient = 0
         super().__init__(total)
 
     @property
     def limit(self) -> int:
-        return max(0, self.total - int(self._accelerator_bytes()))
+        return max(0, self.total - int(self._accelerator_bytes()) - self.transient)
 
     @limit.setter
     def limit(self, total: int) -> None:

@@ -72,6 +72,9 @@ def test_tiered_run_chooses_the_prefill(small):
     # test_a_question_after_a_prefill_spilled_to_disk)
     assert prefill_choice("auto", small, 900, {"prefill_window": 512,
                                                "host_budget": "1MB"})[0] == "layers"
+    # under memory_budget even a prompt within prefill_window: one layer's K/V at a time
+    how, why = prefill_choice("auto", small, 400, {"prefill_window": 512, "memory_budget": "1MB"})
+    assert how == "layers" and "memory_budget" in why
 
 
 def test_a_question_after_a_prefill_spilled_to_disk(small, tmp_path):
@@ -99,3 +102,35 @@ def test_refusals(small):
     gemma = make_small_model("gemma3-mha-d64", layers=2)
     with pytest.raises(ValueError, match="supports"):
         layerwise_prefill(gemma, tiered.TieredCache.for_model(gemma, 1.0), list(range(10)))
+
+
+def test_under_memory_budget_the_pass_and_the_cache_stay_within_it(small, tmp_path):
+    """memory_budget: after every layer of the pass the host RAM the pages hold, the
+    accelerator tier and the pass's working set (hidden states, a chunk's attention) add up to
+    at most the budget; the chunk shrinks to fit; afterwards nothing transient is counted."""
+    ids = np.random.default_rng(3).integers(0, 1000, size=900).tolist()
+    free = tiered.TieredCache.for_model(small, 0.25, prefill_window=1024, page_size=16,
+                                        host_dtype="float32")
+    layerwise_prefill(small, free, ids, chunk=256)
+    b = tiered.report_dict(free)["bytes"]
+    free.close()
+    from tiered.layerwise_prefill import _working_set
+
+    held, attention = _working_set(small, len(ids), 64, 4)
+    total = b["accelerator"] + b["host"] // 2 + held + attention
+    cache = tiered.TieredCache.for_model(small, 0.25, prefill_window=1024, page_size=16,
+                                         host_dtype="float32", memory_budget=total,
+                                         disk_dir=str(tmp_path))
+    shared = cache.context.host_budget
+    seen = []
+
+    def check(layer, layers):
+        seen.append(shared.transient)
+        assert shared.used + cache.context.accelerator_bytes() + shared.transient <= total, (
+            shared.used, cache.context.accelerator_bytes(), shared.transient, total)
+
+    stats = layerwise_prefill(small, cache, ids, chunk=4096, progress=check)
+    assert min(seen) > 0 and shared.transient == 0 and stats["chunk"] < 4096
+    b = tiered.report_dict(cache)["bytes"]
+    assert b["disk"] > 0 and b["accelerator"] + b["host"] <= total
+    cache.close()

@@ -32,6 +32,25 @@ def _inner(model):
     return inner
 
 
+def _working_set(model, n: int, chunk: int, itemsize: int) -> tuple[int, int]:
+    """(bytes held across the pass, bytes of one chunk's attention) of a layer-by-layer prefill
+    of n tokens: the hidden states twice (a layer's input and its output), a chunk's scores
+    over the n keys (MLX's CPU attention materializes them: scores, weights, mask) and its MLP."""
+    args = getattr(model, "args", None)
+    hidden = getattr(args, "hidden_size", 0) or 0
+    heads = getattr(args, "num_attention_heads", 0) or 0
+    inter = getattr(args, "intermediate_size", 0) or 0
+    return 2 * n * hidden * itemsize, chunk * (3 * n * heads * 4 + 3 * inter * itemsize)
+
+
+def _chunk_within(model, n: int, chunk: int, total: int, itemsize: int) -> int:
+    """The largest chunk (a power of two, at most ``chunk``, at least 16) whose attention takes
+    at most a quarter of a memory_budget of ``total`` bytes."""
+    while chunk > 16 and _working_set(model, n, chunk, itemsize)[1] > total // 4:
+        chunk //= 2
+    return chunk
+
+
 def check_layerwise(model) -> None:
     """Raise ValueError (saying why) unless :func:`layerwise_prefill` runs ``model``."""
     _inner(model)
@@ -43,9 +62,10 @@ def layerwise_prefill(model, cache, tokens: list[int], *, chunk: int = 2048,
 
     The cache's ``prefill_window`` must cover the prompt (each layer stays exact during its own
     pass); after its pass a layer compresses if its budget asks for it (``settle``).
-    progress(layer, layers) is called after each layer. Returns timing figures."""
-    from mlx_lm.models.base import create_attention_mask
-
+    progress(layer, layers) is called after each layer. Under a ``memory_budget`` the chunk is
+    made small enough that its attention takes at most a quarter of the budget, and the pass's
+    working set is taken from what the budget leaves the host pages while it runs (the pages
+    reserved meanwhile spill more, so the process stays within it). Returns timing figures."""
     inner = _inner(model)
     n = len(tokens)
     if any(getattr(c, "offset", 0) for c in cache):
@@ -58,6 +78,29 @@ def layerwise_prefill(model, cache, tokens: list[int], *, chunk: int = 2048,
     h = inner.embed_tokens(mx.array(tokens)[None])
     mx.eval(h)
     layers = inner.layers
+    ctx = getattr(cache, "context", None)
+    shared = getattr(ctx, "host_budget", None)
+    if not hasattr(shared, "transient"):  # not a memory_budget (cpu.memory_budget)
+        shared = None
+    if shared is not None:
+        chunk = _chunk_within(model, n, chunk, shared.total, h.dtype.size)
+        shared.transient = sum(_working_set(model, n, chunk, h.dtype.size))
+    held = [h]  # _layers lets go of the embeddings after layer 0
+    del h
+    try:
+        _layers(layers, cache, held, n, chunk, progress)
+    finally:
+        if shared is not None:
+            shared.transient = 0
+    seconds = time.perf_counter() - t0
+    return {"tokens": n, "seconds": seconds, "tokens_per_s": n / max(seconds, 1e-9),
+            "chunk": chunk}
+
+
+def _layers(layers, cache, held: list, n: int, chunk: int, progress) -> None:
+    from mlx_lm.models.base import create_attention_mask
+
+    h = held.pop()
     for li, (layer, c) in enumerate(zip(layers, cache)):
         outs = []
         for i in range(0, n, chunk):
@@ -74,5 +117,3 @@ def layerwise_prefill(model, cache, tokens: list[int], *, chunk: int = 2048,
         mx.clear_cache()
         if progress:
             progress(li + 1, len(layers))
-    seconds = time.perf_counter() - t0
-    return {"tokens": n, "seconds": seconds, "tokens_per_s": n / max(seconds, 1e-9)}

@@ -23,6 +23,7 @@ from .cli_common import (
     load_model,
     mlx_cache_flag,
 )
+from .cli_info import cmd_info
 from .cli_prefill import PREFILLS, prefill_choice
 
 DESCRIPTION = """\
@@ -124,6 +125,8 @@ def _options(args) -> dict:
         opts["method"] = args.method
     if args.host_budget is not None:
         opts["host_budget"] = args.host_budget
+    if args.memory_budget is not None:
+        opts["memory_budget"] = args.memory_budget
     if args.disk_dir is not None:
         opts["disk_dir"] = args.disk_dir
     return opts
@@ -259,82 +262,6 @@ def _answer(args, model, tokenizer, cache, suffix, expected, prefill_stats) -> i
     return 0
 
 
-def _matmul_gflops(n: int = 1024, reps: int = 5) -> float:
-    import mlx.core as mx
-
-    a = mx.random.normal((n, n))
-    b = mx.random.normal((n, n))
-    mx.eval(a, b, a @ b)
-    t = time.perf_counter()
-    for _ in range(reps):
-        mx.eval(a @ b)
-    return 2 * n**3 * reps / (time.perf_counter() - t) / 1e9
-
-
-def info_dict() -> dict:
-    import platform
-
-    import mlx.core as mx
-
-    versions = {}
-    for pkg in ("mlx", "mlx-lm", "numpy", "numba", "faiss-cpu"):
-        try:
-            from importlib.metadata import version
-
-            versions[pkg] = version(pkg)
-        except Exception:
-            versions[pkg] = "not installed"
-    backend = "cpu"
-    if mx.default_device() != mx.cpu:
-        backend = "metal" if mx.metal.is_available() else "cuda"
-    return {
-        "tiered": tiered.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "backend": backend,
-        "device": str(mx.default_device()),
-        "blas": {"status": tiered.BLAS.status, "path": tiered.BLAS.path,
-                 "detail": tiered.BLAS.detail},
-        "versions": versions,
-        "cpu_count": os.cpu_count(),
-        "matmul_gflops": round(_matmul_gflops(), 1),
-        "decode_step": _decode_step(),
-    }
-
-
-def _decode_step() -> dict:
-    """Which decode step a compressed layer takes here, and the native launcher's state."""
-    from ..metal import accelerator, native
-    from ..runtime import uva
-
-    if uva.available():
-        step = "device step: selected chunks read from the host pages in place (CUDA)"
-    elif accelerator() == "cpu":
-        step = "CPU backend: Numba kernels over the host pages"
-    else:
-        step = "one sync a layer, CPU workers gather (the device step runs on CUDA only)"
-    why = native.why_not() if native.enabled() else "not asked for (TIERED_NATIVE=1)"
-    return {"path": step, "native_append": "in place" if why is None else why}
-
-
-def cmd_info(args) -> int:
-    d = info_dict()
-    if args.json:
-        print(json.dumps(d, indent=2))
-        return 0
-    blas = d["blas"]
-    print(f"tiered {d['tiered']} | python {d['python']} | {d['platform']}")
-    print(f"backend: {d['backend']} ({d['device']}), {d['cpu_count']} CPU cores")
-    print(f"BLAS: {blas['status']}" + (f" {blas['path']}" if blas["path"] else "")
-          + (f" ({blas['detail']})" if blas["detail"] else ""))
-    print("versions: " + ", ".join(f"{k} {v}" for k, v in d["versions"].items()))
-    print(f"matmul: {d['matmul_gflops']} GFLOP/s (fp32 1024x1024)")
-    step = d["decode_step"]
-    print(f"decode step of a compressed layer: {step['path']}; native in-place append: "
-          f"{step['native_append']}")
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tiered", description=DESCRIPTION)
     p.add_argument("--version", action="version", version=f"tiered {tiered.__version__}")
@@ -350,6 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: tiered")
     r.add_argument("--host-budget", default=None,
                    help="host RAM for pages (e.g. 4GB); beyond it pages go to --disk-dir")
+    r.add_argument("--memory-budget", default=None,
+                   help="the cache's accelerator tier and host RAM together (e.g. 1GB; one "
+                        "memory on Apple silicon and the CPU backend); the rest on --disk-dir")
     r.add_argument("--disk-dir", default=None, help="directory of the disk tier's page files")
     r.add_argument("--save-cache", metavar="DIR",
                    help="after reading the document, save the cache to DIR (ask again later)")

@@ -22,12 +22,15 @@ def prefill_choice(choice: str, model, n: int, options: dict) -> tuple[str, str]
         return choice, "--prefill " + choice
     if cfg.exact:
         return "chunks", "an exact cache: every chunk is exact"
-    if n <= cfg.prefill_window:
+    if n <= cfg.prefill_window and cfg.memory_budget is None:
         return "chunks", f"{n} tokens fit prefill_window {cfg.prefill_window}: exact"
     try:
         check_layerwise(model)
     except ValueError as e:
         return "chunks", f"past prefill_window {cfg.prefill_window} tokens: {e}"
+    if n <= cfg.prefill_window:
+        return "layers", (f"{n} tokens under memory_budget: exact with one layer's keys and "
+                          "values held at a time, not the whole prompt's")
     return "layers", (f"{n} tokens, past prefill_window {cfg.prefill_window}: exact with one "
                       "layer's keys and values held at a time; --prefill chunks is faster and "
                       "block-wise")

@@ -16,7 +16,7 @@ from ..cpu.memory_budget import SharedMemoryBudget
 from ..runtime import dispatch, ops
 from ..scheduler import Scheduler
 from . import layout
-from .geometry import Geometry, model_geometry
+from .geometry import Geometry, accelerator_bytes_ahead, model_geometry
 from .planner import BudgetError, Plan
 from .step_guard import StepGuard
 
@@ -73,9 +73,10 @@ class SharedContext:
         return list(caches) if caches is not None else []
 
     def accelerator_bytes(self) -> int:
-        """Accelerator bytes the caches this context serves hold now (``memory_budget``'s
-        other part; read without touching the host pages or their locks)."""
-        return sum(c.accelerator_bytes() for c in self._bound() if hasattr(c, "accelerator_bytes"))
+        """Accelerator bytes the caches this context serves hold now, or, where more, what a
+        layer's plan will hold at the longest of them (``memory_budget``'s other part:
+        :func:`~tiered.planning.geometry.accelerator_bytes_ahead`)."""
+        return accelerator_bytes_ahead(self._bound(), self.model_geometry, self.config)
 
     def bound_caches(self) -> list:
         """The caches this context serves (:meth:`bind`), [] when none are known."""
