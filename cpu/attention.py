@@ -9,12 +9,34 @@ softmaxed in place under the causal limit, then multiplied by V and normalized.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from .gather import causal_softmax_rows
 
 # Largest score buffer (rep * block * n float32) before the query block is shrunk to fit.
 MAX_SCRATCH_BYTES = 256 * 2**20
+_scratch = [MAX_SCRATCH_BYTES]  # the cap in force (scratch_limit), process-wide
+
+
+@contextlib.contextmanager
+def scratch_limit(nbytes: int):
+    """Cap the score buffer at ``nbytes`` (at least one query row) while inside, for every
+    thread: a prefill under a memory budget (tiered.layerwise_prefill) bounds its attention
+    this way rather than by smaller prompt chunks, each of which copies the layer's keys and
+    values (a 64-token chunk at 64k tokens: ~100 s a layer, mostly those copies)."""
+    before = _scratch[0]
+    _scratch[0] = max(1, min(int(nbytes), before))
+    try:
+        yield
+    finally:
+        _scratch[0] = before
+
+
+def scratch_bytes() -> int:
+    """The score buffer's cap in force."""
+    return _scratch[0]
 
 
 def _as_f32(name, x, want):
@@ -36,7 +58,7 @@ def causal_attention(q, k, v, scale, *, block=512, column_mass=None):
         v: (H, n, dv) float32 values.
         scale: the attention scale (usually d ** -0.5).
         block: query rows per step; the score buffer holds rep * block * n float32 (shrunk to
-            stay under ``MAX_SCRATCH_BYTES``).
+            stay under ``MAX_SCRATCH_BYTES``, or :func:`scratch_limit`'s cap).
 
     Query row i sees keys 0 .. n - L + i; query head qh reads kv head qh // (Hq // H).
     Returns (Hq, L, dv) float32.
@@ -62,7 +84,7 @@ def causal_attention(q, k, v, scale, *, block=512, column_mass=None):
     out = np.empty((Hq, L, dv), np.float32)
     if L == 0:
         return out
-    block = max(1, min(int(block), L, MAX_SCRATCH_BYTES // (4 * rep * max(n, 1))))
+    block = max(1, min(int(block), L, _scratch[0] // (4 * rep * max(n, 1))))
     # Buffers reused by every block and head: fresh multi-MB arrays per block would pay page
     # faults on every touch.
     scores = np.empty(rep * block * n, np.float32)

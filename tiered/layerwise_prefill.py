@@ -19,6 +19,9 @@ import time
 
 import mlx.core as mx
 
+from .cpu.attention import scratch_bytes, scratch_limit
+from .runtime.ops import on_cpu_backend
+
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -32,23 +35,37 @@ def _inner(model):
     return inner
 
 
-def _working_set(model, n: int, chunk: int, itemsize: int) -> tuple[int, int]:
-    """(bytes held across the pass, bytes of one chunk's attention) of a layer-by-layer prefill
-    of n tokens: the hidden states twice (a layer's input and its output), a chunk's scores
-    over the n keys (MLX's CPU attention materializes them: scores, weights, mask) and its MLP."""
+def _working_set(model, n: int, chunk: int, itemsize: int, scratch: int) -> tuple[int, int]:
+    """(bytes held across the pass, bytes of one chunk's attention and MLP) of a layer-by-layer
+    prefill of n tokens. Held: the hidden states twice (a layer's input and its output). A
+    chunk: on the CPU backend the exact attention's float32 copy of the layer's keys and values
+    and its score buffer (cpu.attention.causal_attention, at most ``scratch`` bytes); else one
+    float32 score matrix over the n keys; and the MLP's activations."""
     args = getattr(model, "args", None)
     hidden = getattr(args, "hidden_size", 0) or 0
     heads = getattr(args, "num_attention_heads", 0) or 0
+    kv = getattr(args, "num_key_value_heads", 0) or heads
+    d = getattr(args, "head_dim", None) or (hidden // heads if heads else 0)
     inter = getattr(args, "intermediate_size", 0) or 0
-    return 2 * n * hidden * itemsize, chunk * (3 * n * heads * 4 + 3 * inter * itemsize)
+    mlp = 3 * chunk * inter * itemsize
+    if on_cpu_backend():
+        rep = heads // kv if kv else 1
+        attention = min(scratch, chunk * rep * n * 4) + n * kv * 2 * d * 4
+    else:
+        attention = chunk * n * heads * 4
+    return 2 * n * hidden * itemsize, attention + mlp
 
 
-def _chunk_within(model, n: int, chunk: int, total: int, itemsize: int) -> int:
-    """The largest chunk (a power of two, at most ``chunk``, at least 16) whose attention takes
-    at most a quarter of a memory_budget of ``total`` bytes."""
-    while chunk > 16 and _working_set(model, n, chunk, itemsize)[1] > total // 4:
+def _within(model, n: int, chunk: int, total: int, itemsize: int) -> tuple[int, int]:
+    """(chunk, score buffer cap) whose attention takes at most a quarter of a memory_budget of
+    ``total`` bytes: on the CPU backend the score buffer shrinks (the chunk stays: each chunk
+    copies the layer's keys and values); elsewhere the chunk halves (a power of two, >= 16)."""
+    if on_cpu_backend():
+        scratch = min(scratch_bytes(), max(1 << 20, total // 16))
+        return chunk, scratch
+    while chunk > 16 and _working_set(model, n, chunk, itemsize, 0)[1] > total // 4:
         chunk //= 2
-    return chunk
+    return chunk, scratch_bytes()
 
 
 def check_layerwise(model) -> None:
@@ -62,8 +79,8 @@ def layerwise_prefill(model, cache, tokens: list[int], *, chunk: int = 2048,
 
     The cache's ``prefill_window`` must cover the prompt (each layer stays exact during its own
     pass); after its pass a layer compresses if its budget asks for it (``settle``).
-    progress(layer, layers) is called after each layer. Under a ``memory_budget`` the chunk is
-    made small enough that its attention takes at most a quarter of the budget, and the pass's
+    progress(layer, layers) is called after each layer. Under a ``memory_budget`` the chunk's
+    attention is bounded to a quarter of the budget (:func:`_within`), and the pass's
     working set is taken from what the budget leaves the host pages while it runs (the pages
     reserved meanwhile spill more, so the process stays within it). Returns timing figures."""
     inner = _inner(model)
@@ -82,19 +99,21 @@ def layerwise_prefill(model, cache, tokens: list[int], *, chunk: int = 2048,
     shared = getattr(ctx, "host_budget", None)
     if not hasattr(shared, "transient"):  # not a memory_budget (cpu.memory_budget)
         shared = None
+    scratch = scratch_bytes()
     if shared is not None:
-        chunk = _chunk_within(model, n, chunk, shared.total, h.dtype.size)
-        shared.transient = sum(_working_set(model, n, chunk, h.dtype.size))
+        chunk, scratch = _within(model, n, chunk, shared.total, h.dtype.size)
+        shared.transient = sum(_working_set(model, n, chunk, h.dtype.size, scratch))
     held = [h]  # _layers lets go of the embeddings after layer 0
     del h
     try:
-        _layers(layers, cache, held, n, chunk, progress)
+        with scratch_limit(scratch):
+            _layers(layers, cache, held, n, chunk, progress)
     finally:
         if shared is not None:
             shared.transient = 0
     seconds = time.perf_counter() - t0
     return {"tokens": n, "seconds": seconds, "tokens_per_s": n / max(seconds, 1e-9),
-            "chunk": chunk}
+            "chunk": chunk, "scratch_bytes": scratch}
 
 
 def _layers(layers, cache, held: list, n: int, chunk: int, progress) -> None:
