@@ -30,7 +30,7 @@ BENCH_ONLY = ("matplotlib",)  # the "bench" extra of pyproject.toml
 # (tiered.codecs, .cpu, .metal, .scheduler) are the foundations every level may use; they
 # themselves use only tiered.runtime and tiered.options. Each subpackage's __init__ says so.
 LADDER = ("runtime", "options", "planning", "step", "layer", "persistence", "tiered",
-          "commands")
+          "shard", "commands")
 FOUNDATIONS = ("codecs", "cpu", "metal", "scheduler")
 ENTRY_POINTS = {("tiered.__main__", "tiered.commands.cli")}  # ``python -m tiered``
 

@@ -1,0 +1,145 @@
+"""ShardedCache: one layer's cache of a document split by position over the ranks of an
+``mx.distributed`` group (see the package docstring).
+
+    import mlx.core as mx, mlx_lm, tiered
+    from tiered.shard import ShardedCache
+    group = mx.distributed.init()                    # under mlx.launch -n N
+    cache = ShardedCache.for_model(model, document_tokens=len(prompt), group=group)
+    text = mlx_lm.generate(model, tokenizer, prompt=prompt, prompt_cache=cache)
+
+Every rank runs this with the same prompt; rank r keeps positions [bounds[r], bounds[r + 1])
+(the last rank also every decoded token), so each holds about 1/N of the document's keys and
+values. The answer is the single-process ``KVCache``'s: attention is merged exactly.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from ..runtime import integration
+from .merge import gather_merge, partial_attention
+
+
+class ShardError(RuntimeError):
+    """A rank of the sharded cache was lost (its process died or its link broke): the shard it
+    held is gone, and the document must be read again."""
+
+
+def shard_bounds(document_tokens: int, ranks: int) -> list[int]:
+    """First position of each rank's shard: contiguous, as even as whole tokens allow (rank r
+    keeps [bounds[r], bounds[r + 1]); the last rank keeps everything from its bound on)."""
+    if ranks < 1:
+        raise ValueError(f"Invalid ranks: {ranks} (expected >= 1)")
+    if document_tokens < ranks:
+        raise ValueError(f"Invalid document_tokens: {document_tokens} for {ranks} ranks (each "
+                         "rank's shard needs at least one token)")
+    per = -(-document_tokens // ranks)
+    return [min(r * per, document_tokens - (ranks - r)) for r in range(ranks)]
+
+
+class ShardedCache:
+    """One layer: this rank's shard of the positions in a ``KVCache``, attention merged over
+    the group. ``offset`` is the sequence's (every rank's alike), as the model's RoPE needs."""
+
+    def __init__(self, group, bounds: list[int], layer: int = 0):
+        if len(bounds) != group.size() or bounds[0] != 0 or any(
+                b >= c for b, c in zip(bounds, bounds[1:])):
+            raise ValueError(f"Invalid bounds {bounds} for a group of {group.size()} ranks "
+                             "(increasing, from 0, one per rank)")
+        self.group, self.rank, self.layer = group, group.rank(), layer
+        self.bounds = list(bounds)
+        self.lo = bounds[self.rank]
+        self.hi = bounds[self.rank + 1] if self.rank + 1 < len(bounds) else None
+        self.offset = 0
+        self.local = KVCache()  # positions [lo, lo + local.offset)
+
+    @classmethod
+    def for_model(cls, model, *, document_tokens: int, group=None) -> list:
+        """A ShardedCache for every layer of ``model`` (full attention in every layer: models
+        whose mlx-lm cache is not a ``KVCache`` everywhere are refused), the shards cut for a
+        document of ``document_tokens`` tokens over ``group`` (default: ``mx.distributed.init()``)."""
+        group = mx.distributed.init() if group is None else group
+        made = model.make_cache() if hasattr(model, "make_cache") else [
+            KVCache() for _ in model.layers]
+        other = sorted({type(c).__name__ for c in made if type(c) is not KVCache})
+        if other:
+            raise ValueError(f"ShardedCache shards full-attention layers only; this model's "
+                             f"cache also holds {', '.join(other)}")
+        integration.install()
+        bounds = shard_bounds(document_tokens, group.size())
+        return [cls(group, bounds, layer=i) for i in range(len(made))]
+
+    # ---- mlx-lm's cache protocol --------------------------------------------------------------
+    def update_and_fetch(self, keys, values):
+        """Keep the part of positions [offset, offset + L) in this rank's range."""
+        if keys.shape[0] != 1:
+            raise ValueError(f"ShardedCache holds one sequence, got a batch of {keys.shape[0]}")
+        a = self.offset
+        b = a + keys.shape[2]
+        lo, hi = max(a, self.lo), b if self.hi is None else min(b, self.hi)
+        if lo < hi:
+            self.local.update_and_fetch(keys[:, :, lo - a : hi - a], values[:, :, lo - a : hi - a])
+        self.offset = b
+        return keys, values
+
+    def attention(self, queries, keys, values, *, scale, mask, sinks=None):
+        """This rank's partial over its shard, merged with every other rank's (all_gather)."""
+        if sinks is not None:
+            raise ValueError("ShardedCache: attention sinks are not supported")
+        L = queries.shape[2]
+        if self.local.keys is None:
+            k = mx.zeros((1, keys.shape[1], 0, keys.shape[3]), keys.dtype)
+            v = mx.zeros((1, values.shape[1], 0, values.shape[3]), values.dtype)
+        else:
+            k, v = self.local.keys_and_values()
+        o, lse = partial_attention(queries, k, v, scale=float(scale), q_start=self.offset - L,
+                                   k_start=self.lo)
+        out = gather_merge(o, lse, self.group)
+        try:
+            mx.eval(out)  # here, so that a lost rank is named where it happened
+        except RuntimeError as e:
+            raise ShardError(f"rank {self.rank}: the sharded cache lost a rank in layer "
+                             f"{self.layer} ({e}); the shards it held are gone: read the "
+                             "document again") from e
+        return out.astype(queries.dtype)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None):
+        if window_size is not None:
+            raise ValueError("ShardedCache: sliding-window attention is not supported")
+        return None if N == 1 else "causal"  # attention masks by position itself
+
+    @property
+    def state(self):
+        return self.local.keys_and_values() if self.local.keys is not None else []
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Drop the last n positions of the sequence (each rank those it holds)."""
+        n = min(self.offset, n)
+        self.offset -= n
+        keep = min(max(0, self.offset - self.lo), self.local.offset)
+        self.local.trim(self.local.offset - keep)
+        return n
+
+    def empty(self) -> bool:
+        return self.offset == 0
+
+    def size(self) -> int:
+        return self.offset
+
+    @property
+    def held_tokens(self) -> int:
+        """Positions this rank holds."""
+        return self.local.offset
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.local.keys is None else self.local.nbytes
+
+    def tier_bytes(self) -> dict:
+        """This rank's bytes (its shard's keys and values, on the accelerator)."""
+        return {"accelerator": self.nbytes, "transient": 0, "host": 0, "disk": 0,
+                "bookkeeping": 0}
