@@ -25,6 +25,8 @@ def greedy(model, prompt, cache, steps: int, chunk: int, die_after: int | None =
            rank: int = 0) -> list[int]:
     for i in range(0, len(prompt) - 1, chunk):
         model(mx.array(prompt[i : min(i + chunk, len(prompt) - 1)])[None], cache=cache)
+    if hasattr(cache, "finish_prefill"):
+        cache.finish_prefill()
     tok, out = prompt[-1], []
     for step in range(steps):
         if die_after is not None and step == die_after and rank == 1:
@@ -42,6 +44,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--die-after", type=int, default=None)
+    p.add_argument("--budget", type=float, default=1.0, help="gpu_budget of each rank's shard")
+    p.add_argument("--options", default="{}", help="TieredConfig options as JSON (budget < 1)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     if a.model == "small":
@@ -52,7 +56,8 @@ def main() -> int:
         model, _ = tiered.load()
     prompt = np.random.default_rng(11).integers(10, 1000, size=a.tokens).tolist()
     group = mx.distributed.init()
-    cache = ShardedCache.for_model(model, document_tokens=a.tokens - 1, group=group)
+    cache = ShardedCache.for_model(model, document_tokens=a.tokens - 1, group=group,
+                                   gpu_budget=a.budget, **json.loads(a.options))
     try:
         tokens = greedy(model, prompt, cache, a.steps, a.chunk, a.die_after, group.rank())
     except ShardError as e:
@@ -60,7 +65,9 @@ def main() -> int:
             f.write(str(e))
         return 4
     with open(f"{a.out}.rank{group.rank()}", "w") as f:
-        json.dump({"tokens": tokens, "held": cache[0].held_tokens, "bounds": cache[0].bounds}, f)
+        json.dump({"tokens": tokens, "held": cache[0].held_tokens, "bounds": cache[0].bounds,
+                   "phases": sorted({getattr(c.local, "phase", "exact") for c in cache}),
+                   "bytes": cache.tier_bytes()}, f)
     return 0
 
 

@@ -28,6 +28,10 @@ from tiered.shard.merge import merge, partial_attention
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "shard_worker.py")
 
+# each rank's shard tiered and compressed, its selection taking every token with exact rescoring:
+# the merged attention is then exact, so any fault of the merge or the per-token decode shows
+EVERY_TOKEN = {"tau": 1.0, "rescore": "exact", "host_dtype": "float32"}
+
 
 def test_partials_over_shards_merge_to_the_full_causal_attention():
     """A chunk of 37 queries straddling two shard bounds: the merged partials of four shards
@@ -67,6 +71,19 @@ def _greedy(model, prompt, cache, steps=8, chunk=64):
 
 def _prompt(n=300):
     return np.random.default_rng(11).integers(10, 1000, size=n).tolist()  # as the worker's
+
+
+def test_one_rank_with_a_tiered_shard_decodes_as_kvcache_when_it_selects_every_token(small):
+    prompt = _prompt(600)
+    ref = _greedy(small, prompt, [KVCache() for _ in small.layers])
+    cache = ShardedCache.for_model(small, document_tokens=599, group=mx.distributed.init(),
+                                   gpu_budget=0.25, **EVERY_TOKEN)
+    assert _greedy(small, prompt, cache) == ref
+    assert {c.local.phase for c in cache} == {"compressed"}
+    cache.close()
+    with pytest.raises(ValueError, match="device_gather"):
+        ShardedCache.for_model(small, document_tokens=599, group=mx.distributed.init(),
+                               gpu_budget=0.25, device_gather="on")
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +140,18 @@ def test_two_processes_decode_as_one_process_kvcache(small, tmp_path):
     assert got[0]["tokens"] == got[1]["tokens"] == ref
     # each rank holds its shard: the first half of the prompt, the rest and the decoded tokens
     assert got[0]["held"] == 150 and got[1]["held"] == 299 - 150 + 8
+
+
+def test_two_processes_with_compressed_tiered_shards(small, tmp_path):
+    prompt = _prompt(600)
+    ref = _greedy(small, prompt, [KVCache() for _ in small.layers])
+    codes, _, logs = _ring(tmp_path, 2, "--tokens", "600", "--budget", "0.25", "--options",
+                           json.dumps(EVERY_TOKEN))
+    assert codes == [0, 0], logs
+    got = [json.loads((tmp_path / f"t.rank{r}").read_text()) for r in range(2)]
+    assert got[0]["phases"] == got[1]["phases"] == ["compressed"]
+    assert got[0]["tokens"] == got[1]["tokens"] == ref
+    assert got[0]["bytes"]["host"] > 0 and got[1]["bytes"]["host"] > 0
 
 
 def test_a_rank_that_dies_makes_the_other_raise(tmp_path):

@@ -18,6 +18,10 @@ from ..step import chunk_select
 class DecodePaths:
     """Methods of :class:`tiered.layer.compressed.CompressedLayer` (see the module docstring)."""
 
+    # the last decode step's log-sum-exp over this layer's tokens (Hq,), numpy or MLX, on the
+    # CPU-gather and numpy paths (tiered.shard merges a rank's layer with the others' by it)
+    last_lse = None
+
     @property
     def tau(self) -> float:
         """This layer's tau: ``offloaded_tau`` (if higher) where every value is on the host
@@ -60,6 +64,7 @@ class DecodePaths:
         if sinks is not None:
             sinks = np.array(sinks, np.float32).reshape(Hq)
         o, lse = merge_partials(o_r, lse_r, o_c, lse_c, sinks)
+        self.last_lse = lse  # (Hq,): a sharded cache merges this layer with other ranks'
         with np.errstate(invalid="ignore"):  # both partials empty: NaN, as before
             resident_mass = float(np.mean(np.exp(lse_r - lse)))
         if self._update:
@@ -234,5 +239,6 @@ class DecodePaths:
         both = mx.array(np.concatenate([o_c, lse_c[:, None]], axis=1))  # one transfer, not two
         lse_r = lse_r.reshape(Hq)
         o, lse = self._combine(o_r.reshape(Hq, -1), lse_r, both[:, :-1], both[:, -1], sinks, Hq)
+        self.last_lse = lse  # (Hq,): a sharded cache merges this layer with other ranks'
         return self._end_step(queries, o, mx.exp(lse_r - lse).mean(), float(np.mean(count)),
                               marks)

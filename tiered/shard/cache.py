@@ -19,6 +19,7 @@ from mlx_lm.models.cache import KVCache
 
 from ..runtime import integration
 from .merge import gather_merge, partial_attention
+from .tiered import local_caches, tiered_partial, tiered_store
 
 
 class ShardError(RuntimeError):
@@ -42,7 +43,7 @@ class ShardedCache:
     """One layer: this rank's shard of the positions in a ``KVCache``, attention merged over
     the group. ``offset`` is the sequence's (every rank's alike), as the model's RoPE needs."""
 
-    def __init__(self, group, bounds: list[int], layer: int = 0):
+    def __init__(self, group, bounds: list[int], layer: int = 0, local=None):
         if len(bounds) != group.size() or bounds[0] != 0 or any(
                 b >= c for b, c in zip(bounds, bounds[1:])):
             raise ValueError(f"Invalid bounds {bounds} for a group of {group.size()} ranks "
@@ -52,13 +53,20 @@ class ShardedCache:
         self.lo = bounds[self.rank]
         self.hi = bounds[self.rank + 1] if self.rank + 1 < len(bounds) else None
         self.offset = 0
-        self.local = KVCache()  # positions [lo, lo + local.offset)
+        # positions [lo, lo + local.offset): a KVCache, or a TieredCache layer (tiered.shard.tiered)
+        self.local = KVCache() if local is None else local
+        self.tiered = local is not None
+        self._waiting = None  # a compressed shard's new tokens, stored one by one in attention
 
     @classmethod
-    def for_model(cls, model, *, document_tokens: int, group=None) -> list:
+    def for_model(cls, model, *, document_tokens: int, group=None, gpu_budget=1.0,
+                  **options) -> "ShardedCacheList":
         """A ShardedCache for every layer of ``model`` (full attention in every layer: models
         whose mlx-lm cache is not a ``KVCache`` everywhere are refused), the shards cut for a
-        document of ``document_tokens`` tokens over ``group`` (default: ``mx.distributed.init()``)."""
+        document of ``document_tokens`` tokens over ``group`` (default: ``mx.distributed.init()``).
+        ``gpu_budget`` 1.0: each rank holds its shard exact; below it, each rank's shard is a
+        TieredCache with that budget (and ``options``), exact while the document is read and
+        compressed after it (:meth:`ShardedCacheList.finish_prefill`)."""
         group = mx.distributed.init() if group is None else group
         made = model.make_cache() if hasattr(model, "make_cache") else [
             KVCache() for _ in model.layers]
@@ -68,7 +76,10 @@ class ShardedCache:
                              f"cache also holds {', '.join(other)}")
         integration.install()
         bounds = shard_bounds(document_tokens, group.size())
-        return [cls(group, bounds, layer=i) for i in range(len(made))]
+        local = local_caches(model, group.rank(), bounds, document_tokens, gpu_budget, options)
+        return ShardedCacheList(
+            [cls(group, bounds, layer=i, local=None if local is None else local[i])
+             for i in range(len(made))], local)
 
     # ---- mlx-lm's cache protocol --------------------------------------------------------------
     def update_and_fetch(self, keys, values):
@@ -79,7 +90,11 @@ class ShardedCache:
         b = a + keys.shape[2]
         lo, hi = max(a, self.lo), b if self.hi is None else min(b, self.hi)
         if lo < hi:
-            self.local.update_and_fetch(keys[:, :, lo - a : hi - a], values[:, :, lo - a : hi - a])
+            k, v = keys[:, :, lo - a : hi - a], values[:, :, lo - a : hi - a]
+            if self.tiered:
+                self._waiting = tiered_store(self.local, k, v, lo - a)
+            else:
+                self.local.update_and_fetch(k, v)
         self.offset = b
         return keys, values
 
@@ -88,13 +103,18 @@ class ShardedCache:
         if sinks is not None:
             raise ValueError("ShardedCache: attention sinks are not supported")
         L = queries.shape[2]
-        if self.local.keys is None:
-            k = mx.zeros((1, keys.shape[1], 0, keys.shape[3]), keys.dtype)
-            v = mx.zeros((1, values.shape[1], 0, values.shape[3]), values.dtype)
+        if self.tiered:
+            waiting, self._waiting = self._waiting, None
+            o, lse = tiered_partial(self.local, queries, waiting, scale=float(scale),
+                                    q_start=self.offset - L, k_start=self.lo)
         else:
-            k, v = self.local.keys_and_values()
-        o, lse = partial_attention(queries, k, v, scale=float(scale), q_start=self.offset - L,
-                                   k_start=self.lo)
+            if self.local.keys is None:
+                k = mx.zeros((1, keys.shape[1], 0, keys.shape[3]), keys.dtype)
+                v = mx.zeros((1, values.shape[1], 0, values.shape[3]), values.dtype)
+            else:
+                k, v = self.local.keys_and_values()
+            o, lse = partial_attention(queries, k, v, scale=float(scale),
+                                       q_start=self.offset - L, k_start=self.lo)
         out = gather_merge(o, lse, self.group)
         try:
             mx.eval(out)  # here, so that a lost rank is named where it happened
@@ -111,6 +131,8 @@ class ShardedCache:
 
     @property
     def state(self):
+        if self.tiered:
+            return self.local.state
         return self.local.keys_and_values() if self.local.keys is not None else []
 
     def is_trimmable(self) -> bool:
@@ -118,6 +140,8 @@ class ShardedCache:
 
     def trim(self, n: int) -> int:
         """Drop the last n positions of the sequence (each rank those it holds)."""
+        if self.tiered and not self.local.is_trimmable():
+            raise ValueError(f"ShardedCache: rank {self.rank}'s shard cannot be trimmed now")
         n = min(self.offset, n)
         self.offset -= n
         keep = min(max(0, self.offset - self.lo), self.local.offset)
@@ -135,11 +159,38 @@ class ShardedCache:
         """Positions this rank holds."""
         return self.local.offset
 
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.local.keys is None else self.local.nbytes
+    def tier_bytes(self) -> dict:
+        """This rank's bytes per tier (its shard: exact on the accelerator, or its tiers)."""
+        if self.tiered:
+            return self.local.tier_bytes()
+        held = 0 if self.local.keys is None else self.local.nbytes
+        return {"accelerator": held, "transient": 0, "host": 0, "disk": 0, "bookkeeping": 0}
+
+
+class ShardedCacheList(list):
+    """The model's ShardedCache layers (a list, as mlx-lm's prompt caches are); ``local``: this
+    rank's TieredCacheList where the shards are tiered (None where they are exact)."""
+
+    def __init__(self, layers, local=None):
+        super().__init__(layers)
+        self.local = local
+
+    def finish_prefill(self) -> None:
+        """The document is read: each rank's tiered shard compresses now (the last rank's would
+        at its first decode step; the others get no decode step of their own)."""
+        if self.local is not None:
+            for c in self.local:
+                if hasattr(c, "settle"):
+                    c.settle()
 
     def tier_bytes(self) -> dict:
-        """This rank's bytes (its shard's keys and values, on the accelerator)."""
-        return {"accelerator": self.nbytes, "transient": 0, "host": 0, "disk": 0,
-                "bookkeeping": 0}
+        """This rank's bytes per tier, every layer."""
+        total: dict = {}
+        for c in self:
+            for k, v in c.tier_bytes().items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+    def close(self) -> None:
+        if self.local is not None:
+            self.local.close()
