@@ -67,6 +67,31 @@ def causal_attention(q, k, v, scale, *, block=512, column_mass=None):
     key receives, summed over the chunk's rows and the rep query heads of its group (H2O's
     accumulated attention, exported from the softmax already computed: no second QK pass).
     """
+    q, k, v = _checked(q, k, v, block)
+    if k.shape[1] < q.shape[1]:
+        raise ValueError(f"Invalid shape of k: n = {k.shape[1]} keys for L = {q.shape[1]} "
+                         "queries (need n >= L)")
+    return _attend(q, k, v, scale, k.shape[1] - q.shape[1], int(block), column_mass, None)
+
+
+def partial_attention(q, k, v, scale, first_visible: int, *, block=512):
+    """(o (Hq, L, dv), lse (Hq, L)) float32: row i of q sees keys 0 .. first_visible + i of k
+    (every key where that is past its end); o normalized over them, lse their log-sum-exp; a
+    row that sees none: o 0, lse -inf. A shard's partial of a prompt chunk (tiered.shard)."""
+    q, k, v = _checked(q, k, v, block)
+    Hq, L, _ = q.shape
+    out = np.zeros((Hq, L, v.shape[2]), np.float32)
+    lse = np.full((Hq, L), -np.inf, np.float32)
+    r0 = min(L, max(0, -int(first_visible)))  # rows before the first key see nothing
+    if r0 < L and k.shape[1]:
+        lse_rows = np.empty((Hq, L - r0), np.float32)
+        out[:, r0:] = _attend(np.ascontiguousarray(q[:, r0:]), k, v, scale,
+                              int(first_visible) + r0, int(block), None, lse_rows)
+        lse[:, r0:] = lse_rows
+    return out, lse
+
+
+def _checked(q, k, v, block):
     q = _as_f32("q", q, "(Hq, L, d)")
     k, v = _as_f32("k", k, "(H, n, d)"), _as_f32("v", v, "(H, n, dv)")
     Hq, L, d = q.shape
@@ -76,33 +101,41 @@ def causal_attention(q, k, v, scale, *, block=512, column_mass=None):
                          f"of H, got {k.shape}")
     if v.shape[:2] != (H, n):
         raise ValueError(f"Invalid shape of v: expected ({H}, {n}, dv), got {v.shape}")
-    if n < L:
-        raise ValueError(f"Invalid shape of k: n = {n} keys for L = {L} queries (need n >= L)")
     if int(block) < 1:
         raise ValueError(f"Invalid block: {block} (expected >= 1)")
-    rep, dv, past = Hq // H, v.shape[2], n - L
+    return q, k, v
+
+
+def _attend(q, k, v, scale, past: int, block: int, column_mass, lse_out):
+    """Rows i of q see keys 0 .. past + i (at most all n); lse_out (Hq, L) or None."""
+    Hq, L, d = q.shape
+    H, n, _ = k.shape
+    rep, dv = Hq // H, v.shape[2]
     out = np.empty((Hq, L, dv), np.float32)
     if L == 0:
         return out
-    block = max(1, min(int(block), L, _scratch[0] // (4 * rep * max(n, 1))))
+    block = max(1, min(block, L, _scratch[0] // (4 * rep * max(n, 1))))
     # Buffers reused by every block and head: fresh multi-MB arrays per block would pay page
     # faults on every touch.
     scores = np.empty(rep * block * n, np.float32)
     qbuf = np.empty((rep * block, d), np.float32)
     obuf = np.empty((rep * block, dv), np.float32)
     inv_sum = np.empty(rep * block, np.float32)
+    lse = np.empty(rep * block, np.float32)
     for kh in range(H):
         heads = slice(kh * rep, (kh + 1) * rep)
         for i0 in range(0, L, block):
             b = min(block, L - i0)
-            ncols = past + i0 + b  # keys visible to the block's last row; later ones are skipped
+            ncols = min(n, past + i0 + b)  # keys visible to the block's last row
             qb = qbuf[: rep * b]
             np.multiply(q[heads, i0 : i0 + b], np.float32(scale), out=qb.reshape(rep, b, d))
             S = scores[: rep * b * ncols].reshape(rep * b, ncols)
             np.matmul(qb, k[kh, :ncols].T, out=S)
-            causal_softmax_rows(S, b, past + i0, inv_sum[: rep * b])
+            causal_softmax_rows(S, b, past + i0, inv_sum[: rep * b], lse[: rep * b])
             if column_mass is not None:  # sum_r p[r, :] = inv_sum @ exp-scores
                 column_mass[kh, :ncols] += inv_sum[: rep * b] @ S
+            if lse_out is not None:
+                lse_out[heads, i0 : i0 + b] = lse[: rep * b].reshape(rep, b)
             ob = obuf[: rep * b]
             np.matmul(S, v[kh, :ncols], out=ob)
             ob *= inv_sum[: rep * b, None]

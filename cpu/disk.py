@@ -297,6 +297,15 @@ class PageFile:
             except (OSError, ValueError, AttributeError):
                 return
 
+    def release(self) -> None:
+        """Unmap from the process the pages reads touched (read-only shared mappings): they
+        stay in the kernel's page cache, out of the process's RSS."""
+        for mm in self.maps:
+            try:
+                mm.madvise(mmap.MADV_DONTNEED)
+            except (OSError, ValueError, AttributeError):
+                return
+
     @property
     def nbytes(self) -> int:
         return len(self.maps) * self.stride

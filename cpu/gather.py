@@ -290,10 +290,11 @@ def host_store_args(store, b=0):
 
 
 # ---- (d) causal softmax for the CPU prefill -------------------------------------------------
-@kernel("void(float32[:, ::1], int64, int64, float32[::1])", parallel=True)
-def causal_softmax_rows(S, block_rows, first_visible, inv_sum):
+@kernel("void(float32[:, ::1], int64, int64, float32[::1], float32[::1])", parallel=True)
+def causal_softmax_rows(S, block_rows, first_visible, inv_sum, lse):
     """In place: row r sees columns [0, first_visible + r % block_rows] (inclusive); there
-    S <- exp(S - max), beyond it 0. inv_sum[r] = 1 / sum of the row (normalize after P @ V)."""
+    S <- exp(S - max), beyond it 0. inv_sum[r] = 1 / sum of the row (normalize after P @ V);
+    lse[r] = the row's log-sum-exp over what it sees (a sharded cache merges partials by it)."""
     ncols = S.shape[1]
     for r in prange(S.shape[0]):
         vis = min(ncols, first_visible + r % block_rows + 1)
@@ -306,3 +307,4 @@ def causal_softmax_rows(S, block_rows, first_visible, inv_sum):
         for j in range(vis, ncols):
             S[r, j] = 0.0
         inv_sum[r] = np.float32(1.0) / acc
+        lse[r] = mx + np.float32(math.log(acc))

@@ -24,6 +24,7 @@ from .planning.context import SharedContext
 from .planning.contract import mla_reason
 from .report import tier_totals
 from .runtime import dispatch, integration
+from .runtime._platform import bounded_malloc
 from .runtime.integration import is_tiered
 
 log = logging.getLogger("tiered")
@@ -112,6 +113,7 @@ def for_model(cls, model, gpu_budget=0.125, *, install: bool = True, tokenizer=N
     if tiered and not cfg.exact and (cfg.host_budget is not None or cfg.disk_budget is not None
                                      or cfg.memory_budget is not None):
         _check_disk_options(cfg)
+        bounded_malloc()  # freed temporaries go back to the system (runtime._platform)
     if cfg.calibration != "self" and not cfg.exact and tiered:
         context.calibrate_from_text(model, tokenizer or getattr(model, "tiered_tokenizer", None),
                                     tiered)

@@ -122,6 +122,8 @@ class ChunkAttention:
             host.prefetch_tokens(0, tok.reshape(-1))
         k = mx.array(host.gather_rows("keys", 0, tok)).astype(self.dtype)
         v = mx.array(host.gather_rows("values", 0, tok)).astype(self.dtype)
+        if host.disk_bytes:
+            host.release_disk_reads()
         return k, v
 
     @property

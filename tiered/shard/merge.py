@@ -10,6 +10,10 @@ softmax(s) v = sum_r exp(lse_r - lse) o_r with lse = logsumexp_r lse_r."""
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
+
+from ..cpu.attention import partial_attention as cpu_partial_attention
+from ..runtime.ops import on_cpu_backend
 
 # Largest score block (query heads x queries x keys, float32) before the queries are split:
 # a 2048-token prompt chunk over a 32k-token shard would be 2.4 GB of scores at once
@@ -26,6 +30,12 @@ def partial_attention(queries, keys, values, *, scale: float, q_start: int, k_st
     if m == 0 or k_start > q_start + L - 1:  # nothing here is visible to any query
         return (mx.zeros((1, Hq, L, dv), mx.float32),
                 mx.full((1, Hq, L), -mx.inf, mx.float32))
+    if on_cpu_backend():  # BLAS products and a Numba softmax (MLX's CPU exp is scalar)
+        o, lse = cpu_partial_attention(np.array(queries[0].astype(mx.float32)),
+                                       np.array(keys[0].astype(mx.float32)),
+                                       np.array(values[0].astype(mx.float32)), scale,
+                                       q_start - k_start)
+        return mx.array(o)[None], mx.array(lse)[None]
     rep = Hq // H
     k = keys[0].astype(mx.float32)  # (H, m, d)
     v = values[0].astype(mx.float32)
