@@ -25,6 +25,7 @@ from .cli_common import (
 )
 from .cli_info import cmd_info
 from .cli_prefill import PREFILLS, prefill_choice
+from .cli_shard import distributed_group, run_sharded
 
 DESCRIPTION = """\
 Read a long document with an MLX language model through a tiered KV cache and answer a
@@ -172,6 +173,9 @@ def cmd_run(args) -> int:
     cache = None
     try:
         if args.load_cache:
+            if distributed_group() is not None:
+                raise ValueError("--load-cache is not supported with a sharded cache "
+                                 "(mlx.launch with several ranks)")
             cache = tiered.TieredCacheList.load(args.load_cache, model, **options)
             _, suffix = split_prompt(tokenizer, "", args.question, chat=not args.no_chat)
             print(f"cache: {cache[cache.tiered_layers[0]].offset} tokens loaded from "
@@ -188,6 +192,10 @@ def cmd_run(args) -> int:
                 prefix, suffix = split_prompt(tokenizer, document, args.question,
                                               chat=not args.no_chat)
             options.setdefault("gpu_budget", 0.125)
+            group = distributed_group()
+            if group is not None:  # one rank of several (mlx.launch): the cache is sharded
+                return run_sharded(args, group, model, tokenizer, prefix, suffix, expected,
+                                   options)
             if args.save_cache:  # the room for the save, before the prefill it would save
                 save_file.check_save(args.save_cache, persist.estimate_save_bytes(
                     model, len(prefix), tiered.TieredConfig.from_kwargs(**options)))

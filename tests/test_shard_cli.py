@@ -1,0 +1,32 @@
+"""``tiered run`` under ``mlx.launch -n 2``: the embedded model's pass-key demo with the cache
+sharded over two ranks at gpu_budget 0.125 answers as one process's tiered cache does, each
+rank holding half of the document, compressed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+
+def _run(cmd, tmp_path):
+    r = subprocess.run(cmd, cwd=str(tmp_path), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r.stdout
+
+
+def test_two_ranks_answer_the_pass_key_as_one_process(tmp_path):
+    demo = ["-m", "tiered", "run", "--demo-tokens", "3000", "--seed", "2"]
+    one = _run([sys.executable, *demo, "--json", str(tmp_path / "one.json")], tmp_path)
+    launch = shutil.which("mlx.launch")
+    two = _run([launch, "-n", "2", "--backend", "ring", "--python", sys.executable, *demo,
+                "--json", str(tmp_path / "two.json")], tmp_path)
+    a = json.loads((tmp_path / "one.json").read_text())
+    b = json.loads((tmp_path / "two.json").read_text())
+    assert "pass key" in one and "2 ranks" in two
+    assert a["phases"] == ["compressed"]
+    assert b["found"] is True and (a["expected"] in a["answer"]) is True
+    ranks = b["ranks"]
+    assert len(ranks) == 2 and all(r["bytes"]["host"] > 0 for r in ranks)  # compressed shards
+    assert abs(ranks[0]["held_tokens"] - ranks[1]["held_tokens"]) <= 2 * 10 + 1
