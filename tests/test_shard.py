@@ -33,9 +33,15 @@ WORKER = os.path.join(HERE, "shard_worker.py")
 EVERY_TOKEN = {"tau": 1.0, "rescore": "exact", "host_dtype": "float32"}
 
 
-def test_partials_over_shards_merge_to_the_full_causal_attention():
+@pytest.mark.parametrize("route", ["numba", "mlx"])
+def test_partials_over_shards_merge_to_the_full_causal_attention(route, monkeypatch):
     """A chunk of 37 queries straddling two shard bounds: the merged partials of four shards
-    (the last one after every query: empty) equal causal attention over all positions."""
+    (the last one after every query: empty) equal causal attention over all positions, on the
+    CPU backend's BLAS + Numba route and on the MLX route the GPUs take."""
+    import tiered.shard.merge as merge_module
+
+    if route == "mlx":
+        monkeypatch.setattr(merge_module, "on_cpu_backend", lambda: False)
     rng = np.random.default_rng(0)
     Hq, H, d, n, L = 8, 2, 16, 140, 37
     q = mx.array(rng.standard_normal((1, Hq, L, d)), mx.float32)

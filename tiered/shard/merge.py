@@ -30,7 +30,8 @@ def partial_attention(queries, keys, values, *, scale: float, q_start: int, k_st
     if m == 0 or k_start > q_start + L - 1:  # nothing here is visible to any query
         return (mx.zeros((1, Hq, L, dv), mx.float32),
                 mx.full((1, Hq, L), -mx.inf, mx.float32))
-    if on_cpu_backend():  # BLAS products and a Numba softmax (MLX's CPU exp is scalar)
+    if on_cpu_backend() and L > 1:  # a prompt chunk: BLAS and a Numba softmax (MLX's CPU exp
+        # is scalar); one query stays in MLX (no copy of the shard's keys and values per step)
         o, lse = cpu_partial_attention(np.array(queries[0].astype(mx.float32)),
                                        np.array(keys[0].astype(mx.float32)),
                                        np.array(values[0].astype(mx.float32)), scale,
