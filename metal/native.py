@@ -29,6 +29,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import sysconfig
@@ -39,6 +40,7 @@ from pathlib import Path
 
 _lock = threading.Lock()
 _state: dict = {}
+_loaded: dict = {}  # build path -> the module executed from it
 NAME = "_tiered_native"
 
 
@@ -47,8 +49,13 @@ def enabled() -> bool:
     return os.environ.get("TIERED_NATIVE", "0") == "1"
 
 
+SOURCES = ("native.cpp", "native_dispatch.cpp")
+
+
 def source() -> str:
-    return resources.files(__package__).joinpath("native.cpp").read_text(encoding="utf-8")
+    """The module's C++ sources, joined (what its build directory is named after)."""
+    return "".join(resources.files(__package__).joinpath(f).read_text(encoding="utf-8")
+                   for f in SOURCES)
 
 
 def _mlx_root() -> Path:
@@ -90,12 +97,15 @@ def build(verbose: bool = False) -> Path:
     nb = Path(nanobind.include_dir()).parent
     mlx_root = _mlx_root()
     out_dir.mkdir(parents=True, exist_ok=True)
-    src = out_dir / "native.cpp"
-    src.write_text(source())
+    srcs = []
+    for name in SOURCES:
+        srcs.append(out_dir / name)
+        srcs[-1].write_text(resources.files(__package__).joinpath(name).read_text(
+            encoding="utf-8"))
     tmp = target.with_suffix(f".{os.getpid()}.tmp")
     cmd = [cxx, "-std=c++20", "-O2", "-fPIC", "-shared", "-fvisibility=hidden", "-DNDEBUG",
            "-DNB_DOMAIN=mlx", f"-I{nb / 'include'}", f"-I{nb / 'ext' / 'robin_map' / 'include'}",
-           f"-I{sysconfig.get_paths()['include']}", f"-I{mlx_root / 'include'}", str(src),
+           f"-I{sysconfig.get_paths()['include']}", f"-I{mlx_root / 'include'}", *map(str, srcs),
            str(nb / "src" / "nb_combined.cpp"), f"-L{mlx_root / 'lib'}", "-lmlx",
            f"-Wl,-rpath,{mlx_root / 'lib'}", "-ldl", "-o", str(tmp)]
     if verbose:
@@ -120,9 +130,12 @@ def load():
                 import mlx.core  # noqa: F401 - the module's array type comes from here
 
                 path = build(verbose=os.environ.get("TIERED_NATIVE_VERBOSE") == "1")
-                spec = importlib.util.spec_from_file_location(NAME, path)
-                module = importlib.util.module_from_spec(spec)
-                spec.loader.exec_module(module)
+                module = _loaded.get(path)
+                if module is None:  # once per process: nanobind registers its types once
+                    spec = importlib.util.spec_from_file_location(NAME, path)
+                    module = importlib.util.module_from_spec(spec)
+                    spec.loader.exec_module(module)
+                    _loaded[path] = module
             except Exception as e:  # noqa: BLE001 - the Python route stays
                 module, why = None, f"{type(e).__name__}: {e}"
         _state["module"], _state["why"] = module, why
@@ -144,8 +157,91 @@ def why_not() -> str | None:
 
 def cuda():
     """The module where it can launch on CUDA, else None."""
+    got = _state.get("cuda", False)
+    if got is not False:
+        return got
     module = load()
-    return module if module is not None and module.cuda_ready() else None
+    got = module if module is not None and module.cuda_ready() else None
+    if got is not None:
+        try:
+            got.set_copy_functions([function(_COPY % {"T": t}, "tiered_native_copy")
+                                    for t in ("uint8_t", "uint16_t", "uint32_t", "uint64_t")])
+        except Exception as e:  # noqa: BLE001 - the Python route stays
+            warnings.warn(f"tiered: the native launcher is unavailable ({type(e).__name__}: "
+                          f"{e}); the Python route runs instead", RuntimeWarning, stacklevel=2)
+            got = None
+    _state["cuda"] = got
+    return got
+
+
+# A kernel parameter (:class:`Launch`'s ``args``): (kind, value); native.cpp's Kind
+INT64, INT32, FLOAT32, INPUT, OUTPUT, SHAPE, STRIDES, NDIM = range(8)
+
+
+def i64(v: int) -> tuple:
+    return (INT64, int(v))
+
+
+def f32(v: float) -> tuple:
+    return (FLOAT32, struct.unpack("<I", struct.pack("<f", float(v)))[0])
+
+
+def inp(i: int) -> tuple:
+    return (INPUT, i)
+
+
+def out(o: int) -> tuple:
+    return (OUTPUT, o)
+
+
+# Copies a strided input into a row-contiguous buffer (native.cpp's Program::copy)
+_COPY = r"""
+#include "mlx/backend/cuda/device/utils.cuh"
+
+__global__ void tiered_native_copy(const %(T)s* in, %(T)s* out,
+                                   const __grid_constant__ mlx::core::cu::Shape shape,
+                                   const __grid_constant__ mlx::core::cu::Strides strides,
+                                   int ndim, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    long long rest = i, at = 0;
+    for (int d = ndim - 1; d >= 0; --d) {
+        at += (rest %% shape[d]) * strides[d];
+        rest /= shape[d];
+    }
+    out[i] = in[at];
+}
+"""
+
+
+def function(source: str, kernel: str, shared_bytes: int = 0) -> int:
+    """``kernel`` of ``source`` (CUDA C++ that may include MLX's device headers), compiled once
+    per machine (an image under MLX's PTX cache directory) and loaded once per process."""
+    key = (source, kernel, shared_bytes)
+    got = _functions.get(key)
+    if got is None:
+        from . import nvrtc
+        from .ptx_cache import cache_dir
+
+        cc = nvrtc.compute_capability(0)
+        digest = hashlib.sha256(f"{source}{kernel}{cc}".encode()).hexdigest()[:20]
+        path = cache_dir() / f"tiered_native_{digest}"
+        names = path.with_suffix(".name")
+        if path.exists() and names.exists():
+            code, mangled = path.read_bytes(), names.read_text()
+        else:
+            code, mangled = nvrtc.compile_kernel(source, f"tiered_native_{digest}", kernel)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = f".{os.getpid()}.{threading.get_ident()}.tmp"
+            Path(str(names) + tmp).write_text(mangled)
+            os.replace(str(names) + tmp, names)
+            Path(str(path) + tmp).write_bytes(code)
+            os.replace(str(path) + tmp, path)
+        got = _functions[key] = load().load_function(code, mangled, shared_bytes)
+    return got
+
+
+_functions: dict = {}
 
 
 if __name__ == "__main__":

@@ -25,8 +25,25 @@ def _chain(x, n):
     return x
 
 
-def test_dispatcher_evaluates_in_order_on_a_shared_stream():
+@pytest.fixture(params=["python", "native"])
+def worker(request, monkeypatch):
+    """A dispatcher whose worker thread is Python's or the native module's (C++, no GIL)."""
+    from tiered.metal import native
+
     d = dispatch.Dispatcher()
+    if request.param == "native":
+        monkeypatch.setenv("TIERED_NATIVE", "1")
+        native._state.clear()
+        if native.compiler() is None or native.load() is None:
+            pytest.skip(f"the native module did not build: {native.why_not()}")
+        d._native, d._native_checked = native.load().Dispatch(), True
+    yield d
+    if request.param == "native":
+        native._state.clear()
+
+
+def test_dispatcher_evaluates_in_order_on_a_shared_stream(worker):
+    d = worker
     s = mx.new_thread_unsafe_stream(mx.cpu)
     rng = np.random.default_rng(0)
     xs = [rng.standard_normal((64, 64)).astype(np.float32) for _ in range(6)]
@@ -49,6 +66,7 @@ def test_dispatcher_evaluates_in_order_on_a_shared_stream():
 
 def test_an_error_on_the_thread_is_raised_by_drain(monkeypatch):
     d = dispatch.Dispatcher()
+    d._native_checked = True  # the Python worker: its mx.async_eval is replaced below
     calls = []
 
     def failing(*arrays):
@@ -67,9 +85,10 @@ def test_an_error_on_the_thread_is_raised_by_drain(monkeypatch):
     d.drain()  # raised once: the dispatcher is usable again
 
 
-def test_arrays_of_a_thread_local_stream_are_taken_by_the_main_thread(monkeypatch, caplog):
+def test_arrays_of_a_thread_local_stream_are_taken_by_the_main_thread(monkeypatch, caplog,
+                                                                      worker):
     monkeypatch.setattr(dispatch, "_enabled", True)
-    d = dispatch.Dispatcher()
+    d = worker
     local = mx.new_stream(mx.cpu)  # usable on this thread only
     with mx.stream(local):
         a = _chain(mx.arange(8, dtype=mx.float32), 5)
@@ -99,9 +118,20 @@ def test_wrappers_wait_for_the_thread_first(monkeypatch):
 
 @pytest.mark.accelerator
 @needs_cuda
-def test_dispatched_steps_decode_as_the_main_thread(monkeypatch):
-    """Every layer handed over by the thread (DISPATCH_EVERY=1) against every hand-off on the main
-    thread: the same kernels in the same order, so the same outputs, pages and state."""
+@pytest.mark.parametrize("kind", ["python", "native"])
+def test_dispatched_steps_decode_as_the_main_thread(monkeypatch, kind):
+    """Every layer handed over by the thread (DISPATCH_EVERY=1; the worker in Python or in C++)
+    against every hand-off on the main thread: the same kernels in the same order, so the same
+    outputs, pages and state."""
+    from tiered.metal import native
+
+    if kind == "native":
+        monkeypatch.setenv("TIERED_NATIVE", "1")
+        monkeypatch.setattr(native, "_state", {})
+        assert native.cuda() is not None, native.why_not()
+    monkeypatch.setattr(dispatch, "NATIVE", kind == "native")
+    monkeypatch.setattr(dispatch.DISPATCHER, "_native", None)
+    monkeypatch.setattr(dispatch.DISPATCHER, "_native_checked", False)
     model = make_small_model("llama-gqa-d64", layers=3, seed=4)
     rng = np.random.default_rng(5)
     prompt, toks = rng.integers(10, 49000, 400).tolist(), rng.integers(10, 49000, 40).tolist()
@@ -121,6 +151,8 @@ def test_dispatched_steps_decode_as_the_main_thread(monkeypatch):
             assert not dispatch.DISPATCHER.busy  # the last layer drained
             mx.eval(outs[-1])
         assert (dispatch.DISPATCHER.busy_s > busy) == on
+        if on:
+            assert (dispatch.DISPATCHER._native is not None) == (kind == "native")
         layers = [c for c in cache if isinstance(c, TieredCache)]
         runs.append((np.array(mx.concatenate(outs, axis=1)),
                      [c.host.read("values", 0, 0, c.host.length) for c in layers],

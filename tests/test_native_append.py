@@ -46,24 +46,27 @@ def test_native_module_builds_and_checks_its_programs():
     m = _module()
     s = mx.default_stream(mx.default_device())
     a, b = mx.zeros((4,), mx.float32), mx.ones((2, 3), mx.int32)
-    launch = m.Launch(1, (1, 1, 1), (32, 1, 1))
-    outs = m.run([launch], [a, b], 2, [[4], [1]], [mx.float32, mx.int32], [0, -1], [0], [5],
-                 s)
+    launch = m.Launch(1, (1, 1, 1), (32, 1, 1), 0, [native.i64(5), native.out(1), native.inp(0)])
+    outs = m.run([launch], [a, b], [[4], [1]], [mx.float32, mx.int32], [0, -1], [0], [1], s)
     assert [o.shape for o in outs] == [(4,), (1,)]
     assert [o.dtype for o in outs] == [mx.float32, mx.int32]
-    bad = [  # (inputs, n_read, shapes, dtypes, aliases, written)
-        ([a], 1, [[3]], [mx.float32], [0], [0]),  # alias of another shape
-        ([a], 1, [[4]], [mx.int32], [0], [0]),  # alias of another dtype
-        ([a], 1, [[4]], [mx.float32], [0], []),  # aliased but not written
-        ([a], 1, [[4]], [mx.float32], [1], [1]),  # no such input
-        ([a], 2, [[4]], [mx.float32], [-1], []),  # more read than given
-        ([a], 1, [[4], [1]], [mx.float32], [-1, -1], []),  # dtypes missing
+    bad = [  # (inputs, shapes, dtypes, aliases, written, contiguous, args)
+        ([a], [[3]], [mx.float32], [0], [0], [], []),  # alias of another shape
+        ([a], [[4]], [mx.int32], [0], [0], [], []),  # alias of another dtype
+        ([a], [[4]], [mx.float32], [0], [], [], []),  # aliased but not written
+        ([a], [[4]], [mx.float32], [1], [1], [], []),  # no such input
+        ([a], [[4]], [mx.float32], [-1], [], [1], []),  # a copy of no input
+        ([a], [[4], [1]], [mx.float32], [-1, -1], [], [], []),  # dtypes missing
+        ([a], [[4]], [mx.float32], [-1], [], [], [native.inp(1)]),  # reads no input
+        ([a], [[4]], [mx.float32], [-1], [], [], [native.out(1)]),  # writes no output
+        ([a], [[4]], [mx.float32], [-1], [], [], [(9, 0)]),  # no such kind
     ]
-    for inputs, n_read, shapes, dtypes, aliases, written in bad:
+    for inputs, shapes, dtypes, aliases, written, contiguous, args in bad:
         with pytest.raises(ValueError, match="tiered.native"):
-            m.run([launch], inputs, n_read, shapes, dtypes, aliases, written, [], s)
+            m.run([m.Launch(1, (1, 1, 1), (32, 1, 1), 0, args)], inputs, shapes, dtypes,
+                  aliases, written, contiguous, s)
     with pytest.raises(ValueError, match="no launch"):
-        m.run([], [a], 1, [[1]], [mx.int32], [-1], [], [], s)
+        m.run([], [a], [[1]], [mx.int32], [-1], [], [], s)
     if not m.cuda_ready():
         with pytest.raises(RuntimeError, match="CUDA"):
             mx.eval(outs)

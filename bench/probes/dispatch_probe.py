@@ -9,7 +9,11 @@ times ``KVCache`` once for reference, then decodes in interleaved rounds, one mo
   (tiered.runtime.dispatch), Python's GIL switch interval <ms> (default
   tiered.runtime.dispatch.SWITCH_INTERVAL_S);
 - a suffix ``+native`` / ``+compiled``: a decode token's append takes the native in-place
-  kernel (tiered.step.native_append) or the compiled MLX function.
+  kernel (tiered.step.native_append) or the compiled MLX function;
+- a suffix ``+nk`` / ``+mk``: custom kernels launch as native programs
+  (tiered.metal.ptx_cache.NativeKernel) or through MLX's launch;
+- a suffix ``+nd`` / ``+pd``: the dispatcher thread in C++ (metal/native_dispatch.cpp; Python's
+  default GIL switch interval) or in Python.
 
 Rounds alternate so that drift of the machine falls on every mode alike. Per mode: the median
 ms/token over its rounds' steps, and how much of a step the model call (graph building, with
@@ -17,6 +21,7 @@ the hand-offs on the main thread) took.
 
     python3 bench/probes/dispatch_probe.py --model llama3-8b --context 131072
     python3 bench/probes/dispatch_probe.py --context 32768 --modes thread2+native thread2+compiled
+    python3 bench/probes/dispatch_probe.py --context 32768 --modes thread2+native+nk thread2+native+mk
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from decode_setup import build_model, kv_caches, seed_kv, tiered_caches
 from million import decode_step
 
 from tiered import TieredCache
+from tiered.metal import ptx_cache
 from tiered.runtime import dispatch
 from tiered.step import device_step, native_append
 
@@ -50,8 +56,17 @@ def steps(model, cache, y, n):
 
 
 def set_mode(mode: str, cache=()) -> None:
-    mode, _, append = mode.partition("+")
-    if append:
+    mode, *suffixes = mode.split("+")
+    d = dispatch.DISPATCHER
+    native_worker = "nd" in suffixes
+    for append in suffixes:
+        if append in ("nk", "mk"):
+            ptx_cache.NATIVE = append == "nk"
+            continue
+        if append in ("nd", "pd"):
+            dispatch.NATIVE = native_worker
+            d._native_checked, d._native = False, None  # chosen again at the next submit
+            continue
         native_append.ENABLED = append == "native"
         for c in cache:
             if isinstance(c, TieredCache) and c.compressed is not None:
@@ -64,7 +79,10 @@ def set_mode(mode: str, cache=()) -> None:
         dispatch._enabled = True
         k, _, sw = mode.removeprefix("thread").partition("/")
         device_step.DISPATCH_EVERY = int(k)
-        sys.setswitchinterval(float(sw) / 1e3 if sw else dispatch.SWITCH_INTERVAL_S)
+        if native_worker:  # the C++ worker takes no GIL: the default interval
+            sys.setswitchinterval(float(sw) / 1e3 if sw else 0.005)
+        else:
+            sys.setswitchinterval(float(sw) / 1e3 if sw else dispatch.SWITCH_INTERVAL_S)
 
 
 def main(argv=None):
@@ -79,7 +97,7 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=70)
     p.add_argument("--no-kv", action="store_true")
     args = p.parse_args(argv)
-    if any(m.endswith("+native") for m in args.modes):
+    if any(x in m for m in args.modes for x in ("+native", "+nk", "+nd")):
         os.environ["TIERED_NATIVE"] = "1"  # the launcher is opt-in (tiered.metal.native)
     model, tok = build_model(args.model, mx.float16)
     seed = seed_kv(model, tok, 2048)

@@ -100,7 +100,7 @@ def plan(ids_d, done, heavy_layout, key: tuple, old: np.ndarray, current: tuple)
     """Run on the worker: wait for the hand-off ``done``, read the chosen ids ``ids_d``, lay
     them out (``heavy_layout(ids)`` -> (H, count)) and plan the swap from ``old``. ``key`` =
     (n, H, R, S, W). None where the hand-off failed (the settle then reads on its own)."""
-    done.wait()
+    dispatch.wait_for(done)
     if not dispatch.handed(done):
         return None
     n, H, _, S, W = key

@@ -125,6 +125,21 @@ def share_streams() -> bool:
     return True
 
 
+# The worker in C++ where tiered's native module runs (TIERED_NATIVE=1 on CUDA,
+# tiered.metal.native): it never takes the GIL, so the main thread keeps Python's default switch
+# interval and is not made to hand the GIL over while it builds (metal/native_dispatch.cpp).
+NATIVE = True
+
+
+class _Ticket:
+    """What :meth:`Dispatcher.submit` returns on the native worker: the submission's number."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int):
+        self.n = n
+
+
 class Dispatcher:
     """One worker thread that runs ``mx.async_eval`` on what it is handed, in order."""
 
@@ -135,17 +150,38 @@ class Dispatcher:
         self._error: BaseException | None = None
         self._left: list = []  # what it could not evaluate, for the main thread
         self._thread: threading.Thread | None = None
-        self.busy_s = 0.0  # seconds the worker spent handing graphs over (bench/dispatch_probe)
+        self._busy_py = 0.0
+        self._native = None  # the C++ worker (metal/native_dispatch.cpp), once chosen
+        self._native_checked = False
         self.wait_s = 0.0  # seconds the main thread waited for it in drain
 
     @property
-    def busy(self) -> bool:
-        return self._queued > 0
+    def busy_s(self) -> float:
+        """Seconds the worker spent handing graphs over (bench/dispatch_probe)."""
+        return self._busy_py + (self._native.busy_s() if self._native is not None else 0.0)
 
-    def submit(self, arrays: list) -> threading.Event:
-        """Queue ``mx.async_eval(*arrays)`` on the worker; the event is set once it ran (see
-        :meth:`wait_handed`)."""
+    @property
+    def busy(self) -> bool:
+        return self._queued > 0 or (self._native is not None and self._native.queued() > 0)
+
+    def native(self):
+        """The C++ worker where it runs (decided once), else None."""
+        if not self._native_checked:
+            self._native_checked = True
+            if NATIVE:
+                from ..metal import native
+
+                mod = native.cuda()
+                self._native = mod.Dispatch() if mod is not None else None
+        return self._native
+
+    def submit(self, arrays: list):
+        """Queue ``mx.async_eval(*arrays)`` on the worker; returns what :meth:`wait_handed`
+        and :meth:`handed` take (a threading.Event, set once it ran, or a native ticket)."""
         ptx_cache.settle()  # the kernels it launches compiled (side by side) first
+        nd = self.native()
+        if nd is not None:
+            return _Ticket(nd.submit(arrays))
         with self._cv:
             if self._thread is None or not self._thread.is_alive():
                 if sys.getswitchinterval() > SWITCH_INTERVAL_S:
@@ -158,9 +194,16 @@ class Dispatcher:
         self._q.put((arrays, done))
         return done
 
-    def wait_handed(self, done: threading.Event) -> None:
+    def wait_handed(self, done) -> None:
         """Wait until one submission was handed to the device (not the ones queued after it):
         its arrays are scheduled then, and reading them only waits for the device."""
+        if isinstance(done, _Ticket):
+            if self._native is None:  # the worker was switched off, drained first
+                return
+            self.wait_s += self._native.wait(done.n)
+            if self._native.failed():
+                self.drain()
+            return
         done.wait()
         if self._error is not None or self._left:
             self.drain()  # raise what failed, or evaluate what it handed back
@@ -170,12 +213,24 @@ class Dispatcher:
         error: its arrays are scheduled, and reading one waits only for the device
         (``array::eval`` of a scheduled array waits for its event and encodes nothing), not
         for the submissions queued after it (:meth:`drain`)."""
+        if isinstance(done, _Ticket):
+            if self._native is None:  # the worker was switched off, drained first
+                return self._error is None and not self._left
+            return (self._native.handed(done.n) and not self._native.failed()
+                    and self._error is None and not self._left)
         return done is not None and done.is_set() and self._error is None and not self._left
 
     def drain(self) -> None:
         """Wait until everything submitted was handed to the device; raise what the worker
         raised. Arrays it could not take are evaluated here (asynchronously)."""
         global _enabled
+        nd = self._native
+        if nd is not None and (nd.queued() or nd.failed()):
+            self.wait_s += nd.wait(0)
+            kind, what, left = nd.take()
+            self._left += left
+            if kind and self._error is None:
+                self._error = (ValueError if kind == "value" else RuntimeError)(what)
         if not (self._queued or self._left or self._error is not None):
             return
         if self._queued:
@@ -203,7 +258,7 @@ class Dispatcher:
                 elif self._error is None:  # after an error the step fails: nothing more
                     t = time.perf_counter()
                     mx.async_eval(*arrays)
-                    self.busy_s += time.perf_counter() - t
+                    self._busy_py += time.perf_counter() - t
             except RuntimeError as e:
                 if "in current thread" in str(e):  # made on another thread's stream
                     self._left += arrays
@@ -227,6 +282,17 @@ def submit(*arrays) -> threading.Event:
 
 def wait_handed(done: threading.Event) -> None:
     DISPATCHER.wait_handed(done)
+
+
+def wait_for(done) -> None:
+    """Wait (on any thread) until the submission that returned ``done`` ran; unlike
+    :func:`wait_handed` nothing is raised or taken over here."""
+    if isinstance(done, _Ticket):
+        nd = DISPATCHER._native
+        if nd is not None:
+            nd.wait(done.n)
+    elif done is not None:
+        done.wait()
 
 
 def handed(done: threading.Event | None) -> bool:

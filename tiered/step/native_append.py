@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..metal import device_ints, native, nvrtc
+from ..metal import device_ints, native
 from .device_encode import NEAREST
 from ..metal.ptx_cache import _CUDA_TYPES
 
@@ -137,12 +137,10 @@ def _function(key: tuple) -> int:
                  "PageT": _ctype(page_t), "HKT": hkt, "HVT": hvt}
         head = "".join(f"#define {k} {v}\n" for k, v in types.items())
         head += f"#define NO_BAD_VALUE {NO_BAD}\n"
-        name = "tiered_native_append"
-        code, mangled = nvrtc.compile_kernel(
+        got = _functions[key] = native.function(
             body.replace('#include "mlx/backend/cuda/device/utils.cuh"\n',
                          '#include "mlx/backend/cuda/device/utils.cuh"\n' + head),
-            f"{name}_{abs(hash(key)):x}", name)
-        got = _functions[key] = native.cuda().load_function(code, mangled)
+            "tiered_native_append")
     return got
 
 
@@ -178,21 +176,24 @@ def append(layer, keys, values, norms, codes, kw, vw, pages, addrs_k, addrs_v, f
            host.values.pages_per_block, clear, write, host.keys is not None)
     fn = _function(key)
     state = [codes, layer.res_k, layer.res_v, layer.res_tok, layer.flags, acc]
-    if write:
-        kw, vw = mx.contiguous(kw), mx.contiguous(vw)
-    reads = state + [mx.contiguous(keys), mx.contiguous(values), codebook, norms, kw, vw, pages,
+    reads = state + [keys, values, codebook, norms, kw, vw, pages,
                      addrs_k, addrs_v, device_ints(NO_BAD) if bad is None else bad]
     waits = [x for x in layer._later + layer._step_reads if isinstance(x, mx.array)] + [fence]
     n_state = 6 if clear else 5
+    n_new = 4  # bad, done, k_new, v_new
+    ints = [n0, slot, gone, offset, t_w, codes.shape[1], layer.res_k.shape[1],
+            layer.flags.shape[1], acc.shape[1]]
+    # the kernel's parameters: the integers, the new outputs, then every input it reads
+    args = ([native.i64(v) for v in ints] + [native.out(n_state + o) for o in range(n_new)]
+            + [native.inp(i) for i in range(len(reads))])
     outs = native.cuda().run(
-        [native.cuda().Launch(fn, (1 + -(-H * g * 32 // THREADS), 1, 1), (THREADS, 1, 1))],
-        reads + waits, len(reads),
+        [native.cuda().Launch(fn, (1 + -(-H * g * 32 // THREADS), 1, 1), (THREADS, 1, 1), 0,
+                              args)],
+        reads + waits,
         [list(x.shape) for x in state[:n_state]] + [[1], [1], [H, 1, dk], [H, 1, dv]],
         [x.dtype for x in state[:n_state]] + [mx.int32, mx.int32, layer.dtype, layer.dtype],
-        list(range(n_state)) + [-1] * 4, list(range(n_state)),
-        [n0, slot, gone, offset, t_w, codes.shape[1], layer.res_k.shape[1],
-         layer.flags.shape[1], acc.shape[1]],
-        mx.default_stream(mx.default_device()))
+        list(range(n_state)) + [-1] * n_new, list(range(n_state)),
+        list(range(n_state, len(reads))), mx.default_stream(mx.default_device()))
     new_state = outs[:n_state] + ([] if clear else [None])
     bad_out, done, k_new, v_new = outs[n_state:]
     return (*new_state, done, bad_out, k_new, v_new)
