@@ -221,11 +221,10 @@ def function(source: str, kernel: str, shared_bytes: int = 0) -> int:
     got = _functions.get(key)
     if got is None:
         from . import nvrtc
-        from .ptx_cache import cache_dir
 
         cc = nvrtc.compute_capability(0)
         digest = hashlib.sha256(f"{source}{kernel}{cc}".encode()).hexdigest()[:20]
-        path = cache_dir() / f"tiered_native_{digest}"
+        path = nvrtc.cache_dir() / f"tiered_native_{digest}"
         names = path.with_suffix(".name")
         if path.exists() and names.exists():
             code, mangled = path.read_bytes(), names.read_text()

@@ -37,6 +37,22 @@ def libmlx() -> Path:
     raise FileNotFoundError("libmlx.so is not in any mlx package directory")
 
 
+def cache_dir() -> Path:
+    """MLX's ``ptx_cache_dir`` (where tiered.metal.ptx_cache and tiered.metal.native keep
+    compiled kernels): $MLX_PTX_CACHE_DIR, else <temp>/mlx/<version>/ptx."""
+    if d := os.environ.get("MLX_PTX_CACHE_DIR"):
+        return Path(d)
+    tmp = next((os.environ[v] for v in ("TMPDIR", "TMP", "TEMP", "TEMPDIR") if os.environ.get(v)),
+               "/tmp")
+    return Path(tmp) / "mlx" / _mlx_version() / "ptx"
+
+
+def _mlx_version() -> str:
+    import mlx.core as mx
+
+    return mx.__version__
+
+
 @functools.cache
 def embedded_headers() -> dict[str, bytes]:
     """Include name -> text of the device headers MLX compiles custom kernels against (it

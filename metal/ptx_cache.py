@@ -32,6 +32,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from .nvrtc import cache_dir
+
 _HEADER = '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
 _CUDA_TYPES = {mx.bool_: "bool", mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t",
                mx.int64: "int64_t", mx.uint8: "uint8_t", mx.uint16: "uint16_t",
@@ -46,15 +48,6 @@ _lock = threading.Lock()
 _state = {"enabled": os.environ.get("TIERED_PTX_CACHE", "1") != "0", "compiled": 0}
 _pending: dict = {}  # entry path -> the Future writing it
 _pool: ThreadPoolExecutor | None = None
-
-
-def cache_dir() -> Path:
-    """MLX's ``ptx_cache_dir``: $MLX_PTX_CACHE_DIR, else <temp>/mlx/<version>/ptx."""
-    if d := os.environ.get("MLX_PTX_CACHE_DIR"):
-        return Path(d)
-    tmp = next((os.environ[v] for v in ("TMPDIR", "TMP", "TEMP", "TEMPDIR") if os.environ.get(v)),
-               "/tmp")
-    return Path(tmp) / "mlx" / mx.__version__ / "ptx"
 
 
 def ptx_path(module_name: str, root: Path | None = None) -> Path:

@@ -51,9 +51,9 @@ def test_a_kernel_launches_natively_as_mlx_launches_it(transposed):
     x = mx.arange(48, dtype=mx.float16).reshape(6, 8)
     if transposed:
         x = x.T  # a strided view: copied to row-contiguous first
-    launch = dict(inputs=[x], output_shapes=[(48,), (2,)], output_dtypes=[mx.float32] * 2,
-                  grid=(64, 1, 1), threadgroup=(32, 1, 1),
-                  template=[("T", mx.float16), ("K", 3)], init_value=-1.5)
+    launch = {"inputs": [x], "output_shapes": [(48,), (2,)], "output_dtypes": [mx.float32] * 2,
+              "grid": (64, 1, 1), "threadgroup": (32, 1, 1),
+              "template": [("T", mx.float16), ("K", 3)], "init_value": -1.5}
     got = kernel(**launch)
     assert kernel.native is not None and kernel.native.built
     ref = ptx_cache.CachedKernel(**kernel.spec)
