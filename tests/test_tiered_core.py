@@ -292,3 +292,29 @@ def test_observed_weights_blocked_matches_numpy():
     for block in (n, 16, 64):
         got = tops.observed_weights(mx.array(obs), mx.array(keys), scale, block=block)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_observed_weights_keep_a_block_within_the_score_buffer_cap(monkeypatch):
+    """Under a memory_budget's score buffer cap (cpu.attention.scratch_limit) the H2O seed's
+    weights are computed a bounded block of keys at a time (a 16k-token layer's seed took
+    ~90 MiB at once before: the peak of its layer-by-layer prefill), with the same result."""
+    from tiered.cpu.attention import scratch_limit
+    from tiered.runtime import ops as tops
+
+    rng = np.random.default_rng(1)
+    H, rep, w, n, d = 3, 3, 8, 5000, 16
+    obs = mx.array(rng.standard_normal((H * rep, w, d)).astype(np.float32))
+    keys = mx.array(rng.standard_normal((H, n, d)).astype(np.float32))
+    want = tops.observed_weights(obs, keys, 0.25, block=n)
+    widths = []
+    orig = tops.mx.matmul
+
+    def matmul(a, b, *args, **kw):
+        widths.append(b.shape[-1])
+        return orig(a, b, *args, **kw)
+
+    monkeypatch.setattr(tops.mx, "matmul", matmul)
+    with scratch_limit(4 * H * rep * w * 1500):
+        got = tops.observed_weights(obs, keys, 0.25)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    assert widths and max(widths) <= 1500 < n

@@ -37,7 +37,8 @@ def _inner(model):
 
 def _working_set(model, n: int, chunk: int, itemsize: int, scratch: int) -> tuple[int, int]:
     """(bytes held across the pass, bytes of one chunk's attention and MLP) of a layer-by-layer
-    prefill of n tokens. Held: the hidden states twice (a layer's input and its output). A
+    prefill of n tokens. Held: the hidden states once (the chunks a layer has not read yet and
+    those it wrote; :func:`_layers` lets each input chunk go once read) and one chunk more. A
     chunk: on the CPU backend the exact attention's float32 copy of the layer's keys and values
     and its score buffer (cpu.attention.causal_attention, at most ``scratch`` bytes); else one
     float32 score matrix over the n keys; and the MLP's activations."""
@@ -53,7 +54,7 @@ def _working_set(model, n: int, chunk: int, itemsize: int, scratch: int) -> tupl
         attention = min(scratch, chunk * rep * n * 4) + n * kv * 2 * d * 4
     else:
         attention = chunk * n * heads * 4
-    return 2 * n * hidden * itemsize, attention + mlp
+    return (n + chunk) * hidden * itemsize, attention + mlp
 
 
 def _within(model, n: int, chunk: int, total: int, itemsize: int) -> tuple[int, int]:
@@ -92,8 +93,6 @@ def layerwise_prefill(model, cache, tokens: list[int], *, chunk: int = 2048,
         raise ValueError(f"Invalid prefill_window: {window} < {n} prompt tokens (each layer must "
                          "stay exact during its pass; give prefill_window >= the prompt)")
     t0 = time.perf_counter()
-    h = inner.embed_tokens(mx.array(tokens)[None])
-    mx.eval(h)
     layers = inner.layers
     ctx = getattr(cache, "context", None)
     shared = getattr(ctx, "host_budget", None)
@@ -101,11 +100,15 @@ def layerwise_prefill(model, cache, tokens: list[int], *, chunk: int = 2048,
         shared = None
     scratch = scratch_bytes()
     if shared is not None:
-        chunk, scratch = _within(model, n, chunk, shared.total, h.dtype.size)
-        shared.transient = sum(_working_set(model, n, chunk, h.dtype.size, scratch))
-    held = [h]  # _layers lets go of the embeddings after layer 0
-    del h
+        itemsize = inner.embed_tokens(mx.array(tokens[:1])[None]).dtype.size
+        chunk, scratch = _within(model, n, chunk, shared.total, itemsize)
+        shared.transient = sum(_working_set(model, n, chunk, itemsize, scratch))
     try:
+        # the hidden states as chunks (own buffers, not views of one): each let go once read
+        held = []
+        for i in range(0, n, chunk):
+            held.append(inner.embed_tokens(mx.array(tokens[i : i + chunk])[None]))
+            mx.eval(held[-1])
         with scratch_limit(scratch):
             _layers(layers, cache, held, n, chunk, progress)
     finally:
@@ -117,18 +120,17 @@ def layerwise_prefill(model, cache, tokens: list[int], *, chunk: int = 2048,
 
 
 def _layers(layers, cache, held: list, n: int, chunk: int, progress) -> None:
+    """Every layer over the chunks of hidden states in ``held`` (replaced in place by the
+    layer's outputs; an input chunk is let go as soon as its layer read it)."""
     from mlx_lm.models.base import create_attention_mask
 
-    h = held.pop()
     for li, (layer, c) in enumerate(zip(layers, cache)):
-        outs = []
-        for i in range(0, n, chunk):
-            hc = h[:, i : i + chunk]
+        for i in range(len(held)):
+            hc, held[i] = held[i], None
             out = layer(hc, create_attention_mask(hc, c), cache=c)
+            del hc
             mx.eval(out, c.state)
-            outs.append(out)
-        h = mx.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
-        mx.eval(h)
+            held[i] = out
         if hasattr(c, "settle"):
             c.settle()
         if hasattr(c, "stats"):

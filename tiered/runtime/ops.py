@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..cpu import kernels as K
-from ..cpu.attention import causal_attention
+from ..cpu.attention import causal_attention, scratch_bytes
 from ..cpu.h2o import acc_update  # noqa: F401  (re-exported)
 from ..scheduler import split_heads
 from . import dispatch
@@ -185,29 +185,37 @@ def h2o_seed(obs_q: mx.array | None, keys: mx.array, scale: float,
 
 
 def observed_weights(obs_q: mx.array, keys: mx.array, scale: float,
-                     block: int = 65536) -> np.ndarray:
+                     block: int | None = None) -> np.ndarray:
     """(H, n) mean softmax weight that the observation queries (Hq, w, d) put on each key
     (H, n, d), computed on the device in blocks of keys (a max-and-sum pass, then the weights),
-    so that memory stays O(w x block) whatever n is."""
+    so that memory stays O(w x block) whatever n is. ``block`` (keys): by default as many as
+    keep a block's float32 scores within the score buffer's cap in force
+    (cpu.attention.scratch_bytes, which a memory_budget's prefill lowers), at least 1024."""
     Hq, w, d = obs_q.shape
     H, n, _ = keys.shape
     rep = Hq // H
+    if block is None:
+        block = max(1024, scratch_bytes() // (4 * Hq * w))
     q = (obs_q.astype(mx.float32) * scale).reshape(H, rep * w, d)
 
     def scores(i):
-        return q @ keys[:, i : i + block].astype(mx.float32).swapaxes(-1, -2)
+        return mx.matmul(q, keys[:, i : i + block].astype(mx.float32).swapaxes(-1, -2))
 
     if n <= block:  # one block: one score pass
         return np.array(mx.softmax(scores(0), axis=-1).mean(axis=1).astype(mx.float32))
     m = mx.full((H, rep * w, 1), -mx.inf)
     total = mx.zeros((H, rep * w, 1))
-    for i in range(0, n, block):  # online max and sum
+    for i in range(0, n, block):  # online max and sum, a block's scores at a time
         s = scores(i)
         m_new = mx.maximum(m, s.max(axis=-1, keepdims=True))
         total = total * mx.exp(m - m_new) + mx.exp(s - m_new).sum(axis=-1, keepdims=True)
         m = m_new
-    out = [(mx.exp(scores(i) - m) / total).mean(axis=1) for i in range(0, n, block)]
-    return np.array(mx.concatenate(out, axis=1).astype(mx.float32))
+        dispatch.eval(m, total)
+    out = np.empty((H, n), np.float32)
+    for i in range(0, n, block):
+        out[:, i : i + block] = np.array((mx.exp(scores(i) - m) / total).mean(axis=1)
+                                         .astype(mx.float32))
+    return out
 
 
 # ---- selection and the host partial --------------------------------------------------------------
