@@ -14,9 +14,12 @@ buffer it writes to MLX's command encoder, so later readers are ordered after it
 *before* it in the same graph are not (MLX has no such edge): the caller passes every lazy array
 that still reads a buffer it writes as an input (:mod:`tiered.step.native_append`).
 
-It is opt-in (``TIERED_NATIVE=1``): on an H200 the native append measured no faster than the
-compiled one (32k, alternating rounds on one cache: 23.1 against 22.7 ms/token, rounds spread
-19.7-25.1; docs/decode-speed-gpu.md), the token being bound elsewhere. Once asked for, it is built
+Its users: a decode token's append (:mod:`tiered.step.native_append`), every custom kernel
+(:class:`tiered.metal.ptx_cache.NativeKernel`) and the dispatcher's worker thread
+(``native_dispatch.cpp``, :mod:`tiered.runtime.dispatch`). It is opt-in (``TIERED_NATIVE=1``):
+on an H200 none of them measured faster (32k, alternating rounds on one cache: the append 23.1
+against 22.7 ms/token; native kernels 19.9 against 19.6; the C++ worker 18.8; rounds spread
+~2 ms; docs/decode-speed-gpu.md), the token being bound by the GPU there as much as the host. Once asked for, it is built
 with the C++ compiler and nanobind (a dependency), against the MLX headers the wheel ships, into
 ``~/.cache/tiered/native`` (``TIERED_NATIVE_DIR``); about 5 s. Where that fails (no compiler,
 another MLX ABI), :func:`load` says why once and returns None, and tiered keeps the Python
