@@ -34,6 +34,22 @@ def test_same_keys_and_values_as_the_exact_prefill(small):
                                rtol=1e-4, atol=1e-4)
 
 
+def test_a_layer_s_exact_buffers_are_allocated_once_for_its_pass(small, monkeypatch):
+    """The pass knows the prompt's length: each layer's exact keys and values get room for it
+    at once, not one growth (a copy of all that is held) per 256-token step."""
+    from tiered import exact_phase
+
+    grown = []
+    real = exact_phase.mx.concatenate
+    monkeypatch.setattr(exact_phase.mx, "concatenate",
+                        lambda xs, *a, **k: (grown.append(len(xs)), real(xs, *a, **k))[1])
+    ids = np.random.default_rng(1).integers(0, 1000, size=1000).tolist()
+    got = tiered.TieredCache.for_model(small, 1.0)
+    layerwise_prefill(small, got, ids, chunk=256)
+    assert not grown
+    assert all(c.offset == len(ids) and c.keys.shape[2] == len(ids) for c in got)
+
+
 def test_every_layer_compresses_after_its_pass(small):
     ids = np.random.default_rng(1).integers(0, 1000, size=900).tolist()
     cache = tiered.TieredCache.for_model(small, 0.25, compress_from=256, prefill_window=4096)

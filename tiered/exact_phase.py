@@ -27,12 +27,22 @@ class ExactPhase:
         fits = int(self.config.gpu_budget // max(geo.full_bytes(1), 1))
         return max(need, min(grow, fits))
 
+    _reserved = 0  # tokens the exact buffers get room for at once (reserve_exact)
+
+    def reserve_exact(self, n: int) -> None:
+        """Give the exact buffers room for ``n`` tokens at their next growth (a caller that knows
+        the prompt's length: tiered.layerwise_prefill). Growing by mlx-lm's steps copies what
+        is held at every step: at 64k tokens, 256 copies of up to 100 MB a layer, and the old
+        and new buffers held together at each."""
+        self._reserved = int(n)
+
     def _append_exact(self, keys, values):
         prev, n = self.offset, keys.shape[2]
         if self.keys is None or prev + n > self.keys.shape[2]:
             B, H, _, dk = keys.shape
             steps = (self.config.step + n - 1) // self.config.step
-            size = self._exact_capacity(prev + n, prev + steps * self.config.step) - prev
+            grow = max(prev + steps * self.config.step, self._reserved)
+            size = self._exact_capacity(prev + n, grow) - prev
             new_k = mx.zeros((B, H, size, dk), keys.dtype)
             new_v = mx.zeros((B, H, size, values.shape[3]), values.dtype)
             if self.keys is None:

@@ -125,12 +125,16 @@ def _layers(layers, cache, held: list, n: int, chunk: int, progress) -> None:
     from mlx_lm.models.base import create_attention_mask
 
     for li, (layer, c) in enumerate(zip(layers, cache)):
+        if hasattr(c, "reserve_exact"):  # one allocation for the pass, not one per step
+            c.reserve_exact(n)
         for i in range(len(held)):
             hc, held[i] = held[i], None
             out = layer(hc, create_attention_mask(hc, c), cache=c)
             del hc
             mx.eval(out, c.state)
             held[i] = out
+        if hasattr(c, "reserve_exact"):
+            c.reserve_exact(0)
         if hasattr(c, "settle"):
             c.settle()
         if hasattr(c, "stats"):
