@@ -382,31 +382,3 @@ class PageFile:
     def close(self):
         self.views.clear()
         self._finalizer()
-
-
-class HostBudget:
-    """Bytes of host RAM the host tier may hold, shared by every tensor of every layer."""
-
-    def __init__(self, limit: int | None):
-        self.limit = limit
-        self.used = 0
-        self.peak = 0
-        self._lock = threading.Lock()
-
-    def reserve(self, nbytes: int) -> bool:
-        with self._lock:
-            if self.limit is not None and self.used + nbytes > self.limit:
-                return False
-            self.used += nbytes
-            self.peak = max(self.peak, self.used)
-            return True
-
-    def charge(self, nbytes: int):
-        """Count bytes already held (even past the limit: the next growth spills instead)."""
-        with self._lock:
-            self.used += nbytes
-            self.peak = max(self.peak, self.used)
-
-    def release(self, nbytes: int):
-        with self._lock:
-            self.used -= nbytes

@@ -117,6 +117,18 @@ def device_path(monkeypatch):
     _build.build_kernel.cache_clear()
 
 
+@pytest.fixture
+def native_asked(monkeypatch):
+    """The native launcher (tiered.metal.native) is opt-in: asked for (TIERED_NATIVE=1) and
+    loaded afresh for the test, forgotten after it."""
+    from tiered.metal import native
+
+    monkeypatch.setenv("TIERED_NATIVE", "1")
+    native._state.clear()
+    yield native
+    native._state.clear()
+
+
 @pytest.fixture(autouse=True)
 def _restore_mlx_lm():
     """Every test leaves mlx-lm unpatched, whatever it did."""

@@ -9,7 +9,7 @@ import pytest
 
 from tiered.cpu import block_alloc, host_tensor
 from tiered.cpu.block_maker import POOL
-from tiered.cpu.disk import HostBudget
+from tiered.cpu.memory_budget import HostBudget
 from tiered.cpu.pages import HostStore
 
 

@@ -10,7 +10,8 @@ import pytest
 
 from tiered.cpu import HostStore
 from tiered.cpu import kernels as K
-from tiered.cpu.disk import DiskTierError, HostBudget, PageFile
+from tiered.cpu.disk import DiskTierError, PageFile
+from tiered.cpu.memory_budget import HostBudget
 
 
 def _data(rng, L, H=2, d=8):

@@ -26,20 +26,15 @@ def _chain(x, n):
 
 
 @pytest.fixture(params=["python", "native"])
-def worker(request, monkeypatch):
+def worker(request):
     """A dispatcher whose worker thread is Python's or the native module's (C++, no GIL)."""
-    from tiered.metal import native
-
     d = dispatch.Dispatcher()
     if request.param == "native":
-        monkeypatch.setenv("TIERED_NATIVE", "1")
-        native._state.clear()
+        native = request.getfixturevalue("native_asked")
         if native.compiler() is None or native.load() is None:
             pytest.skip(f"the native module did not build: {native.why_not()}")
         d._native, d._native_checked = native.load().Dispatch(), True
-    yield d
-    if request.param == "native":
-        native._state.clear()
+    return d
 
 
 def test_dispatcher_evaluates_in_order_on_a_shared_stream(worker):

@@ -24,12 +24,8 @@ from tiered.runtime import uva
 
 
 @pytest.fixture(autouse=True)
-def _asked_for(monkeypatch):
-    """The launcher is opt-in (TIERED_NATIVE=1): asked for here, loaded afresh."""
-    monkeypatch.setenv("TIERED_NATIVE", "1")
-    native._state.clear()
-    yield
-    native._state.clear()
+def _asked_for(native_asked):
+    """The launcher is opt-in: asked for in every test here (conftest.native_asked)."""
 
 
 def _module():

@@ -26,11 +26,8 @@ pytestmark = [pytest.mark.accelerator,
 
 
 @pytest.fixture(autouse=True)
-def _asked_for(monkeypatch):
-    monkeypatch.setenv("TIERED_NATIVE", "1")
-    native._state.clear()
-    yield
-    native._state.clear()
+def _asked_for(native_asked):
+    """The launcher is opt-in: asked for in every test here (conftest.native_asked)."""
 
 
 _SOURCE = """

@@ -11,8 +11,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..codecs import train_codebook
-from ..cpu.disk import HostBudget
-from ..cpu.memory_budget import SharedMemoryBudget
+from ..cpu.memory_budget import HostBudget, SharedMemoryBudget
 from ..runtime import dispatch, ops
 from ..scheduler import Scheduler
 from . import layout
