@@ -55,7 +55,7 @@ class HostStore(PageReads):
         keys: also store full keys (for exact rescoring and promotion to the resident set).
         batch: number of sequences (rows of the page table).
         pages_per_block: pages per allocation; blocks are added as the store grows.
-        budget: a shared :class:`tiered.cpu.disk.HostBudget`; blocks beyond it go to the
+        budget: a shared :class:`tiered.cpu.memory_budget.HostBudget`; blocks beyond it go to the
             disk tier, in anonymous page files under ``disk_dir`` (see tiered.cpu.disk).
     """
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tiered.cpu.block_maker import MAKER
-from tiered.cpu.disk import HostBudget
+from tiered.cpu.memory_budget import HostBudget
 from tiered.cpu.pages import HostStore
 
 

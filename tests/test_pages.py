@@ -181,7 +181,7 @@ def test_spills_to_append_says_when_the_budget_moves_a_block_to_disk(tmp_path, a
     and with the budget spent on the process's block pool first (keys and values of one
     shape share its blocks)."""
     from tiered.cpu.block_maker import POOL
-    from tiered.cpu.disk import HostBudget
+    from tiered.cpu.memory_budget import HostBudget
 
     block = 2 * 2 * 8 * 8 * 2  # pages_per_block x H x page_size x d x fp16, per tensor
     store = HostStore(2, 8, page_size=8, dtype="float16", pages_per_block=2,
