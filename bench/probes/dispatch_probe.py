@@ -22,6 +22,8 @@ the hand-offs on the main thread) took.
     python3 bench/probes/dispatch_probe.py --model llama3-8b --context 131072
     python3 bench/probes/dispatch_probe.py --context 32768 --modes thread2+native thread2+compiled
     python3 bench/probes/dispatch_probe.py --context 32768 --modes thread2+native+nk thread2+native+mk
+    python3 bench/probes/dispatch_probe.py --context 131072 --attention realistic \
+        --fits-from results/decode_speed_gpu_llama3-8b_realistic.json --modes ...
 """
 
 from __future__ import annotations
@@ -96,21 +98,36 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--warmup", type=int, default=70)
     p.add_argument("--no-kv", action="store_true")
+    p.add_argument("--attention", default="flat", choices=["flat", "realistic"],
+                   help="as decode_speed.py: realistic keys (selections as the embedded model's)")
+    p.add_argument("--fits-from", default=None, metavar="JSON",
+                   help="realistic: the keys' fits of an earlier decode_speed.py result")
     args = p.parse_args(argv)
     if any(x in m for m in args.modes for x in ("+native", "+nk", "+nd")):
         os.environ["TIERED_NATIVE"] = "1"  # the launcher is opt-in (tiered.metal.native)
     model, tok = build_model(args.model, mx.float16)
     seed = seed_kv(model, tok, 2048)
+    options = dict(calibration_tokens=2048)
+    wl = None
+    if args.attention == "realistic":
+        from attention_workload import RealisticKeys, query_scales
+        from decode_speed import earlier_fits
+
+        fitted = earlier_fits(args.fits_from, args.context, args.budget) if args.fits_from else None
+        wl = RealisticKeys(model, seed, args.context, args.budget, options,
+                           steps=args.warmup + args.steps,
+                           scales=query_scales(model, seed), fitted=fitted)
+        print(f"realistic keys {'taken from ' + args.fits_from if fitted else 'fitted'}",
+              flush=True)
     y = mx.array([[1]])
     if not args.no_kv:
-        cache = kv_caches(seed, args.context)
+        cache = kv_caches(seed, args.context, workload=wl)
         _, total, _ = steps(model, cache, y, 5 + args.steps)
         print(f"KVCache: {1e3 * np.median(total[5:]):.1f} ms/token", flush=True)
         del cache
         mx.clear_cache()
     t = time.perf_counter()
-    cache = tiered_caches(model, seed, args.context, args.budget,
-                          dict(calibration_tokens=2048))
+    cache = tiered_caches(model, seed, args.context, args.budget, options, wl)
     print(f"tiered cache built in {time.perf_counter() - t:.1f} s; shared stream: "
           f"{dispatch.on_shared_stream()}", flush=True)
     set_mode("main")
