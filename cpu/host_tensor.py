@@ -15,6 +15,7 @@ from .block_alloc import NP_DTYPES, shaped
 from .block_maker import POOL, Ticket
 from .block_maker import np_view as _np_view
 from .disk import DiskTierError, PageFile
+from .slabs import SlabPool
 
 HOST_DTYPES = ("float16", "float32", "int8")
 
@@ -44,9 +45,13 @@ class HostTensor:
     """
 
     def __init__(self, n_kv_heads, page_size, head_dim, dtype, pages_per_block, *,
-                 budget=None, disk_dir=None, disk_budget=None, name="tensor", ahead=None):
+                 budget=None, disk_dir=None, disk_budget=None, name="tensor", ahead=None,
+                 unified=False):
         if dtype not in HOST_DTYPES:
             raise ValueError(f"Invalid host dtype {dtype!r}: expected one of {HOST_DTYPES}")
+        if unified and dtype == "int8":
+            raise ValueError("Invalid host dtype 'int8' with unified=True: int8 pages are not "
+                             "read in place by the GPU")
         self.n_kv_heads, self.page_size, self.head_dim = n_kv_heads, page_size, head_dim
         self.dtype, self.pages_per_block = dtype, pages_per_block
         self.budget, self.disk_dir, self.name = budget, disk_dir, name
@@ -68,6 +73,12 @@ class HostTensor:
         # thread (the device path's advice); the addresses it ran on are in ``prepared``.
         self.prepare = None
         self.prepared: set[int] = set()
+        # unified: RAM blocks carved from slabs a GPU kernel takes as inputs (tiered.cpu.slabs;
+        # Apple silicon), allocated when a block is needed, never spilled: past the budget new
+        # blocks start on disk
+        self.slabs = SlabPool(self.block_shape, dtype, budget) if unified else None
+        if unified:
+            self.ahead = False
 
     @property
     def block_shape(self):
@@ -115,6 +126,8 @@ class HostTensor:
         this tensor moves to disk first (written and checked before its RAM is freed).
         ``ahead=False``: the next block ahead is left to the caller (:meth:`next_ahead`, once
         every tensor that grows with this one has its block: HostStore._new_page)."""
+        if self.slabs is not None:
+            return self._grow_unified()
         b = self.budget
         self._from_pool()
         if self._spare is not None:  # allocated ahead, its bytes reserved then
@@ -142,7 +155,17 @@ class HostTensor:
             if b.reserve(self.block_bytes):
                 self._adopt(block_alloc.alloc_block(self.block_shape, self.dtype), None)
                 return
-        # No RAM block of ours to give back: the new block starts on disk.
+        self._new_on_disk()
+
+    def _grow_unified(self):
+        if self.slabs.ensure(len(self.blocks) + 1):
+            arr, view = self.slabs.block(len(self.blocks))
+            self._adopt(arr, None, view)
+        else:
+            self._new_on_disk()
+
+    def _new_on_disk(self):
+        """A new block that starts on disk (no RAM block of ours to give back)."""
         fill = np.zeros(self.block_shape, NP_DTYPES[self.dtype]) if self.dtype == "int8" else np.full(
             self.block_shape, np.nan, NP_DTYPES[self.dtype])
         sfill = np.full(self.block_shape[:-1], np.nan, np.float32) if self.dtype == "int8" else None
@@ -205,6 +228,8 @@ class HostTensor:
     def spill(self, blk: int):
         """Move RAM block ``blk`` to the disk tier. Its RAM is released only after the disk
         holds it (a DiskTierError leaves everything as it was)."""
+        if self.slabs is not None:
+            raise RuntimeError("blocks of slabs are not spilled (their slab stays allocated)")
         scales = self.scale_views[blk] if self.dtype == "int8" else None
         ram = int(self.addrs[blk])
         self._adopt_disk(self.views[blk], scales, at=blk)
@@ -280,6 +305,8 @@ class HostTensor:
     def nbytes(self) -> int:
         """Bytes of host RAM held: the RAM blocks' (their scales included), as the budget
         counts them (a block's pad, PAD_BYTES, is not)."""
+        if self.slabs is not None:
+            return self.slabs.nbytes  # reserved per slab, used or not
         return sum(b is not None for b in self.blocks) * self.block_bytes
 
     @property
@@ -293,6 +320,8 @@ class HostTensor:
         if self.budget is not None:
             self.budget.release(self.nbytes)
         self._drop_spare()
+        if self.slabs is not None:
+            self.slabs.close()
         self.blocks.clear()
         self.scale_blocks.clear()
         self.views.clear()
@@ -344,7 +373,14 @@ class HostTensor:
                 continue
             # Copy: the block must be host memory this store owns and may write in place;
             # beyond the host budget it goes to the disk tier, as a growing store's would.
-            if budget is None or budget.reserve(self.block_bytes):
+            if self.slabs is not None:
+                if self.slabs.ensure(len(self.blocks) + 1):
+                    arr, view = self.slabs.block(len(self.blocks))
+                    view[...] = np.array(blk).reshape(self.block_shape)
+                    self._adopt(arr, None, view)
+                else:
+                    self._adopt_disk(np.array(blk).reshape(self.block_shape), None)
+            elif budget is None or budget.reserve(self.block_bytes):
                 self._adopt(_host_copy(blk), None if sc is None else _host_copy(sc))
             else:
                 self._adopt_disk(np.array(blk).reshape(self.block_shape), None if sc is None

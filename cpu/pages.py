@@ -74,6 +74,7 @@ class HostStore(PageReads):
         disk_dir: str | None = None,
         disk_budget=None,
         name: str = "layer",
+        unified: bool = False,
     ):
         if page_size <= 0 or pages_per_block <= 0:
             raise ValueError(
@@ -85,7 +86,8 @@ class HostStore(PageReads):
         self.n_kv_heads, self.head_dim, self.page_size = n_kv_heads, head_dim, page_size
         self.value_dim = value_dim or head_dim
         self.batch = batch
-        tier = dict(budget=budget, disk_dir=disk_dir, disk_budget=disk_budget)
+        # unified: RAM blocks in slabs a GPU kernel takes as inputs (tiered.cpu.slabs)
+        tier = dict(budget=budget, disk_dir=disk_dir, disk_budget=disk_budget, unified=unified)
         self.values = HostTensor(n_kv_heads, page_size, self.value_dim, dtype, pages_per_block,
                                  name=f"{name}-values", **tier)
         self.keys = (

@@ -21,7 +21,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tiered.metal import persistent
+from tiered.cpu import HostStore
+from tiered.metal import persistent, slab_gather
 from tiered.metal._build import KernelSpec
 from tiered.metal.affine import AFFINE_SPEC, affine_launch
 from tiered.metal.codebook import CODEBOOK_SPEC, codebook_launch
@@ -143,6 +144,13 @@ def _plans(backend: str):
         out.append((f"tau-compact-rep{rep}", COMPACT_SPEC, compact(code, lh, u, f, f)))
         out.append((f"h2o-acc-rep{rep}", ACC_SPEC, acc_launch(
             mx.zeros((2, 48)), mx.zeros((2 * rep, 40)), f, f, 33, rep, 0.95)))
+    for dtype, d in (("float16", 128), ("float32", 64)):
+        store = HostStore(2, d, page_size=16, dtype=dtype, pages_per_block=2, keys=False,
+                          unified=True)
+        store.append(np.zeros((1, 2, 40, d), np.float32))
+        out.append((f"slab-gather-{dtype}-d{d}", slab_gather.SPEC, slab_gather.gather_launch(
+            store.values, mx.zeros((2, 6), mx.int32), mx.zeros((2,), mx.int32),
+            mx.zeros((3,), mx.int32), mx.zeros((2, 48), mx.uint8), 40, 8)))
     return out  # fmt: skip
 
 
