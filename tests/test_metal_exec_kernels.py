@@ -34,7 +34,7 @@ from test_accel_tau import assert_kernel_selection, assert_kernel_threshold
 from tiered.metal import affine, codebook, h2o, select_passes, tau, threshold
 from tiered.metal._build import METAL_SHARED_BYTES
 
-pytestmark = metal_exec.needs_compiler
+pytestmark = [metal_exec.needs_compiler, pytest.mark.metal]
 
 SIZES = [31, 33, 4099]
 # The selection passes also at SELECT_FUSED_TOKENS, the longest row Metal selects with one

@@ -8,6 +8,7 @@ from tiered.cpu import HostStore
 from tiered.cpu.memory_budget import HostBudget
 from tiered.cpu.slabs import MAX_SLABS, SlabPool
 
+pytestmark = pytest.mark.metal  # part of the Metal device step (python -m pytest -m metal)
 SHAPE = (2, 3, 8, 4)  # pages per block, kv heads, page size, head_dim
 
 

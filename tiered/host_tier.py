@@ -11,7 +11,7 @@ from .cpu import HostStore
 from .cpu.block_alloc import MAX_PAGES_PER_BLOCK
 from .cpu.disk import disk_room
 from .runtime import dispatch, ops, uva
-from .step import device_decode
+from .step import device_decode, unified_step
 
 HOST_COPY_TOKENS = 4096  # tokens per pass when the exact K/V move to the host pages
 
@@ -157,7 +157,7 @@ class HostTier:
             dtype=host.host_dtype, keys=host.host_keys, batch=g.batch, pages_per_block=ppb,
             budget=self.context.host_budget,
             disk_dir=host.disk_dir, disk_budget=self.context.disk_budget,
-            name=f"layer{self.layer}",
+            name=f"layer{self.layer}", unified=unified_step.wanted(self.config),
         )
 
     def plan_host_pool(self, more: int, chunk: int) -> int:

@@ -64,6 +64,15 @@ class LayerReport:
                       "appends compiled" if c._compile_ok else "appends op by op")
             return (f"device step (CUDA): selected chunks read from the host pages in place, "
                     f"no host round trip; {how}, {append}")
+        host = c.parent.host
+        if host is not None and host.values.slabs is not None \
+                and self.config.device_gather != "off":
+            from .step import unified_step
+
+            why = unified_step.supported(c)
+            if why is None:
+                return ("device step (one memory): selected chunks read from host pages on "
+                        "slabs, kernel inputs in place; no host round trip, op by op")
         if c.steps == 0:
             return "no decode step yet"
         if self.config.device_gather == "off":

@@ -34,7 +34,7 @@ import tiered.metal as metal
 
 from ..planning.planner import Plan, capacity
 from ..runtime import dispatch, ops, uva
-from ..step import device_append, device_decode, device_step, undo
+from ..step import device_append, device_decode, device_step, undo, unified_step
 from ..step.keys import AffineKeys, CodebookKeys
 from .chunked import ChunkAttention
 from .compressed_state import CompressedState
@@ -322,12 +322,25 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
                 self.end_prefill()
             if self.numpy_path:
                 return self._decode_numpy(queries, scale, sinks)
+            if self._unified(update):  # one memory (Metal): the host pages as kernel inputs
+                return unified_step.decode(self, queries, scale, sinks)
             if self._device_tables(update) is not None:
                 return device_step.decode(self, queries, scale, sinks, self._tables)
             return self._decode_mlx(queries, scale, sinks)
         if update:
             self._spill_reset()  # the next decode step selects afresh (synchronously)
         return self._chunk(queries, keys, values, scale, sinks)
+
+    def _unified(self, update: bool) -> bool:
+        """Whether this step runs tiered.step.unified_step (host pages on slabs)."""
+        host = self.parent.host
+        if not update or self.config.device_gather == "off" or host is None \
+                or host.values.slabs is None:
+            return False
+        why = unified_step.supported(self)
+        if why is not None and self.config.device_gather == "on":
+            raise ValueError(f"device_gather='on': layer {self.parent.layer} cannot: {why}")
+        return why is None
 
     def _device_tables(self, update: bool):
         """The device path's tables when this layer decodes there (tiered.step.device_decode), else
