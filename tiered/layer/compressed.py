@@ -331,17 +331,6 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
             self._spill_reset()  # the next decode step selects afresh (synchronously)
         return self._chunk(queries, keys, values, scale, sinks)
 
-    def _unified(self, update: bool) -> bool:
-        """Whether this step runs tiered.step.unified_step (host pages on slabs)."""
-        host = self.parent.host
-        if not update or self.config.device_gather == "off" or host is None \
-                or host.values.slabs is None:
-            return False
-        why = unified_step.supported(self)
-        if why is not None and self.config.device_gather == "on":
-            raise ValueError(f"device_gather='on': layer {self.parent.layer} cannot: {why}")
-        return why is None
-
     def _device_tables(self, update: bool):
         """The device path's tables when this layer decodes there (tiered.step.device_decode), else
         None; decided at the first decode step (pages on the disk tier later turn it off)."""

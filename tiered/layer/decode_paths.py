@@ -12,7 +12,7 @@ import numpy as np
 
 from ..runtime import dispatch, ops
 from ..runtime.primitives import merge_partials
-from ..step import chunk_select
+from ..step import chunk_select, unified_step
 
 
 class DecodePaths:
@@ -41,6 +41,17 @@ class DecodePaths:
             r = self.plan.check(n, horizon=self.config.heavy.horizon)
             cap = max(1, min(cap, (r // 2 - 1) // 2))
         return cap, min(max(selection.min_selected, self.plan.min_selected), cap)
+
+    def _unified(self, update: bool) -> bool:
+        """Whether this step runs tiered.step.unified_step (host pages on slabs)."""
+        host = self.parent.host
+        if not update or self.config.device_gather == "off" or host is None \
+                or host.values.slabs is None:
+            return False
+        why = unified_step.supported(self)
+        if why is not None and self.config.device_gather == "on":
+            raise ValueError(f"device_gather='on': layer {self.parent.layer} cannot: {why}")
+        return why is None
 
     def _check_pages(self, idx: np.ndarray, count: np.ndarray):
         """Debug mode: verify the disk pages the gather is about to read."""
