@@ -37,7 +37,7 @@ from tiered.step import unified_step
 pytestmark = [metal_exec.needs_compiler, pytest.mark.metal]
 ON_METAL = mx.metal.is_available()
 PROMPT, STEPS = 320, 10
-CFG = dict(gpu_budget=0.25, page_size=64, recent=16, kernels="mlx", host_dtype="float16",
+CFG = dict(gpu_budget=0.25, page_size=64, recent=4, kernels="mlx", host_dtype="float16",
            device_gather="on")
 # every chunk selected: no selection boundary that the two paths' score arithmetic could tip
 ALL = dict(tau=1.0, min_selected=4096, max_selected=4096)
@@ -98,6 +98,11 @@ def _both(d, cfg, monkeypatch):
     got = _run(model, ids, cfg, got_sel)
     layers = got[1]
     assert all(c.host.values.slabs is not None and c.compressed._tables is None for c in layers)
+    # the tokens that left the ring are on the host pages, those in it still queued (lazy)
+    for c in layers:
+        W = c.compressed.W_eff
+        assert c.host.length == c.offset - W > PROMPT and c._pending_tokens == W, (
+            c.host.length, c.offset, W, c._pending_tokens)
     assert all(c.compressed.steps >= STEPS for c in layers)
     if not ON_METAL:
         names = [name for name, *_ in backend.launches]

@@ -101,6 +101,8 @@ class HostTier:
                                  self.host.length + self._pending_tokens)
             return
         on_device = getattr(self.compressed, "on_device", False)  # None / H2O baseline: no
+        if keys.shape[2] == 1 and self.host is not None and self.host.values.slabs is not None:
+            on_device = True  # one memory: the step writes behind what left the ring (below)
         if self._pending_tokens >= self.config.page_size and not on_device:
             self.flush()  # on the device path the step writes them (flush_on_device)
 
@@ -125,6 +127,28 @@ class HostTier:
         """Make sure tokens [0, n) are on the host (older ones than the recent ring)."""
         if self.host is None or self.host.length < n:
             self.flush()
+
+    def flush_left_ring(self, upto: int) -> None:
+        """The CPU's write-behind for the device step on one memory (tiered.step.unified_step):
+        queued tokens go to the host pages until they hold ``upto`` tokens (whole entries), and
+        only those: they left the recent ring, so the steps that made them, and their door
+        checks, were evaluated long ago. Reading them waits for nothing; the tokens still in
+        the ring (this step's included) stay queued and lazy."""
+        take = []
+        length = self.host.length
+        while self._pending and length < upto:
+            k, v = self._pending.pop(0)
+            take.append((k, v))
+            length += v.shape[2]
+            self._pending_tokens -= v.shape[2]
+        if not take:
+            return
+        checks = [c for c in self._finite_checks if c[0] < length]
+        self._finite_checks = [c for c in self._finite_checks if c[0] >= length]
+        self.check_door((checks, None))
+        k = take[0][0] if len(take) == 1 else mx.concatenate([k for k, _ in take], axis=2)
+        v = take[0][1] if len(take) == 1 else mx.concatenate([v for _, v in take], axis=2)
+        self.host.append(_to_numpy(v), _to_numpy(k) if self.config.host_keys else None)
 
     def flush_on_device(self, tables, upto: int) -> list:
         """Write-behind on the device (tiered.step.device_decode): queued tokens go to the host

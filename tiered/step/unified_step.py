@@ -10,8 +10,9 @@ no host round trip inside a layer. What differs is how the host pages are reache
   their table. No page is pinned, registered or copied.
 - **written behind by the CPU.** A token reaches the host pages when it leaves the recent ring,
   W steps after it was appended: by then the step that made it was evaluated, so the CPU copies
-  it into its page (``flush_until``, the CPU path's write-behind) with no wait. Kernels queued
-  earlier read only tokens below the host length they were given, never the slot written now.
+  it into its page (``flush_left_ring``) with no wait; the tokens still in the ring stay
+  queued. Kernels queued earlier read only tokens below the host length they were given, never
+  the slot written now.
 
 Kernels: the codebook scores, the tau selection and the H2O update are tiered.metal's shared
 kernels, the gather ``slab_gather.h``; the resident scores, chunk logits and the exact partials
@@ -70,7 +71,7 @@ def decode(layer, queries, scale, sinks):
     marks = [("", time.perf_counter())]
     parent, H, n = layer.parent, layer.H, layer.n
     host = parent.host
-    parent.flush_until(n - layer.W_eff)  # the CPU's write-behind: tokens made W steps ago
+    parent.flush_left_ring(n - layer.W_eff)  # the CPU's write-behind: tokens made W steps ago
     Hq = queries.shape[1]
     rep = Hq // H
     n_host = host.length
