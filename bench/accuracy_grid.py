@@ -109,6 +109,10 @@ def method_caches(base, budgets, methods):
                     yield m, b, quantized(base, bits), f"{bits}-bit"
                 continue
             opts = dict(default=dict(), default_gather_off=dict(device_gather="off"),
+                        # issue 58's candidate: offloaded layers select to 0.999 of the mass
+                        otau999_cap3072=dict(offloaded_tau=0.999, max_selected=3072),
+                        otau999_cap3072_off=dict(offloaded_tau=0.999, max_selected=3072,
+                                                 device_gather="off"),
                         tiered=dict(method="tiered", planner="uniform"),
                         hcattention=dict(method="hcattention", planner="uniform"),
                         tiered_layers=dict(method="tiered", planner="layers"))[m]

@@ -16,10 +16,12 @@ from common import figure, finish_axes, md_table, save_figure
 METHODS = ["full", "tiered", "tiered_layers", "hcattention", "quantized"]
 # on request: tiered as configured by default (planner="auto"), on the device path and on the
 # CPU-gather path (device_gather="off": the path Metal and MLX's CPU backend run)
-EXTRA_METHODS = ["default", "default_gather_off"]
+EXTRA_METHODS = ["default", "default_gather_off", "otau999_cap3072", "otau999_cap3072_off"]
 LABELS = {"full": "KVCache (full)", "tiered": "tiered (uniform planner)",
           "default": "tiered (default: planner='auto')",
           "default_gather_off": "tiered (default), CPU-gather path",
+          "otau999_cap3072": "tiered (default), offloaded_tau 0.999, max_selected 3072",
+          "otau999_cap3072_off": "the same, CPU-gather path",
           "tiered_layers": "tiered (layer-aware planner)",
           "hcattention": "HCAttention config (this runtime)",
           "quantized": "QuantizedKVCache (4 / 2-bit)"}
@@ -80,7 +82,8 @@ def acceptance(table, budgets):
     """Issue 25's acceptance: at 0.0625 within the full cache's 95% interval and ppl <= +1%;
     at 0.03125 within 5 points, ppl <= +3%."""
     rows = []
-    for m in ("tiered", "tiered_layers", "default", "default_gather_off"):
+    for m in ("tiered", "tiered_layers", "default", "default_gather_off", "otau999_cap3072",
+              "otau999_cap3072_off"):
         for b, pts, ppl_max in ((0.0625, None, 1.0), (0.03125, 5.0, 3.0)):
             if b not in budgets:
                 continue

@@ -34,7 +34,8 @@ class DecodePaths:
     def _cap(self, n: int) -> tuple[int, int]:
         """(cap, floor) of this step's selection, in tokens per kv head, at n live tokens."""
         selection = self.config.selection
-        cap = selection.cap(n)
+        plan = self.plan
+        cap = selection.cap(n, plan.method == "tiered" and not plan.keep_values_resident)
         if self.lookahead and self.plan.keep_values_resident:
             # The buffer (a selection and its successors) takes at most half of the resident
             # slots the budget allows: the selection is capped to fit it.

@@ -27,8 +27,9 @@ ROWS = [
      "8-token chunks)"),
     (("max_selected", "min_selected"), "cap (tokens, or a fraction of live tokens) and floor of "
      "the selection per kv head"),
-    (("offloaded_tau", "offloaded_min_selected"), "tau (where above `tau`) and floor of layers "
-     "whose every value is on the host (budgets below 1/8)"),
+    (("offloaded_tau", "offloaded_min_selected", "offloaded_max_selected"), "tau and cap (where "
+     "above `tau` and `max_selected`) and floor of layers whose every value is on the host "
+     "(budgets below 1/8)"),
     (("rescore",), "`\"exact\"`: selected tokens rescored from host keys; `\"approx\"`: weights from "
      "the codes (`None`: exact where the host keeps keys)"),
     (("sinks", "recent"), "first tokens and recent window always resident"),

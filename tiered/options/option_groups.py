@@ -6,7 +6,8 @@ The flat keyword options stay the API (``TieredCache.for_model(model, tau=0.95, 
 under the same names, as a frozen dataclass built when asked for:
 
 - ``selection``: tau-cumulative selection of offloaded tokens (HCAttention): tau,
-  max_selected, min_selected, rescore, offloaded_min_selected, offloaded_tau;
+  max_selected, min_selected, rescore, offloaded_min_selected, offloaded_tau,
+  offloaded_max_selected;
 - ``heavy``: heavy-hitter scores and their refresh (H2O): ema_alpha, refresh_every;
 - ``resident``: the resident set's fixed parts, and what trim can give back: sinks, recent,
   undo_tokens;
@@ -36,8 +37,9 @@ class SelectionOptions:
     """Per step and kv head, the smallest set of offloaded tokens whose softmax mass reaches
     ``tau``, at least ``min_selected`` and at most ``max_selected`` tokens (an int, or a
     fraction of the live tokens); ``rescore``: "exact" (host keys) or "approx" (codes).
-    ``offloaded_min_selected`` and ``offloaded_tau``: the floor and tau of layers whose every
-    value is on the host (:mod:`tiered.planning.layer_planner`)."""
+    ``offloaded_min_selected``, ``offloaded_tau`` and ``offloaded_max_selected``: the floor, tau
+    and cap of layers whose every value is on the host (:mod:`tiered.planning.layer_planner`;
+    tau and cap where above ``tau`` and ``max_selected``)."""
 
     tau: float
     max_selected: int | float
@@ -45,12 +47,17 @@ class SelectionOptions:
     rescore: str
     offloaded_min_selected: int
     offloaded_tau: float
+    offloaded_max_selected: int | float
 
-    def cap(self, live: int) -> int:
-        """The cap in tokens with ``live`` live tokens."""
-        if isinstance(self.max_selected, int):
-            return self.max_selected
-        return max(1, int(self.max_selected * live))
+    def cap(self, live: int, offloaded: bool = False) -> int:
+        """The cap in tokens with ``live`` live tokens (``offloaded``: in a layer whose every
+        value is on the host, the larger of the two caps)."""
+        cap = _tokens(self.max_selected, live)
+        return max(cap, _tokens(self.offloaded_max_selected, live)) if offloaded else cap
+
+
+def _tokens(cap: int | float, live: int) -> int:
+    return cap if isinstance(cap, int) else max(1, int(cap * live))
 
 
 @dataclass(frozen=True)

@@ -76,12 +76,12 @@ def check_power_of_two(name: str, value, hi: int):
         raise name_value(name, value, f"a power of two in [1, {hi}]")
 
 
-def check_cap(value):
+def check_cap(value, name: str = "max_selected"):
     """max_selected: a token count, or a finite fraction of the live tokens in (0, 1]."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (
             isinstance(value, int) and not 1 <= value <= MAX_SET) or (
             isinstance(value, float) and not (math.isfinite(value) and 0 < value <= 1)):
-        raise name_value("max_selected", value,
+        raise name_value(name, value,
                          f"a token count in [1, {MAX_SET}], or a fraction in (0, 1]")
 
 
