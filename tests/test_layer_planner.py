@@ -205,3 +205,24 @@ def test_a_smaller_book_where_nothing_else_fits():
     roomy = layer_planner.make_layer_plans(geo, TieredConfig(gpu_budget=0.0625, planner="layers"),
                                            prof, 6144, 17)
     assert all(p.centroids != layer_planner.COARSE_CENTROIDS for p in roomy.values())
+
+
+def test_offloaded_layers_take_the_offloaded_tau_and_cap():
+    """A layer whose every value is on the host selects to ``offloaded_tau`` with the larger
+    of the two caps; a layer with a resident set keeps ``tau`` and ``max_selected`` (issue 58:
+    at 0.999 the 2048 cap cut a key-value answer)."""
+    from types import SimpleNamespace
+
+    from tiered.layer.decode_paths import DecodePaths
+
+    cfg = TieredConfig(gpu_budget=0.0625, max_selected=1000, offloaded_max_selected=0.5,
+                       offloaded_tau=0.995, tau=0.9)
+    for resident, cap, tau in ((True, 1000, 0.9), (False, 3000, 0.995)):
+        layer = SimpleNamespace(config=cfg, lookahead=False, plan=SimpleNamespace(
+            method="tiered", keep_values_resident=resident, min_selected=0))
+        assert DecodePaths._cap(layer, 6000) == (cap, 32)
+        assert DecodePaths.tau.fget(layer) == tau
+    assert cfg.selection.cap(6000, offloaded=True) == 3000
+    assert TieredConfig(offloaded_max_selected=512).selection.cap(6000, offloaded=True) == 2048
+    with pytest.raises(ValueError, match="offloaded_max_selected"):
+        TieredConfig(offloaded_max_selected=0)
