@@ -31,7 +31,7 @@ from test_accel_kernels import (
     np_codebook_scores,
 )
 from test_accel_tau import assert_kernel_selection, assert_kernel_threshold
-from tiered.metal import affine, codebook, h2o, select_passes, tau, threshold
+from tiered.metal import affine, codebook, h2o, select_passes, slab_gather, tau, threshold
 from tiered.metal._build import METAL_SHARED_BYTES
 
 pytestmark = [metal_exec.needs_compiler, pytest.mark.metal]
@@ -75,7 +75,7 @@ class MetalOnCpu:
 
 
 # The modules of tiered.metal that pick a backend (resolve_backend) or launch a kernel (launch).
-KERNEL_MODULES = (affine, codebook, h2o, threshold, tau, select_passes)
+KERNEL_MODULES = (affine, codebook, h2o, threshold, tau, select_passes, slab_gather)
 
 
 def _metal_dispatch(backend: MetalOnCpu):

@@ -12,10 +12,10 @@ import metal_exec
 import mlx.core as mx
 import numpy as np
 import pytest
-from test_cuda_exec_kernels import CudaOnCpu
+from test_cuda_exec_kernels import cuda  # noqa: F401  (the fixture: tiered.metal on CUDA's executor)
 from test_metal_exec_kernels import MetalOnCpu
 from tiered.cpu import HostStore
-from tiered.metal import _build, slab_gather
+from tiered.metal import slab_gather
 
 pytestmark = [metal_exec.needs_compiler, pytest.mark.metal]
 ON_METAL = mx.metal.is_available()  # a Mac: the Metal form runs on the Apple GPU itself
@@ -29,16 +29,6 @@ def metal(monkeypatch):
         monkeypatch.setattr(slab_gather, "launch", backend.launch)
         monkeypatch.setattr(slab_gather, "resolve_backend", lambda use, name: "metal")
     return backend
-
-
-@pytest.fixture
-def cuda(monkeypatch):
-    backend = CudaOnCpu()
-    monkeypatch.setattr(_build, "cuda_kernel", backend.cuda_kernel)
-    _build.build_kernel.cache_clear()
-    monkeypatch.setattr(slab_gather, "resolve_backend", lambda use, name: "cuda")
-    yield backend
-    _build.build_kernel.cache_clear()
 
 
 _STORES: dict = {}
@@ -120,7 +110,7 @@ def test_metal(metal, n, d, dtype):
 
 @pytest.mark.skipif(ON_METAL, reason="the CUDA form on the executor: run elsewhere")
 @pytest.mark.parametrize("n", SIZES)
-def test_cuda(cuda, n):
+def test_cuda(cuda, n):  # noqa: F811  (the imported fixture)
     check(n, 2, 64, "float16")
     assert cuda.launches == [slab_gather.SPEC.name]
 

@@ -20,16 +20,16 @@ select the same chunks in (nearly) every layer and step.
 
 from __future__ import annotations
 
+import metal_exec
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import SMALL_ARCHS, make_small_model
-
-import metal_exec
-from test_metal_exec_kernels import MetalOnCpu, _metal_dispatch
 import tiered.metal as metal
-from tiered import TieredCache
+from conftest import SMALL_ARCHS, make_small_model
+from test_metal_exec_kernels import MetalOnCpu, _metal_dispatch
 from tiered.metal import _build, slab_gather
+
+from tiered import TieredCache
 from tiered.step import unified_step
 
 # python -m pytest -m metal: on a Mac the Metal step runs on the Apple GPU (MLX's Metal
@@ -90,10 +90,8 @@ def _both(d, cfg, monkeypatch):
     _build.build_kernel.cache_clear()
     backend = MetalOnCpu()  # tiered.metal's kernels and the slab gather on the Metal executor
     if not ON_METAL:
-        for module, name, value in _metal_dispatch(backend):
+        for module, name, value in _metal_dispatch(backend):  # slab_gather among them
             monkeypatch.setattr(module, name, value)
-        monkeypatch.setattr(slab_gather, "launch", backend.launch)
-        monkeypatch.setattr(slab_gather, "resolve_backend", lambda use, name: "metal")
         monkeypatch.setattr(unified_step, "accelerator", lambda: "metal")
     got = _run(model, ids, cfg, got_sel)
     layers = got[1]

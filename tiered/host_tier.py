@@ -146,8 +146,14 @@ class HostTier:
         checks = [c for c in self._finite_checks if c[0] < length]
         self._finite_checks = [c for c in self._finite_checks if c[0] >= length]
         self.check_door((checks, None))
-        k = take[0][0] if len(take) == 1 else mx.concatenate([k for k, _ in take], axis=2)
-        v = take[0][1] if len(take) == 1 else mx.concatenate([v for _, v in take], axis=2)
+        self._write_entries(take)
+
+    def _write_entries(self, entries: list) -> None:
+        """Queue entries (keys, values) into the host pages, by the CPU, in one append."""
+        ks = [k for k, _ in entries]
+        vs = [v for _, v in entries]
+        k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
+        v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
         self.host.append(_to_numpy(v), _to_numpy(k) if self.config.host_keys else None)
 
     def flush_on_device(self, tables, upto: int) -> list:
@@ -221,12 +227,7 @@ class HostTier:
         self._check_finite_queued()
         if self.host is None:
             self.host = self._new_host()
-        ks = [k for k, _ in self._pending]
-        vs = [v for _, v in self._pending]
-        k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
-        v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
-        k, v = _to_numpy(k), _to_numpy(v)
-        self.host.append(v, k if self.config.host_keys else None)
+        self._write_entries(self._pending)
         self._pending.clear()
         self._pending_tokens = 0
 
