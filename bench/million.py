@@ -37,6 +37,7 @@ import numpy as np
 import tiered
 from tiered.commands.cli import Progress
 from tiered.prefill import current_rss_bytes, peak_rss_bytes, prefill
+from tiered.step import disk_rows
 
 
 def document_tokens(tok, n_tokens: int, seed: int = 0):
@@ -236,6 +237,7 @@ def main(argv=None):
           f"{stats['tokens_per_s']:.1f} tok/s", flush=True)
     # decode at 1M: the last prompt token, then greedy steps
     times, queue, out = [], [], []
+    disk0 = dict(disk_rows.COUNTS)
     y = mx.array([[ids[-1]]])
     st = StepTimers() if args.step_timers else None
     with st or contextlib.nullcontext():
@@ -263,6 +265,7 @@ def main(argv=None):
               f"{busy(spans) / n / 1e3:.2f} ms with the GPU busy", flush=True)
         for k, (c, us) in sorted(kern.items(), key=lambda kv: -kv[1][1])[:30]:
             print(f"  {us / n / 1e3:8.3f} ms {c / n:6.1f}x  {k}")
+    disk_read = {k: v - disk0[k] for k, v in disk_rows.COUNTS.items()}
     sample(len(ids) + args.decode_steps)
     dev.stop()
     answer = tok.decode(out) if tok is not None else str(out)
@@ -308,6 +311,10 @@ def main(argv=None):
             ["host RSS (peak, process)", f"{peaks['host_rss_bytes'] / 2**30:.2f} GiB",
              f"{rss0 / 2**30:.2f} GiB before prefill", ""],
             ["disk tier", f"{peaks['disk_bytes'] / 2**30:.2f} GiB", "", ""],
+            ["disk chunks read by the CPU (device path, per decode step)",
+             f"{disk_read['bytes'] / max(1, args.decode_steps) / 2**20:.1f} MiB",
+             f"{disk_read['chunks'] / max(1, args.decode_steps):.0f} chunk-heads in "
+             f"{disk_read['layer_steps'] / max(1, args.decode_steps):.0f} layers", ""],
             ["streaming-offload baseline at this length (computed, not run)",
              f"{streaming_ms:.0f} ms/token", f"the whole cache, {full / 1e9:.1f} GB, uploaded every "
              f"step at the measured {host_bw:.1f} GB/s host-to-device", ""]]
@@ -328,7 +335,7 @@ def main(argv=None):
     data = {"machine": info, "args": vars(args), "prefill": stats, "decode_ms": decode_ms,
             "host_to_device_gbs": host_bw, "streaming_ms_computed": streaming_ms,
             "decode_step_s": times, "decode_queue_s": queue, "slow_steps": slow, "peaks": peaks,
-            "checks": checks,
+            "checks": checks, "disk_rows": disk_read,
             "samples": samples, "answer": answer, "key": key, "report": rep}
     paths = write_results(args.name, data, md)
     plot(samples, args, os.path.join(RESULTS, f"{args.name}.png"))

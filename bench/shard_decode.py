@@ -21,9 +21,9 @@ import common  # noqa: F401  (tiered before mlx)
 from common import RESULTS, machine, md_table
 
 
-def _run(cmd: list[str]) -> None:
+def _run(cmd: list[str], env: dict | None = None) -> None:
     print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode:
         raise SystemExit(f"failed ({r.returncode}): {r.stderr[-3000:]}")
     print(r.stdout[-1500:], file=sys.stderr)
@@ -36,14 +36,20 @@ def main() -> int:
     p.add_argument("--budget", default="0.125")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=10)
+    p.add_argument("--rank-threads", type=int, default=1,
+                   help="BLAS / Numba / OpenMP threads per rank (0: the libraries' defaults; "
+                        "ranks with a pool each oversubscribe the cores they share)")
     a = p.parse_args()
     demo = ["-m", "tiered", "run", "--demo-tokens", str(a.tokens), "--seed", str(a.seed),
             "--gpu-budget", a.budget, "--max-tokens", str(a.max_tokens)]
     with tempfile.TemporaryDirectory() as tmp:
         one_json, many_json = os.path.join(tmp, "one.json"), os.path.join(tmp, "many.json")
         _run([sys.executable, *demo, "--json", one_json])
+        env = None if not a.rank_threads else dict(
+            os.environ, **{v: str(a.rank_threads) for v in
+                           ("OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS", "OMP_NUM_THREADS")})
         _run([shutil.which("mlx.launch"), "-n", str(a.ranks), "--backend", "ring", "--python",
-              sys.executable, *demo, "--json", many_json])
+              sys.executable, *demo, "--json", many_json], env)
         one, many = json.load(open(one_json)), json.load(open(many_json))
     b = one["bytes"]
     rows = [["1 process", f"{one['prefill']['tokens_per_s']:,.1f}",
@@ -63,10 +69,13 @@ def main() -> int:
                       "accelerator MiB", "host MiB", "disk MiB", "peak RSS GiB", "pass key"],
                      rows)
     info = machine()
+    threads = (f"{a.rank_threads} BLAS/Numba thread(s) per rank" if a.rank_threads
+               else "the libraries' default threads per rank")
     section = (f"## {a.tokens} tokens, gpu_budget {a.budget}, {a.ranks} ranks\n\n"
                f"`{info['command']}` at {info['commit']} ({info['platform']}, "
                f"{info['cpu_count']} cores, MLX {info['versions']['mlx']}, float32 on the CPU "
-               f"backend; the ranks share the machine's cores)\n\n{table}\n")
+               f"backend; the ranks share the machine's cores, {threads}; the one process "
+               f"keeps the default threads)\n\n{table}\n")
     path = os.path.join(RESULTS, "sharded_cpu_embedded.md")
     head = ("# A sharded cache over ranks on one CPU machine (bench/shard_decode.py)\n\n"
             "Every rank runs the whole model on the same tokens (weights replicated) and holds "

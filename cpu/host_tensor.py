@@ -63,6 +63,7 @@ class HostTensor:
         self.addrs = np.zeros(0, np.int64)
         self.scale_addrs = np.zeros(0, np.int64)
         self.disk_index: list[int] = []  # -1: in RAM
+        self.moves = 0  # blocks moved to the disk tier so far (their addresses changed)
         self.disk = None  # PageFile of the data blocks
         self.scale_disk = None
         # ahead: the next RAM block is allocated in the background once one is adopted (its
@@ -121,11 +122,14 @@ class HostTensor:
         if self._spare is None and self.ahead and self.dtype != "int8":
             self._spare = POOL.take(self.block_shape, self.dtype, self.budget)
 
-    def grow(self, ahead: bool = True):
+    def grow(self, ahead: bool = True, ram: bool = False):
         """One more block: in RAM while the host budget allows, else the oldest RAM block of
         this tensor moves to disk first (written and checked before its RAM is freed).
         ``ahead=False``: the next block ahead is left to the caller (:meth:`next_ahead`, once
-        every tensor that grows with this one has its block: HostStore._new_page)."""
+        every tensor that grows with this one has its block: HostStore._new_page).
+        ``ram``: the block must be in RAM (the device path writes it by address, and the disk
+        tier's mapping is read-only): where this tensor has no RAM block to move to disk and
+        the budget is spent, it is taken past the budget (charged: the next growth spills)."""
         if self.slabs is not None:
             return self._grow_unified()
         b = self.budget
@@ -149,12 +153,16 @@ class HostTensor:
             if ahead:
                 self.next_ahead()
             return
-        ram = [i for i, d in enumerate(self.disk_index) if d < 0]
-        if ram:
-            self.spill(ram[0])
+        held = [i for i, d in enumerate(self.disk_index) if d < 0]
+        if held:
+            self.spill(held[0])
             if b.reserve(self.block_bytes):
                 self._adopt(block_alloc.alloc_block(self.block_shape, self.dtype), None)
                 return
+        if ram and self.slabs is None:
+            b.charge(self.block_bytes)
+            self._adopt(block_alloc.alloc_block(self.block_shape, self.dtype), None)
+            return
         self._new_on_disk()
 
     def _grow_unified(self):
@@ -218,6 +226,7 @@ class HostTensor:
                 self.scale_views.append(sdisk.views[i])
                 self.scale_addrs = np.append(self.scale_addrs, np.int64(sdisk.address(i)))
         else:
+            self.moves += 1
             self.views[at] = disk.views[i]
             self.addrs[at] = disk.address(i)
             self.disk_index[at] = i

@@ -101,6 +101,7 @@ class HostStore(PageReads):
         self.fence = None
         self._pages: list[list[int]] = [[] for _ in range(batch)]
         self._free: list[int] = []
+        self.device_writes = False  # set by the device path: new pages only in RAM blocks
         self._next_page = 0
         self._shrunk = 0  # bumped when a page list shrinks in place (logical_pages' cache)
         self._logical: dict = {}
@@ -147,10 +148,19 @@ class HostStore(PageReads):
         return view
 
     def _new_page(self) -> int:
+        # the device writes pages by address, and the disk tier's mapping is read-only
+        device = self.device_writes or self.fence is not None
         if self._free:
-            return self._free.pop()
+            if not device:
+                return self._free.pop()
+            for i in range(len(self._free) - 1, -1, -1):
+                if not self._on_disk(self._free[i]):
+                    return self._free.pop(i)
         page = self._next_page
-        self._next_page += 1
+        while device and page < self.values.capacity_pages and self._on_disk(page):
+            self._free.append(page)  # the rest of a block that started on disk: the CPU's
+            page += 1
+        self._next_page = page + 1
         while page >= self.values.capacity_pages:
             b = self.values.budget
             if self.fence is not None and b is not None and b.limit is not None and (
@@ -159,10 +169,32 @@ class HostStore(PageReads):
             # every tensor takes its block before any reserves its next one ahead (which could
             # take the room a tensor after it needed: _new_reservations foretells this order)
             for t in self.tensors:
-                t.grow(ahead=False)
+                t.grow(ahead=False, ram=device)
             for t in self.tensors:
                 t.next_ahead()
         return page
+
+    def _tail_to_ram(self):
+        """The device writes the next tokens into the partly filled last page; where that page
+        lies in a disk block (the CPU filled it before the device path took over, or a trim
+        ended there), its rows move to a new page in RAM first (the old one is freed)."""
+        for pages in self._pages:
+            old = pages[-1]
+            if not self._on_disk(old):
+                continue
+            self.settle()
+            new = self._new_page()  # device_writes: in a RAM block
+            for t in self.tensors:
+                ob, os_ = divmod(old, t.pages_per_block)
+                nb, ns = divmod(new, t.pages_per_block)
+                t.views[nb][ns] = t.views[ob][os_]
+            pages[-1] = new
+            self._free.append(old)
+            self._shrunk += 1  # logical_pages: an entry changed, not only appended
+
+    def _on_disk(self, page: int) -> bool:
+        """Whether physical ``page`` lies in a block of the disk tier (in any tensor)."""
+        return any(t.disk_index[page // t.pages_per_block] >= 0 for t in self.tensors)
 
     # ---- writes -----------------------------------------------------------------------
     def append(self, values: np.ndarray, keys: np.ndarray | None = None):
@@ -183,6 +215,8 @@ class HostStore(PageReads):
         """Take the next n tokens' slots (pages allocated, length advanced) without writing
         them: a device writes the bytes (``tiered.step.device_decode``). Reads from the host wait
         for the device first (:meth:`settle`)."""
+        if self.device_writes and self.length % self.page_size:
+            self._tail_to_ram()
         self._advance(n, None, None)
 
     def device_op(self, output) -> None:

@@ -245,6 +245,41 @@ def test_tokens_fed_without_evaluation_decode_as_evaluated_ones():
         np.testing.assert_array_equal(x, y)
 
 
+def test_pages_on_the_disk_tier_decode_as_pages_in_ram(tmp_path, device_path, monkeypatch):
+    """The device path over a disk tier (tiered.step.disk_rows: the device reads zeros for disk
+    blocks, the CPU adds the selected disk chunks' rows): a host budget of a few blocks, the
+    older blocks on disk, decodes exactly as the same cache with every page in RAM, and what
+    the device wrote behind (always into RAM blocks) is what the model produced."""
+    from tiered.step import device_compiled, disk_rows
+
+    # both runs op by op: a layer with disk blocks leaves the compiled chain, whose float
+    # summation order differs (a rounding that tips a later selection)
+    monkeypatch.setattr(device_compiled, "why_not", lambda layer: "op by op in this test")
+    model = make_small_model("llama-gqa-d64", layers=2, seed=2)
+    steps = 120 if device_path == "cuda" else 24  # the executor: ~0.5 s a token (a refresh at 16)
+    ids = np.random.default_rng(8).integers(10, 49000, 1200 + steps).tolist()
+    cfg = dict(gpu_budget=0.25, page_size=64, recent=16, device_gather="on", kernels="mlx")
+    runs = []
+    for budget in (None, "256KB"):
+        before = dict(disk_rows.COUNTS)
+        cache = TieredCache.for_model(model, host_budget=budget, disk_dir=str(tmp_path), **cfg)
+        model(mx.array([ids[:1200]]), cache=cache)
+        got = [model(mx.array([[t]]), cache=cache) for t in ids[1200:]]
+        mx.eval(got)
+        layers = [c for c in cache if isinstance(c, TieredCache)]
+        assert all(getattr(c.compressed, "_tables", None) is not None for c in layers)
+        disk = sum(c.host.disk_bytes for c in layers)
+        pages = [c.host.read("values", 0, 0, c.host.length) for c in layers]
+        read = disk_rows.COUNTS["chunks"] - before["chunks"]
+        runs.append((mx.concatenate(got, axis=1), pages, disk, read))
+        cache.close()
+    (a, pa, disk_a, read_a), (b, pb, disk_b, read_b) = runs
+    assert disk_a == 0 and disk_b > 0 and read_a == 0 and read_b > 0
+    assert mx.abs(a - b).max().item() == 0.0
+    for x, y in zip(pa, pb):
+        np.testing.assert_array_equal(x, y)
+
+
 @pytest.mark.parametrize("H,Gc,c,ds,d,dtype,L", [
     (8, 32, 64, 4, 128, "float16", 1), (3, 1, 256, 8, 64, "float32", 1),
     (2, 16, 300, 4, 64, "float16", 1), (8, 32, 64, 4, 128, "float16", 777),

@@ -330,3 +330,67 @@ def test_blocks_allocated_ahead_keep_the_budget_and_the_data(tmp_path, monkeypat
     np.testing.assert_allclose(store.read("keys"), k[0], atol=1e-3, rtol=1e-3)
     store.close()
     assert budget.used == 0
+
+
+def test_device_writes_get_pages_only_in_ram_blocks(tmp_path):
+    """Where the device path writes pages by address (HostStore.device_writes), every page
+    handed out lies in a RAM block: the disk tier's mapping is read-only. A tensor with no RAM
+    block of its own to move takes one past a spent budget (charged; the next growth spills), a
+    freed page on disk is passed over, and a block moving to disk changes the tensor's
+    ``moves`` (the device tables upload its addresses again)."""
+    store, budget = _store(tmp_path, 2)  # one block for keys, one for values
+    store.device_writes = True
+    moves = store.values.moves
+    for _ in range(5):  # 5 blocks each (32 tokens a block)
+        store.reserve(32)
+        for t in store.tensors:
+            last = store.logical_pages(0)[-1] // t.pages_per_block
+            assert t.disk_index[last] < 0, "the newest page must be in RAM"
+    assert store.disk_bytes > 0 and store.values.moves > moves
+    assert budget.used <= budget.limit
+
+    # a tensor whose blocks all start on disk (the budget spent elsewhere): the next one is
+    # taken in RAM past the budget, then the growth after it spills that one
+    tiny, tb = _store(tmp_path, 0)
+    tiny.reserve(32)
+    assert all(t.disk_index == [0] for t in tiny.tensors)  # no device writer: on disk
+    tiny.device_writes = True
+    tiny.reserve(32)
+    assert [t.disk_index[-1] for t in tiny.tensors] == [-1, -1]
+    assert tb.used == 2 * tiny.values.block_bytes > tb.limit
+    tiny.reserve(32)
+    assert [t.disk_index[1:] for t in tiny.tensors] == [[1, -1], [1, -1]]
+    assert tb.used == 2 * tiny.values.block_bytes  # not growing past the one block each
+
+    # a freed page on disk is passed over; a freed page in RAM is reused
+    store.truncate(0)
+    on_disk = [p for p in store._free if store._on_disk(p)]
+    in_ram = [p for p in store._free if not store._on_disk(p)]
+    assert on_disk and in_ram
+    store.reserve(16)
+    assert store.logical_pages(0)[0] in in_ram
+    assert set(on_disk) <= set(store._free)
+    store.close()
+    tiny.close()
+
+
+def test_the_device_takes_over_a_partly_filled_page_on_disk(tmp_path):
+    """Pages the CPU filled before the device path took over lie on disk; the device writes
+    the next tokens into RAM only: the partly filled last page moves to a new RAM page with its
+    rows (the old one freed), and the rest of a block that started on disk is passed over."""
+    rng = np.random.default_rng(6)
+    store, _ = _store(tmp_path, 0)  # every block starts on disk
+    v, k = _data(rng, 40), _data(rng, 40)
+    store.append(v, k)  # pages 0, 1 (full) and 2 (8 of 16 tokens), in disk blocks of 2 pages
+    assert list(store.logical_pages(0)) == [0, 1, 2] and store._on_disk(2)
+    store.device_writes = True
+    store.reserve(4)
+    assert store.logical_pages(0)[-1] == 4 and not store._on_disk(4)  # page 3: on disk
+    assert set(store._free) == {2, 3}
+    np.testing.assert_allclose(store.read("values", 0, 0, 40), v[0], atol=1e-3)
+    np.testing.assert_allclose(store.read("keys", 0, 0, 40), k[0], atol=1e-3)
+    for _ in range(12):  # the device's next tokens: always into a RAM page
+        store.reserve(5)
+        assert not store._on_disk(store.logical_pages(0)[-1])
+    assert not {2, 3} & set(store.logical_pages(0))
+    store.close()

@@ -44,7 +44,10 @@ def logits_trace(model, tokens, cache, steps=8):
 
 
 # ---- exact equality with KVCache ---------------------------------------------------------------
-@pytest.mark.parametrize("prompt", PROMPTS)
+# ~10 s a prompt: the first in every run, the others with the slow tests (python -m pytest -m
+# slow; the small models' test below covers six architectures at budget 1.0 in every run)
+@pytest.mark.parametrize("prompt", [p if i == 0 else pytest.param(p, marks=pytest.mark.slow)
+                                    for i, p in enumerate(PROMPTS)])
 def test_embedded_budget_one_equals_kvcache(embedded, prompt):
     model, tok = embedded
     ref = greedy_tokens(model, tok, prompt, make_prompt_cache(model))

@@ -5,13 +5,15 @@ rank holding half of the document, compressed."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 
 
-def _run(cmd, tmp_path):
-    r = subprocess.run(cmd, cwd=str(tmp_path), capture_output=True, text=True, timeout=600)
+def _run(cmd, tmp_path, env=None):
+    r = subprocess.run(cmd, cwd=str(tmp_path), capture_output=True, text=True, timeout=600,
+                       env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r.stdout
 
@@ -20,8 +22,12 @@ def test_two_ranks_answer_the_pass_key_as_one_process(tmp_path):
     demo = ["-m", "tiered", "run", "--demo-tokens", "3000", "--seed", "2"]
     one = _run([sys.executable, *demo, "--json", str(tmp_path / "one.json")], tmp_path)
     launch = shutil.which("mlx.launch")
+    # one thread per rank for BLAS and Numba: two ranks with a pool each oversubscribe the
+    # cores (8k tokens on 2 cores: decode 404 ms/token against 480, bench/results)
+    single = dict(os.environ, OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
+                  OMP_NUM_THREADS="1")
     two = _run([launch, "-n", "2", "--backend", "ring", "--python", sys.executable, *demo,
-                "--json", str(tmp_path / "two.json")], tmp_path)
+                "--json", str(tmp_path / "two.json")], tmp_path, env=single)
     a = json.loads((tmp_path / "one.json").read_text())
     b = json.loads((tmp_path / "two.json").read_text())
     assert "pass key" in one and "2 ranks" in two

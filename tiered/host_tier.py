@@ -109,14 +109,10 @@ class HostTier:
     def _chunks_on_device(self, tokens: int) -> bool:
         """Whether this layer's prompt chunks (the next ``tokens``) go to the host pages by the
         device: compressed, with pages the device path can write (device_decode.supported).
-        Tokens that move a block to the disk tier turn the device path off for good: it
-        advises every block as managed memory and reads it by address, and a block on the
-        disk tier is neither (cuMemAdvise refused one: "invalid argument")."""
+        Blocks moving to the disk tier keep it: the device writes only pages in RAM blocks
+        (HostStore.device_writes) and reads disk chunks through the CPU (tiered.step.disk_rows)."""
         comp = self.compressed
         if self.host is None or not hasattr(comp, "_device_tables"):
-            return False
-        if self.host.spills_to_append(tokens):
-            comp._tables = None  # the CPU path from here, as _device_tables decides on disk pages
             return False
         if comp._tables is None and (comp.config.device_gather == "off"
                                      or device_decode.supported(comp) is not None):

@@ -337,8 +337,8 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         mode = self.config.device_gather
         if mode == "off" or not update:
             return None
-        if self._tables is not None and not self.parent.host.disk_bytes:
-            return self._tables  # decided: only pages moving to the disk tier change it
+        if self._tables is not None:
+            return self._tables  # decided
         why = device_decode.supported(self)
         if why is not None:
             if mode == "on":
@@ -350,6 +350,7 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
             # the ring (a CPU flush here would also move the ring's tokens, so that a cache
             # and its saved copy would hold different pages after their first device step).
             self._tables = device_decode.DeviceTables()
+            self.parent.host.device_writes = True
         return self._tables
 
     def _resident_scores(self, q: mx.array, keys: mx.array | None = None,

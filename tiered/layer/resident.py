@@ -320,7 +320,7 @@ class ResidentSet:
         host = self.parent.host
         if not (tokens >= 0).any():
             return mx.zeros(tokens.shape + (self.dk if name == "keys" else self.dv,), self.dtype)
-        if self.on_device and host.keys is not None:
+        if self.on_device and host.keys is not None and not host.disk_bytes:
             # the GPU reads the promoted rows from the host pages in place (a CPU gather and
             # upload took most of a refresh's ~30 ms per layer)
             return self._device_rows(getattr(host, name), tok_d, counts_d)

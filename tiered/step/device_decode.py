@@ -25,6 +25,7 @@ from ..metal import device_ints
 from ..metal.compact import compact
 from ..metal.ptx_cache import cuda_kernel
 from ..runtime import dispatch, ops, staging, uva
+from . import disk_rows
 
 # The door's lazy flag: no non-finite position seen. A power of two: MLX passes a kernel's
 # init_value as a float, and INT32_MAX is not one (it came back as INT32_MIN).
@@ -176,8 +177,6 @@ def supported(layer) -> str | None:
         return "no host pages"
     if host.values.dtype == "int8":
         return "int8 host values (scales are not gathered on the device)"
-    if host.disk_bytes:
-        return "host pages on the disk tier"
     if host.page_size % CHUNK:
         return f"page_size {host.page_size} is not a multiple of {CHUNK}"
     if (host.value_dim * np.dtype(host.values.dtype).itemsize) % 16:
@@ -223,8 +222,9 @@ class DeviceTables:
         """The block addresses (uint64 pairs); ``width``: padded with zeros to that many blocks
         (a shape kept while blocks are added)."""
         n = len(tensor.addrs)
+        key = (n, tensor.moves)  # a block moved to the disk tier changes its address
         got = self._addrs.get((id(tensor), width))
-        if got is None or got[0] != n:
+        if got is None or got[0] != key:
             # blocks allocated from now on are advised by the block maker's thread
             tensor.prepare = uva.advise_host
             now = np.array(tensor.addrs[:n], np.uint64)
@@ -233,14 +233,16 @@ class DeviceTables:
                 np.array_equal(before, now[: len(before)]) else 0  # only new blocks to look at
             for b in range(start, n):
                 addr = int(now[b])
+                if tensor.disk_index[b] >= 0:
+                    continue  # the page file's read-only mapping: read through HMM as it is
                 if addr not in self._advised and addr not in tensor.prepared:
                     uva.advise_host(tensor.views[b])
                     self._advised.add(addr)
             self._checked[id(tensor)] = now
-            addrs = now
+            addrs = disk_rows.device_addresses(tensor, now)  # disk blocks: the zero block
             if width is not None and width > n:
                 addrs = np.concatenate([addrs, np.zeros(width - n, np.uint64)])
-            got = (n, _address_upload(addrs))
+            got = (key, _address_upload(addrs))
             self._addrs[(id(tensor), width)] = got
         return got[1]
 

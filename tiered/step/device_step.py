@@ -14,6 +14,8 @@ host round trip (tiered.step.device_decode says how the host pages are reached i
    keys and values in one launch and attends over them and the resident set in two more
    (sink and statistics included); with approximate rescoring the gathered tokens take their
    code scores and MLX ops do the partials and the merge;
+   Where the store has disk blocks, the layer waits for its selection and the CPU reads the
+   disk chunks' rows (:mod:`tiered.step.disk_rows`);
 6. policy: the H2O accumulators take the step's probabilities; every ``refresh_every`` steps
    the resident set is rebuilt (the layer's ``_step_done``).
 
@@ -33,7 +35,7 @@ import tiered.metal as metal
 
 from ..runtime import dispatch
 from ..runtime.stats import Column
-from . import device_attend, device_compiled, device_resident
+from . import device_attend, device_compiled, device_resident, disk_rows
 from .device_chunks import chunk_logits
 from .device_decode import CHUNK, DeviceTables, gather_chunks, kept
 
@@ -67,7 +69,8 @@ def decode(layer, queries, scale, sinks, tables: DeviceTables):
     got = None
     if layer._compile_ok is None:
         layer._compile_ok = device_compiled.why_not(layer) is None
-    if layer._compile_ok and layer._update:
+    disk = host.disk_bytes > 0  # disk chunks' rows come through the CPU (step.disk_rows)
+    if layer._compile_ok and layer._update and not disk:
         got = device_compiled.step(layer, queries, scale, sinks, tables, n, n_host, cap, floor)
     if got is not None:
         o, stats, q, acc = got
@@ -85,14 +88,21 @@ def decode(layer, queries, scale, sinks, tables: DeviceTables):
     capc = max(1, cap // CHUNK)
     idx, count = metal.tau_select(zc, zc.shape[1], excl, layer.tau, capc,
                                   min(capc, -(-floor // CHUNK)))
+    names = ("keys", "values") if cfg.rescore == "exact" else ("values",)
+    extra = disk_rows.read(host, idx, count, CHUNK, names) if disk else None
     if cfg.rescore == "exact":
         keys, vals, ok = device_attend.gather_kv(tables, host, idx, count, layer.flags)
+        if extra is not None:
+            keys, vals = (disk_rows.add(keys, extra["keys"], ok),
+                          disk_rows.add(vals, extra["values"], ok))
         given = s_r if device_attend.RESIDENT_SCORES_GIVEN else None
         o, stats = device_attend.attend(q, layer.res_k, layer.res_v, layer.res_tok, keys, vals,
                                         ok, sinks, queries.dtype, s_r=given)
         mean_count, mass = Column(stats, 0), Column(stats, 1)  # reduced when read
     else:  # approximate rescoring: only values gathered, the chunks' code scores
         vals, ok = gather_chunks(tables, host, host.values, idx, count, layer.flags)
+        if extra is not None:
+            vals = disk_rows.add(vals, extra["values"], ok)
         o, stats = device_attend.approx_attend(z, s_r, vals, ok, idx, layer.res_v, sinks,
                                                rep, queries.dtype)
         mean_count, mass = Column(stats, 0), Column(stats, 1)  # reduced when read

@@ -1,0 +1,104 @@
+"""The device path over a disk tier (issue 62): selected chunks whose pages lie in the page file.
+
+A kernel reads host pages by address, and the disk tier's blocks are a read-only file mapping,
+neither pinned nor managed memory: on an H200 with driver 580 (no pageable memory access, no
+HMM) a kernel that follows such an address faults, and page-locking the mapping would hold the
+whole file in RAM (bench/probes/disk_uva_probe.py). So the device never reads the page file:
+
+- the block addresses it takes point every disk block at one block of zeros
+  (:func:`zero_block`), so the gather kernels read zeros there and still say which tokens are
+  attended (``ok`` depends on the selection, the flags and the length, not on the bytes);
+- a layer whose store has disk blocks waits for its selection (a sync per such layer and
+  token), the CPU copies the selected disk chunks' rows out of the mapping with the store's
+  Numba row copy (the OS page cache, or the disk), and the rows are added to what the kernel
+  gathered: exact, since the kernel's rows are zeros there and these rows are zeros elsewhere.
+
+New pages are always in RAM blocks where the device writes (``HostStore.device_writes``), and the
+oldest RAM blocks move to disk as the store grows, so the write-behind never meets the file.
+How often and how much the CPU read is counted in :data:`COUNTS` (``report()`` prints it).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from ..cpu import block_alloc
+from ..cpu.block_maker import np_view
+from ..cpu.paged_rows import copy_rows
+from ..runtime import dispatch, uva
+
+# per process: layer-steps that read disk rows, chunks read, and their bytes
+COUNTS = {"layer_steps": 0, "chunks": 0, "bytes": 0}
+
+_ZERO: dict = {}
+
+
+def zero_block(tensor) -> int:
+    """The address of a block of zeros shaped as ``tensor``'s blocks, readable by the device
+    (managed memory kept on the host and mapped), made once per shape and dtype."""
+    key = (tuple(tensor.block_shape), tensor.dtype)
+    got = _ZERO.get(key)
+    if got is None:
+        arr = block_alloc.full_block(tensor.block_shape, tensor.dtype, 0)
+        mx.eval(arr)
+        view = np_view(arr, tensor.block_shape)
+        if uva.available():
+            uva.advise_host(view)
+        got = _ZERO[key] = (arr, view, int(view.ctypes.data))
+    return got[2]
+
+
+def device_addresses(tensor, addrs: np.ndarray) -> np.ndarray:
+    """``addrs`` (the tensor's block addresses, uint64) with every disk block's replaced by
+    the zero block's."""
+    disk = np.asarray(tensor.disk_index[: len(addrs)]) >= 0
+    if not disk.any():
+        return addrs
+    out = addrs.copy()
+    out[disk] = zero_block(tensor)
+    return out
+
+
+def disk_tokens(host, idx: np.ndarray, count: np.ndarray, chunk: int) -> np.ndarray:
+    """(H, capc * chunk) tokens of the selected chunks (``idx`` (H, capc), the first
+    ``count[h]`` of row h) that lie in disk blocks of the values, -1 elsewhere."""
+    H, capc = idx.shape
+    P, tensor = host.page_size, host.values
+    tok = idx[:, :, None].astype(np.int64) * chunk + np.arange(chunk)
+    live = (np.arange(capc)[None, :] < count[:, None])[:, :, None] & (tok < host.length)
+    tok = np.where(live, tok, 0)
+    pages = host.logical_pages(0)
+    blk = pages[tok // P] // tensor.pages_per_block
+    on_disk = np.asarray(tensor.disk_index) >= 0
+    return np.where(live & on_disk[blk], tok, -1).reshape(H, capc * chunk)
+
+
+def read(host, idx: mx.array, count: mx.array, chunk: int, names: tuple) -> dict | None:
+    """Waits for the selection and reads the disk chunks' rows of ``names`` (tensor name ->
+    (H, capc * chunk, d) in the host dtype, zeros elsewhere), or None when no selected chunk
+    lies on disk. No wait for the pages' queued device work: the device never writes a disk
+    block (HostStore.device_writes), so these bytes are final."""
+    dispatch.eval(idx, count)
+    tok = disk_tokens(host, np.array(idx), np.array(count), chunk)
+    keep = tok >= 0
+    if not keep.any():
+        return None
+    host.check_disk()
+    COUNTS["layer_steps"] += 1
+    COUNTS["chunks"] += int(keep.sum()) // chunk
+    out = {}
+    for name in names:
+        tensor = getattr(host, name)
+        dt = np.dtype(tensor.views[0].dtype)
+        raw = copy_rows(tensor.addrs, host.logical_pages(0), host.page_size,
+                        tensor.pages_per_block, tok, tensor.head_dim * dt.itemsize)
+        COUNTS["bytes"] += int(keep.sum()) * tensor.head_dim * dt.itemsize
+        out[name] = mx.array(raw.view(dt).reshape(tok.shape + (tensor.head_dim,)))
+    return out
+
+
+def add(rows: mx.array, extra: mx.array, ok: mx.array) -> mx.array:
+    """The kernel's ``rows`` (zeros on disk blocks) with the disk chunks' rows ``extra`` where
+    attended (``ok``): exact, each position holds one of the two or zero."""
+    return rows + mx.where(ok[..., None], extra.astype(rows.dtype), 0)
