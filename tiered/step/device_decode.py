@@ -234,7 +234,7 @@ class DeviceTables:
             for b in range(start, n):
                 addr = int(now[b])
                 if tensor.disk_index[b] >= 0:
-                    continue  # the page file's read-only mapping: read through HMM as it is
+                    continue  # the page file: the device gets the zero block (step.disk_rows)
                 if addr not in self._advised and addr not in tensor.prepared:
                     uva.advise_host(tensor.views[b])
                     self._advised.add(addr)
