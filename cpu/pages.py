@@ -188,6 +188,8 @@ class HostStore(PageReads):
                 ob, os_ = divmod(old, t.pages_per_block)
                 nb, ns = divmod(new, t.pages_per_block)
                 t.views[nb][ns] = t.views[ob][os_]
+                if t.dtype == "int8":
+                    t.scale_views[nb][ns] = t.scale_views[ob][os_]
             pages[-1] = new
             self._free.append(old)
             self._shrunk += 1  # logical_pages: an entry changed, not only appended

@@ -245,7 +245,32 @@ def test_tokens_fed_without_evaluation_decode_as_evaluated_ones():
         np.testing.assert_array_equal(x, y)
 
 
-def test_pages_on_the_disk_tier_decode_as_pages_in_ram(tmp_path, device_path, monkeypatch):
+def test_int8_pages_on_the_device_path_decode_as_on_the_cpu_gather_path(device_path):
+    """int8 host pages on the device path (written behind quantized, gathered dequantized into
+    float16, op by op): with every chunk selected it decodes as the CPU-gather path over the
+    same int8 pages (float32 rows there: the difference is float16's rounding of each row)."""
+    model = make_small_model("llama-gqa-d64", layers=2, seed=4)
+    steps = 40 if device_path == "cuda" else 12
+    ids = np.random.default_rng(9).integers(10, 49000, 600 + steps).tolist()
+    cfg = dict(gpu_budget="1GB", compress_from=1, tau=1.0, max_selected=4096,
+               min_selected=4096, host_dtype="int8", rescore="exact", kernels="mlx")
+    outs = []
+    for mode in ("off", "on"):
+        cache = TieredCache.for_model(model, device_gather=mode, **cfg)
+        model(mx.array([ids[:600]]), cache=cache)
+        got = [model(mx.array([[t]]), cache=cache) for t in ids[600:]]
+        layers = [c for c in cache if isinstance(c, TieredCache)]
+        on = [getattr(c.compressed, "_tables", None) is not None for c in layers]
+        assert all(on) if mode == "on" else not any(on)
+        outs.append(mx.concatenate(got, axis=1))
+        cache.close()
+    scale = mx.abs(outs[0]).max().item()
+    assert mx.abs(outs[0] - outs[1]).max().item() <= 2e-3 * scale
+
+
+@pytest.mark.parametrize("host_dtype", ["float32", "int8"])
+def test_pages_on_the_disk_tier_decode_as_pages_in_ram(tmp_path, device_path, monkeypatch,
+                                                       host_dtype):
     """The device path over a disk tier (tiered.step.disk_rows: the device reads zeros for disk
     blocks, the CPU adds the selected disk chunks' rows): a host budget of a few blocks, the
     older blocks on disk, decodes exactly as the same cache with every page in RAM, and what
@@ -256,11 +281,12 @@ def test_pages_on_the_disk_tier_decode_as_pages_in_ram(tmp_path, device_path, mo
     # summation order differs (a rounding that tips a later selection)
     monkeypatch.setattr(device_compiled, "why_not", lambda layer: "op by op in this test")
     model = make_small_model("llama-gqa-d64", layers=2, seed=2)
-    steps = 120 if device_path == "cuda" else 24  # the executor: ~0.5 s a token (a refresh at 16)
+    steps = 120 if device_path == "cuda" else 18  # the executor: ~0.5 s a token (a refresh at 16)
     ids = np.random.default_rng(8).integers(10, 49000, 1200 + steps).tolist()
-    cfg = dict(gpu_budget=0.25, page_size=64, recent=16, device_gather="on", kernels="mlx")
+    cfg = dict(gpu_budget=0.25, page_size=64, recent=16, device_gather="on", kernels="mlx",
+               host_dtype=host_dtype)
     runs = []
-    for budget in (None, "256KB"):
+    for budget in (None, "128KB" if host_dtype == "int8" else "256KB"):
         before = dict(disk_rows.COUNTS)
         cache = TieredCache.for_model(model, host_budget=budget, disk_dir=str(tmp_path), **cfg)
         model(mx.array([ids[:1200]]), cache=cache)

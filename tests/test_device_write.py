@@ -46,3 +46,46 @@ def test_write_one_writes_its_token_and_a_dry_launch_nothing(host_keys, device_p
         want[:, 17] = np.array(src)[0, :, 0]
         np.testing.assert_array_equal(store.read(k), want)
     store.close()
+
+
+def test_int8_pages_written_and_gathered_by_the_device_match_the_host_store(device_path):
+    """int8 host pages on the device path: the device quantizes the tokens it writes behind
+    exactly as the host store does (the same bytes and scales as the same tokens appended by
+    the CPU), and the chunk gather dequantizes into float16 what the CPU reads (the float32
+    product rounded once), zeros where a chunk is not selected."""
+    from tiered.step import device_decode
+    from tiered.step.device_decode import CHUNK, gather_chunks, write_tokens
+
+    H, d, P, n = 2, 64, 16, 70
+    rng = np.random.default_rng(3)
+    vals = rng.normal(size=(1, H, n, d)).astype(np.float16)
+    keys = (3 * rng.normal(size=(1, H, n, d))).astype(np.float16)
+    vals[0, 1, 5] = 0  # a zero row: scale 1
+    cpu = HostStore(H, d, page_size=P, dtype="int8", pages_per_block=2)
+    cpu.append(vals, keys)
+    dev = HostStore(H, d, page_size=P, dtype="int8", pages_per_block=2)
+    tables = DeviceTables()
+    for lo, hi in ((0, 40), (40, 41), (41, n)):  # a prompt chunk, a decode token, the rest
+        for t in write_tokens(tables, dev, mx.array(keys[:, :, lo:hi]), mx.array(vals[:, :, lo:hi])):
+            mx.eval(t)
+    dev.settle()
+    for name in ("values", "keys"):
+        a, b = getattr(cpu, name), getattr(dev, name)
+        for blk in range(len(a.views)):
+            np.testing.assert_array_equal(b.views[blk][:, :, :], a.views[blk][:, :, :])
+            np.testing.assert_array_equal(b.scale_views[blk], a.scale_views[blk])
+    idx = mx.array([[0, 3, 8, 0], [8, 2, 0, 0]], mx.int32)  # chunk 8 holds tokens 64..69
+    count = mx.array([3, 2], mx.int32)
+    flags = mx.zeros((H, n + 8), mx.uint8)
+    rows, ok = gather_chunks(tables, dev, dev.values, idx, count, flags)
+    rows, ok = np.array(rows), np.array(ok)
+    assert rows.dtype == np.float16 and rows.shape == (H, 4 * CHUNK, d)
+    tok = np.array(idx)[:, :, None] * CHUNK + np.arange(CHUNK)
+    live = (np.arange(4)[None, :, None] < np.array(count)[:, None, None]) & (tok < n)
+    want_tok = np.where(live, tok, -1).reshape(H, -1)
+    want = cpu.gather_rows("values", 0, want_tok).astype(np.float16)
+    np.testing.assert_array_equal(ok, want_tok >= 0)
+    np.testing.assert_array_equal(rows, want)
+    assert device_decode._kernels.get("gather_q8") is not None
+    cpu.close()
+    dev.close()

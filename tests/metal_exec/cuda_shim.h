@@ -128,6 +128,8 @@ struct alignas(4) __half2 {
 inline float2 __half22float2(__half2 h) { return float2{float(h.x), float(h.y)}; }
 inline float __half2float(__half h) { return float(h); }
 inline __half __float2half(float f) { return __half(f); }
+inline unsigned short __half_as_ushort(__half h) { return h.bits; }
+inline float __fdiv_rn(float a, float b) { return a / b; }  // IEEE division, as on the host
 inline float __uint_as_float(uint32_t u) { return tqx::bit_cast<float>(u); }
 inline uint32_t __float_as_uint(float f) { return tqx::bit_cast<uint32_t>(f); }
 inline float __int_as_float(int32_t i) { return tqx::bit_cast<float>(i); }

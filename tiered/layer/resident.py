@@ -324,7 +324,10 @@ class ResidentSet:
             # the GPU reads the promoted rows from the host pages in place (a CPU gather and
             # upload took most of a refresh's ~30 ms per layer)
             return self._device_rows(getattr(host, name), tok_d, counts_d)
-        return mx.array(host.gather_rows(name, 0, tokens)).astype(self.dtype)
+        rows = host.gather_rows(name, 0, tokens)
+        if self.on_device and getattr(host, name).dtype == "int8":
+            rows = rows.astype(np.float16)  # as the device path's dequantizing gather gives them
+        return mx.array(rows).astype(self.dtype)
 
     def _device_rows(self, tensor, tok: mx.array, counts: mx.array) -> mx.array:
         """Rows (H, m, d) of tokens tok (H, m) (the first counts[h] of row h; int32) read by

@@ -72,9 +72,9 @@ ROWS = [
      "to, picked by its last queries on the compressed keys (`None`: the decode selection cap; "
      "`0`: anchor and local blocks only; needs host keys)"),
     (("device_gather",), "CUDA and Metal: the GPU reads selected chunks from host pages in place "
-     "(not with `lookahead` or int8 pages; chunks on the disk tier come through the CPU, a wait "
-     "per such layer; on Metal the pages are slabs taken as kernel inputs); `\"on\"`: "
-     "required; `\"off\"`: CPU workers gather"),
+     "(not with `lookahead`; int8 pages dequantized by the gather, op by op; chunks on the disk "
+     "tier come through the CPU, a wait per such layer; on Metal the pages are slabs taken as "
+     "kernel inputs); `\"on\"`: required; `\"off\"`: CPU workers gather"),
     (("lookahead",), "accelerator + CPU gather: attend the last step's selection from a device "
      "buffer, no per-layer sync"),
     (("kernels",), "scoring and selection: `\"numba\"` (CPU backend) or `\"mlx\"` (GPUs); "

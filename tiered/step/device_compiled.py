@@ -85,6 +85,9 @@ def why_not(layer) -> str | None:
         return "keys are not codebook codes"
     if not kernel_supports(layer.keys.codes):
         return "codes do not fill whole 32-bit words"
+    host = layer.parent.host
+    if host is not None and host.values.dtype == "int8":
+        return "int8 host pages (gathered and dequantized op by op)"
     return None
 
 

@@ -39,7 +39,7 @@ DOOR_TOKENS = 16  # appends of up to this many tokens: the door runs in the appe
 # ROWB (bytes per row), WPR / WPC (16-byte words per row / chunk), ppb (pages per block),
 # addrs_t (the tensor's block addresses) and write_ok, it sets val to the word, zero where the
 # token is not attended, and writes ok.
-CHUNK_WORD = r"""
+CHUNK_SLOT = r"""
     if (tid >= (uint64_t)H * CAPC * WPC) return;
     const uint32_t h = tid / (CAPC * WPC);
     const uint32_t rem = tid % (CAPC * WPC);
@@ -50,6 +50,8 @@ CHUNK_WORD = r"""
     const bool attended =
         selected && t < n_host[0] && !flags[(uint64_t)h * flags_shape[1] + t];
     if (write_ok && w % WPR == 0) ok[(uint64_t)h * CAPC * C + slot * C + w / WPR] = attended;
+"""
+CHUNK_WORD = CHUNK_SLOT + r"""
     if (attended) {  // others stay zero (rows past the host pages were never written)
         const int64_t pp = pages[t / P];
         const uint64_t off = (((uint64_t)(pp % ppb) * H + h) * P + t % P) * ROWB
@@ -69,6 +71,51 @@ _GATHER = r"""
     const uint64_t* addrs_t = addrs;
 """ + CHUNK_WORD + r"""
     reinterpret_cast<uint4*>(out)[tid] = val;
+"""
+
+_GATHER_Q8 = r"""
+    // int8 host rows dequantized (row * its scale) into float16: one thread per 16-byte word
+    // of out (H, CAPC, C, D), i.e. 8 bytes of a row; otherwise as tiered_host_gather.
+    const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const uint32_t CAPC = idx_shape[1];
+    constexpr uint32_t WPR = D / 8, WPC = WPR * C, ppb = PPB;
+    constexpr bool write_ok = true;
+""" + CHUNK_SLOT + r"""
+    if (attended) {
+        const int64_t pp = pages[t / P];
+        const uint64_t row = ((uint64_t)(pp % ppb) * H + h) * P + t % P;
+        const uint2 raw = *reinterpret_cast<const uint2*>(addrs[pp / ppb] + row * D
+                                                           + (uint64_t)(w % WPR) * 8);
+        const float s = reinterpret_cast<const float*>(scales[pp / ppb])[row];
+        const signed char* q = reinterpret_cast<const signed char*>(&raw);
+        uint32_t wv[4];
+        for (int e = 0; e < 4; ++e)
+            wv[e] = (uint32_t)__half_as_ushort(__float2half((float)q[2 * e] * s))
+                    | ((uint32_t)__half_as_ushort(__float2half((float)q[2 * e + 1] * s)) << 16);
+        val = make_uint4(wv[0], wv[1], wv[2], wv[3]);
+    }
+    reinterpret_cast<uint4*>(out)[tid] = val;
+"""
+
+_WRITE_Q8 = r"""
+    // int8 pages: one thread per row of src (H, L, D) float32, token i of head h quantized as
+    // the host store does (scale = max|x| / 127, 1 for a zero row; q = rint(x / scale) within
+    // +-127) into slot slot[i] of physical page page[i], its scale beside it.
+    const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const uint32_t L = src_shape[1];
+    if (tid >= (uint64_t)H * L) return;
+    const uint32_t h = tid / L, i = tid % L;
+    const float* x = src + ((uint64_t)h * L + i) * D;
+    float amax = 0.0f;
+    for (uint32_t e = 0; e < D; ++e) amax = fmaxf(amax, fabsf(x[e]));
+    const float s = amax > 0.0f ? __fdiv_rn(amax, 127.0f) : 1.0f;
+    const int64_t pp = page[i];
+    const uint64_t row = ((uint64_t)(pp % PPB) * H + h) * P + slot[i];
+    signed char* dst = reinterpret_cast<signed char*>(addrs[pp / PPB] + row * D);
+    for (uint32_t e = 0; e < D; ++e)
+        dst[e] = (signed char)fminf(fmaxf(rintf(__fdiv_rn(x[e], s)), -127.0f), 127.0f);
+    reinterpret_cast<float*>(scales[pp / PPB])[row] = s;
+    if (tid == 0) done[0] = 1;
 """
 
 _WRITE = r"""
@@ -151,6 +198,17 @@ def _kernel(name: str):
                 name="tiered_host_gather",
                 input_names=["idx", "count", "pages", "addrs", "flags", "n_host", "after"],
                 output_names=["out", "ok"], source=compact(_GATHER))
+        elif name == "gather_q8":
+            _kernels[name] = cuda_kernel(
+                name="tiered_host_gather_q8",
+                input_names=["idx", "count", "pages", "addrs", "scales", "flags", "n_host",
+                             "after"],
+                output_names=["out", "ok"], source=compact(_GATHER_Q8))
+        elif name == "write_q8":
+            _kernels[name] = cuda_kernel(
+                name="tiered_host_write_q8",
+                input_names=["src", "page", "slot", "addrs", "scales", "after"],
+                output_names=["done"], source=compact(_WRITE_Q8))
         elif name == "door":
             _kernels[name] = cuda_kernel(
                 name="tiered_door", input_names=["keys", "values", "prev", "start"],
@@ -175,8 +233,6 @@ def supported(layer) -> str | None:
         return "not on MLX's CUDA backend"
     if host is None:
         return "no host pages"
-    if host.values.dtype == "int8":
-        return "int8 host values (scales are not gathered on the device)"
     if host.page_size % CHUNK:
         return f"page_size {host.page_size} is not a multiple of {CHUNK}"
     if (host.value_dim * np.dtype(host.values.dtype).itemsize) % 16:
@@ -218,13 +274,23 @@ class DeviceTables:
         self._advised: set[int] = set()
         self._checked: dict[int, np.ndarray] = {}  # per tensor: the addresses advised so far
 
-    def addrs(self, tensor, width: int | None = None) -> mx.array:
+    def addrs(self, tensor, width: int | None = None, scales: bool = False) -> mx.array:
         """The block addresses (uint64 pairs); ``width``: padded with zeros to that many blocks
-        (a shape kept while blocks are added)."""
+        (a shape kept while blocks are added); ``scales``: of an int8 tensor's scale blocks."""
         n = len(tensor.addrs)
         key = (n, tensor.moves)  # a block moved to the disk tier changes its address
-        got = self._addrs.get((id(tensor), width))
+        got = self._addrs.get((id(tensor), width, scales))
         if got is None or got[0] != key:
+            if scales:
+                got = (key, _address_upload(disk_rows.device_addresses(
+                    tensor, np.array(tensor.scale_addrs[:n], np.uint64), scales=True)))
+                for b in range(n):
+                    addr = int(tensor.scale_addrs[b])
+                    if tensor.disk_index[b] < 0 and addr not in self._advised:
+                        uva.advise_host(tensor.scale_views[b])
+                        self._advised.add(addr)
+                self._addrs[(id(tensor), width, scales)] = got
+                return got[1]
             # blocks allocated from now on are advised by the block maker's thread
             tensor.prepare = uva.advise_host
             now = np.array(tensor.addrs[:n], np.uint64)
@@ -243,7 +309,7 @@ class DeviceTables:
             if width is not None and width > n:
                 addrs = np.concatenate([addrs, np.zeros(width - n, np.uint64)])
             got = (key, _address_upload(addrs))
-            self._addrs[(id(tensor), width)] = got
+            self._addrs[(id(tensor), width, scales)] = got
         return got[1]
 
     def pages(self, host, width: int | None = None) -> mx.array:
@@ -315,6 +381,9 @@ def write_tokens(tables: DeviceTables, host, keys: mx.array, values: mx.array) -
     for tensor, x in ((host.values, values), (host.keys, keys)):
         if tensor is None:
             continue
+        if tensor.dtype == "int8":
+            out.append(_write_q8(tables, host, tensor, ops.batch0(x), page, slot))
+            continue
         x = ops.batch0(x).astype(host_mx_dtype(tensor.dtype))
         row = x.shape[-1] * x.dtype.size
         (done,) = _kernel("write")(
@@ -326,6 +395,20 @@ def write_tokens(tables: DeviceTables, host, keys: mx.array, values: mx.array) -
         out.append(done)
         host.device_op(done)  # the keys' write comes after the values' (both are tiny)
     return out
+
+
+def _write_q8(tables: DeviceTables, host, tensor, x: mx.array, page, slot) -> mx.array:
+    """Queue the write of tokens x (H, L, d) into int8 pages, quantized there (a thread per
+    row: its scale, then its bytes); returns the launch's output (recorded as the fence)."""
+    H, L, d = x.shape
+    (done,) = _kernel("write_q8")(
+        inputs=[x.astype(mx.float32), page, slot, tables.addrs(tensor),
+                tables.addrs(tensor, scales=True), page_fence(host)],
+        output_shapes=[(1,)], output_dtypes=[mx.int32],
+        grid=(-(-H * L // 64) * 64, 1, 1), threadgroup=(64, 1, 1),
+        template=[("H", H), ("P", host.page_size), ("PPB", tensor.pages_per_block), ("D", d)])
+    host.device_op(done)
+    return done
 
 
 def page_fence(host) -> mx.array:
@@ -362,6 +445,8 @@ def gather_chunks(tables: DeviceTables, host, tensor, idx: mx.array, count: mx.a
     inputs); the caller then records ``ok`` as the pages' fence (HostStore.device_op)."""
     H, capc = idx.shape
     d = tensor.head_dim
+    if tensor.dtype == "int8":
+        return _gather_q8(tables, host, tensor, idx, count, flags, chunk, where)
     dtype = host_mx_dtype(tensor.dtype)
     row = d * dtype.size
     own = where is None
@@ -378,6 +463,26 @@ def gather_chunks(tables: DeviceTables, host, tensor, idx: mx.array, count: mx.a
                   ("PPB", tensor.pages_per_block), ("ROW_BYTES", row)])
     if own:
         host.device_op(ok)  # a sibling: evaluated with the rows, and small to keep
+    return out, ok
+
+
+def _gather_q8(tables, host, tensor, idx, count, flags, chunk, where):
+    """gather_chunks of an int8 tensor: the rows dequantized into float16 by the kernel (the
+    op-by-op step only: a compiled step's ``where`` holds no scale blocks)."""
+    if where is not None:
+        raise ValueError("int8 host pages are gathered op by op (no compiled step)")
+    H, capc = idx.shape
+    d = tensor.head_dim
+    out, ok = _kernel("gather_q8")(
+        inputs=[idx, count, tables.pages(host), tables.addrs(tensor),
+                tables.addrs(tensor, scales=True), flags, device_ints(host.length),
+                page_fence(host)],
+        output_shapes=[(H, capc * chunk, d), (H, capc * chunk)],
+        output_dtypes=[mx.float16, mx.bool_],
+        grid=(-(-H * capc * chunk * d // 8 // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
+        template=[("H", H), ("C", chunk), ("P", host.page_size),
+                  ("PPB", tensor.pages_per_block), ("D", d)])
+    host.device_op(ok)
     return out, ok
 
 

@@ -91,7 +91,11 @@ def decode(layer, queries, scale, sinks, tables: DeviceTables):
     names = ("keys", "values") if cfg.rescore == "exact" else ("values",)
     extra = disk_rows.read(host, idx, count, CHUNK, names) if disk else None
     if cfg.rescore == "exact":
-        keys, vals, ok = device_attend.gather_kv(tables, host, idx, count, layer.flags)
+        if host.values.dtype == "int8":  # dequantized by the gather, one launch per tensor
+            keys, ok = gather_chunks(tables, host, host.keys, idx, count, layer.flags)
+            vals, _ = gather_chunks(tables, host, host.values, idx, count, layer.flags)
+        else:
+            keys, vals, ok = device_attend.gather_kv(tables, host, idx, count, layer.flags)
         if extra is not None:
             keys, vals = (disk_rows.add(keys, extra["keys"], ok),
                           disk_rows.add(vals, extra["values"], ok))

@@ -34,29 +34,30 @@ COUNTS = {"layer_steps": 0, "chunks": 0, "bytes": 0}
 _ZERO: dict = {}
 
 
-def zero_block(tensor) -> int:
-    """The address of a block of zeros shaped as ``tensor``'s blocks, readable by the device
+def zero_block(shape: tuple, dtype: str) -> int:
+    """The address of a block of zeros of this shape and dtype, readable by the device
     (managed memory kept on the host and mapped), made once per shape and dtype."""
-    key = (tuple(tensor.block_shape), tensor.dtype)
+    key = (tuple(shape), dtype)
     got = _ZERO.get(key)
     if got is None:
-        arr = block_alloc.full_block(tensor.block_shape, tensor.dtype, 0)
+        arr = block_alloc.full_block(shape, dtype, 0)
         mx.eval(arr)
-        view = np_view(arr, tensor.block_shape)
+        view = np_view(arr, shape)
         if uva.available():
             uva.advise_host(view)
         got = _ZERO[key] = (arr, view, int(view.ctypes.data))
     return got[2]
 
 
-def device_addresses(tensor, addrs: np.ndarray) -> np.ndarray:
-    """``addrs`` (the tensor's block addresses, uint64) with every disk block's replaced by
-    the zero block's."""
+def device_addresses(tensor, addrs: np.ndarray, scales: bool = False) -> np.ndarray:
+    """``addrs`` (the tensor's block addresses, uint64, or its scale blocks' with ``scales``)
+    with every disk block's replaced by the zero block's."""
     disk = np.asarray(tensor.disk_index[: len(addrs)]) >= 0
     if not disk.any():
         return addrs
     out = addrs.copy()
-    out[disk] = zero_block(tensor)
+    shape = tensor.block_shape[:-1] if scales else tensor.block_shape
+    out[disk] = zero_block(shape, "float32" if scales else tensor.dtype)
     return out
 
 
@@ -90,6 +91,11 @@ def read(host, idx: mx.array, count: mx.array, chunk: int, names: tuple) -> dict
     out = {}
     for name in names:
         tensor = getattr(host, name)
+        if tensor.dtype == "int8":  # dequantized by the store (it waits for queued writes)
+            rows = host.gather_rows(name, 0, tok)
+            COUNTS["bytes"] += int(keep.sum()) * (tensor.head_dim + 4)
+            out[name] = mx.array(rows)
+            continue
         dt = np.dtype(tensor.views[0].dtype)
         raw = copy_rows(tensor.addrs, host.logical_pages(0), host.page_size,
                         tensor.pages_per_block, tok, tensor.head_dim * dt.itemsize)
