@@ -58,11 +58,13 @@ class PageReads:
             out[sel] = rows
         return out
 
-    def gather_rows(self, kind: str, b: int, tokens: np.ndarray) -> np.ndarray:
+    def gather_rows(self, kind: str, b: int, tokens: np.ndarray, wait: bool = True) -> np.ndarray:
         """(H, m, d) rows of tokens (H, m) (kv head h's row of token tokens[h, i]; -1 gives
         zeros) in the storage dtype: float16 and float32 rows are copied as stored, with no
-        conversion; int8 rows come dequantized, as float32."""
-        self.settle()
+        conversion; int8 rows come dequantized, as float32. ``wait=False``: without waiting for
+        queued device work on the pages (rows no device writes: the disk tier's)."""
+        if wait:
+            self.settle()
         self.check_disk()
         tensor = self._tensor(kind)
         tokens = np.asarray(tokens)

@@ -53,7 +53,7 @@ def test_int8_pages_written_and_gathered_by_the_device_match_the_host_store(devi
     exactly as the host store does (the same bytes and scales as the same tokens appended by
     the CPU), and the chunk gather dequantizes into float16 what the CPU reads (the float32
     product rounded once), zeros where a chunk is not selected."""
-    from tiered.step import device_decode
+    from tiered.step import device_q8
     from tiered.step.device_decode import CHUNK, gather_chunks, write_tokens
 
     H, d, P, n = 2, 64, 16, 70
@@ -86,6 +86,6 @@ def test_int8_pages_written_and_gathered_by_the_device_match_the_host_store(devi
     want = cpu.gather_rows("values", 0, want_tok).astype(np.float16)
     np.testing.assert_array_equal(ok, want_tok >= 0)
     np.testing.assert_array_equal(rows, want)
-    assert device_decode._kernels.get("gather_q8") is not None
+    assert device_q8._kernels.get("gather") is not None
     cpu.close()
     dev.close()

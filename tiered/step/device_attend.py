@@ -24,7 +24,8 @@ from ..metal import accelerator, device_ints
 from ..metal.compact import compact
 from ..metal.ptx_cache import cuda_kernel
 from .attend_reference import approx_attend_ops
-from .device_decode import CHUNK, CHUNK_WORD, DeviceTables, host_mx_dtype, kept, page_fence
+from .chunk_word import CHUNK_WORD, page_fence
+from .device_decode import CHUNK, DeviceTables, host_mx_dtype, kept
 
 _GATHER_KV = r"""
     // grid.y selects the tensor (0 keys, 1 values); one thread per 16-byte word of its out

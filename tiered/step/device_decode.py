@@ -25,7 +25,8 @@ from ..metal import device_ints
 from ..metal.compact import compact
 from ..metal.ptx_cache import cuda_kernel
 from ..runtime import dispatch, ops, staging, uva
-from . import disk_rows
+from . import device_q8, disk_rows
+from .chunk_word import CHUNK_WORD, page_fence
 
 # The door's lazy flag: no non-finite position seen. A power of two: MLX passes a kernel's
 # init_value as a float, and INT32_MAX is not one (it came back as INT32_MIN).
@@ -34,31 +35,6 @@ NO_BAD = 1 << 30
 CHUNK = 8  # tokens per selected chunk (Quest / ShadowKV use 8-16)
 SMALL_WRITE = 16  # tokens a write takes its page and slot ids for from the kept arrays
 DOOR_TOKENS = 16  # appends of up to this many tokens: the door runs in the append's call
-
-# The body both gather kernels share (this one and device_attend's keys + values): given tid,
-# ROWB (bytes per row), WPR / WPC (16-byte words per row / chunk), ppb (pages per block),
-# addrs_t (the tensor's block addresses) and write_ok, it sets val to the word, zero where the
-# token is not attended, and writes ok.
-CHUNK_SLOT = r"""
-    if (tid >= (uint64_t)H * CAPC * WPC) return;
-    const uint32_t h = tid / (CAPC * WPC);
-    const uint32_t rem = tid % (CAPC * WPC);
-    const uint32_t slot = rem / WPC, w = rem % WPC;
-    uint4 val = make_uint4(0u, 0u, 0u, 0u);
-    const bool selected = (int)slot < count[h];
-    const int64_t t = selected ? (int64_t)idx[h * CAPC + slot] * C + w / WPR : -1;
-    const bool attended =
-        selected && t < n_host[0] && !flags[(uint64_t)h * flags_shape[1] + t];
-    if (write_ok && w % WPR == 0) ok[(uint64_t)h * CAPC * C + slot * C + w / WPR] = attended;
-"""
-CHUNK_WORD = CHUNK_SLOT + r"""
-    if (attended) {  // others stay zero (rows past the host pages were never written)
-        const int64_t pp = pages[t / P];
-        const uint64_t off = (((uint64_t)(pp % ppb) * H + h) * P + t % P) * ROWB
-                             + (uint64_t)(w % WPR) * 16;
-        val = *reinterpret_cast<const uint4*>(addrs_t[pp / ppb] + off);
-    }
-"""
 
 _GATHER = r"""
     // One thread per 16-byte word of out (H, CAPC, C, ROW_BYTES): chunk idx[h, slot] of
@@ -71,51 +47,6 @@ _GATHER = r"""
     const uint64_t* addrs_t = addrs;
 """ + CHUNK_WORD + r"""
     reinterpret_cast<uint4*>(out)[tid] = val;
-"""
-
-_GATHER_Q8 = r"""
-    // int8 host rows dequantized (row * its scale) into float16: one thread per 16-byte word
-    // of out (H, CAPC, C, D), i.e. 8 bytes of a row; otherwise as tiered_host_gather.
-    const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    const uint32_t CAPC = idx_shape[1];
-    constexpr uint32_t WPR = D / 8, WPC = WPR * C, ppb = PPB;
-    constexpr bool write_ok = true;
-""" + CHUNK_SLOT + r"""
-    if (attended) {
-        const int64_t pp = pages[t / P];
-        const uint64_t row = ((uint64_t)(pp % ppb) * H + h) * P + t % P;
-        const uint2 raw = *reinterpret_cast<const uint2*>(addrs[pp / ppb] + row * D
-                                                           + (uint64_t)(w % WPR) * 8);
-        const float s = reinterpret_cast<const float*>(scales[pp / ppb])[row];
-        const signed char* q = reinterpret_cast<const signed char*>(&raw);
-        uint32_t wv[4];
-        for (int e = 0; e < 4; ++e)
-            wv[e] = (uint32_t)__half_as_ushort(__float2half((float)q[2 * e] * s))
-                    | ((uint32_t)__half_as_ushort(__float2half((float)q[2 * e + 1] * s)) << 16);
-        val = make_uint4(wv[0], wv[1], wv[2], wv[3]);
-    }
-    reinterpret_cast<uint4*>(out)[tid] = val;
-"""
-
-_WRITE_Q8 = r"""
-    // int8 pages: one thread per row of src (H, L, D) float32, token i of head h quantized as
-    // the host store does (scale = max|x| / 127, 1 for a zero row; q = rint(x / scale) within
-    // +-127) into slot slot[i] of physical page page[i], its scale beside it.
-    const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    const uint32_t L = src_shape[1];
-    if (tid >= (uint64_t)H * L) return;
-    const uint32_t h = tid / L, i = tid % L;
-    const float* x = src + ((uint64_t)h * L + i) * D;
-    float amax = 0.0f;
-    for (uint32_t e = 0; e < D; ++e) amax = fmaxf(amax, fabsf(x[e]));
-    const float s = amax > 0.0f ? __fdiv_rn(amax, 127.0f) : 1.0f;
-    const int64_t pp = page[i];
-    const uint64_t row = ((uint64_t)(pp % PPB) * H + h) * P + slot[i];
-    signed char* dst = reinterpret_cast<signed char*>(addrs[pp / PPB] + row * D);
-    for (uint32_t e = 0; e < D; ++e)
-        dst[e] = (signed char)fminf(fmaxf(rintf(__fdiv_rn(x[e], s)), -127.0f), 127.0f);
-    reinterpret_cast<float*>(scales[pp / PPB])[row] = s;
-    if (tid == 0) done[0] = 1;
 """
 
 _WRITE = r"""
@@ -198,17 +129,6 @@ def _kernel(name: str):
                 name="tiered_host_gather",
                 input_names=["idx", "count", "pages", "addrs", "flags", "n_host", "after"],
                 output_names=["out", "ok"], source=compact(_GATHER))
-        elif name == "gather_q8":
-            _kernels[name] = cuda_kernel(
-                name="tiered_host_gather_q8",
-                input_names=["idx", "count", "pages", "addrs", "scales", "flags", "n_host",
-                             "after"],
-                output_names=["out", "ok"], source=compact(_GATHER_Q8))
-        elif name == "write_q8":
-            _kernels[name] = cuda_kernel(
-                name="tiered_host_write_q8",
-                input_names=["src", "page", "slot", "addrs", "scales", "after"],
-                output_names=["done"], source=compact(_WRITE_Q8))
         elif name == "door":
             _kernels[name] = cuda_kernel(
                 name="tiered_door", input_names=["keys", "values", "prev", "start"],
@@ -272,7 +192,7 @@ class DeviceTables:
         self._addrs: dict[int, tuple[int, mx.array]] = {}
         self._pages: tuple[np.ndarray, mx.array] | None = None
         self._advised: set[int] = set()
-        self._checked: dict[int, np.ndarray] = {}  # per tensor: the addresses advised so far
+        self._checked: dict = {}  # per (tensor, scales): the addresses advised so far
 
     def addrs(self, tensor, width: int | None = None, scales: bool = False) -> mx.array:
         """The block addresses (uint64 pairs); ``width``: padded with zeros to that many blocks
@@ -281,20 +201,13 @@ class DeviceTables:
         key = (n, tensor.moves)  # a block moved to the disk tier changes its address
         got = self._addrs.get((id(tensor), width, scales))
         if got is None or got[0] != key:
-            if scales:
-                got = (key, _address_upload(disk_rows.device_addresses(
-                    tensor, np.array(tensor.scale_addrs[:n], np.uint64), scales=True)))
-                for b in range(n):
-                    addr = int(tensor.scale_addrs[b])
-                    if tensor.disk_index[b] < 0 and addr not in self._advised:
-                        uva.advise_host(tensor.scale_views[b])
-                        self._advised.add(addr)
-                self._addrs[(id(tensor), width, scales)] = got
-                return got[1]
-            # blocks allocated from now on are advised by the block maker's thread
+            # blocks allocated from now on are advised by the block maker's thread (int8 and
+            # its scale blocks are never allocated ahead)
             tensor.prepare = uva.advise_host
-            now = np.array(tensor.addrs[:n], np.uint64)
-            before = self._checked.get(id(tensor))
+            src, views = ((tensor.scale_addrs, tensor.scale_views) if scales
+                          else (tensor.addrs, tensor.views))
+            now = np.array(src[:n], np.uint64)
+            before = self._checked.get((id(tensor), scales))
             start = len(before) if before is not None and len(before) <= n and \
                 np.array_equal(before, now[: len(before)]) else 0  # only new blocks to look at
             for b in range(start, n):
@@ -302,10 +215,10 @@ class DeviceTables:
                 if tensor.disk_index[b] >= 0:
                     continue  # the page file: the device gets the zero block (step.disk_rows)
                 if addr not in self._advised and addr not in tensor.prepared:
-                    uva.advise_host(tensor.views[b])
+                    uva.advise_host(views[b])
                     self._advised.add(addr)
-            self._checked[id(tensor)] = now
-            addrs = disk_rows.device_addresses(tensor, now)  # disk blocks: the zero block
+            self._checked[(id(tensor), scales)] = now
+            addrs = disk_rows.device_addresses(tensor, now, scales)  # disk: the zero block
             if width is not None and width > n:
                 addrs = np.concatenate([addrs, np.zeros(width - n, np.uint64)])
             got = (key, _address_upload(addrs))
@@ -382,7 +295,7 @@ def write_tokens(tables: DeviceTables, host, keys: mx.array, values: mx.array) -
         if tensor is None:
             continue
         if tensor.dtype == "int8":
-            out.append(_write_q8(tables, host, tensor, ops.batch0(x), page, slot))
+            out.append(device_q8.write(tables, host, tensor, ops.batch0(x), page, slot))
             continue
         x = ops.batch0(x).astype(host_mx_dtype(tensor.dtype))
         row = x.shape[-1] * x.dtype.size
@@ -395,26 +308,6 @@ def write_tokens(tables: DeviceTables, host, keys: mx.array, values: mx.array) -
         out.append(done)
         host.device_op(done)  # the keys' write comes after the values' (both are tiny)
     return out
-
-
-def _write_q8(tables: DeviceTables, host, tensor, x: mx.array, page, slot) -> mx.array:
-    """Queue the write of tokens x (H, L, d) into int8 pages, quantized there (a thread per
-    row: its scale, then its bytes); returns the launch's output (recorded as the fence)."""
-    H, L, d = x.shape
-    (done,) = _kernel("write_q8")(
-        inputs=[x.astype(mx.float32), page, slot, tables.addrs(tensor),
-                tables.addrs(tensor, scales=True), page_fence(host)],
-        output_shapes=[(1,)], output_dtypes=[mx.int32],
-        grid=(-(-H * L // 64) * 64, 1, 1), threadgroup=(64, 1, 1),
-        template=[("H", H), ("P", host.page_size), ("PPB", tensor.pages_per_block), ("D", d)])
-    host.device_op(done)
-    return done
-
-
-def page_fence(host) -> mx.array:
-    """The input that orders a kernel on ``host``'s pages after the ones queued before it
-    (cpu.pages.HostStore.device_op)."""
-    return device_ints(0) if host.fence is None else host.fence
 
 
 DOOR_BLOCKS = 2048  # a prompt chunk's door: blocks of 128 threads, a token each in turn
@@ -446,7 +339,7 @@ def gather_chunks(tables: DeviceTables, host, tensor, idx: mx.array, count: mx.a
     H, capc = idx.shape
     d = tensor.head_dim
     if tensor.dtype == "int8":
-        return _gather_q8(tables, host, tensor, idx, count, flags, chunk, where)
+        return device_q8.gather(tables, host, tensor, idx, count, flags, chunk, where)
     dtype = host_mx_dtype(tensor.dtype)
     row = d * dtype.size
     own = where is None
@@ -463,26 +356,6 @@ def gather_chunks(tables: DeviceTables, host, tensor, idx: mx.array, count: mx.a
                   ("PPB", tensor.pages_per_block), ("ROW_BYTES", row)])
     if own:
         host.device_op(ok)  # a sibling: evaluated with the rows, and small to keep
-    return out, ok
-
-
-def _gather_q8(tables, host, tensor, idx, count, flags, chunk, where):
-    """gather_chunks of an int8 tensor: the rows dequantized into float16 by the kernel (the
-    op-by-op step only: a compiled step's ``where`` holds no scale blocks)."""
-    if where is not None:
-        raise ValueError("int8 host pages are gathered op by op (no compiled step)")
-    H, capc = idx.shape
-    d = tensor.head_dim
-    out, ok = _kernel("gather_q8")(
-        inputs=[idx, count, tables.pages(host), tables.addrs(tensor),
-                tables.addrs(tensor, scales=True), flags, device_ints(host.length),
-                page_fence(host)],
-        output_shapes=[(H, capc * chunk, d), (H, capc * chunk)],
-        output_dtypes=[mx.float16, mx.bool_],
-        grid=(-(-H * capc * chunk * d // 8 // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
-        template=[("H", H), ("C", chunk), ("P", host.page_size),
-                  ("PPB", tensor.pages_per_block), ("D", d)])
-    host.device_op(ok)
     return out, ok
 
 

@@ -10,7 +10,7 @@ whole file in RAM (bench/probes/disk_uva_probe.py). So the device never reads th
   attended (``ok`` depends on the selection, the flags and the length, not on the bytes);
 - a layer whose store has disk blocks waits for its selection (a sync per such layer and
   token), the CPU copies the selected disk chunks' rows out of the mapping with the store's
-  Numba row copy (the OS page cache, or the disk), and the rows are added to what the kernel
+  gather (the OS page cache, or the disk), and the rows are added to what the kernel
   gathered: exact, since the kernel's rows are zeros there and these rows are zeros elsewhere.
 
 New pages are always in RAM blocks where the device writes (``HostStore.device_writes``), and the
@@ -25,7 +25,6 @@ import numpy as np
 
 from ..cpu import block_alloc
 from ..cpu.block_maker import np_view
-from ..cpu.paged_rows import copy_rows
 from ..runtime import dispatch, uva
 
 # per process: layer-steps that read disk rows, chunks read, and their bytes
@@ -85,22 +84,14 @@ def read(host, idx: mx.array, count: mx.array, chunk: int, names: tuple) -> dict
     keep = tok >= 0
     if not keep.any():
         return None
-    host.check_disk()
     COUNTS["layer_steps"] += 1
     COUNTS["chunks"] += int(keep.sum()) // chunk
     out = {}
     for name in names:
         tensor = getattr(host, name)
-        if tensor.dtype == "int8":  # dequantized by the store (it waits for queued writes)
-            rows = host.gather_rows(name, 0, tok)
-            COUNTS["bytes"] += int(keep.sum()) * (tensor.head_dim + 4)
-            out[name] = mx.array(rows)
-            continue
-        dt = np.dtype(tensor.views[0].dtype)
-        raw = copy_rows(tensor.addrs, host.logical_pages(0), host.page_size,
-                        tensor.pages_per_block, tok, tensor.head_dim * dt.itemsize)
-        COUNTS["bytes"] += int(keep.sum()) * tensor.head_dim * dt.itemsize
-        out[name] = mx.array(raw.view(dt).reshape(tok.shape + (tensor.head_dim,)))
+        out[name] = mx.array(host.gather_rows(name, 0, tok, wait=False))  # int8: dequantized
+        scale = 4 if tensor.dtype == "int8" else 0  # a float32 scale per int8 row
+        COUNTS["bytes"] += int(keep.sum()) * (tensor.head_dim * tensor.views[0].itemsize + scale)
     return out
 
 
