@@ -2,7 +2,8 @@
 (tests/test_shard.py compares them with one process's KVCache). Also a plain script:
 ``python tests/shard_worker.py --out tokens.json`` with one rank.
 
---die-after K: rank 1 exits after K decode steps (the other ranks must then raise ShardError)."""
+--die-after K: rank 1 exits after K decode steps (the other ranks must then raise ShardError).
+--turns: the document read in turns, each rank its own shard (ShardedCacheList.read)."""
 
 from __future__ import annotations
 
@@ -18,15 +19,18 @@ import tiered  # noqa: E402,F401  (optimized BLAS before mlx)
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tiered.shard import ShardedCache, ShardError  # noqa: E402
+from tiered.shard import ShardedCache, ShardError, init_group  # noqa: E402
 
 
 def greedy(model, prompt, cache, steps: int, chunk: int, die_after: int | None = None,
-           rank: int = 0) -> list[int]:
-    for i in range(0, len(prompt) - 1, chunk):
-        model(mx.array(prompt[i : min(i + chunk, len(prompt) - 1)])[None], cache=cache)
-    if hasattr(cache, "finish_prefill"):
-        cache.finish_prefill()
+           rank: int = 0, turns: bool = False) -> list[int]:
+    if turns:  # each rank reads its own shard, in rank order
+        cache.read(model, prompt[:-1], step=chunk, progress=False)
+    else:  # every rank runs the model on every chunk
+        for i in range(0, len(prompt) - 1, chunk):
+            model(mx.array(prompt[i : min(i + chunk, len(prompt) - 1)])[None], cache=cache)
+        if hasattr(cache, "finish_prefill"):
+            cache.finish_prefill()
     tok, out = prompt[-1], []
     for step in range(steps):
         if die_after is not None and step == die_after and rank == 1:
@@ -35,6 +39,15 @@ def greedy(model, prompt, cache, steps: int, chunk: int, die_after: int | None =
         tok = int(mx.argmax(logits[0, -1]).item())
         out.append(tok)
     return out
+
+
+def niced_threads() -> int:
+    """This process's threads at nice 19 (tiered.shard.init_group's for the ring's threads)."""
+    count = 0
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            count += int(f.read().rsplit(")", 1)[1].split()[16]) == 19
+    return count
 
 
 def main() -> int:
@@ -46,6 +59,8 @@ def main() -> int:
     p.add_argument("--die-after", type=int, default=None)
     p.add_argument("--budget", type=float, default=1.0, help="gpu_budget of each rank's shard")
     p.add_argument("--options", default="{}", help="TieredConfig options as JSON (budget < 1)")
+    p.add_argument("--turns", action="store_true",
+                   help="read the document in turns (ShardedCacheList.read)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     if a.model == "small":
@@ -55,11 +70,12 @@ def main() -> int:
     else:
         model, _ = tiered.load()
     prompt = np.random.default_rng(11).integers(10, 1000, size=a.tokens).tolist()
-    group = mx.distributed.init()
+    group = init_group()
     cache = ShardedCache.for_model(model, document_tokens=a.tokens - 1, group=group,
                                    gpu_budget=a.budget, **json.loads(a.options))
     try:
-        tokens = greedy(model, prompt, cache, a.steps, a.chunk, a.die_after, group.rank())
+        tokens = greedy(model, prompt, cache, a.steps, a.chunk, a.die_after, group.rank(),
+                        a.turns)
     except ShardError as e:
         with open(f"{a.out}.rank{group.rank()}.error", "w") as f:
             f.write(str(e))
@@ -67,7 +83,7 @@ def main() -> int:
     with open(f"{a.out}.rank{group.rank()}", "w") as f:
         json.dump({"tokens": tokens, "held": cache[0].held_tokens, "bounds": cache[0].bounds,
                    "phases": sorted({getattr(c.local, "phase", "exact") for c in cache}),
-                   "bytes": cache.tier_bytes()}, f)
+                   "bytes": cache.tier_bytes(), "niced_threads": niced_threads()}, f)
     return 0
 
 

@@ -137,22 +137,29 @@ def _ring(tmp_path, ranks, *args, timeout=120):
     return codes, time.perf_counter() - t0, [p.stdout.read().decode()[-2000:] for p in procs]
 
 
-def test_two_processes_decode_as_one_process_kvcache(small, tmp_path):
+@pytest.mark.parametrize("ranks,turns", [(2, False), (2, True), (3, True)])
+def test_processes_decode_as_one_process_kvcache(small, tmp_path, ranks, turns):
+    """Every rank running the model on every chunk, or the document read in turns (each rank
+    its own shard, the ranks before it answering: with 3 ranks, rank 0 answers two turns)."""
     prompt = _prompt()
     ref = _greedy(small, prompt, [KVCache() for _ in small.layers])
-    codes, _, logs = _ring(tmp_path, 2)
-    assert codes == [0, 0], logs
-    got = [json.loads((tmp_path / f"t.rank{r}").read_text()) for r in range(2)]
-    assert got[0]["tokens"] == got[1]["tokens"] == ref
-    # each rank holds its shard: the first half of the prompt, the rest and the decoded tokens
-    assert got[0]["held"] == 150 and got[1]["held"] == 299 - 150 + 8
+    codes, _, logs = _ring(tmp_path, ranks, *(["--turns"] if turns else []))
+    assert codes == [0] * ranks, logs
+    got = [json.loads((tmp_path / f"t.rank{r}").read_text()) for r in range(ranks)]
+    assert all(g["tokens"] == ref for g in got)
+    # each rank holds its shard of the prompt; the last one also the decoded tokens
+    bounds = shard_bounds(299, ranks) + [299]
+    held = [b - a for a, b in zip(bounds, bounds[1:])]
+    held[-1] += 8
+    assert [g["held"] for g in got] == held
 
 
-def test_two_processes_with_compressed_tiered_shards(small, tmp_path):
+@pytest.mark.parametrize("turns", [False, True])
+def test_two_processes_with_compressed_tiered_shards(small, tmp_path, turns):
     prompt = _prompt(600)
     ref = _greedy(small, prompt, [KVCache() for _ in small.layers])
     codes, _, logs = _ring(tmp_path, 2, "--tokens", "600", "--budget", "0.25", "--options",
-                           json.dumps(EVERY_TOKEN))
+                           json.dumps(EVERY_TOKEN), *(["--turns"] if turns else []))
     assert codes == [0, 0], logs
     got = [json.loads((tmp_path / f"t.rank{r}").read_text()) for r in range(2)]
     assert got[0]["phases"] == got[1]["phases"] == ["compressed"]
@@ -178,3 +185,5 @@ def test_mlx_launch_runs_the_worker(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     got = [json.loads((tmp_path / f"t.rank{r}").read_text()) for r in range(2)]
     assert got[0]["tokens"] == got[1]["tokens"]
+    # the ring's polling threads yield to the other rank's work (tiered.shard.group)
+    assert all(g["niced_threads"] >= 2 for g in got)

@@ -1,20 +1,19 @@
 """``tiered run`` under ``mlx.launch -n N``: the document's cache sharded over the ranks
-(:mod:`tiered.shard`). Every rank reads the same document and decodes the same tokens; rank 0
+(:mod:`tiered.shard`). The ranks read the document in turn, each its own shard
+(:meth:`tiered.shard.cache.ShardedCacheList.read`), then all decode the same tokens; rank 0
 prints the answer and a summary with every rank's share."""
 
 from __future__ import annotations
 
 import json
 import os
-import sys
-import time
 
 import mlx.core as mx
 
 from .. import prefill
 from ..options.config import format_bytes
 from ..planning import tasks
-from ..shard import ShardedCache
+from ..shard import ShardedCache, init_group
 
 REFUSED = ("save_cache", "load_cache")
 
@@ -24,7 +23,7 @@ def distributed_group():
     ``mlx.launch`` or MPI), else None."""
     if not any(k in os.environ for k in ("MLX_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")):
         return None
-    group = mx.distributed.init()
+    group = init_group()
     return group if group.size() > 1 else None
 
 
@@ -41,18 +40,8 @@ def run_sharded(args, group, model, tokenizer, prefix, suffix, expected, options
     cache = ShardedCache.for_model(model, document_tokens=len(prefix), group=group,
                                    gpu_budget=budget, **opts)
     try:
-        t0 = time.perf_counter()
-        for i in range(0, len(prefix), args.prefill_step):
-            model(mx.array(prefix[i : i + args.prefill_step])[None], cache=cache)
-            mx.eval([c.state for c in cache])
-            if rank == 0:
-                done = min(len(prefix), i + args.prefill_step)
-                print(f"\rprefill {done}/{len(prefix)} tokens", end="", file=sys.stderr,
-                      flush=True)
-        cache.finish_prefill()
-        seconds = time.perf_counter() - t0
-        if rank == 0:
-            print(file=sys.stderr)
+        # each rank reads its own shard in rank order, the ranks before it answering for theirs
+        seconds = cache.read(model, prefix, step=args.prefill_step)
         max_tokens = args.max_tokens or (10 if expected is not None else 32)
         text, last = [], None
         for response in mlx_lm.stream_generate(model, tokenizer, suffix, max_tokens=max_tokens,

@@ -3,11 +3,12 @@
 
     import mlx.core as mx, mlx_lm, tiered
     from tiered.shard import ShardedCache
-    group = mx.distributed.init()                    # under mlx.launch -n N
-    cache = ShardedCache.for_model(model, document_tokens=len(prompt), group=group)
-    text = mlx_lm.generate(model, tokenizer, prompt=prompt, prompt_cache=cache)
+    group = tiered.shard.init_group()               # under mlx.launch -n N
+    cache = ShardedCache.for_model(model, document_tokens=len(document), group=group)
+    cache.read(model, document)                      # each rank its own shard, in turn
+    text = mlx_lm.generate(model, tokenizer, prompt=question, prompt_cache=cache)
 
-Every rank runs this with the same prompt; rank r keeps positions [bounds[r], bounds[r + 1])
+Every rank runs this with the same tokens; rank r keeps positions [bounds[r], bounds[r + 1])
 (the last rank also every decoded token), so each holds about 1/N of the document's keys and
 values. The answer is the single-process ``KVCache``'s: attention is merged exactly.
 """
@@ -18,8 +19,10 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from ..runtime import integration
+from .group import init_group
 from .merge import gather_merge, partial_attention
-from .tiered import local_caches, tiered_partial, tiered_store
+from .tiered import empty_partial, local_caches, tiered_partial, tiered_store
+from .turns import HEADER, broadcast, header, read_in_turns
 
 
 class ShardError(RuntimeError):
@@ -57,17 +60,19 @@ class ShardedCache:
         self.local = KVCache() if local is None else local
         self.tiered = local is not None
         self._waiting = None  # a compressed shard's new tokens, stored one by one in attention
+        self.turn = None  # the reading rank while the document is read in turns (.turns)
 
     @classmethod
     def for_model(cls, model, *, document_tokens: int, group=None, gpu_budget=1.0,
                   **options) -> "ShardedCacheList":
         """A ShardedCache for every layer of ``model`` (full attention in every layer: models
         whose mlx-lm cache is not a ``KVCache`` everywhere are refused), the shards cut for a
-        document of ``document_tokens`` tokens over ``group`` (default: ``mx.distributed.init()``).
+        document of ``document_tokens`` tokens over ``group`` (default:
+        :func:`tiered.shard.group.init_group`).
         ``gpu_budget`` 1.0: each rank holds its shard exact; below it, each rank's shard is a
         TieredCache with that budget (and ``options``), exact while the document is read and
         compressed after it (:meth:`ShardedCacheList.finish_prefill`)."""
-        group = mx.distributed.init() if group is None else group
+        group = init_group() if group is None else group
         made = model.make_cache() if hasattr(model, "make_cache") else [
             KVCache() for _ in model.layers]
         other = sorted({type(c).__name__ for c in made if type(c) is not KVCache})
@@ -99,30 +104,60 @@ class ShardedCache:
         return keys, values
 
     def attention(self, queries, keys, values, *, scale, mask, sinks=None):
-        """This rank's partial over its shard, merged with every other rank's (all_gather)."""
+        """This rank's partial over its shard, merged with every other rank's (all_gather).
+        In this rank's turn of the read (:mod:`.turns`) the queries first go to every rank."""
         if sinks is not None:
             raise ValueError("ShardedCache: attention sinks are not supported")
         L = queries.shape[2]
+        if self.turn is not None:  # each collective evaluated in the order every rank runs it
+            hdr = header(queries, values.shape[3], float(scale))
+            self._checked(lambda: mx.eval(broadcast(hdr, self.turn, self.rank, (HEADER,),
+                                                    self.group)))
+            self._checked(lambda: mx.eval(broadcast(queries, self.turn, self.rank,
+                                                    queries.shape, self.group)))
         if self.tiered:
             waiting, self._waiting = self._waiting, None
             o, lse = tiered_partial(self.local, queries, waiting, scale=float(scale),
                                     q_start=self.offset - L, k_start=self.lo)
         else:
-            if self.local.keys is None:
-                k = mx.zeros((1, keys.shape[1], 0, keys.shape[3]), keys.dtype)
-                v = mx.zeros((1, values.shape[1], 0, values.shape[3]), values.dtype)
-            else:
-                k, v = self.local.keys_and_values()
-            o, lse = partial_attention(queries, k, v, scale=float(scale),
-                                       q_start=self.offset - L, k_start=self.lo)
+            o, lse = self._exact_partial(queries, values.shape[3], float(scale),
+                                         self.offset - L)
+        return self._merged(o, lse).astype(queries.dtype)
+
+    def answer_turn(self, L: int) -> None:
+        """Another rank's turn of the read: its chunk of L queries (at position ``offset``)
+        arrives, and this rank's partial goes back: over its whole shard where the shard lies
+        before the chunk, empty where after (:mod:`.turns`)."""
+        hdr = broadcast(None, self.turn, self.rank, (HEADER,), self.group)
+        hq, d, dv, scale = self._checked(lambda: hdr.tolist())
+        q = broadcast(None, self.turn, self.rank, (1, int(hq), L, int(d)), self.group)
+        self._checked(lambda: mx.eval(q))
+        if self.rank < self.turn:
+            o, lse = self._exact_partial(q, int(dv), scale, self.offset)
+        else:
+            o, lse = empty_partial(q, int(dv))
+        self._merged(o, lse)
+
+    def _exact_partial(self, queries, dv: int, scale: float, q_start: int):
+        """(o, lse) of ``queries`` at q_start.. over this rank's shard while it is exact."""
+        local = self.local
+        if local.offset == 0 or (not self.tiered and local.keys is None):
+            return empty_partial(queries, dv)
+        k, v = local.keys_and_values()
+        return partial_attention(queries, k, v, scale=scale, q_start=q_start, k_start=self.lo)
+
+    def _merged(self, o, lse):
         out = gather_merge(o, lse, self.group)
+        self._checked(lambda: mx.eval(out))  # here, so that a lost rank is named where it is
+        return out
+
+    def _checked(self, fn):
         try:
-            mx.eval(out)  # here, so that a lost rank is named where it happened
+            return fn()
         except RuntimeError as e:
             raise ShardError(f"rank {self.rank}: the sharded cache lost a rank in layer "
                              f"{self.layer} ({e}); the shards it held are gone: read the "
                              "document again") from e
-        return out.astype(queries.dtype)
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         if window_size is not None:
@@ -174,6 +209,14 @@ class ShardedCacheList(list):
     def __init__(self, layers, local=None):
         super().__init__(layers)
         self.local = local
+
+    def read(self, model, tokens: list[int], *, step: int = 2048, progress: bool = True) -> float:
+        """Prefill the document, each rank its own shard in rank order, then compress the
+        tiered shards (:func:`tiered.shard.turns.read_in_turns`, :meth:`finish_prefill`).
+        Every rank calls it with the same tokens; returns the read's seconds."""
+        seconds = read_in_turns(model, self, tokens, step=step, progress=progress)
+        self.finish_prefill()
+        return seconds
 
     def finish_prefill(self) -> None:
         """The document is read: each rank's tiered shard compresses now (the last rank's would

@@ -52,7 +52,8 @@ def tiered_store(local, keys, values, first: int):
     return ("tokens", first, n, (keys, values))
 
 
-def _empty(queries, dv: int):
+def empty_partial(queries, dv: int):
+    """(o, lse) of queries that see none of a shard: 0 and -inf."""
     _, Hq, L, _ = queries.shape
     return mx.zeros((1, Hq, L, dv), mx.float32), mx.full((1, Hq, L), -mx.inf, mx.float32)
 
@@ -77,7 +78,7 @@ def tiered_partial(local, queries, waiting, *, scale: float, q_start: int, k_sta
             return out.astype(mx.float32), _lse(local, Hq)
     if local.phase == "exact":
         if local.offset == 0:
-            return _empty(queries, dv)
+            return empty_partial(queries, dv)
         k, v = local.keys_and_values()
         return partial_attention(queries, k, v, scale=scale, q_start=q_start, k_start=k_start)
     if local.head_perm is not None:
@@ -86,7 +87,7 @@ def tiered_partial(local, queries, waiting, *, scale: float, q_start: int, k_sta
     for i in range(L):
         qi = queries[:, :, i : i + 1]
         if q_start + i < k_start:  # before this shard
-            o, lse = _empty(qi, dv)
+            o, lse = empty_partial(qi, dv)
         elif waiting is not None and waiting[0] == "tokens" and (
                 waiting[1] <= i < waiting[1] + waiting[2]):
             j = i - waiting[1]
