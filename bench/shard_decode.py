@@ -82,7 +82,8 @@ def main() -> int:
             "--gpu-budget", a.budget, "--max-tokens", str(a.max_tokens)]
     with tempfile.TemporaryDirectory() as tmp:
         one_json, many_json = os.path.join(tmp, "one.json"), os.path.join(tmp, "many.json")
-        if a.one_json and os.path.exists(a.one_json):
+        reused = bool(a.one_json and os.path.exists(a.one_json))
+        if reused:
             one_json = a.one_json
         else:
             one_json = a.one_json or one_json
@@ -114,6 +115,7 @@ def main() -> int:
                       "accelerator MiB", "host MiB", "disk MiB", "peak RSS GiB", "pass key"],
                      rows)
     info = machine()
+    kept = f"; its run read from {a.one_json}, made before" if reused else ""
     threads = (f"{a.rank_threads} BLAS/Numba thread(s) per rank" if a.rank_threads
                else "the libraries' default threads per rank")
     threads += (", started by mlx.launch" if a.launcher == "mlx.launch" else
@@ -122,7 +124,7 @@ def main() -> int:
                f"`{info['command']}` at {info['commit']} ({info['platform']}, "
                f"{info['cpu_count']} cores, MLX {info['versions']['mlx']}, float32 on the CPU "
                f"backend; the ranks share the machine's cores, {threads}; the one process "
-               f"keeps the default threads)\n\n{table}\n")
+               f"keeps the default threads{kept})\n\n{table}\n")
     path = os.path.join(RESULTS, "sharded_cpu_embedded.md")
     head = ("# A sharded cache over ranks on one CPU machine (bench/shard_decode.py)\n\n"
             "Every rank runs the whole model on the same tokens (weights replicated) and holds "
