@@ -1,4 +1,4 @@
-"""Bounded-memory prefill: a 200k-token synthetic prompt on a tiny random model."""
+"""Bounded-memory prefill: a 100k-token synthetic prompt on a tiny random model."""
 
 from __future__ import annotations
 
@@ -25,15 +25,15 @@ def tiny_model():
     return model
 
 
-def test_memory_stays_flat_over_a_200k_prefill(tmp_path):
-    n, chunk = 200_000, 2048
+def test_memory_stays_flat_over_a_100k_prefill(tmp_path):
+    n, chunk = 100_000, 2048
     model = tiny_model()
     ids = np.random.default_rng(0).integers(0, 1000, n).tolist()
     host_budget = 4 * 2**20
     cache = tiered.TieredCache.for_model(model, gpu_budget=0.125, host_budget=host_budget,
                                          disk_dir=str(tmp_path), prefill_window=8192,
                                          anchor_tokens=chunk, page_size=256)
-    # Full exact K/V of 200k tokens would be 200k x 2 layers x 1 kv head x (32 + 32) x 4 B.
+    # Full exact K/V of 100k tokens would be 100k x 2 layers x 1 kv head x (32 + 32) x 4 B.
     full = n * 2 * 64 * 4
     gc.collect()
     base = current_rss_bytes()

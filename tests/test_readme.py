@@ -70,6 +70,8 @@ def _block(section: str, lang: str) -> str:
     return re.findall(rf"```{lang}\n(.*?)\n```", body, flags=re.S)[0]
 
 
+@pytest.mark.slow  # ~60 s; each line's command has its own test in CI: test_foundation's
+# test_cli_document_run, test_cli_mlx (cache-prompt, generate), test_serve
 def test_readme_command_line_and_openai_client_run_as_written(embedded, tmp_path):
     """The Tour's command-line block, line by line as a user types it, on a book.txt made
     here; its `tiered serve` line then answers the Serving section's OpenAI client (the

@@ -123,7 +123,8 @@ def _same(x, y) -> bool:
         set(ia[h, :ca[h]].tolist()) == set(ib[h, :cb[h]].tolist()) for h in range(len(ca)))
 
 
-@pytest.mark.parametrize("d,rescore", [(64, "exact"), (128, "exact"), (64, "approx")])
+@pytest.mark.parametrize("d,rescore", [(64, "exact"), (128, "exact"), pytest.param(
+    64, "approx", marks=pytest.mark.slow)])  # approx: ~12 s, with the slow tests
 def test_metal_step_decodes_as_the_cuda_device_path(d, rescore, monkeypatch):
     ref, got, ref_sel, got_sel = _both(d, dict(CFG, rescore=rescore, **ALL), monkeypatch)
     assert all(_same(x, y) for x, y in zip(ref_sel, got_sel))
