@@ -27,7 +27,7 @@ def _prefill(model, cache, ids, chunk=128):
     return cache
 
 
-def _host_vs_exact(model, select, stat=np.max, **tier):
+def _host_vs_exact(model, select, **tier):
     ids = np.random.default_rng(5).integers(0, 1000, size=1200).tolist()
     ref = _prefill(model, tiered.TieredCache.for_model(model, 1.0), ids)
     got = _prefill(model, tiered.TieredCache.for_model(
@@ -39,10 +39,8 @@ def _host_vs_exact(model, select, stat=np.max, **tier):
         n = b.host.length
         assert n > 900  # most of the prompt went block-wise past the window
         k_ref, v_ref = (np.array(x[0, :, :n], np.float32) for x in a.keys_and_values())
-        err = stat(np.abs(b.host.read("values", 0, 0, n) - v_ref))
-        if b.host.keys is not None:
-            err = max(err, stat(np.abs(b.host.read("keys", 0, 0, n) - k_ref)))
-        errs.append(err)
+        errs.append(max(np.abs(b.host.read("keys", 0, 0, n) - k_ref).max(),
+                        np.abs(b.host.read("values", 0, 0, n) - v_ref).max()))
     got.close()
     return errs
 
@@ -68,39 +66,3 @@ def test_without_retrieval_the_deeper_layers_differ(small):
 def test_prefill_select_is_checked(small):
     with pytest.raises(ValueError, match="prefill_select"):
         tiered.TieredCache.for_model(small, 0.25, prefill_select=-1)
-
-
-def test_without_host_keys_the_chunks_retrieve_the_keys_their_codes_stand_for(small):
-    """host_keys=False: a chunk still retrieves (before, it saw only the anchor, the local
-    block and itself): the keys its codes stand for, the values exact. The deeper layers'
-    values then come far closer to the exact prefill's than without retrieval."""
-    with_codes = _host_vs_exact(small, 100_000, np.mean, host_keys=False)
-    without = _host_vs_exact(small, 0, np.mean, host_keys=False)
-    assert with_codes[0] < 1e-3 and max(with_codes[1:]) < 0.5 * max(without[1:]), (
-        with_codes, without)
-
-
-@pytest.mark.parametrize("key_codec", ["codebook", "affine"])
-def test_decoded_keys_are_what_the_codes_stand_for(small, key_codec):
-    from tiered.codecs.pq import decode
-
-    ids = np.random.default_rng(6).integers(0, 1000, size=600).tolist()
-    cache = _prefill(small, tiered.TieredCache.for_model(
-        small, 0.25, prefill_window=256, compress_from=256, key_codec=key_codec,
-        host_dtype="float32"), ids)
-    exact = _prefill(small, tiered.TieredCache.for_model(small, 1.0), ids)
-    layer = cache[1].compressed
-    tok = np.array([[3, 300, 599], [0, 5, 450]], np.int32)[: layer.H]
-    got = np.array(layer.keys.decoded(tok))
-    keys = np.array(exact[1].keys_and_values()[0][0], np.float32)  # (H, n, d)
-    ref = np.take_along_axis(keys, tok[..., None].astype(np.int64), axis=1)
-    if key_codec == "codebook":
-        codes = np.array(layer.keys.codes)
-        want = np.take_along_axis(decode(codes, np.array(layer.keys.codebook)),
-                                  tok[..., None].astype(np.int64), axis=1)
-        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
-    # either way an approximation of the keys: closer to them than to other tokens' keys
-    err = np.linalg.norm(got - ref, axis=-1)
-    other = np.linalg.norm(got - np.roll(ref, 1, axis=1), axis=-1)
-    assert (err < other).all() and (err < 0.5 * np.linalg.norm(ref, axis=-1)).all(), (err, other)
-    cache.close()

@@ -7,8 +7,7 @@ Measured on the embedded model at 8k tokens with a 2048-token window (bench/bloc
 that lost every pass key and needle the exact prefill found (0/4 and 0/4 against 4/4 and 3/4).
 So each chunk also attends to the tokens between the anchor and the local block that its last
 ``PROBES`` queries score highest on the compressed keys (per kv head, as many as a decode step
-selects at most: ``prefill_select``), their values read exactly from the host pages, their keys
-too where the host keeps them (else the keys their codes stand for)."""
+selects at most: ``prefill_select``), read exactly from the host pages."""
 
 from __future__ import annotations
 
@@ -83,17 +82,17 @@ class ChunkAttention:
         """(keys, values) (H, T, d) in the layer's dtype: per kv head, the T host tokens of
         [lo, hi) that the chunk's last PROBES queries score highest on the compressed keys (the
         most over the probes and the head's query heads), read exactly from the host pages (those
-        on the disk tier read ahead first); or None (retrieval off, nothing between the anchor and
-        the local block). Without it a chunk over pages on disk (a question asked after a
-        layer-by-layer prefill spilled them) saw only the anchor, the local block and itself, and
-        lost the pass key the same cache found in RAM. Where the host keeps no keys
-        (``host_keys=False``) the retrieved keys are the ones their codes stand for, as a
-        decode step weighs them (``rescore="approx"``), and the values exact from the pages;
-        before, such a chunk retrieved nothing (H200, float16, 8k tokens: 0/4 pass keys and
-        0/4 needles against 4/4 and 3/4 for the exact prefill, bench/results/blockwise_prefill.md)."""
+        on the disk tier read ahead first); or None (retrieval off, no host keys, nothing between
+        the anchor and the local block). Without it a chunk over pages on disk (a question asked
+        after a layer-by-layer prefill spilled them) saw only the anchor, the local block and
+        itself, and lost the pass key the same cache found in RAM. Where the host keeps no keys
+        there is nothing exact to retrieve: retrieving the keys the codes stand for (with exact
+        values) brought the deeper layers' host values ~3x closer to the exact prefill's (mean
+        error, a 3-layer random model) but found 0 of 4 pass keys and 0 of 4 needles at 8k
+        tokens on the embedded model (CPU, float32), as without retrieval, so it was not kept."""
         host = self.parent.host
         T = self.config.prefill_select
-        if T == 0 or host is None or (host.keys is None and not hasattr(self.keys, "decoded")):
+        if T == 0 or host is None or host.keys is None:
             return None
         self.parent.flush_until(hi)
         hi = min(hi, host.length, n0)
@@ -125,10 +124,7 @@ class ChunkAttention:
         tok = np.sort(np.array(idx), axis=1)  # page order: the reads walk the pages forward
         if host.disk_bytes:
             host.prefetch_tokens(0, tok.reshape(-1))
-        if host.keys is None:
-            k = self.keys.decoded(tok).astype(self.dtype)
-        else:
-            k = mx.array(host.gather_rows("keys", 0, tok)).astype(self.dtype)
+        k = mx.array(host.gather_rows("keys", 0, tok)).astype(self.dtype)
         v = mx.array(host.gather_rows("values", 0, tok)).astype(self.dtype)
         if host.disk_bytes:
             host.release_disk_reads()

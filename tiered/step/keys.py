@@ -19,7 +19,6 @@ import numpy as np
 import tiered.metal as metal
 
 from ..codecs import encode_mx, random_rotation
-from ..codecs.pq import decode_mx
 from ..cpu import kernels as K
 from ..planning.planner import capacity  # one growth rule for all buffers
 from ..runtime import dispatch
@@ -111,12 +110,6 @@ class CodebookKeys:
             return K.codebook_scores(self._codes_np, n, T, rep)
         return metal.codebook_scores(q, self.codebook, self.codes, n, rep=rep)
 
-    def decoded(self, tokens: np.ndarray) -> mx.array:
-        """(H, T, d) float32: the keys the codes of ``tokens`` (H, T) stand for (each group's
-        centroid), for a chunk's retrieval where the host keeps no keys."""
-        idx = mx.array(np.ascontiguousarray(tokens, np.int32))[..., None]
-        return decode_mx(mx.take_along_axis(self.codes, idx, axis=1), self.codebook)[0]
-
     def truncate(self, n: int):
         pass  # codes past n are simply ignored
 
@@ -188,13 +181,6 @@ class AffineKeys:
         if q_np is not None:  # the numpy path wants numpy
             return np.array(z.astype(mx.float32))
         return z
-
-    def decoded(self, tokens: np.ndarray) -> mx.array:
-        """(H, T, d) float32: the dequantized keys of ``tokens`` (H, T), rotated back."""
-        idx = mx.array(np.ascontiguousarray(tokens, np.int32))[..., None]
-        rows = [mx.take_along_axis(a, idx, axis=1) for a in (self.wq, self.scales, self.biases)]
-        k = mx.dequantize(*rows, group_size=self.group_size, bits=self.bits).astype(mx.float32)
-        return k if self.rotation is None else k @ self.rotation.T
 
     def truncate(self, n: int):
         pass
