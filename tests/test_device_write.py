@@ -86,6 +86,6 @@ def test_int8_pages_written_and_gathered_by_the_device_match_the_host_store(devi
     want = cpu.gather_rows("values", 0, want_tok).astype(np.float16)
     np.testing.assert_array_equal(ok, want_tok >= 0)
     np.testing.assert_array_equal(rows, want)
-    assert device_q8._kernels.get("gather") is not None
+    assert device_q8._kernel.built.get("gather") is not None
     cpu.close()
     dev.close()

@@ -6,6 +6,24 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..metal import device_ints
+from ..metal.compact import compact
+from ..metal.ptx_cache import cuda_kernel
+
+
+class KernelTable:
+    """A module's CUDA kernels, each built on its first use: ``specs`` maps a name to (kernel
+    name, input names, output names, source); ``built`` holds those made so far."""
+
+    def __init__(self, specs: dict):
+        self.specs, self.built = specs, {}
+
+    def __call__(self, name: str):
+        kernel = self.built.get(name)
+        if kernel is None:
+            kname, inputs, outputs, source = self.specs[name]
+            kernel = self.built[name] = cuda_kernel(
+                name=kname, input_names=inputs, output_names=outputs, source=compact(source))
+        return kernel
 
 # The body the gather kernels share (device_decode's, device_attend's keys + values; the slot
 # part alone: device_q8's int8 gather): given tid,

@@ -22,11 +22,9 @@ import mlx.core as mx
 import numpy as np
 
 from ..metal import device_ints
-from ..metal.compact import compact
-from ..metal.ptx_cache import cuda_kernel
 from ..runtime import dispatch, ops, staging, uva
 from . import device_q8, disk_rows
-from .chunk_word import CHUNK_WORD, page_fence
+from .chunk_word import CHUNK_WORD, KernelTable, page_fence
 
 # The door's lazy flag: no non-finite position seen. A power of two: MLX passes a kernel's
 # init_value as a float, and INT32_MAX is not one (it came back as INT32_MIN).
@@ -119,30 +117,16 @@ _DOOR = r"""
     }
 """
 
-_kernels: dict = {}
-
-
-def _kernel(name: str):
-    if name not in _kernels:
-        if name == "gather":
-            _kernels[name] = cuda_kernel(
-                name="tiered_host_gather",
-                input_names=["idx", "count", "pages", "addrs", "flags", "n_host", "after"],
-                output_names=["out", "ok"], source=compact(_GATHER))
-        elif name == "door":
-            _kernels[name] = cuda_kernel(
-                name="tiered_door", input_names=["keys", "values", "prev", "start"],
-                output_names=["bad"], source=compact(_DOOR))
-        elif name == "write_one":
-            _kernels[name] = cuda_kernel(
-                name="tiered_host_write_one",
-                input_names=["vw", "kw", "pages", "ints", "addrs_v", "addrs_k", "after"],
-                output_names=["done"], source=compact(_WRITE_ONE))
-        else:
-            _kernels[name] = cuda_kernel(
-                name="tiered_host_write", input_names=["src", "page", "slot", "addrs", "after"],
-                output_names=["done"], source=compact(_WRITE))
-    return _kernels[name]
+_kernel = KernelTable({
+    "gather": ("tiered_host_gather",
+               ["idx", "count", "pages", "addrs", "flags", "n_host", "after"], ["out", "ok"],
+               _GATHER),
+    "door": ("tiered_door", ["keys", "values", "prev", "start"], ["bad"], _DOOR),
+    "write_one": ("tiered_host_write_one",
+                  ["vw", "kw", "pages", "ints", "addrs_v", "addrs_k", "after"], ["done"],
+                  _WRITE_ONE),
+    "write": ("tiered_host_write", ["src", "page", "slot", "addrs", "after"], ["done"], _WRITE),
+})
 
 
 def supported(layer) -> str | None:

@@ -9,9 +9,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..metal import device_ints
-from ..metal.compact import compact
-from ..metal.ptx_cache import cuda_kernel
-from .chunk_word import CHUNK_SLOT, page_fence
+from .chunk_word import CHUNK_SLOT, KernelTable, page_fence
 
 GATHER = r"""
     // int8 host rows dequantized (row * its scale) into float16: one thread per 16-byte word
@@ -58,23 +56,13 @@ WRITE = r"""
     if (tid == 0) done[0] = 1;
 """
 
-_kernels: dict = {}
-
-
-def _kernel(name: str):
-    if name not in _kernels:
-        if name == "gather":
-            _kernels[name] = cuda_kernel(
-                name="tiered_host_gather_q8",
-                input_names=["idx", "count", "pages", "addrs", "scales", "flags", "n_host",
-                             "after"],
-                output_names=["out", "ok"], source=compact(GATHER))
-        else:
-            _kernels[name] = cuda_kernel(
-                name="tiered_host_write_q8",
-                input_names=["src", "page", "slot", "addrs", "scales", "after"],
-                output_names=["done"], source=compact(WRITE))
-    return _kernels[name]
+_kernel = KernelTable({
+    "gather": ("tiered_host_gather_q8",
+               ["idx", "count", "pages", "addrs", "scales", "flags", "n_host", "after"],
+               ["out", "ok"], GATHER),
+    "write": ("tiered_host_write_q8", ["src", "page", "slot", "addrs", "scales", "after"],
+              ["done"], WRITE),
+})
 
 
 def write(tables, host, tensor, x: mx.array, page, slot) -> mx.array:
