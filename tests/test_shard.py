@@ -117,15 +117,16 @@ def _free_ports(n):
     return ports
 
 
-def _ring(tmp_path, ranks, *args, timeout=120):
-    """Start ``ranks`` workers over MLX's ring backend on this machine (a hostfile of local
-    ports, as ``mlx.launch`` writes); returns (return codes, seconds)."""
+def _ring(tmp_path, ranks, *args, timeout=120, cmd=None, env=None):
+    """Start ``ranks`` processes of ``cmd`` (default: the worker with ``args``) over MLX's ring
+    backend on this machine (a hostfile of local ports and MLX_RANK, as ``mlx.launch`` sets
+    them); returns (return codes, seconds, the end of each rank's output)."""
     hosts = tmp_path / "hosts.json"
     hosts.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(ranks)]))
-    env = dict(os.environ, MLX_HOSTFILE=str(hosts))
+    env = dict(os.environ if env is None else env, MLX_HOSTFILE=str(hosts))
+    cmd = cmd or [sys.executable, WORKER, "--out", str(tmp_path / "t"), *args]
     t0 = time.perf_counter()
-    procs = [subprocess.Popen([sys.executable, WORKER, "--out", str(tmp_path / "t"), *args],
-                              env=dict(env, MLX_RANK=str(r)), cwd=str(tmp_path),
+    procs = [subprocess.Popen(cmd, env=dict(env, MLX_RANK=str(r)), cwd=str(tmp_path),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for r in range(ranks)]
     try:

@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 
-from test_shard import _free_ports
+from test_shard import _ring
 
 
 def _run(cmd, tmp_path):
@@ -24,22 +24,13 @@ def _run(cmd, tmp_path):
 def test_two_ranks_answer_the_pass_key_as_one_process(tmp_path):
     demo = ["-m", "tiered", "run", "--demo-tokens", "3000", "--seed", "2"]
     one = _run([sys.executable, *demo, "--json", str(tmp_path / "one.json")], tmp_path)
-    hosts = tmp_path / "hosts.json"
-    hosts.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(2)]))
     # one thread per rank for BLAS and Numba: two ranks with a pool each oversubscribe the
     # cores (8k tokens on 2 cores: decode 404 ms/token against 480, bench/results)
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
-               OMP_NUM_THREADS="1", MLX_HOSTFILE=str(hosts))
-    ranks = [subprocess.Popen([sys.executable, *demo, "--json", str(tmp_path / "two.json")],
-                              cwd=str(tmp_path), env=dict(env, MLX_RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(2)]
-    try:
-        logs = [p.communicate(timeout=600)[0] for p in ranks]
-    finally:
-        for p in ranks:
-            p.kill()
-    assert [p.returncode for p in ranks] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+               OMP_NUM_THREADS="1")
+    codes, _, logs = _ring(tmp_path, 2, timeout=600, env=env, cmd=[
+        sys.executable, *demo, "--json", str(tmp_path / "two.json")])
+    assert codes == [0, 0], logs
     two = logs[0]
     a = json.loads((tmp_path / "one.json").read_text())
     b = json.loads((tmp_path / "two.json").read_text())

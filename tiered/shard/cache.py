@@ -141,7 +141,7 @@ class ShardedCache:
     def _exact_partial(self, queries, dv: int, scale: float, q_start: int):
         """(o, lse) of ``queries`` at q_start.. over this rank's shard while it is exact."""
         local = self.local
-        if local.offset == 0 or (not self.tiered and local.keys is None):
+        if local.offset == 0:
             return empty_partial(queries, dv)
         k, v = local.keys_and_values()
         return partial_attention(queries, k, v, scale=scale, q_start=q_start, k_start=self.lo)
