@@ -37,7 +37,7 @@ import numpy as np
 import tiered
 from tiered.commands.cli import Progress
 from tiered.prefill import current_rss_bytes, peak_rss_bytes, prefill
-from tiered.step import disk_rows
+from tiered.step import disk_stage
 
 
 def document_tokens(tok, n_tokens: int, seed: int = 0):
@@ -182,9 +182,14 @@ def main(argv=None):
     if args.tokens_file:
         z = np.load(args.tokens_file)
         ids, key, tok = z["ids"].tolist(), str(z["key"]), None
+        q = int(z["question_len"]) if "question_len" in z else 12
         if args.tokens < len(ids):  # a shorter run: keep the head and the closing question
-            q = int(z["question_len"]) if "question_len" in z else 12
             ids = ids[: args.tokens - q] + ids[-q:]
+        elif args.tokens > len(ids):  # a longer one: the document repeated, then the question
+            body = ids[:-q]
+            ids = (body * -(-(args.tokens - q) // len(body)))[: args.tokens - q] + ids[-q:]
+            print(f"document: the {len(body)}-token file repeated to {args.tokens} tokens",
+                  flush=True)
         model, _ = build_model(args.model, args.layers, tokenizer=False)
     else:
         model, tok = build_model(args.model, args.layers)
@@ -237,7 +242,7 @@ def main(argv=None):
           f"{stats['tokens_per_s']:.1f} tok/s", flush=True)
     # decode at 1M: the last prompt token, then greedy steps
     times, queue, out = [], [], []
-    disk0 = dict(disk_rows.COUNTS)
+    disk0 = disk_stage.counts()
     y = mx.array([[ids[-1]]])
     st = StepTimers() if args.step_timers else None
     with st or contextlib.nullcontext():
@@ -265,7 +270,7 @@ def main(argv=None):
               f"{busy(spans) / n / 1e3:.2f} ms with the GPU busy", flush=True)
         for k, (c, us) in sorted(kern.items(), key=lambda kv: -kv[1][1])[:30]:
             print(f"  {us / n / 1e3:8.3f} ms {c / n:6.1f}x  {k}")
-    disk_read = {k: v - disk0[k] for k, v in disk_rows.COUNTS.items()}
+    disk_read = {k: v - disk0[k] for k, v in disk_stage.counts().items()}
     sample(len(ids) + args.decode_steps)
     dev.stop()
     answer = tok.decode(out) if tok is not None else str(out)
@@ -314,7 +319,9 @@ def main(argv=None):
             ["disk chunks read by the CPU (device path, per decode step)",
              f"{disk_read['bytes'] / max(1, args.decode_steps) / 2**20:.1f} MiB",
              f"{disk_read['chunks'] / max(1, args.decode_steps):.0f} chunk-heads in "
-             f"{disk_read['layer_steps'] / max(1, args.decode_steps):.0f} layers", ""],
+             f"{disk_read['layer_steps'] / max(1, args.decode_steps):.0f} layers; the worker "
+             f"copying {1e3 * disk_read.get('copy_s', 0) / max(1, args.decode_steps):.1f} "
+             f"ms/step", ""],
             ["streaming-offload baseline at this length (computed, not run)",
              f"{streaming_ms:.0f} ms/token", f"the whole cache, {full / 1e9:.1f} GB, uploaded every "
              f"step at the measured {host_bw:.1f} GB/s host-to-device", ""]]

@@ -150,3 +150,38 @@ def int32_bits_as_float32(typingctx, bits):
     """Reinterpret the low 32 bits of an integer as a float32 (vectorizes, unlike a memory
     round trip). Numba widens int32 arithmetic to int64, so wider integers are truncated."""
     return _bits_as_float(bits, 32, ir.FloatType(), types.float32)
+
+
+@intrinsic
+def load_acquire_i64(typingctx, address):
+    """The int64 at byte address ``address``, loaded with acquire ordering: read afresh every
+    time (a plain load in a polling loop may be hoisted out of it), and what the writer stored
+    before its release of this word is visible after. For words another agent writes (the GPU
+    through pinned memory)."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
+        return builder.load_atomic(ptr, "acquire", 8)
+
+    return types.int64(address), codegen
+
+
+@intrinsic
+def store_release_i64(typingctx, address, value):
+    """Store int64 ``value`` at byte address ``address`` with release ordering: every store
+    this thread made before it is visible to a reader that sees this one."""
+    if not isinstance(address, types.Integer) or not isinstance(value, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        ptr = builder.inttoptr(args[0], i64.as_pointer())
+        val = args[1]
+        if value.bitwidth != 64:
+            val = builder.sext(val, i64) if value.signed else builder.zext(val, i64)
+        builder.store_atomic(val, ptr, "release", 8)
+        return context.get_dummy_value()
+
+    return types.void(address, value), codegen

@@ -268,18 +268,22 @@ def test_int8_pages_on_the_device_path_decode_as_on_the_cpu_gather_path(device_p
     assert mx.abs(outs[0] - outs[1]).max().item() <= 2e-3 * scale
 
 
-@pytest.mark.parametrize("host_dtype", ["float32", "int8"])
+@pytest.mark.parametrize("host_dtype,mode", [("float32", "worker"), ("int8", "worker"),
+                                             ("float32", "sync")])
 def test_pages_on_the_disk_tier_decode_as_pages_in_ram(tmp_path, device_path, monkeypatch,
-                                                       host_dtype):
-    """The device path over a disk tier (tiered.step.disk_rows: the device reads zeros for disk
-    blocks, the CPU adds the selected disk chunks' rows): a host budget of a few blocks, the
-    older blocks on disk, decodes exactly as the same cache with every page in RAM, and what
-    the device wrote behind (always into RAM blocks) is what the model produced."""
-    from tiered.step import device_compiled, disk_rows
+                                                       host_dtype, mode):
+    """The device path over a disk tier (the device reads zeros for disk blocks; the selected
+    disk chunks' rows come from the CPU worker as the device reaches the layer,
+    tiered.step.disk_stage, or with the layer waiting, tiered.step.disk_rows): a host budget of
+    a few blocks, the older blocks on disk, decodes exactly as the same cache with every page
+    in RAM, and what the device wrote behind (always into RAM blocks) is what the model
+    produced."""
+    from tiered.step import device_compiled, disk_stage
 
     # both runs op by op: a layer with disk blocks leaves the compiled chain, whose float
     # summation order differs (a rounding that tips a later selection)
     monkeypatch.setattr(device_compiled, "why_not", lambda layer: "op by op in this test")
+    monkeypatch.setattr(disk_stage, "MODE", mode)
     model = make_small_model("llama-gqa-d64", layers=2, seed=2)
     steps = 120 if device_path == "cuda" else 18  # the executor: ~0.5 s a token (a refresh at 16)
     ids = np.random.default_rng(8).integers(10, 49000, 1200 + steps).tolist()
@@ -287,7 +291,7 @@ def test_pages_on_the_disk_tier_decode_as_pages_in_ram(tmp_path, device_path, mo
                host_dtype=host_dtype)
     runs = []
     for budget in (None, "128KB" if host_dtype == "int8" else "256KB"):
-        before = dict(disk_rows.COUNTS)
+        before = disk_stage.counts()
         cache = TieredCache.for_model(model, host_budget=budget, disk_dir=str(tmp_path), **cfg)
         model(mx.array([ids[:1200]]), cache=cache)
         got = [model(mx.array([[t]]), cache=cache) for t in ids[1200:]]
@@ -296,7 +300,7 @@ def test_pages_on_the_disk_tier_decode_as_pages_in_ram(tmp_path, device_path, mo
         assert all(getattr(c.compressed, "_tables", None) is not None for c in layers)
         disk = sum(c.host.disk_bytes for c in layers)
         pages = [c.host.read("values", 0, 0, c.host.length) for c in layers]
-        read = disk_rows.COUNTS["chunks"] - before["chunks"]
+        read = disk_stage.counts()["chunks"] - before["chunks"]
         runs.append((mx.concatenate(got, axis=1), pages, disk, read))
         cache.close()
     (a, pa, disk_a, read_a), (b, pb, disk_b, read_b) = runs

@@ -14,8 +14,9 @@ host round trip (tiered.step.device_decode says how the host pages are reached i
    keys and values in one launch and attends over them and the resident set in two more
    (sink and statistics included); with approximate rescoring the gathered tokens take their
    code scores and MLX ops do the partials and the merge;
-   Where the store has disk blocks, the layer waits for its selection and the CPU reads the
-   disk chunks' rows (:mod:`tiered.step.disk_rows`);
+   Where the store has disk blocks, a CPU worker copies the selected disk chunks' rows into
+   pinned memory as the device reaches the layer, and the device reads them there
+   (:mod:`tiered.step.disk_stage`; no host wait);
 6. policy: the H2O accumulators take the step's probabilities; every ``refresh_every`` steps
    the resident set is rebuilt (the layer's ``_step_done``).
 
@@ -35,7 +36,7 @@ import tiered.metal as metal
 
 from ..runtime import dispatch
 from ..runtime.stats import Column
-from . import device_attend, device_compiled, device_resident, disk_rows
+from . import device_attend, device_compiled, device_resident, disk_rows, disk_stage
 from .device_chunks import chunk_logits
 from .device_decode import CHUNK, DeviceTables, gather_chunks, kept
 
@@ -89,7 +90,10 @@ def decode(layer, queries, scale, sinks, tables: DeviceTables):
     idx, count = metal.tau_select(zc, zc.shape[1], excl, layer.tau, capc,
                                   min(capc, -(-floor // CHUNK)))
     names = ("keys", "values") if cfg.rescore == "exact" else ("values",)
-    extra = disk_rows.read(host, idx, count, CHUNK, names) if disk else None
+    extra = None
+    if disk:  # the worker's rows, read by the device when they are there; or the host waits
+        extra = (disk_stage.rows(host, idx, count, CHUNK, names) if disk_stage.MODE == "worker"
+                 else disk_rows.read(host, idx, count, CHUNK, names))
     if cfg.rescore == "exact":
         if host.values.dtype == "int8":  # dequantized by the gather, one launch per tensor
             keys, ok = gather_chunks(tables, host, host.keys, idx, count, layer.flags)

@@ -1,0 +1,248 @@
+"""The CPU side of the device path's disk rows (tiered.step.disk_stage): a worker thread that
+answers each layer-step's request for the rows of selected chunks lying in the page file.
+
+The GPU cannot read the page file (a plain file mapping; no pageable memory access on the
+H200s measured, bench/probes/disk_uva_probe.py), so a layer whose store has disk blocks needs
+the CPU to copy those rows. Here that costs the host no wait: when the main thread builds a
+layer's step it posts a :class:`Request` (the layer's tables as they are at that step) and goes
+on building. On the device, the step's export kernel writes the selection into the layer's
+:class:`Mailbox` (pinned memory) and stamps the request's number; this thread, polling the
+mailboxes of its pending requests (:func:`_wait_any`, without the GIL), copies the selected
+disk rows into the mailbox's row buffers, writes which rows it filled (the mask), and stamps the
+number back; the device's rows kernel, waiting for that stamp, reads them in place. So the
+device waits for the copy of the disk rows it needs, layer by layer; nothing else waits.
+
+A request whose step is never run (a graph built and dropped) is passed over when a later
+request's stamp reaches its mailbox. A failure in this thread is kept (:attr:`DiskServer.error`)
+and the request is still answered, so the device never waits for a dead thread; the host raises
+it at the layer's next step (tiered.step.disk_stage).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._numba import address_as_pointer, kernel, load_acquire_i64, store_release_i64
+from .paged_rows import _row_location, log2_exact
+
+# Mailbox control words (int64): the request number the device exported, the one this thread
+# answered, a fault (1: the device's wait timed out, 2: this thread failed).
+EXPORTED, ANSWERED, FAULT = 0, 1, 2
+CTL_WORDS = 8
+# Storage codes: the host dtype of a tensor's pages, and what its staged rows hold
+FLOAT16, FLOAT32, INT8 = 0, 1, 2  # int8 rows are staged dequantized, as float32
+
+SPINS = 20000  # polls of the pending mailboxes per call without the GIL (tens of us)
+IDLE_ROUNDS = 4000  # fruitless calls in a row before polling slows to IDLE_SLEEP_S
+IDLE_SLEEP_S = 0.0005
+
+
+class Mailbox:
+    """One layer's pinned exchange with the device: control words, the exported selection
+    (idx (H, capc) uint32, count (H,) int32), which staged rows hold disk rows (uint8 per row of
+    (H, capc * chunk)) and the staged rows of each tensor (float16, or float32 for float32 and
+    int8 pages). ``register`` page-locks a buffer and returns its device address."""
+
+    def __init__(self, H: int, capc: int, chunk: int, dims: dict, codes: dict, register):
+        self.H, self.capc, self.chunk = H, capc, chunk
+        rows = H * capc * chunk
+        self.ctl = np.zeros(CTL_WORDS, np.int64)
+        self.idx = np.zeros(H * capc, np.uint32)
+        self.count = np.zeros(H, np.int32)
+        self.mask = np.zeros(rows, np.uint8)
+        self.rows = {name: np.zeros(rows * d, np.float16 if codes[name] == FLOAT16 else np.float32)
+                     for name, d in dims.items()}
+        bufs = [self.ctl, self.idx, self.count, self.mask, *self.rows.values()]
+        self.addrs = [int(register(b)) for b in bufs]  # device addresses, in that order
+        self.ctl_addr = self.ctl.ctypes.data
+        self.nbytes = sum(b.nbytes for b in bufs)
+
+    def fits(self, H: int, capc: int, chunk: int, names) -> bool:
+        return (H == self.H and chunk == self.chunk and capc <= self.capc
+                and all(n in self.rows for n in names))
+
+
+@dataclass
+class Tensor:
+    """One tensor's tables as a request sees them: block addresses (the page file's mapping for
+    disk blocks), which blocks are on disk, int8 scale blocks' addresses, storage code, dim."""
+    addrs: np.ndarray  # int64 (blocks,)
+    disk: np.ndarray  # uint8 (blocks,)
+    scales: np.ndarray  # int64 (blocks,), empty unless int8
+    ppb: int
+    code: int
+    dim: int
+    out: int  # the mailbox row buffer's address
+
+
+@dataclass
+class Request:
+    job: int
+    mail: Mailbox
+    capc: int
+    length: int  # tokens on the host pages when the step was built
+    pages: np.ndarray  # int64 physical page of each logical page
+    page_size: int
+    tensors: list
+
+
+@kernel("int64(int64[::1], int64[::1], int64)")
+def _wait_any(ctl_addrs, ids, spins):
+    """Index i of a pending request whose number its mailbox shows exported, -2 - i for one
+    passed over (a later number exported there), or -1 after ``spins`` polls of them all."""
+    for _ in range(spins):
+        for i in range(ids.shape[0]):
+            got = load_acquire_i64(ctl_addrs[i])
+            if got == ids[i]:
+                return i
+            if got > ids[i]:
+                return -2 - i
+    return -1
+
+
+@kernel(inf_safe=True)
+def _stage(idx_addr, count_addr, H, capc, C, length, page_ids, page_size, ppb, disk, addrs,
+           scales, code, d, mask_addr, out_addr, write_mask, stats):
+    """Copy the rows of the selected chunks' tokens that lie in disk blocks into the staged rows
+    (H, capc * C, d) at out_addr (int8 dequantized into float32), mark them in the mask
+    (``write_mask``); stats[0] += rows copied, stats[1] += chunk-heads with one."""
+    idx = address_as_pointer(idx_addr, np.uint32)
+    cnt = address_as_pointer(count_addr, np.int32)
+    mask = address_as_pointer(mask_addr, np.uint8)
+    shifts = (log2_exact(page_size), log2_exact(ppb))
+    width = 2 if code == 0 else (4 if code == 1 else 1)
+    for h in range(H):
+        n = min(max(cnt[h], 0), capc)
+        for s in range(capc):
+            any_row = False
+            for i in range(C):
+                m = (h * capc + s) * C + i
+                on = False
+                if s < n:
+                    t = np.int64(idx[h * capc + s]) * C + i
+                    if t < length:
+                        blk, row = _row_location(page_ids, page_size, ppb, shifts, H, h, t)
+                        if disk[blk] != 0:
+                            on = True
+                            if code == 2:
+                                q = address_as_pointer(addrs[blk] + row * d, np.int8)
+                                sc = address_as_pointer(scales[blk] + row * 4, np.float32)[0]
+                                o = address_as_pointer(out_addr + m * d * 4, np.float32)
+                                for e in range(d):
+                                    o[e] = np.float32(q[e]) * sc
+                            else:
+                                src = address_as_pointer(addrs[blk] + row * d * width, np.uint8)
+                                dst = address_as_pointer(out_addr + m * d * width, np.uint8)
+                                for e in range(d * width):
+                                    dst[e] = src[e]
+                if write_mask:
+                    mask[m] = 1 if on else 0
+                if on:
+                    stats[0] += 1
+                    any_row = True
+            if any_row:
+                stats[1] += 1
+
+
+def stage(req: Request, stats: np.ndarray) -> None:
+    """Fill ``req``'s mailbox with its disk rows (the selection the device exported there)."""
+    mail = req.mail
+    for k, t in enumerate(req.tensors):
+        _stage(mail.addrs[1], mail.addrs[2], mail.H, req.capc, mail.chunk, req.length,
+               req.pages, req.page_size, t.ppb, t.disk, t.addrs, t.scales, t.code, t.dim,
+               mail.addrs[3], t.out, k == 0, stats)
+
+
+class DiskServer:
+    """The worker thread (started on the first request; a daemon). ``counts``: layer-steps
+    answered, rows and chunk-heads copied, bytes, requests passed over, seconds copying."""
+
+    def __init__(self):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.error: BaseException | None = None
+        self.counts = {"layer_steps": 0, "rows": 0, "chunks": 0, "bytes": 0, "passed_over": 0,
+                       "copy_s": 0.0}
+
+    def post(self, req: Request) -> None:
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="tiered-disk-rows",
+                                                     daemon=True)
+                    self._thread.start()
+        self._q.put(req)
+
+    def _run(self) -> None:
+        pending: list[Request] = []
+        idle = 0
+        stats = np.zeros(2, np.int64)
+        while True:
+            if not pending:
+                pending.append(self._q.get())
+            try:
+                while True:
+                    pending.append(self._q.get_nowait())
+            except queue.Empty:
+                pass
+            ids = np.fromiter((r.job for r in pending), np.int64, len(pending))
+            ctls = np.fromiter((r.mail.ctl_addr for r in pending), np.int64, len(pending))
+            got = int(_wait_any(ctls, ids, SPINS))
+            if got >= 0:
+                self._answer(pending.pop(got), stats)
+                idle = 0
+            elif got <= -2:
+                pending.pop(-2 - got)
+                self.counts["passed_over"] += 1
+            else:
+                idle += 1
+                if idle > IDLE_ROUNDS:
+                    time.sleep(IDLE_SLEEP_S)
+
+    def _answer(self, req: Request, stats: np.ndarray) -> None:
+        t0 = time.perf_counter()
+        stats[:] = 0
+        try:
+            stage(req, stats)
+        except BaseException as e:  # kept for the host; the device must not wait for us
+            self.error = e
+            req.mail.ctl[FAULT] = 2
+        c = self.counts
+        c["layer_steps"] += 1
+        c["rows"] += int(stats[0])
+        c["chunks"] += int(stats[1])
+        c["bytes"] += int(stats[0]) * sum(t.dim * (1 if t.code == INT8 else 2 if t.code == FLOAT16
+                                                   else 4) for t in req.tensors)
+        c["copy_s"] += time.perf_counter() - t0
+        store_release(req.mail.ctl_addr + 8 * ANSWERED, req.job)
+
+
+@kernel("void(int64, int64)")
+def store_release(address, value):
+    store_release_i64(address, value)
+
+
+SERVER = DiskServer()
+_warm: list = []
+
+
+def warm() -> None:
+    """Compile the worker's kernels here (once per process; cached on disk after the first), so
+    the device's first wait is not a compile."""
+    if _warm:
+        return
+    z8, z64 = np.zeros(1, np.uint8), np.zeros(1, np.int64)
+    mail = Mailbox(1, 1, 1, {"values": 1}, {"values": FLOAT16}, lambda b: b.ctypes.data)
+    for code in (FLOAT16, FLOAT32, INT8):
+        t = Tensor(addrs=z64, disk=z8, scales=z64, ppb=1, code=code, dim=1, out=mail.addrs[4])
+        stage(Request(job=0, mail=mail, capc=1, length=0, pages=z64, page_size=1,
+                      tensors=[t]), np.zeros(2, np.int64))
+    _wait_any(np.array([mail.ctl_addr], np.int64), np.array([1], np.int64), 1)
+    store_release(mail.ctl_addr + 8, 0)
+    _warm.append(True)

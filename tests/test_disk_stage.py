@@ -1,0 +1,181 @@
+"""The disk rows worker of the device path (cpu.disk_serve, tiered.step.disk_stage): the rows it
+stages against the store's own layout, requests whose step never ran, and faults that reach
+the host as errors instead of a device waiting for ever. The whole path, decoded against pages
+in RAM: tests/test_device_decode.py::test_pages_on_the_disk_tier_decode_as_pages_in_ram."""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tiered.cpu import disk_serve
+from tiered.cpu.disk_serve import (ANSWERED, EXPORTED, FAULT, FLOAT16, FLOAT32, INT8, Mailbox,
+                                   Request, Tensor)
+
+H, P, PPB, D, C = 2, 4, 2, 8, 4  # kv heads, page size, pages per block, head dim, chunk
+
+
+def _address(buf):
+    return buf.ctypes.data
+
+
+def _store(rng, code, blocks=3):
+    """Blocks (PPB, H, P, D) of a tensor in the host layout (int8 with a scale per row), a
+    shuffled page table, and the reference rows (H, tokens, D) as float32."""
+    shape = (PPB, H, P, D)
+    if code == INT8:
+        data = [rng.integers(-127, 128, shape).astype(np.int8) for _ in range(blocks)]
+        scales = [rng.uniform(0.01, 1, shape[:3]).astype(np.float32) for _ in range(blocks)]
+    else:
+        dt = np.float16 if code == FLOAT16 else np.float32
+        data = [rng.normal(size=shape).astype(dt) for _ in range(blocks)]
+        scales = []
+    pages = rng.permutation(blocks * PPB).astype(np.int64)
+    n = len(pages) * P
+    ref = np.zeros((H, n, D), np.float32)
+    for t in range(n):
+        phys = pages[t // P]
+        b, slot = phys // PPB, phys % PPB
+        row = data[b][slot, :, t % P].astype(np.float32)
+        if code == INT8:
+            row = row * scales[b][slot, :, t % P][:, None]
+        ref[:, t] = row
+    return data, scales, pages, ref
+
+
+@pytest.mark.parametrize("code", [FLOAT16, FLOAT32, INT8])
+def test_staged_rows_are_the_disk_blocks_rows_of_the_selected_chunks(code):
+    rng = np.random.default_rng(code)
+    data, scales, pages, ref = _store(rng, code)
+    disk = np.array([1, 0, 1], np.uint8)  # blocks 0 and 2 in the page file
+    capc = 3
+    mail = Mailbox(H, capc, C, {"values": D}, {"values": code}, _address)
+    tensor = Tensor(addrs=np.array([b.ctypes.data for b in data], np.int64), disk=disk,
+                    scales=np.array([s.ctypes.data for s in scales], np.int64) if scales
+                    else np.zeros(0, np.int64), ppb=PPB, code=code, dim=D, out=mail.addrs[4])
+    length = len(pages) * P - 3  # the last chunk partly past the length
+    mail.idx[:] = np.array([[5, 0, 2], [1, 5, 0]], np.uint32).ravel()
+    mail.count[:] = [3, 2]  # head 1's third slot is not selected
+    stats = np.zeros(2, np.int64)
+    disk_serve.stage(Request(job=1, mail=mail, capc=capc, length=length, pages=pages,
+                             page_size=P, tensors=[tensor]), stats)
+    got = mail.rows["values"].reshape(H, capc * C, D)
+    mask = mail.mask.reshape(H, capc * C)
+    want_mask = np.zeros_like(mask)
+    for h in range(H):
+        for s in range(mail.count[h]):
+            for i in range(C):
+                t = int(mail.idx[h * capc + s]) * C + i
+                if t < length and disk[pages[t // P] // PPB]:
+                    want_mask[h, s * C + i] = 1
+                    np.testing.assert_array_equal(got[h, s * C + i].astype(np.float32),
+                                                  ref[h, t])
+    np.testing.assert_array_equal(mask, want_mask)
+    assert 0 < stats[0] == want_mask.sum() < mask.size
+    assert stats[1] == sum(want_mask[h, s * C:(s + 1) * C].any()
+                           for h in range(H) for s in range(capc))
+
+
+def _answered(mail, job, timeout=10.0):
+    end = time.monotonic() + timeout
+    while mail.ctl[ANSWERED] < job and time.monotonic() < end:
+        time.sleep(0.001)
+    return mail.ctl[ANSWERED] >= job
+
+
+def _device_exports(mail, job, idx, count):
+    """What the exchange kernel does: the selection, then the request number."""
+    mail.idx[: idx.size] = idx.ravel()
+    mail.count[:] = count
+    disk_serve.store_release(mail.ctl_addr + 8 * EXPORTED, job)
+
+
+def test_a_request_whose_step_never_ran_is_passed_over():
+    rng = np.random.default_rng(3)
+    data, _, pages, ref = _store(rng, FLOAT32)
+    server = disk_serve.DiskServer()
+    mail = Mailbox(H, 2, C, {"values": D}, {"values": FLOAT32}, _address)
+    tensor = Tensor(addrs=np.array([b.ctypes.data for b in data], np.int64),
+                    disk=np.ones(3, np.uint8), scales=np.zeros(0, np.int64), ppb=PPB,
+                    code=FLOAT32, dim=D, out=mail.addrs[4])
+    req = dict(mail=mail, capc=2, length=len(pages) * P, pages=pages, page_size=P,
+               tensors=[tensor])
+    server.post(Request(job=1, **req))  # built, never run on the device
+    server.post(Request(job=2, **req))
+    _device_exports(mail, 2, np.array([[1, 2], [0, 3]], np.uint32), [2, 1])
+    assert _answered(mail, 2)
+    assert server.counts["passed_over"] == 1 and server.counts["layer_steps"] == 1
+    got = mail.rows["values"].reshape(H, 2 * C, D)
+    np.testing.assert_array_equal(got[0, :C], ref[0, C:2 * C])
+    np.testing.assert_array_equal(got[1, :C], ref[1, :C])
+    assert mail.mask.reshape(H, 2 * C)[1, C:].sum() == 0  # head 1 selected one chunk
+
+
+def test_a_failing_worker_still_answers_and_the_host_raises(monkeypatch):
+    from tiered.step import disk_stage
+
+    server = disk_serve.DiskServer()
+    monkeypatch.setattr(disk_serve, "SERVER", server)
+
+    def broken(req, stats):
+        raise OSError("the page file went away")
+
+    monkeypatch.setattr(disk_serve, "stage", broken)
+    mail = Mailbox(H, 1, C, {"values": D}, {"values": FLOAT16}, _address)
+    server.post(Request(job=1, mail=mail, capc=1, length=0, pages=np.zeros(1, np.int64),
+                        page_size=P, tensors=[]))
+    _device_exports(mail, 1, np.zeros((H, 1), np.uint32), [0, 0])
+    assert _answered(mail, 1)  # the device is not left waiting
+    assert mail.ctl[FAULT] == 2
+
+    class Host:  # what check() reads: the store's state in disk_stage
+        pass
+
+    host = Host()
+    state = disk_stage._LayerState()
+    state.mail = mail
+    monkeypatch.setitem(disk_stage._STATE, host, state)
+    with pytest.raises(RuntimeError, match="disk rows worker failed"):
+        disk_stage.check(host)
+
+
+def test_the_device_gives_up_a_wait_nobody_answers(device_path, monkeypatch):
+    """No worker answers: the exchange kernel stops waiting after WAIT_NS, the rows read as
+    zeros, the mailbox is flagged and the host's next check raises (a hang otherwise)."""
+    from tiered.step import disk_stage
+
+    monkeypatch.setattr(disk_stage, "WAIT_NS", 200_000_000)
+    monkeypatch.setattr(disk_stage, "_kernels", {})
+    mail = Mailbox(H, 2, C, {"values": D}, {"values": FLOAT16}, _address)
+    mail.mask[:] = 1
+    mail.rows["values"][:] = 1.0
+    addrs = mx.array(np.array(mail.addrs, np.uint64))
+    idx = mx.array(np.array([[1, 2], [0, 3]], np.int32))
+    count = mx.array(np.array([2, 1], np.int32))
+    t0 = time.monotonic()
+    (done,) = disk_stage._kernel("exchange")(
+        inputs=[idx, count, addrs, mx.array([7], dtype=mx.int64)], output_shapes=[(1,)],
+        output_dtypes=[mx.int32], grid=(256, 1, 1), threadgroup=(256, 1, 1))
+    (rows,) = disk_stage._kernel("rows")(
+        inputs=[done, addrs], output_shapes=[(H, 2 * C, D)], output_dtypes=[mx.float16],
+        grid=(H * 2 * C * D, 1, 1), threadgroup=(256, 1, 1),
+        template=[("ROWS_N", H * 2 * C), ("D", D), ("SLOT", 4), ("SRC4", 0),
+                  ("OUT", mx.float16)])
+    mx.eval(rows)
+    assert time.monotonic() - t0 < 30
+    assert done.item() == 2 and mail.ctl[FAULT] == 1 and mail.ctl[EXPORTED] == 7
+    assert mx.abs(rows).max().item() == 0.0
+    np.testing.assert_array_equal(mail.idx.reshape(H, 2), [[1, 2], [0, 3]])
+
+    class Host:
+        pass
+
+    host = Host()
+    state = disk_stage._LayerState()
+    state.mail = mail
+    monkeypatch.setitem(disk_stage._STATE, host, state)
+    with pytest.raises(RuntimeError, match="wait for disk rows failed"):
+        disk_stage.check(host)

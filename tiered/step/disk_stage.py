@@ -1,0 +1,247 @@
+"""The device path over a disk tier without a host wait (issue 62): selected chunks whose pages
+lie in the page file reach the device through a CPU worker, layer by layer, while the host goes
+on building.
+
+The device never reads the page file (tiered.step.disk_rows says why; its block addresses point
+disk blocks at a block of zeros). For a layer whose store has disk blocks the step adds:
+
+1. **exchange** (one launch, one threadgroup): the selection (idx, count) is written into the
+   layer's pinned :class:`cpu.disk_serve.Mailbox`, then the step's request number, with
+   system-scope release ordering; its thread 0 then waits for the answer (2.);
+2. the CPU worker (:data:`cpu.disk_serve.SERVER`), which the host told about the request when it
+   built the step, sees the number, copies the selected chunks' rows that lie in disk blocks
+   into the mailbox's pinned row buffers (int8 rows dequantized), marks them, and answers with
+   the number;
+3. **rows** (one launch per tensor, after the exchange): the marked rows read in place (zeros
+   elsewhere); :func:`tiered.step.disk_rows.add` puts them where
+   the gather kernel read zeros. Exact, as the synchronous read.
+
+So the device waits for the copy of the rows it needs (in the worker's ``copy_s``); the host does
+not wait at all. A wait longer than :data:`WAIT_NS` is taken for a fault: the exchange gives up
+(the rows read as zeros), flags the mailbox, and the layer's next step raises (as it does for a failure in the worker).
+``TIERED_DISK_ROWS=sync`` keeps the synchronous read (the layer waits for its selection, the CPU
+copies on the main thread: tiered.step.disk_rows.read).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import weakref
+
+import mlx.core as mx
+import numpy as np
+
+from ..cpu import disk_serve
+from ..cpu.disk_serve import FLOAT16, FLOAT32, INT8, Mailbox, Request, Tensor
+from ..metal.compact import compact
+from ..metal.ptx_cache import cuda_kernel
+from ..runtime import uva
+from . import disk_rows
+
+MODE = os.environ.get("TIERED_DISK_ROWS", "worker")
+WAIT_NS = 20_000_000_000  # a worker that has not answered in 20 s has failed
+
+# System-scope ordering with the CPU: on the GPU through PTX, on the kernel executor (C++ on the
+# host, tests/metal_exec) through the compiler's atomics.
+HEADER = r"""
+#if defined(__CUDACC__)
+__device__ inline long long tqd_load_acquire(const long long* p) {
+  long long v;
+  asm volatile("ld.acquire.sys.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ inline void tqd_store_release(long long* p, long long v) {
+  asm volatile("st.release.sys.b64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
+}
+__device__ inline unsigned short tqd_load16(const unsigned short* p) {
+  unsigned short v;
+  asm volatile("ld.relaxed.sys.b16 %0, [%1];" : "=h"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ inline unsigned int tqd_load32(const unsigned int* p) {
+  unsigned int v;
+  asm volatile("ld.relaxed.sys.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ inline unsigned long long tqd_timer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ inline void tqd_pause() { __nanosleep(256); }
+#else
+inline long long tqd_load_acquire(const long long* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+inline void tqd_store_release(long long* p, long long v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+inline unsigned short tqd_load16(const unsigned short* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+inline unsigned int tqd_load32(const unsigned int* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+inline unsigned long long tqd_timer() { return tqx_cuda_globaltimer(); }
+inline void tqd_pause() {}
+#endif
+"""
+
+EXCHANGE = r"""
+    // The selection idx (H, CAPC), count (H,) into the mailbox (mail: ctl, idx, count, mask,
+    // rows...), the request number `job` into ctl[0], released to the CPU; then thread 0 waits
+    // for the worker's answer (ctl[1] == job, acquired). done[0]: 1, or 2 when the wait gave
+    // up (ctl[2] flagged for the host).
+    const uint32_t H = idx_shape[0], CAPC = idx_shape[1];
+    uint32_t* ib = reinterpret_cast<uint32_t*>(mail[1]);
+    int32_t* cb = reinterpret_cast<int32_t*>(mail[2]);
+    for (uint32_t i = threadIdx.x; i < H * CAPC; i += blockDim.x) ib[i] = (uint32_t)idx[i];
+    for (uint32_t i = threadIdx.x; i < H; i += blockDim.x) cb[i] = (int32_t)count[i];
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        long long* ctl = reinterpret_cast<long long*>(mail[0]);
+        const long long want = (long long)job[0];
+        tqd_store_release(ctl, want);
+        const unsigned long long t0 = tqd_timer();
+        int late = 0;
+        while (tqd_load_acquire(ctl + 1) < want) {
+            if (tqd_timer() - t0 > WAIT_NSull) { late = 1; break; }
+            tqd_pause();
+        }
+        if (late) tqd_store_release(ctl + 2, 1);
+        done[0] = 1 + late;
+    }
+"""
+
+ROWS = r"""
+    // out (ROWS_N, D) in OUT: staged row r where the mask marks it, else zeros, once the
+    // exchange kernel saw the worker's answer (`after`: its done). SRC4: the staged rows are
+    // float32 (else float16). Loads at system scope: the CPU wrote these bytes.
+    const uint64_t e = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= (uint64_t)ROWS_N * D) return;
+    const uint64_t r = e / D;
+    const unsigned char* mask = reinterpret_cast<const unsigned char*>(mail[3]);
+    const bool on = after[0] == 1 &&
+        ((tqd_load32(reinterpret_cast<const unsigned int*>(mask + (r & ~3ull))) >> (8 * (r & 3))) & 0xffu);
+    float v = 0.0f;
+    if (on) {
+        if (SRC4) {
+            v = __uint_as_float(tqd_load32(reinterpret_cast<const unsigned int*>(mail[SLOT]) + e));
+        } else {
+            const unsigned short bits =
+                tqd_load16(reinterpret_cast<const unsigned short*>(mail[SLOT]) + e);
+            v = __half2float(*reinterpret_cast<const __half*>(&bits));
+        }
+    }
+    out[e] = (OUT)v;
+"""
+
+_kernels: dict = {}
+
+
+def _kernel(name: str):
+    k = _kernels.get(name)
+    if k is None:
+        spec = {"exchange": ("tiered_disk_exchange", ["idx", "count", "mail", "job"], ["done"],
+                             EXCHANGE.replace("WAIT_NS", str(WAIT_NS))),
+                "rows": ("tiered_disk_rows", ["after", "mail"], ["out"], ROWS)}[name]
+        k = _kernels[name] = cuda_kernel(name=spec[0], input_names=spec[1],
+                                         output_names=spec[2], source=compact(spec[3]),
+                                         header=HEADER)
+    return k
+
+
+_CODES = {"float16": FLOAT16, "float32": FLOAT32, "int8": INT8}
+_OUT = {"float16": mx.float16, "float32": mx.float32, "int8": mx.float16}
+_jobs = itertools.count(1)
+
+
+class _LayerState:
+    """Per host store: its mailbox and its tensors' tables (rebuilt when blocks are added or
+    moved to disk)."""
+
+    def __init__(self):
+        self.mail: Mailbox | None = None
+        self.addrs: mx.array | None = None
+        self.tables: dict = {}
+        self.seen_fault = 0
+
+    def mailbox(self, host, H, capc, chunk, names) -> Mailbox:
+        if self.mail is None or not self.mail.fits(H, capc, chunk, names):
+            tensors = {n: getattr(host, n) for n in names}
+            dims = {n: t.head_dim for n, t in tensors.items()}
+            codes = {n: _CODES[t.dtype] for n, t in tensors.items()}
+            cap = max(capc, self.mail.capc if self.mail is not None else 0)
+            self.mail = Mailbox(H, cap, chunk, dims, codes, uva.register)
+            self.addrs = uva.address_array(self.mail.addrs)
+        return self.mail
+
+    def tensor(self, tensor, out: int) -> Tensor:
+        key = (len(tensor.addrs), tensor.moves, out)
+        got = self.tables.get(id(tensor))
+        if got is None or got[0] != key:
+            n = len(tensor.addrs)
+            scales = (np.asarray(tensor.scale_addrs[:n], np.int64) if tensor.dtype == "int8"
+                      else np.zeros(0, np.int64))
+            t = Tensor(addrs=np.asarray(tensor.addrs[:n], np.int64),
+                       disk=(np.asarray(tensor.disk_index[:n]) >= 0).astype(np.uint8),
+                       scales=scales, ppb=int(tensor.pages_per_block),
+                       code=_CODES[tensor.dtype], dim=int(tensor.head_dim), out=out)
+            got = self.tables[id(tensor)] = (key, t)
+        return got[1]
+
+
+_STATE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def counts() -> dict:
+    """Disk rows read for the device path in this process, either way: layer-steps, chunk-heads
+    and bytes (the worker's also rows, requests passed over and its seconds copying)."""
+    out = dict(disk_serve.SERVER.counts)
+    for k, v in disk_rows.COUNTS.items():
+        out[k] = out.get(k, 0) + v
+    return out
+
+
+def check(host) -> None:
+    """Raise what went wrong in an earlier step's disk rows of ``host`` (the worker's error, or
+    the device giving up its wait)."""
+    st = _STATE.get(host)
+    if st is None or st.mail is None:
+        return
+    fault = int(st.mail.ctl[disk_serve.FAULT])
+    if disk_serve.SERVER.error is not None:
+        raise RuntimeError("the disk rows worker failed") from disk_serve.SERVER.error
+    if fault:
+        raise RuntimeError(f"the device's wait for disk rows failed (fault {fault}): no answer "
+                           f"within {WAIT_NS / 1e9:.0f} s")
+
+
+def rows(host, idx: mx.array, count: mx.array, chunk: int, names: tuple) -> dict:
+    """The disk chunks' rows of ``names`` (tensor name -> (H, capc * chunk, d), zeros where a
+    row is not on disk), lazy: read by the device from the worker's answer to this step."""
+    check(host)
+    disk_serve.warm()
+    st = _STATE.get(host)
+    if st is None:
+        st = _STATE[host] = _LayerState()
+    H, capc = idx.shape
+    mail = st.mailbox(host, H, capc, chunk, names)
+    tensors = [st.tensor(getattr(host, n), mail.addrs[4 + list(mail.rows).index(n)])
+               for n in names]
+    job = next(_jobs)
+    disk_serve.SERVER.post(Request(job=job, mail=mail, capc=capc, length=host.length,
+                                   pages=np.asarray(host.logical_pages(0), np.int64),
+                                   page_size=int(host.page_size), tensors=tensors))
+    jid = mx.array([job], dtype=mx.int64)
+    (done,) = _kernel("exchange")(
+        inputs=[idx, count, st.addrs, jid], output_shapes=[(1,)], output_dtypes=[mx.int32],
+        grid=(256, 1, 1), threadgroup=(256, 1, 1))
+    out = {}
+    n_rows = H * capc * chunk
+    for name in names:
+        tensor = getattr(host, name)
+        d = tensor.head_dim
+        slot = 4 + list(mail.rows).index(name)
+        dt = _OUT[tensor.dtype]
+        (o,) = _kernel("rows")(
+            inputs=[done, st.addrs], output_shapes=[(H, capc * chunk, d)],
+            output_dtypes=[dt], grid=(-(-n_rows * d // 256) * 256, 1, 1),
+            threadgroup=(256, 1, 1),
+            template=[("ROWS_N", n_rows), ("D", d), ("SLOT", slot),
+                      ("SRC4", int(_CODES[tensor.dtype] != FLOAT16)), ("OUT", dt)])
+        out[name] = o
+    return out
