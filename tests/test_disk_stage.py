@@ -147,9 +147,11 @@ def test_the_device_gives_up_a_wait_nobody_answers(device_path, monkeypatch):
     zeros, the mailbox is flagged and the host's next check raises (a hang otherwise)."""
     from tiered.step import disk_stage
 
+    from tiered.runtime import uva
+
     monkeypatch.setattr(disk_stage, "WAIT_NS", 200_000_000)
     monkeypatch.setattr(disk_stage, "_kernels", {})
-    mail = Mailbox(H, 2, C, {"values": D}, {"values": FLOAT16}, _address)
+    mail = Mailbox(H, 2, C, {"values": D}, {"values": FLOAT16}, uva.register)  # device-readable
     mail.mask[:] = 1
     mail.rows["values"][:] = 1.0
     addrs = mx.array(np.array(mail.addrs, np.uint64))
