@@ -159,10 +159,11 @@ def test_the_device_gives_up_a_wait_nobody_answers(device_path, monkeypatch):
     count = mx.array(np.array([2, 1], np.int32))
     t0 = time.monotonic()
     (done,) = disk_stage._kernel("exchange")(
-        inputs=[idx, count, addrs, mx.array([7], dtype=mx.int64)], output_shapes=[(1,)],
+        inputs=[idx, count, addrs, mx.array([7], dtype=mx.int64), mx.array([0])],
+        output_shapes=[(1,)],
         output_dtypes=[mx.int32], grid=(256, 1, 1), threadgroup=(256, 1, 1))
     (rows,) = disk_stage._kernel("rows")(
-        inputs=[done, addrs], output_shapes=[(H, 2 * C, D)], output_dtypes=[mx.float16],
+        inputs=[done, addrs, mx.array([0])], output_shapes=[(H, 2 * C, D)], output_dtypes=[mx.float16],
         grid=(H * 2 * C * D, 1, 1), threadgroup=(256, 1, 1),
         template=[("ROWS_N", H * 2 * C), ("D", D), ("SLOT", 4), ("SRC4", 0),
                   ("OUT", mx.float16)])

@@ -161,6 +161,7 @@ T atomicMin(T* p, T v) {
 template <typename T>
 T atomicExch(T* p, T v) { return __atomic_exchange_n(p, v, __ATOMIC_RELAXED); }
 inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+inline void __threadfence_system() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 // PTX's %globaltimer (nanoseconds, one clock for every SM) as the host's monotonic clock.
 #include <chrono>
 inline unsigned long long tqx_cuda_globaltimer() {

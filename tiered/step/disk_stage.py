@@ -34,6 +34,7 @@ import numpy as np
 
 from ..cpu import disk_serve
 from ..cpu.disk_serve import FLOAT16, FLOAT32, INT8, Mailbox, Request, Tensor
+from ..metal import device_ints
 from ..metal.compact import compact
 from ..metal.ptx_cache import cuda_kernel
 from ..runtime import uva
@@ -90,6 +91,7 @@ EXCHANGE = r"""
     int32_t* cb = reinterpret_cast<int32_t*>(mail[2]);
     for (uint32_t i = threadIdx.x; i < H * CAPC; i += blockDim.x) ib[i] = (uint32_t)idx[i];
     for (uint32_t i = threadIdx.x; i < H; i += blockDim.x) cb[i] = (int32_t)count[i];
+    __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0) {
         long long* ctl = reinterpret_cast<long long*>(mail[0]);
@@ -135,9 +137,10 @@ _kernels: dict = {}
 def _kernel(name: str):
     k = _kernels.get(name)
     if k is None:
-        spec = {"exchange": ("tiered_disk_exchange", ["idx", "count", "mail", "job"], ["done"],
+        spec = {"exchange": ("tiered_disk_exchange", ["idx", "count", "mail", "job", "prev"],
+                             ["done"],
                              EXCHANGE.replace("WAIT_NS", str(WAIT_NS))),
-                "rows": ("tiered_disk_rows", ["after", "mail"], ["out"], ROWS)}[name]
+                "rows": ("tiered_disk_rows", ["after", "mail", "prev"], ["out"], ROWS)}[name]
         k = _kernels[name] = cuda_kernel(name=spec[0], input_names=spec[1],
                                          output_names=spec[2], source=compact(spec[3]),
                                          header=HEADER)
@@ -157,7 +160,7 @@ class _LayerState:
         self.mail: Mailbox | None = None
         self.addrs: mx.array | None = None
         self.tables: dict = {}
-        self.seen_fault = 0
+        self.last = None  # the mailbox's last reader (rows kernel output, one element)
 
     def mailbox(self, host, H, capc, chunk, names) -> Mailbox:
         if self.mail is None or not self.mail.fits(H, capc, chunk, names):
@@ -227,8 +230,13 @@ def rows(host, idx: mx.array, count: mx.array, chunk: int, names: tuple) -> dict
                                    pages=np.asarray(host.logical_pages(0), np.int64),
                                    page_size=int(host.page_size), tensors=tensors))
     jid = mx.array([job], dtype=mx.int64)
+    # Kernels sharing a mailbox run in order: each takes the previous one's output as an input
+    # (MLX runs a graph's independent kernels concurrently; teacher-forced steps, whose next
+    # query does not wait for this step's attention, would otherwise let the next exchange
+    # overwrite the mailbox before this step read it).
+    prev = st.last if st.last is not None else device_ints(0)
     (done,) = _kernel("exchange")(
-        inputs=[idx, count, st.addrs, jid], output_shapes=[(1,)], output_dtypes=[mx.int32],
+        inputs=[idx, count, st.addrs, jid, prev], output_shapes=[(1,)], output_dtypes=[mx.int32],
         grid=(256, 1, 1), threadgroup=(256, 1, 1))
     out = {}
     n_rows = H * capc * chunk
@@ -238,10 +246,12 @@ def rows(host, idx: mx.array, count: mx.array, chunk: int, names: tuple) -> dict
         slot = 4 + list(mail.rows).index(name)
         dt = _OUT[tensor.dtype]
         (o,) = _kernel("rows")(
-            inputs=[done, st.addrs], output_shapes=[(H, capc * chunk, d)],
+            inputs=[done, st.addrs, prev], output_shapes=[(H, capc * chunk, d)],
             output_dtypes=[dt], grid=(-(-n_rows * d // 256) * 256, 1, 1),
             threadgroup=(256, 1, 1),
             template=[("ROWS_N", n_rows), ("D", d), ("SLOT", slot),
                       ("SRC4", int(_CODES[tensor.dtype] != FLOAT16)), ("OUT", dt)])
         out[name] = o
+        prev = o.reshape(-1)[:1]
+    st.last = prev
     return out
