@@ -8,7 +8,7 @@ layer's step it posts a :class:`Request` (the layer's tables as they are at that
 on building. On the device, the step's export kernel writes the selection into the layer's
 :class:`Mailbox` (pinned memory) and stamps the request's number; this thread, polling the
 mailboxes of its pending requests (:func:`_wait_any`, without the GIL), copies the selected
-disk rows into the mailbox's row buffers, writes which rows it filled (the mask), and stamps the
+disk rows into the mailbox's row buffers, packed, with their places, and stamps the
 number back; the device's rows kernel, waiting for that stamp, reads them in place. So the
 device waits for the copy of the disk rows it needs, layer by layer; nothing else waits.
 
@@ -25,14 +25,15 @@ import threading
 import time
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 
 from ._numba import address_as_pointer, kernel, load_acquire_i64, store_release_i64
 from .paged_rows import _row_location, log2_exact
 
 # Mailbox control words (int64): the request number the device exported, the one this thread
-# answered, a fault (1: the device's wait timed out, 2: this thread failed).
-EXPORTED, ANSWERED, FAULT = 0, 1, 2
+# answered, a fault (1: the device's wait timed out, 2: this thread failed), the rows staged.
+EXPORTED, ANSWERED, FAULT, ROWS_WORD = 0, 1, 2, 3
 CTL_WORDS = 8
 # Storage codes: the host dtype of a tensor's pages, and what its staged rows hold
 FLOAT16, FLOAT32, INT8 = 0, 1, 2  # int8 rows are staged dequantized, as float32
@@ -44,9 +45,10 @@ IDLE_SLEEP_S = 0.0005
 
 class Mailbox:
     """One layer's pinned exchange with the device: control words, the exported selection
-    (idx (H, capc) uint32, count (H,) int32), which staged rows hold disk rows (uint8 per row of
-    (H, capc * chunk)) and the staged rows of each tensor (float16, or float32 for float32 and
-    int8 pages). ``register`` page-locks a buffer and returns its device address."""
+    (idx (H, capc) uint32, count (H,) int32), the place of each staged row in (H, capc * chunk)
+    (int32, packed: the first ctl[ROWS_WORD] hold) and the staged rows of each tensor, packed
+    in the same order (float16, or float32 for float32 and int8 pages). ``register``
+    page-locks a buffer and returns its device address."""
 
     def __init__(self, H: int, capc: int, chunk: int, dims: dict, codes: dict, register):
         self.H, self.capc, self.chunk = H, capc, chunk
@@ -54,10 +56,10 @@ class Mailbox:
         self.ctl = np.zeros(CTL_WORDS, np.int64)
         self.idx = np.zeros(H * capc, np.uint32)
         self.count = np.zeros(H, np.int32)
-        self.mask = np.zeros(rows, np.uint8)
+        self.list = np.zeros(rows, np.int32)
         self.rows = {name: np.zeros(rows * d, np.float16 if codes[name] == FLOAT16 else np.float32)
                      for name, d in dims.items()}
-        bufs = [self.ctl, self.idx, self.count, self.mask, *self.rows.values()]
+        bufs = [self.ctl, self.idx, self.count, self.list, *self.rows.values()]
         self.addrs = [int(register(b)) for b in bufs]  # device addresses, in that order
         self.ctl_addr = self.ctl.ctypes.data
         self.nbytes = sum(b.nbytes for b in bufs)
@@ -105,57 +107,84 @@ def _wait_any(ctl_addrs, ids, spins):
     return -1
 
 
-@kernel(inf_safe=True)
+@kernel(inline=True)
+def _disk_row(idx, cnt, h, s, i, capc, C, length, page_ids, page_size, ppb, shifts, H, disk):
+    """(block, row) of slot s's token i of head h where it is selected and on disk, else
+    (-1, 0)."""
+    if s >= min(max(cnt[h], 0), capc):
+        return -1, 0
+    t = np.int64(idx[h * capc + s]) * C + i
+    if t >= length:
+        return -1, 0
+    blk, row = _row_location(page_ids, page_size, ppb, shifts, H, h, t)
+    if disk[blk] == 0:
+        return -1, 0
+    return blk, row
+
+
+@kernel(inf_safe=True, parallel=True)
 def _stage(idx_addr, count_addr, H, capc, C, length, page_ids, page_size, ppb, disk, addrs,
-           scales, code, d, mask_addr, out_addr, write_mask, stats):
-    """Copy the rows of the selected chunks' tokens that lie in disk blocks into the staged rows
-    (H, capc * C, d) at out_addr (int8 dequantized into float32), mark them in the mask
-    (``write_mask``); stats[0] += rows copied, stats[1] += chunk-heads with one."""
+           scales, code, d, list_addr, out_addr, write_list, stats):
+    """Copy the rows of the selected chunks' tokens that lie in disk blocks, packed head by
+    head in token order, to out_addr (int8 dequantized into float32), and (``write_list``)
+    each one's row of (H, capc * C) into the list; stats: rows, chunk-heads with one."""
     idx = address_as_pointer(idx_addr, np.uint32)
     cnt = address_as_pointer(count_addr, np.int32)
-    mask = address_as_pointer(mask_addr, np.uint8)
+    dest = address_as_pointer(list_addr, np.int32)
     shifts = (log2_exact(page_size), log2_exact(ppb))
     width = 2 if code == 0 else (4 if code == 1 else 1)
-    for h in range(H):
-        n = min(max(cnt[h], 0), capc)
+    out_w = 2 if code == 0 else 4
+    per_head = np.zeros(H, np.int64)
+    chunks = np.zeros(H, np.int64)
+    for h in numba.prange(H):
         for s in range(capc):
-            any_row = False
+            k = 0
             for i in range(C):
-                m = (h * capc + s) * C + i
-                on = False
-                if s < n:
-                    t = np.int64(idx[h * capc + s]) * C + i
-                    if t < length:
-                        blk, row = _row_location(page_ids, page_size, ppb, shifts, H, h, t)
-                        if disk[blk] != 0:
-                            on = True
-                            if code == 2:
-                                q = address_as_pointer(addrs[blk] + row * d, np.int8)
-                                sc = address_as_pointer(scales[blk] + row * 4, np.float32)[0]
-                                o = address_as_pointer(out_addr + m * d * 4, np.float32)
-                                for e in range(d):
-                                    o[e] = np.float32(q[e]) * sc
-                            else:
-                                src = address_as_pointer(addrs[blk] + row * d * width, np.uint8)
-                                dst = address_as_pointer(out_addr + m * d * width, np.uint8)
-                                for e in range(d * width):
-                                    dst[e] = src[e]
-                if write_mask:
-                    mask[m] = 1 if on else 0
-                if on:
-                    stats[0] += 1
-                    any_row = True
-            if any_row:
-                stats[1] += 1
+                blk, _ = _disk_row(idx, cnt, h, s, i, capc, C, length, page_ids, page_size,
+                                   ppb, shifts, H, disk)
+                if blk >= 0:
+                    k += 1
+            per_head[h] += k
+            if k:
+                chunks[h] += 1
+    start = np.zeros(H + 1, np.int64)
+    for h in range(H):
+        start[h + 1] = start[h] + per_head[h]
+    for h in numba.prange(H):
+        j = start[h]
+        for s in range(capc):
+            for i in range(C):
+                blk, row = _disk_row(idx, cnt, h, s, i, capc, C, length, page_ids, page_size,
+                                     ppb, shifts, H, disk)
+                if blk < 0:
+                    continue
+                if write_list:
+                    dest[j] = (h * capc + s) * C + i
+                if code == 2:
+                    q = address_as_pointer(addrs[blk] + row * d, np.int8)
+                    sc = address_as_pointer(scales[blk] + row * 4, np.float32)[0]
+                    o = address_as_pointer(out_addr + j * d * 4, np.float32)
+                    for e in range(d):
+                        o[e] = np.float32(q[e]) * sc
+                else:
+                    src = address_as_pointer(addrs[blk] + row * d * width, np.uint8)
+                    dst = address_as_pointer(out_addr + j * d * out_w, np.uint8)
+                    for e in range(d * width):
+                        dst[e] = src[e]
+                j += 1
+    stats[0] = start[H]
+    stats[1] = chunks.sum()
 
 
 def stage(req: Request, stats: np.ndarray) -> None:
-    """Fill ``req``'s mailbox with its disk rows (the selection the device exported there)."""
+    """Fill ``req``'s mailbox with its disk rows (the selection the device exported there):
+    the packed rows, their places (the list) and their number (ctl[ROWS_WORD])."""
     mail = req.mail
     for k, t in enumerate(req.tensors):
         _stage(mail.addrs[1], mail.addrs[2], mail.H, req.capc, mail.chunk, req.length,
                req.pages, req.page_size, t.ppb, t.disk, t.addrs, t.scales, t.code, t.dim,
                mail.addrs[3], t.out, k == 0, stats)
+    mail.ctl[ROWS_WORD] = stats[0] if req.tensors else 0
 
 
 class DiskServer:

@@ -62,21 +62,20 @@ def test_staged_rows_are_the_disk_blocks_rows_of_the_selected_chunks(code):
     stats = np.zeros(2, np.int64)
     disk_serve.stage(Request(job=1, mail=mail, capc=capc, length=length, pages=pages,
                              page_size=P, tensors=[tensor]), stats)
-    got = mail.rows["values"].reshape(H, capc * C, D)
-    mask = mail.mask.reshape(H, capc * C)
-    want_mask = np.zeros_like(mask)
+    rows = mail.rows["values"].reshape(-1, D)
+    want = []  # (place, token), head by head in slot order
     for h in range(H):
         for s in range(mail.count[h]):
             for i in range(C):
                 t = int(mail.idx[h * capc + s]) * C + i
                 if t < length and disk[pages[t // P] // PPB]:
-                    want_mask[h, s * C + i] = 1
-                    np.testing.assert_array_equal(got[h, s * C + i].astype(np.float32),
-                                                  ref[h, t])
-    np.testing.assert_array_equal(mask, want_mask)
-    assert 0 < stats[0] == want_mask.sum() < mask.size
-    assert stats[1] == sum(want_mask[h, s * C:(s + 1) * C].any()
-                           for h in range(H) for s in range(capc))
+                    want.append(((h * capc + s) * C + i, h, t))
+    k = int(mail.ctl[disk_serve.ROWS_WORD])
+    assert 0 < k == len(want) == stats[0] < H * capc * C
+    np.testing.assert_array_equal(mail.list[:k], [w[0] for w in want])
+    for j, (_, h, t) in enumerate(want):
+        np.testing.assert_array_equal(rows[j].astype(np.float32), ref[h, t])
+    assert stats[1] == len({w[0] // C for w in want})
 
 
 def _answered(mail, job, timeout=10.0):
@@ -108,10 +107,12 @@ def test_a_request_whose_step_never_ran_is_passed_over():
     _device_exports(mail, 2, np.array([[1, 2], [0, 3]], np.uint32), [2, 1])
     assert _answered(mail, 2)
     assert server.counts["passed_over"] == 1 and server.counts["layer_steps"] == 1
-    got = mail.rows["values"].reshape(H, 2 * C, D)
-    np.testing.assert_array_equal(got[0, :C], ref[0, C:2 * C])
-    np.testing.assert_array_equal(got[1, :C], ref[1, :C])
-    assert mail.mask.reshape(H, 2 * C)[1, C:].sum() == 0  # head 1 selected one chunk
+    rows = mail.rows["values"].reshape(-1, D)
+    assert mail.ctl[disk_serve.ROWS_WORD] == 3 * C  # head 0: two chunks, head 1: one
+    np.testing.assert_array_equal(mail.list[: 3 * C], np.r_[0:2 * C, 2 * C:3 * C])
+    np.testing.assert_array_equal(rows[:C], ref[0, C:2 * C])
+    np.testing.assert_array_equal(rows[C:2 * C], ref[0, 2 * C:3 * C])
+    np.testing.assert_array_equal(rows[2 * C:3 * C], ref[1, :C])
 
 
 def test_a_failing_worker_still_answers_and_the_host_raises(monkeypatch):
@@ -152,7 +153,8 @@ def test_the_device_gives_up_a_wait_nobody_answers(device_path, monkeypatch):
     monkeypatch.setattr(disk_stage, "WAIT_NS", 200_000_000)
     monkeypatch.setattr(disk_stage, "_kernels", {})
     mail = Mailbox(H, 2, C, {"values": D}, {"values": FLOAT16}, uva.register)  # device-readable
-    mail.mask[:] = 1
+    mail.list[:] = np.arange(mail.list.size)
+    mail.ctl[disk_serve.ROWS_WORD] = mail.list.size
     mail.rows["values"][:] = 1.0
     addrs = mx.array(np.array(mail.addrs, np.uint64))
     idx = mx.array(np.array([[1, 2], [0, 3]], np.int32))
@@ -163,10 +165,9 @@ def test_the_device_gives_up_a_wait_nobody_answers(device_path, monkeypatch):
         output_shapes=[(1,)],
         output_dtypes=[mx.int32], grid=(256, 1, 1), threadgroup=(256, 1, 1))
     (rows,) = disk_stage._kernel("rows")(
-        inputs=[done, addrs, mx.array([0])], output_shapes=[(H, 2 * C, D)], output_dtypes=[mx.float16],
-        grid=(H * 2 * C * D, 1, 1), threadgroup=(256, 1, 1),
-        template=[("ROWS_N", H * 2 * C), ("D", D), ("SLOT", 4), ("SRC4", 0),
-                  ("OUT", mx.float16)])
+        inputs=[done, addrs, mx.array([0])], output_shapes=[(H, 2 * C, D)],
+        output_dtypes=[mx.float16], grid=(256, 1, 1), threadgroup=(256, 1, 1),
+        template=[("D", D), ("SLOT", 4), ("SRC4", 0), ("OUT", mx.float16)], init_value=0)
     mx.eval(rows)
     assert time.monotonic() - t0 < 30
     assert done.item() == 2 and mail.ctl[FAULT] == 1 and mail.ctl[EXPORTED] == 7

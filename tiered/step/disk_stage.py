@@ -10,10 +10,10 @@ disk blocks at a block of zeros). For a layer whose store has disk blocks the st
    system-scope release ordering; its thread 0 then waits for the answer (2.);
 2. the CPU worker (:data:`cpu.disk_serve.SERVER`), which the host told about the request when it
    built the step, sees the number, copies the selected chunks' rows that lie in disk blocks
-   into the mailbox's pinned row buffers (int8 rows dequantized), marks them, and answers with
-   the number;
-3. **rows** (one launch per tensor, after the exchange): the marked rows read in place (zeros
-   elsewhere); :func:`tiered.step.disk_rows.add` puts them where
+   into the mailbox's pinned row buffers, packed (int8 rows dequantized), with their places,
+   and answers with the number;
+3. **rows** (one launch per tensor, after the exchange): the staged rows read in place, each
+   put in its place (zeros elsewhere); :func:`tiered.step.disk_rows.add` puts them where
    the gather kernel read zeros. Exact, as the synchronous read.
 
 So the device waits for the copy of the rows it needs (in the worker's ``copy_s``); the host does
@@ -65,6 +65,7 @@ __device__ inline unsigned int tqd_load32(const unsigned int* p) {
   asm volatile("ld.relaxed.sys.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
+__device__ inline uint4 tqd_load128(const uint4* p) { return __ldcv(p); }
 __device__ inline unsigned long long tqd_timer() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -76,13 +77,14 @@ inline long long tqd_load_acquire(const long long* p) { return __atomic_load_n(p
 inline void tqd_store_release(long long* p, long long v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 inline unsigned short tqd_load16(const unsigned short* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
 inline unsigned int tqd_load32(const unsigned int* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+inline uint4 tqd_load128(const uint4* p) { return *p; }
 inline unsigned long long tqd_timer() { return tqx_cuda_globaltimer(); }
 inline void tqd_pause() {}
 #endif
 """
 
 EXCHANGE = r"""
-    // The selection idx (H, CAPC), count (H,) into the mailbox (mail: ctl, idx, count, mask,
+    // The selection idx (H, CAPC), count (H,) into the mailbox (mail: ctl, idx, count, list,
     // rows...), the request number `job` into ctl[0], released to the CPU; then thread 0 waits
     // for the worker's answer (ctl[1] == job, acquired). done[0]: 1, or 2 when the wait gave
     // up (ctl[2] flagged for the host).
@@ -109,26 +111,26 @@ EXCHANGE = r"""
 """
 
 ROWS = r"""
-    // out (ROWS_N, D) in OUT: staged row r where the mask marks it, else zeros, once the
-    // exchange kernel saw the worker's answer (`after`: its done). SRC4: the staged rows are
-    // float32 (else float16). Loads at system scope: the CPU wrote these bytes.
-    const uint64_t e = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (e >= (uint64_t)ROWS_N * D) return;
-    const uint64_t r = e / D;
-    const unsigned char* mask = reinterpret_cast<const unsigned char*>(mail[3]);
-    const bool on = after[0] == 1 &&
-        ((tqd_load32(reinterpret_cast<const unsigned int*>(mask + (r & ~3ull))) >> (8 * (r & 3))) & 0xffu);
-    float v = 0.0f;
-    if (on) {
-        if (SRC4) {
-            v = __uint_as_float(tqd_load32(reinterpret_cast<const unsigned int*>(mail[SLOT]) + e));
-        } else {
-            const unsigned short bits =
-                tqd_load16(reinterpret_cast<const unsigned short*>(mail[SLOT]) + e);
-            v = __half2float(*reinterpret_cast<const __half*>(&bits));
-        }
+    // out (H * CAPC * C, D) in OUT, zeros where no disk row goes (init_value): the ctl[3] staged rows
+    // (packed, float32 where SRC4 else float16) each to its place list[i], read once the
+    // exchange kernel saw the worker's answer (`after`: its done). One thread per 16 bytes of
+    // a staged row; loads at system scope, uncached: the CPU wrote these bytes.
+    constexpr uint32_t SB = SRC4 ? 4 : 2, WPR = D * SB / 16;
+    const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (after[0] != 1) return;  // the wait gave up: zeros (the host raises)
+    const long long k = tqd_load_acquire(reinterpret_cast<const long long*>(mail[0]) + 3);
+    const uint64_t i = tid / WPR;
+    if ((long long)i >= k) return;
+    const uint32_t w = tid % WPR;
+    const int32_t r = (int32_t)tqd_load32(reinterpret_cast<const unsigned int*>(mail[3]) + i);
+    const uint4 v = tqd_load128(reinterpret_cast<const uint4*>(mail[SLOT]) + tid);
+    if (SRC4) {
+        const float f[4] = {__uint_as_float(v.x), __uint_as_float(v.y), __uint_as_float(v.z),
+                            __uint_as_float(v.w)};
+        for (int e = 0; e < 4; ++e) out[(uint64_t)r * D + w * 4 + e] = (OUT)f[e];
+    } else {  // float16 rows into float16 out
+        reinterpret_cast<uint4*>(out)[(uint64_t)r * (D / 8) + w] = v;
     }
-    out[e] = (OUT)v;
 """
 
 _kernels: dict = {}
@@ -243,14 +245,16 @@ def rows(host, idx: mx.array, count: mx.array, chunk: int, names: tuple) -> dict
     for name in names:
         tensor = getattr(host, name)
         d = tensor.head_dim
-        slot = 4 + list(mail.rows).index(name)
+        src4 = int(_CODES[tensor.dtype] != FLOAT16)
         dt = _OUT[tensor.dtype]
+        if not src4 and dt != mx.float16:
+            raise TypeError(f"float16 staged rows into {dt}")
+        words = n_rows * d * (4 if src4 else 2) // 16
         (o,) = _kernel("rows")(
             inputs=[done, st.addrs, prev], output_shapes=[(H, capc * chunk, d)],
-            output_dtypes=[dt], grid=(-(-n_rows * d // 256) * 256, 1, 1),
-            threadgroup=(256, 1, 1),
-            template=[("ROWS_N", n_rows), ("D", d), ("SLOT", slot),
-                      ("SRC4", int(_CODES[tensor.dtype] != FLOAT16)), ("OUT", dt)])
+            output_dtypes=[dt], grid=(-(-words // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
+            template=[("D", d), ("SLOT", 4 + list(mail.rows).index(name)), ("SRC4", src4),
+                      ("OUT", dt)], init_value=0)
         out[name] = o
         prev = o.reshape(-1)[:1]
     st.last = prev
