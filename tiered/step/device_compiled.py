@@ -39,7 +39,7 @@ import tiered.metal as metal
 from ..metal._build import traced
 from ..metal.codebook import kernel_supports
 from ..runtime import dispatch, staging
-from . import device_attend, device_decode, device_resident
+from . import device_attend, device_decode, device_resident, disk_rows, disk_stage
 from .device_chunks import chunk_logits, chunk_widths
 from .device_decode import CHUNK, kept
 from .keys import CodebookKeys
@@ -110,12 +110,16 @@ def step(layer, queries, scale, sinks, tables, n: int, n_host: int, cap: int, fl
     capc = max(1, cap // CHUNK)
     floorc = min(capc, -(-floor // CHUNK))
     pages, addrs_k, addrs_v = page_tables(tables, host, W)
+    disk_in, specs, st = (), None, None
+    if host.disk_bytes > 0:  # the disk chunks' rows from the worker (tiered.step.disk_stage)
+        st, disk_in, specs = disk_stage.post(host, layer.H, capc, CHUNK,
+                                             ("keys", "values") if exact else ("values",))
     alpha = heavy.alpha if heavy is not None else None
     key = (W, float(scale), layer.tau, capc, floorc, alpha, rep, sinks is not None,
            queries.dtype, host.page_size, kt.pages_per_block, vt.pages_per_block,
            kt.head_dim, vt.head_dim, kt.dtype, vt.dtype, exact, H2O_AFTER,
            device_attend.MERGE_GROUPS, device_resident.RESIDENT_ITER,
-           bool(device_attend.RESIDENT_SCORES_GIVEN))  # what is traced
+           bool(device_attend.RESIDENT_SCORES_GIVEN), specs)  # what is traced
     fn = compiled(_functions, key, _chain, MAX_FUNCTIONS)
     # the same arrays in every layer of the step, from their own cache (see _placeholder)
     sizes = _step_ints(n_host, n, *chunk_widths(n_host, n, W))
@@ -123,11 +127,13 @@ def step(layer, queries, scale, sinks, tables, n: int, n_host: int, cap: int, fl
             else mx.array(sinks).astype(mx.float32).reshape(Hq))
     acc = heavy.acc if heavy is not None else _placeholder((1, 1))
     acc_params = _step_ints(n, W + 1, acc.shape[1])
-    o, stats, q, ok, acc_new = fn(
+    o, stats, q, ok, acc_new, *last = fn(
         queries, layer.res_k, layer.res_v, layer.res_tok, keys.codebook, keys.codes,
         layer.flags, acc, pages, addrs_k, addrs_v,
         _placeholder((1,), mx.int32) if host.fence is None else host.fence, sizes, acc_params,
-        sink)
+        sink, *disk_in)
+    if st is not None:
+        st.last = last[0]
     host.device_op(ok)  # a sibling of the gathered rows: evaluated with them
     return o, stats, q, (acc_new if heavy is not None else None)
 
@@ -188,14 +194,14 @@ def compiled(functions: OrderedDict, key: tuple, body, limit: int):
 def _chain(key: tuple):
     """The traced function for ``key`` (see :func:`step` for what the key holds)."""
     (W, scale, tau, capc, floorc, alpha, rep, has_sink, out_dtype, page_size, ppb_k, ppb_v,
-     dk, dv, kdtype, vdtype, exact, h2o_after, _, _, sres) = key
+     dk, dv, kdtype, vdtype, exact, h2o_after, _, _, sres, disk) = key
     host = SimpleNamespace(  # what gather_kv reads of the host store: shapes, not data
         page_size=page_size,
         keys=SimpleNamespace(dtype=kdtype, head_dim=dk, pages_per_block=ppb_k),
         values=SimpleNamespace(dtype=vdtype, head_dim=dv, pages_per_block=ppb_v))
 
     def chain(queries, res_k, res_v, res_tok, codebook, codes, flags, acc, pages, addrs_k,
-              addrs_v, fence, sizes, acc_params, sink):
+              addrs_v, fence, sizes, acc_params, sink, *disk_in):
         Hq = queries.shape[1]
         q, s_r, cols = device_resident.resident_scores(queries, scale, res_k, res_tok, W)
         # W + 1 columns: the resident tokens' exact scores go in, and empty slots write the
@@ -204,24 +210,32 @@ def _chain(key: tuple):
                               s_r, axis=1)
         zc, excl, za = chunk_logits(z, flags, W, rep, W, width=W, sizes=sizes)
         idx, count = metal.tau_select(zc, W // CHUNK, excl, tau, capc, floorc)
+        extra, last = ({}, ()) if disk is None else disk_stage.launch(idx, count, *disk_in,
+                                                                        disk, CHUNK)
         if exact:
             kr, vr, ok = device_attend.gather_kv(None, host, idx, count, flags,
                                                  where=(pages, addrs_k, addrs_v, sizes, fence))
+            if extra:
+                kr, vr = (disk_rows.add(kr, extra["keys"], ok),
+                          disk_rows.add(vr, extra["values"], ok))
             o, stats = device_attend.attend(q, res_k, res_v, res_tok, kr, vr, ok,
                                             sink if has_sink else None, out_dtype,
                                             s_r=s_r if sres else None)
         else:  # approximate rescoring: values gathered, the chunks' code scores
             vr, ok = device_decode.gather_chunks(None, host, host.values, idx, count, flags,
                                                  where=(pages, addrs_v, sizes, fence))
+            if extra:
+                vr = disk_rows.add(vr, extra["values"], ok)
             o, stats = device_attend.approx_attend(z, s_r, vr, ok, idx, res_v,
                                                    sink if has_sink else None, rep, out_dtype)
         fence = ok.reshape(-1)[:1]  # the pages' fence: a view of ok (HostStore.device_op)
+        last = (last,) if disk is not None else ()
         if alpha is None:
-            return o, stats, q, fence, acc
+            return (o, stats, q, fence, acc, *last)
         lse = mx.logsumexp(za, axis=1)  # the softmax total over the n tokens
         after = {"select": count, "attend": ok}.get(h2o_after)
         acc_new = metal.acc_update(acc, z, lse, kept((Hq,), 1.0), W, rep, alpha,
                                    params=acc_params, after=after)
-        return o, stats, q, fence, acc_new
+        return (o, stats, q, fence, acc_new, *last)
 
     return chain

@@ -71,7 +71,7 @@ def decode(layer, queries, scale, sinks, tables: DeviceTables):
     if layer._compile_ok is None:
         layer._compile_ok = device_compiled.why_not(layer) is None
     disk = host.disk_bytes > 0  # disk chunks' rows come through the CPU (step.disk_rows)
-    if layer._compile_ok and layer._update and not disk:
+    if layer._compile_ok and layer._update and (not disk or disk_stage.MODE == "worker"):
         got = device_compiled.step(layer, queries, scale, sinks, tables, n, n_host, cap, floor)
     if got is not None:
         o, stats, q, acc = got

@@ -34,7 +34,6 @@ import numpy as np
 
 from ..cpu import disk_serve
 from ..cpu.disk_serve import FLOAT16, FLOAT32, INT8, Mailbox, Request, Tensor
-from ..metal import device_ints
 from ..metal.compact import compact
 from ..metal.ptx_cache import cuda_kernel
 from ..runtime import uva
@@ -215,47 +214,64 @@ def check(host) -> None:
                            f"within {WAIT_NS / 1e9:.0f} s")
 
 
-def rows(host, idx: mx.array, count: mx.array, chunk: int, names: tuple) -> dict:
-    """The disk chunks' rows of ``names`` (tensor name -> (H, capc * chunk, d), zeros where a
-    row is not on disk), lazy: read by the device from the worker's answer to this step."""
+_NO_PREV: list = []
+
+
+def post(host, H: int, capc: int, chunk: int, names: tuple):
+    """Tell the worker about this layer-step's request; returns (the layer's state, the
+    launch's inputs (mailbox addresses, request number, the mailbox's last reader), the launch's
+    static part (per tensor: name, dim, float32 staged, output dtype, row buffer)), for
+    :func:`launch` (op by op, or inside the compiled chain: tiered.step.device_compiled)."""
     check(host)
     disk_serve.warm()
     st = _STATE.get(host)
     if st is None:
         st = _STATE[host] = _LayerState()
-    H, capc = idx.shape
     mail = st.mailbox(host, H, capc, chunk, names)
-    tensors = [st.tensor(getattr(host, n), mail.addrs[4 + list(mail.rows).index(n)])
-               for n in names]
+    slots = {n: 4 + list(mail.rows).index(n) for n in names}
+    tensors = [st.tensor(getattr(host, n), mail.addrs[slots[n]]) for n in names]
     job = next(_jobs)
     disk_serve.SERVER.post(Request(job=job, mail=mail, capc=capc, length=host.length,
                                    pages=np.asarray(host.logical_pages(0), np.int64),
                                    page_size=int(host.page_size), tensors=tensors))
-    jid = mx.array([job], dtype=mx.int64)
+    if not _NO_PREV:
+        _NO_PREV.append(mx.zeros((1,), mx.int32))
+        mx.eval(_NO_PREV[0])
     # Kernels sharing a mailbox run in order: each takes the previous one's output as an input
     # (MLX runs a graph's independent kernels concurrently; teacher-forced steps, whose next
     # query does not wait for this step's attention, would otherwise let the next exchange
     # overwrite the mailbox before this step read it).
-    prev = st.last if st.last is not None else device_ints(0)
+    prev = st.last if st.last is not None else _NO_PREV[0]
+    specs = tuple((n, getattr(host, n).head_dim, int(_CODES[getattr(host, n).dtype] != FLOAT16),
+                   getattr(host, n).dtype, slots[n]) for n in names)
+    return st, (st.addrs, mx.array([job], dtype=mx.int64), prev), specs
+
+
+def launch(idx: mx.array, count: mx.array, addrs: mx.array, jid: mx.array, prev: mx.array,
+           specs: tuple, chunk: int):
+    """The exchange and rows kernels of a request (see :func:`post`): (tensor name -> rows
+    (H, capc * chunk, d), zeros where not on disk; the mailbox's last reader)."""
+    H, capc = idx.shape
     (done,) = _kernel("exchange")(
-        inputs=[idx, count, st.addrs, jid, prev], output_shapes=[(1,)], output_dtypes=[mx.int32],
+        inputs=[idx, count, addrs, jid, prev], output_shapes=[(1,)], output_dtypes=[mx.int32],
         grid=(256, 1, 1), threadgroup=(256, 1, 1))
     out = {}
     n_rows = H * capc * chunk
-    for name in names:
-        tensor = getattr(host, name)
-        d = tensor.head_dim
-        src4 = int(_CODES[tensor.dtype] != FLOAT16)
-        dt = _OUT[tensor.dtype]
-        if not src4 and dt != mx.float16:
-            raise TypeError(f"float16 staged rows into {dt}")
+    for name, d, src4, dtype, slot in specs:
+        dt = _OUT[dtype]
         words = n_rows * d * (4 if src4 else 2) // 16
         (o,) = _kernel("rows")(
-            inputs=[done, st.addrs, prev], output_shapes=[(H, capc * chunk, d)],
+            inputs=[done, addrs, prev], output_shapes=[(H, capc * chunk, d)],
             output_dtypes=[dt], grid=(-(-words // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
-            template=[("D", d), ("SLOT", 4 + list(mail.rows).index(name)), ("SRC4", src4),
-                      ("OUT", dt)], init_value=0)
+            template=[("D", d), ("SLOT", slot), ("SRC4", src4), ("OUT", dt)], init_value=0)
         out[name] = o
         prev = o.reshape(-1)[:1]
-    st.last = prev
+    return out, prev
+
+
+def rows(host, idx: mx.array, count: mx.array, chunk: int, names: tuple) -> dict:
+    """The disk chunks' rows of ``names`` (tensor name -> (H, capc * chunk, d), zeros where a
+    row is not on disk), lazy: read by the device from the worker's answer to this step."""
+    st, inputs, specs = post(host, idx.shape[0], idx.shape[1], chunk, names)
+    out, st.last = launch(idx, count, *inputs, specs, chunk)
     return out
