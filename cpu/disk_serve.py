@@ -7,7 +7,7 @@ the CPU to copy those rows. Here that costs the host no wait: when the main thre
 layer's step it posts a :class:`Request` (the layer's tables as they are at that step) and goes
 on building. On the device, the step's export kernel writes the selection into the layer's
 :class:`Mailbox` (pinned memory) and stamps the request's number; this thread, polling the
-mailboxes of its pending requests (:func:`_wait_any`, without the GIL), copies the selected
+mailboxes of its pending requests (:func:`_serve_head`, without the GIL), copies the selected
 disk rows into the mailbox's row buffers, packed, with their places, and stamps the
 number back; the device's rows kernel, waiting for that stamp, reads them in place. So the
 device waits for the copy of the disk rows it needs, layer by layer; nothing else waits.
@@ -21,6 +21,7 @@ it at the layer's next step (tiered.step.disk_stage).
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ FLOAT16, FLOAT32, INT8 = 0, 1, 2  # int8 rows are staged dequantized, as float32
 SPINS = 20000  # polls of the pending mailboxes per call without the GIL (tens of us)
 IDLE_ROUNDS = 4000  # fruitless calls in a row before polling slows to IDLE_SLEEP_S
 IDLE_SLEEP_S = 0.0005
+SWITCH_INTERVAL_S = 0.00002  # as tiered.runtime.dispatch sets it for its thread
 
 
 class Mailbox:
@@ -91,20 +93,6 @@ class Request:
     pages: np.ndarray  # int64 physical page of each logical page
     page_size: int
     tensors: list
-
-
-@kernel("int64(int64[::1], int64[::1], int64)")
-def _wait_any(ctl_addrs, ids, spins):
-    """Index i of a pending request whose number its mailbox shows exported, -2 - i for one
-    passed over (a later number exported there), or -1 after ``spins`` polls of them all."""
-    for _ in range(spins):
-        for i in range(ids.shape[0]):
-            got = load_acquire_i64(ctl_addrs[i])
-            if got == ids[i]:
-                return i
-            if got > ids[i]:
-                return -2 - i
-    return -1
 
 
 @kernel(inline=True)
@@ -187,6 +175,36 @@ def stage(req: Request, stats: np.ndarray) -> None:
     mail.ctl[ROWS_WORD] = stats[0] if req.tensors else 0
 
 
+@kernel()
+def _serve_head(ctl_addrs, ids, spins, idx_addr, count_addr, H, capc, C, length, pages,
+                page_size, list_addr, n_t, addrs0, disk0, scales0, ppb0, code0, d0, out0,
+                addrs1, disk1, scales1, ppb1, code1, d1, out1, stats):
+    """Poll the pending requests' mailboxes for their numbers (ctl_addrs, ids); where the
+    first (the oldest) is the one exported, answer it here, without the GIL: staged rows, their
+    number, the release. Returns (1, 0) when it answered the first, (2, i) when request i is exported
+    instead (the caller answers it), (3, i) when request i was passed over, (0, 0) after
+    ``spins`` polls."""
+    for _ in range(spins):
+        for i in range(ids.shape[0]):
+            got = load_acquire_i64(ctl_addrs[i])
+            if got == ids[i]:
+                if i != 0:
+                    return 2, i
+                _stage(idx_addr, count_addr, H, capc, C, length, pages, page_size, ppb0, disk0,
+                       addrs0, scales0, code0, d0, list_addr, out0, True, stats)
+                if n_t > 1:
+                    _stage(idx_addr, count_addr, H, capc, C, length, pages, page_size, ppb1,
+                           disk1, addrs1, scales1, code1, d1, list_addr, out1, False,
+                           stats)
+                rows = address_as_pointer(ctl_addrs[0] + 8 * ROWS_WORD, np.int64)
+                rows[0] = stats[0]
+                store_release_i64(ctl_addrs[0] + 8 * ANSWERED, ids[0])
+                return 1, 0
+            if got > ids[i]:
+                return 3, i
+    return 0, 0
+
+
 class DiskServer:
     """The worker thread (started on the first request; a daemon). ``counts``: layer-steps
     answered, rows and chunk-heads copied, bytes, requests passed over, seconds copying."""
@@ -203,6 +221,12 @@ class DiskServer:
         if self._thread is None:
             with self._lock:
                 if self._thread is None:
+                    # This thread takes the GIL between requests, and the device waits for the
+                    # answers: H200, 1M tokens, 32 layers with disk rows, at Python's default
+                    # 5 ms switch interval: 314 ms/token, of which the copies 21 (the GIL waits
+                    # are the likely rest; not measured apart)
+                    if sys.getswitchinterval() > SWITCH_INTERVAL_S:
+                        sys.setswitchinterval(SWITCH_INTERVAL_S)
                     self._thread = threading.Thread(target=self._run, name="tiered-disk-rows",
                                                      daemon=True)
                     self._thread.start()
@@ -222,12 +246,22 @@ class DiskServer:
                 pass
             ids = np.fromiter((r.job for r in pending), np.int64, len(pending))
             ctls = np.fromiter((r.mail.ctl_addr for r in pending), np.int64, len(pending))
-            got = int(_wait_any(ctls, ids, SPINS))
-            if got >= 0:
-                self._answer(pending.pop(got), stats)
+            head = pending[0]
+            t0 = time.perf_counter()
+            stats[:] = 0
+            try:
+                what, i = _serve_head(ctls, ids, SPINS, *_head_args(head), stats)
+            except BaseException as e:  # the head's tables were refused: answer it failed
+                what, i = 2, 0
+                self.error = e
+            if what == 1:
+                self._count(pending.pop(0), stats, time.perf_counter() - t0)
                 idle = 0
-            elif got <= -2:
-                pending.pop(-2 - got)
+            elif what == 2:
+                self._answer(pending.pop(i), stats)
+                idle = 0
+            elif what == 3:
+                pending.pop(i)
                 self.counts["passed_over"] += 1
             else:
                 idle += 1
@@ -238,18 +272,40 @@ class DiskServer:
         t0 = time.perf_counter()
         stats[:] = 0
         try:
+            if self.error is not None:
+                raise self.error
             stage(req, stats)
         except BaseException as e:  # kept for the host; the device must not wait for us
             self.error = e
             req.mail.ctl[FAULT] = 2
+        self._count(req, stats, time.perf_counter() - t0)
+        store_release(req.mail.ctl_addr + 8 * ANSWERED, req.job)
+
+    def _count(self, req: Request, stats: np.ndarray, seconds: float) -> None:
         c = self.counts
         c["layer_steps"] += 1
         c["rows"] += int(stats[0])
         c["chunks"] += int(stats[1])
         c["bytes"] += int(stats[0]) * sum(t.dim * (1 if t.code == INT8 else 2 if t.code == FLOAT16
                                                    else 4) for t in req.tensors)
-        c["copy_s"] += time.perf_counter() - t0
-        store_release(req.mail.ctl_addr + 8 * ANSWERED, req.job)
+        c["copy_s"] += seconds
+
+
+_NONE = np.zeros(0, np.int64)
+_NONE8 = np.zeros(0, np.uint8)
+
+
+def _head_args(req: Request) -> tuple:
+    """The arguments of :func:`_serve_head` for ``req`` (up to two tensors)."""
+    mail, ts = req.mail, req.tensors
+    if not 1 <= len(ts) <= 2:
+        raise ValueError(f"a request stages one or two tensors, not {len(ts)}")
+    t1 = ts[1] if len(ts) > 1 else None
+    one = (ts[0].addrs, ts[0].disk, ts[0].scales, ts[0].ppb, ts[0].code, ts[0].dim, ts[0].out)
+    two = ((t1.addrs, t1.disk, t1.scales, t1.ppb, t1.code, t1.dim, t1.out) if t1 is not None
+           else (_NONE, _NONE8, _NONE, 1, 0, 0, 0))
+    return (mail.addrs[1], mail.addrs[2], mail.H, req.capc, mail.chunk, req.length, req.pages,
+            req.page_size, mail.addrs[3], len(ts), *one, *two)
 
 
 @kernel("void(int64, int64)")
@@ -270,8 +326,8 @@ def warm() -> None:
     mail = Mailbox(1, 1, 1, {"values": 1}, {"values": FLOAT16}, lambda b: b.ctypes.data)
     for code in (FLOAT16, FLOAT32, INT8):
         t = Tensor(addrs=z64, disk=z8, scales=z64, ppb=1, code=code, dim=1, out=mail.addrs[4])
-        stage(Request(job=0, mail=mail, capc=1, length=0, pages=z64, page_size=1,
-                      tensors=[t]), np.zeros(2, np.int64))
-    _wait_any(np.array([mail.ctl_addr], np.int64), np.array([1], np.int64), 1)
-    store_release(mail.ctl_addr + 8, 0)
+        req = Request(job=1, mail=mail, capc=1, length=0, pages=z64, page_size=1, tensors=[t])
+        stage(req, np.zeros(2, np.int64))
+        _serve_head(np.array([mail.ctl_addr], np.int64), np.array([1], np.int64), 1,
+                    *_head_args(req), np.zeros(2, np.int64))
     _warm.append(True)

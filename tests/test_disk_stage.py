@@ -93,6 +93,7 @@ def _device_exports(mail, job, idx, count):
 
 
 def test_a_request_whose_step_never_ran_is_passed_over():
+    disk_serve.warm()  # compiled here, not in the worker while the test waits
     rng = np.random.default_rng(3)
     data, _, pages, ref = _store(rng, FLOAT32)
     server = disk_serve.DiskServer()
