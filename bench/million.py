@@ -321,7 +321,9 @@ def main(argv=None):
              f"{disk_read['chunks'] / max(1, args.decode_steps):.0f} chunk-heads in "
              f"{disk_read['layer_steps'] / max(1, args.decode_steps):.0f} layers; the worker "
              f"copying {1e3 * disk_read.get('copy_s', 0) / max(1, args.decode_steps):.1f} "
-             f"ms/step", ""],
+             f"ms/step, the device waiting for it "
+             f"{1e3 * disk_read.get('device_wait_s', 0) / max(1, args.decode_steps):.1f} ms/step",
+             ""],
             ["streaming-offload baseline at this length (computed, not run)",
              f"{streaming_ms:.0f} ms/token", f"the whole cache, {full / 1e9:.1f} GB, uploaded every "
              f"step at the measured {host_bw:.1f} GB/s host-to-device", ""]]

@@ -172,6 +172,7 @@ def test_the_device_gives_up_a_wait_nobody_answers(device_path, monkeypatch):
     mx.eval(rows)
     assert time.monotonic() - t0 < 30
     assert done.item() == 2 and mail.ctl[FAULT] == 1 and mail.ctl[EXPORTED] == 7
+    assert mail.ctl[disk_serve.WAITED_NS] >= 200_000_000  # the device's wait, counted
     assert mx.abs(rows).max().item() == 0.0
     np.testing.assert_array_equal(mail.idx.reshape(H, 2), [[1, 2], [0, 3]])
 

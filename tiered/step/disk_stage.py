@@ -105,6 +105,7 @@ EXCHANGE = r"""
             tqd_pause();
         }
         if (late) tqd_store_release(ctl + 2, 1);
+        ctl[4] += (long long)(tqd_timer() - t0);  // ns waited, summed (only the device writes it)
         done[0] = 1 + late;
     }
 """
@@ -193,10 +194,13 @@ _STATE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def counts() -> dict:
     """Disk rows read for the device path in this process, either way: layer-steps, chunk-heads
-    and bytes (the worker's also rows, requests passed over and its seconds copying)."""
+    and bytes (the worker's also rows, requests passed over, its seconds copying, and the
+    seconds the device waited for its answers, from the layers' current mailboxes)."""
     out = dict(disk_serve.SERVER.counts)
     for k, v in disk_rows.COUNTS.items():
         out[k] = out.get(k, 0) + v
+    out["device_wait_s"] = 1e-9 * sum(int(st.mail.ctl[disk_serve.WAITED_NS])
+                                      for st in list(_STATE.values()) if st.mail is not None)
     return out
 
 
