@@ -116,6 +116,19 @@ def test_a_request_whose_step_never_ran_is_passed_over():
     np.testing.assert_array_equal(rows[2 * C:3 * C], ref[1, :C])
 
 
+class _Host:  # a store as disk_stage.check sees it: its mailbox
+    pass
+
+
+def _host_with(mail, monkeypatch):
+    from tiered.step import disk_stage
+
+    host, state = _Host(), disk_stage._LayerState()
+    state.mail = mail
+    monkeypatch.setitem(disk_stage._STATE, host, state)
+    return host
+
+
 def test_a_failing_worker_still_answers_and_the_host_raises(monkeypatch):
     from tiered.step import disk_stage
 
@@ -133,15 +146,8 @@ def test_a_failing_worker_still_answers_and_the_host_raises(monkeypatch):
     assert _answered(mail, 1)  # the device is not left waiting
     assert mail.ctl[FAULT] == 2
 
-    class Host:  # what check() reads: the store's state in disk_stage
-        pass
-
-    host = Host()
-    state = disk_stage._LayerState()
-    state.mail = mail
-    monkeypatch.setitem(disk_stage._STATE, host, state)
     with pytest.raises(RuntimeError, match="disk rows worker failed"):
-        disk_stage.check(host)
+        disk_stage.check(_host_with(mail, monkeypatch))
 
 
 def test_the_device_gives_up_a_wait_nobody_answers(device_path, monkeypatch):
@@ -176,12 +182,5 @@ def test_the_device_gives_up_a_wait_nobody_answers(device_path, monkeypatch):
     assert mx.abs(rows).max().item() == 0.0
     np.testing.assert_array_equal(mail.idx.reshape(H, 2), [[1, 2], [0, 3]])
 
-    class Host:
-        pass
-
-    host = Host()
-    state = disk_stage._LayerState()
-    state.mail = mail
-    monkeypatch.setitem(disk_stage._STATE, host, state)
     with pytest.raises(RuntimeError, match="wait for disk rows failed"):
-        disk_stage.check(host)
+        disk_stage.check(_host_with(mail, monkeypatch))

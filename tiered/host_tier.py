@@ -110,7 +110,7 @@ class HostTier:
         """Whether this layer's prompt chunks (the next ``tokens``) go to the host pages by the
         device: compressed, with pages the device path can write (device_decode.supported).
         Blocks moving to the disk tier keep it: the device writes only pages in RAM blocks
-        (HostStore.device_writes) and reads disk chunks through the CPU (tiered.step.disk_rows)."""
+        (HostStore.device_writes) and reads disk chunks through the CPU (tiered.step.disk_stage)."""
         comp = self.compressed
         if self.host is None or not hasattr(comp, "_device_tables"):
             return False

@@ -8,14 +8,17 @@ whole file in RAM (bench/probes/disk_uva_probe.py). So the device never reads th
 - the block addresses it takes point every disk block at one block of zeros
   (:func:`zero_block`), so the gather kernels read zeros there and still say which tokens are
   attended (``ok`` depends on the selection, the flags and the length, not on the bytes);
-- a layer whose store has disk blocks waits for its selection (a sync per such layer and
-  token), the CPU copies the selected disk chunks' rows out of the mapping with the store's
-  gather (the OS page cache, or the disk), and the rows are added to what the kernel
-  gathered: exact, since the kernel's rows are zeros there and these rows are zeros elsewhere.
+- the selected disk chunks' rows come from the CPU and are added to what the kernel gathered
+  (:func:`add`): exact, since the kernel's rows are zeros there and these rows are zeros
+  elsewhere. By default a worker thread copies them as the device reaches the layer, without a
+  host wait (:mod:`tiered.step.disk_stage`); with ``TIERED_DISK_ROWS=sync`` the layer waits
+  for its selection (a sync per such layer and token) and the main thread copies them here
+  (:func:`read`, the store's gather: the OS page cache, or the disk).
 
 New pages are always in RAM blocks where the device writes (``HostStore.device_writes``), and the
 oldest RAM blocks move to disk as the store grows, so the write-behind never meets the file.
-How often and how much the CPU read is counted in :data:`COUNTS` (``report()`` prints it).
+How often and how much the CPU read is counted in :data:`COUNTS` (with the worker's:
+``disk_stage.counts()``).
 """
 
 from __future__ import annotations
