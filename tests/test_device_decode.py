@@ -268,8 +268,9 @@ def test_int8_pages_on_the_device_path_decode_as_on_the_cpu_gather_path(device_p
     assert mx.abs(outs[0] - outs[1]).max().item() <= 2e-3 * scale
 
 
-@pytest.mark.parametrize("host_dtype,mode", [("float32", "worker"), ("int8", "worker"),
-                                             ("float32", "sync"), ("float32", "compiled")])
+@pytest.mark.parametrize("host_dtype,mode", [
+    ("float32", "worker"), ("int8", "worker"), ("float32", "compiled"),
+    pytest.param("float32", "sync", marks=pytest.mark.slow)])  # the fallback (disk_rows.read)
 def test_pages_on_the_disk_tier_decode_as_pages_in_ram(tmp_path, device_path, monkeypatch,
                                                        host_dtype, mode):
     """The device path over a disk tier (the device reads zeros for disk blocks; the selected
