@@ -40,11 +40,13 @@ CTL_WORDS = 8
 # Storage codes: the host dtype of a tensor's pages, and what its staged rows hold
 FLOAT16, FLOAT32, INT8 = 0, 1, 2  # int8 rows are staged dequantized, as float32
 
-# Polls of the pending mailboxes per call without the GIL: each call's return takes the GIL
-# from the main thread, so not too often (2-core CPU machine, 2 pending: 20,000 polls 0.46 ms,
-# 2^21 9.5 ms)
-SPINS = 1 << 18
-IDLE_ROUNDS = 200  # fruitless calls in a row before polling slows to IDLE_SLEEP_S
+# Polls of the pending mailboxes per call without the GIL. Each return to Python takes the GIL
+# from the threads that build and hand over the step (switch interval 20 us), so a call spins
+# until something happens or for a few ms (2-core CPU machine, 2 pending: 20,000 polls took
+# 0.46 ms, 2^21 9.5 ms). One cache's requests are exported in order, so the first pending one
+# is the one to wait for; another cache's, posted meanwhile, waits for the call's end.
+SPINS = 1 << 20
+IDLE_ROUNDS = 50  # fruitless calls in a row before polling slows to IDLE_SLEEP_S
 IDLE_SLEEP_S = 0.0005
 SWITCH_INTERVAL_S = 0.00002  # as tiered.runtime.dispatch sets it for its thread
 
