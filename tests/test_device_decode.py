@@ -288,7 +288,7 @@ def test_pages_on_the_disk_tier_decode_as_pages_in_ram(tmp_path, device_path, mo
         pytest.skip("the kernel executor runs op by op (TIERED_COMPILE=0)")
     if mode != "compiled":
         monkeypatch.setattr(device_compiled, "why_not", lambda layer: "op by op in this test")
-    monkeypatch.setattr(disk_stage, "MODE", "sync" if mode == "sync" else "worker")
+    monkeypatch.setattr(disk_stage, "MODE", mode)
     model = make_small_model("llama-gqa-d64", layers=2, seed=2)
     steps = 120 if device_path == "cuda" else 18  # the executor: ~0.5 s a token (a refresh at 16)
     ids = np.random.default_rng(8).integers(10, 49000, 1200 + steps).tolist()

@@ -71,7 +71,7 @@ def decode(layer, queries, scale, sinks, tables: DeviceTables):
     if layer._compile_ok is None:
         layer._compile_ok = device_compiled.why_not(layer) is None
     disk = host.disk_bytes > 0  # disk chunks' rows come through the CPU (step.disk_rows)
-    if layer._compile_ok and layer._update and (not disk or disk_stage.MODE == "worker"):
+    if layer._compile_ok and layer._update and (not disk or disk_stage.MODE == "compiled"):
         got = device_compiled.step(layer, queries, scale, sinks, tables, n, n_host, cap, floor)
     if got is not None:
         o, stats, q, acc = got
@@ -92,8 +92,8 @@ def decode(layer, queries, scale, sinks, tables: DeviceTables):
     names = ("keys", "values") if cfg.rescore == "exact" else ("values",)
     extra = None
     if disk:  # the worker's rows, read by the device when they are there; or the host waits
-        extra = (disk_stage.rows(host, idx, count, CHUNK, names) if disk_stage.MODE == "worker"
-                 else disk_rows.read(host, idx, count, CHUNK, names))
+        extra = (disk_rows.read(host, idx, count, CHUNK, names) if disk_stage.MODE == "sync"
+                 else disk_stage.rows(host, idx, count, CHUNK, names))
     if cfg.rescore == "exact":
         if host.values.dtype == "int8":  # dequantized by the gather, one launch per tensor
             keys, ok = gather_chunks(tables, host, host.keys, idx, count, layer.flags)
