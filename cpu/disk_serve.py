@@ -5,12 +5,12 @@ The GPU cannot read the page file (a plain file mapping; no pageable memory acce
 H200s measured, bench/probes/disk_uva_probe.py), so a layer whose store has disk blocks needs
 the CPU to copy those rows. Here that costs the host no wait: when the main thread builds a
 layer's step it posts a :class:`Request` (the layer's tables as they are at that step) and goes
-on building. On the device, the step's export kernel writes the selection into the layer's
-:class:`Mailbox` (pinned memory) and stamps the request's number; this thread, polling the
-mailboxes of its pending requests (:func:`_serve_head`, without the GIL), copies the selected
-disk rows into the mailbox's row buffers, packed, with their places, and stamps the
-number back; the device's rows kernel, waiting for that stamp, reads them in place. So the
-device waits for the copy of the disk rows it needs, layer by layer; nothing else waits.
+on building. On the device, the step's exchange kernel writes the selection into the layer's
+:class:`Mailbox` (pinned memory), stamps the request's number and waits; this thread, polling
+the mailboxes of its pending requests (:func:`_serve_head`, without the GIL), copies the
+selected disk rows into the mailbox's row buffers, packed, with their places, and stamps the
+number back; the device's rows kernel then reads them in place. So the device waits for the
+copy of the disk rows it needs, layer by layer; nothing else waits.
 
 A request whose step is never run (a graph built and dropped) is passed over when a later
 request's stamp reaches its mailbox. A failure in this thread is kept (:attr:`DiskServer.error`)
