@@ -82,7 +82,7 @@ def main():
         ok = mx.array(rng.random((H, T)) < 0.7)
         for it in (0, 4):
             device_resident.RESIDENT_ITER = it
-            device_resident._kernels.clear()
+            device_resident._kernel.built.clear()
             q, s_r, cols = device_resident.resident_scores(queries, 0.125, rk, rtok, n)
         for s in (None, s_r):
             device_attend.attend(q, rk, rv, rtok, gk, gv, ok, None, dt, s_r=s)

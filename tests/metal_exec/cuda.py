@@ -205,6 +205,7 @@ def route_device_path(monkeypatch) -> None:
     from tiered.step import device_chunks, device_encode
     from tiered.runtime import staging, uva
     from tiered.metal import _build, ptx_cache
+    from tiered.step.chunk_word import KernelTable
 
     monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_kernel)
     monkeypatch.setitem(ptx_cache._state, "enabled", False)
@@ -220,8 +221,9 @@ def route_device_path(monkeypatch) -> None:
             continue
         if getattr(mod, "accelerator", None) is real:
             monkeypatch.setattr(mod, "accelerator", lambda: "cuda")
-        if isinstance(getattr(mod, "_kernels", None), dict):  # kernels built elsewhere
-            monkeypatch.setattr(mod, "_kernels", {})
+        for value in list(vars(mod).values()):  # kernels built elsewhere
+            if isinstance(value, KernelTable):
+                monkeypatch.setattr(value, "built", {})
     monkeypatch.setattr(device_chunks, "_KERNEL", None)
     monkeypatch.setattr(device_encode, "_kernel", None)
     _build.build_kernel.cache_clear()

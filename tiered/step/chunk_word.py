@@ -12,17 +12,20 @@ from ..metal.ptx_cache import cuda_kernel
 
 class KernelTable:
     """A module's CUDA kernels, each built on its first use: ``specs`` maps a name to (kernel
-    name, input names, output names, source); ``built`` holds those made so far."""
+    name, input names, output names, source); ``header`` goes before each; ``built`` holds
+    those made so far (the kernel executor's tests empty it: tests/metal_exec/cuda.py)."""
 
-    def __init__(self, specs: dict):
-        self.specs, self.built = specs, {}
+    def __init__(self, specs: dict, header: str = ""):
+        self.specs, self.header, self.built = specs, header, {}
 
     def __call__(self, name: str):
         kernel = self.built.get(name)
         if kernel is None:
             kname, inputs, outputs, source = self.specs[name]
+            extra = {"header": self.header} if self.header else {}
             kernel = self.built[name] = cuda_kernel(
-                name=kname, input_names=inputs, output_names=outputs, source=compact(source))
+                name=kname, input_names=inputs, output_names=outputs, source=compact(source),
+                **extra)
         return kernel
 
 # The body the gather kernels share (device_decode's, device_attend's keys + values; the slot

@@ -21,10 +21,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..metal import accelerator, device_ints
-from ..metal.compact import compact
-from ..metal.ptx_cache import cuda_kernel
 from .attend_reference import approx_attend_ops
-from .chunk_word import CHUNK_WORD, page_fence
+from .chunk_word import CHUNK_WORD, KernelTable, page_fence
 from .device_decode import CHUNK, DeviceTables, host_mx_dtype, kept
 
 _GATHER_KV = r"""
@@ -218,7 +216,6 @@ _MERGE = r"""
     }
 """
 
-_kernels: dict = {}
 MERGE_GROUPS = 8  # rows of threads of a merge block over the splits (1: the one-row merge before)
 # The device step hands the resident kernel's scores to the exact splits (attend's s_r), so the
 # resident keys are read once a step, not twice (34 MB a layer at 128k on the Llama-3-8B
@@ -229,23 +226,17 @@ MERGE_GROUPS = 8  # rows of threads of a merge block over the splits (1: the one
 RESIDENT_SCORES_GIVEN = True
 
 
-def _kernel(name: str):
-    if name not in _kernels:
-        spec = {
-            "gather_kv": (["idx", "count", "pages", "addrs_k", "addrs_v", "flags", "n_host",
-                           "after"],
-                          ["kout", "vout", "ok"], _GATHER_KV),
-            "splits": (["q", "rk", "rv", "rtok", "gk", "gv", "ok", "dims"],
-                       ["pm", "pl", "po", "cnt"], _SPLITS),
-            "splits_sres": (["q", "sres", "rv", "rtok", "gk", "gv", "ok", "dims"],
-                            ["pm", "pl", "po", "cnt"], _SPLITS_SRES),
-            "splits_given": (["sres", "z", "idx", "rv", "gv", "ok", "dims"],
-                             ["pm", "pl", "po", "cnt"], _SPLITS_GIVEN + _SPLITS_TAIL),
-            "merge": (["pm", "pl", "po", "cnt", "sink", "dims"], ["out", "stats"], _MERGE),
-        }[name]
-        _kernels[name] = cuda_kernel(name=f"tiered_{name}", input_names=spec[0],
-                                     output_names=spec[1], source=compact(spec[2]))
-    return _kernels[name]
+_kernel = KernelTable({name: (f"tiered_{name}", *spec) for name, spec in {
+    "gather_kv": (["idx", "count", "pages", "addrs_k", "addrs_v", "flags", "n_host", "after"],
+                  ["kout", "vout", "ok"], _GATHER_KV),
+    "splits": (["q", "rk", "rv", "rtok", "gk", "gv", "ok", "dims"], ["pm", "pl", "po", "cnt"],
+               _SPLITS),
+    "splits_sres": (["q", "sres", "rv", "rtok", "gk", "gv", "ok", "dims"],
+                    ["pm", "pl", "po", "cnt"], _SPLITS_SRES),
+    "splits_given": (["sres", "z", "idx", "rv", "gv", "ok", "dims"], ["pm", "pl", "po", "cnt"],
+                     _SPLITS_GIVEN + _SPLITS_TAIL),
+    "merge": (["pm", "pl", "po", "cnt", "sink", "dims"], ["out", "stats"], _MERGE),
+}.items()})
 
 
 def gather_kv(tables: DeviceTables, host, idx: mx.array, count: mx.array, flags: mx.array,

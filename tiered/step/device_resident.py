@@ -10,8 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..metal import device_floats, device_ints
-from ..metal.compact import compact
-from ..metal.ptx_cache import cuda_kernel
+from .chunk_word import KernelTable
 
 _RESIDENT = r"""
     // One warp per resident slot (h, r): the REP query heads of kv head h, scaled to float32
@@ -103,7 +102,6 @@ _RESIDENT_TILED = r"""
     }
 """
 
-_kernels: dict = {}
 # Slots each lane group of the tiled resident kernel reads before it computes (0: the
 # one-warp-per-slot kernel, also what shapes the tiled one cannot take get). H200, alone
 # (bench/probes/step_kernels.py, CUPTI, Llama-3-8B shape): 8192 slots a head 53-56 us with 0, 26 us
@@ -115,13 +113,10 @@ _kernels: dict = {}
 RESIDENT_ITER = 4
 
 
-def _kernel(name: str):
-    if name not in _kernels:
-        source = _RESIDENT_TILED if name == "resident_tiled" else _RESIDENT
-        _kernels[name] = cuda_kernel(
-            name=f"tiered_{name}", input_names=["queries", "scale", "rk", "rtok", "nn"],
-            output_names=["qout", "s", "cols"], source=compact(source))
-    return _kernels[name]
+_kernel = KernelTable({
+    name: (f"tiered_{name}", ["queries", "scale", "rk", "rtok", "nn"], ["qout", "s", "cols"],
+           _RESIDENT_TILED if name == "resident_tiled" else _RESIDENT)
+    for name in ("resident", "resident_tiled")})
 
 
 def resident_scores(queries, scale: float, rk, rtok, n: int):

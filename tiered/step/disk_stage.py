@@ -17,7 +17,7 @@ disk blocks at a block of zeros). For a layer whose store has disk blocks the st
    the gather kernel read zeros. Exact, as the synchronous read.
 
 So the device waits for the copy of the rows it needs (in the worker's ``copy_s``); the host does
-not wait at all. A wait longer than :data:`WAIT_NS` is taken for a fault: the exchange gives up
+not wait at all. A wait longer than :data:`WAIT_MS` is taken for a fault: the exchange gives up
 (the rows read as zeros), flags the mailbox, and the layer's next step raises (as it does for a
 failure in the worker).
 ``TIERED_DISK_ROWS`` picks the way: ``worker`` (the default; such a layer's step is built op by
@@ -39,13 +39,12 @@ import numpy as np
 
 from ..cpu import disk_serve
 from ..cpu.disk_serve import FLOAT16, FLOAT32, INT8, Mailbox, Request, Tensor
-from ..metal.compact import compact
-from ..metal.ptx_cache import cuda_kernel
 from ..runtime import uva
 from . import disk_rows
+from .chunk_word import KernelTable
 
 MODE = os.environ.get("TIERED_DISK_ROWS", "worker")  # or "compiled", "sync" (docstring)
-WAIT_NS = 20_000_000_000  # a worker that has not answered in 20 s has failed
+WAIT_MS = 20_000  # a worker that has not answered in 20 s has failed (a template argument)
 
 # System-scope ordering with the CPU: on the GPU through PTX, on the kernel executor (C++ on the
 # host, tests/metal_exec) through the compiler's atomics.
@@ -106,7 +105,7 @@ EXCHANGE = r"""
         const unsigned long long t0 = tqd_timer();
         int late = 0;
         while (tqd_load_acquire(ctl + 1) < want) {
-            if (tqd_timer() - t0 > WAIT_NSull) { late = 1; break; }
+            if (tqd_timer() - t0 > (unsigned long long)WAIT_MS * 1000000ull) { late = 1; break; }
             tqd_pause();
         }
         if (late) tqd_store_release(ctl + 2, 1);
@@ -138,20 +137,11 @@ ROWS = r"""
     }
 """
 
-_kernels: dict = {}
-
-
-def _kernel(name: str):
-    k = _kernels.get(name)
-    if k is None:
-        spec = {"exchange": ("tiered_disk_exchange", ["idx", "count", "mail", "job", "prev"],
-                             ["done"],
-                             EXCHANGE.replace("WAIT_NS", str(WAIT_NS))),
-                "rows": ("tiered_disk_rows", ["after", "mail", "prev"], ["out"], ROWS)}[name]
-        k = _kernels[name] = cuda_kernel(name=spec[0], input_names=spec[1],
-                                         output_names=spec[2], source=compact(spec[3]),
-                                         header=HEADER)
-    return k
+_kernel = KernelTable({
+    "exchange": ("tiered_disk_exchange", ["idx", "count", "mail", "job", "prev"], ["done"],
+                 EXCHANGE),
+    "rows": ("tiered_disk_rows", ["after", "mail", "prev"], ["out"], ROWS),
+}, header=HEADER)
 
 
 _CODES = {"float16": FLOAT16, "float32": FLOAT32, "int8": INT8}
@@ -220,7 +210,7 @@ def check(host) -> None:
         raise RuntimeError("the disk rows worker failed") from disk_serve.SERVER.error
     if fault:
         raise RuntimeError(f"the device's wait for disk rows failed (fault {fault}): no answer "
-                           f"within {WAIT_NS / 1e9:.0f} s")
+                           f"within {WAIT_MS / 1e3:.0f} s")
 
 
 _NO_PREV: list = []
@@ -263,7 +253,7 @@ def launch(idx: mx.array, count: mx.array, addrs: mx.array, jid: mx.array, prev:
     H, capc = idx.shape
     (done,) = _kernel("exchange")(
         inputs=[idx, count, addrs, jid, prev], output_shapes=[(1,)], output_dtypes=[mx.int32],
-        grid=(256, 1, 1), threadgroup=(256, 1, 1))
+        grid=(256, 1, 1), threadgroup=(256, 1, 1), template=[("WAIT_MS", WAIT_MS)])
     out = {}
     n_rows = H * capc * chunk
     for name, d, src4, dtype, slot in specs:
