@@ -185,3 +185,25 @@ def store_release_i64(typingctx, address, value):
         return context.get_dummy_value()
 
     return types.void(address, value), codegen
+
+
+_CLOCK_MONOTONIC = getattr(__import__("time"), "CLOCK_MONOTONIC", 1)
+
+
+@intrinsic
+def monotonic_ns(typingctx):
+    """``time.monotonic_ns()`` inside a kernel (libc's ``clock_gettime``, no GIL): a worker
+    that waits and copies in one call can tell the two apart."""
+
+    def codegen(context, builder, signature, args):
+        i64, i32 = ir.IntType(64), ir.IntType(32)
+        spec = ir.LiteralStructType([i64, i64])  # struct timespec on LP64
+        fnty = ir.FunctionType(i32, [i32, spec.as_pointer()])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "clock_gettime")
+        ts = cgutils.alloca_once(builder, spec)
+        builder.call(fn, [i32(_CLOCK_MONOTONIC), ts])
+        sec = builder.load(cgutils.gep_inbounds(builder, ts, 0, 0))
+        nsec = builder.load(cgutils.gep_inbounds(builder, ts, 0, 1))
+        return builder.add(builder.mul(sec, i64(1_000_000_000)), nsec)
+
+    return types.int64(), codegen

@@ -29,14 +29,15 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from ._numba import address_as_pointer, kernel, load_acquire_i64, store_release_i64
-from .paged_rows import _row_location, log2_exact
+from ._numba import (address_as_pointer, kernel, load_acquire_i64, monotonic_ns,
+                     store_release_i64)
 
 # Mailbox control words (int64): the request number the device exported, the one this thread
 # answered, a fault (1: the device's wait timed out, 2: this thread failed), the rows staged,
 # the nanoseconds the device waited for answers (summed by the device).
 EXPORTED, ANSWERED, FAULT, ROWS_WORD, WAITED_NS = 0, 1, 2, 3, 4
 CTL_WORDS = 8
+STATS_WORDS = 4  # a worker's tallies of one answer: rows, chunk-heads, ns polled, ns staging
 # Storage codes: the host dtype of a tensor's pages, and what its staged rows hold
 FLOAT16, FLOAT32, INT8 = 0, 1, 2  # int8 rows are staged dequantized, as float32
 
@@ -102,18 +103,22 @@ class Request:
 
 
 @kernel(inline=True)
-def _disk_row(idx, cnt, h, s, i, capc, C, length, page_ids, page_size, ppb, shifts, H, disk):
-    """(block, row) of slot s's token i of head h where it is selected and on disk, else
-    (-1, 0)."""
+def _disk_chunk(idx, cnt, h, s, capc, C, length, page_ids, page_size, ppb, H, disk):
+    """(block, first row, tokens) of slot s's chunk of head h where it is selected and lies in
+    a disk block, else (-1, 0, 0). A chunk's tokens share a page (page_size % C == 0, as the
+    device path requires), so their rows follow each other in the block."""
     if s >= min(max(cnt[h], 0), capc):
-        return -1, 0
-    t = np.int64(idx[h * capc + s]) * C + i
-    if t >= length:
-        return -1, 0
-    blk, row = _row_location(page_ids, page_size, ppb, shifts, H, h, t)
+        return -1, 0, 0
+    t = np.int64(idx[h * capc + s]) * C
+    n = min(np.int64(C), length - t)
+    if n <= 0:
+        return -1, 0, 0
+    lp = t // page_size
+    phys = page_ids[lp]
+    blk = phys // ppb
     if disk[blk] == 0:
-        return -1, 0
-    return blk, row
+        return -1, 0, 0
+    return blk, ((phys - blk * ppb) * H + h) * page_size + (t - lp * page_size), n
 
 
 @kernel(inf_safe=True, parallel=True)
@@ -121,25 +126,21 @@ def _stage(idx_addr, count_addr, H, capc, C, length, page_ids, page_size, ppb, d
            scales, code, d, list_addr, out_addr, write_list, stats):
     """Copy the rows of the selected chunks' tokens that lie in disk blocks, packed head by
     head in token order, to out_addr (int8 dequantized into float32), and (``write_list``)
-    each one's row of (H, capc * C) into the list; stats: rows, chunk-heads with one."""
+    each one's row of (H, capc * C) into the list; stats: rows, chunk-heads with one. A chunk's
+    rows are one run of bytes: copied 8 bytes a load where rows are whole words."""
     idx = address_as_pointer(idx_addr, np.uint32)
     cnt = address_as_pointer(count_addr, np.int32)
     dest = address_as_pointer(list_addr, np.int32)
-    shifts = (log2_exact(page_size), log2_exact(ppb))
     width = 2 if code == 0 else (4 if code == 1 else 1)
     out_w = 2 if code == 0 else 4
     per_head = np.zeros(H, np.int64)
     chunks = np.zeros(H, np.int64)
     for h in numba.prange(H):
         for s in range(capc):
-            k = 0
-            for i in range(C):
-                blk, _ = _disk_row(idx, cnt, h, s, i, capc, C, length, page_ids, page_size,
-                                   ppb, shifts, H, disk)
-                if blk >= 0:
-                    k += 1
-            per_head[h] += k
-            if k:
+            blk, _, n = _disk_chunk(idx, cnt, h, s, capc, C, length, page_ids, page_size, ppb,
+                                    H, disk)
+            if blk >= 0:
+                per_head[h] += n
                 chunks[h] += 1
     start = np.zeros(H + 1, np.int64)
     for h in range(H):
@@ -147,38 +148,58 @@ def _stage(idx_addr, count_addr, H, capc, C, length, page_ids, page_size, ppb, d
     for h in numba.prange(H):
         j = start[h]
         for s in range(capc):
-            for i in range(C):
-                blk, row = _disk_row(idx, cnt, h, s, i, capc, C, length, page_ids, page_size,
-                                     ppb, shifts, H, disk)
-                if blk < 0:
-                    continue
-                if write_list:
-                    dest[j] = (h * capc + s) * C + i
-                if code == 2:
-                    q = address_as_pointer(addrs[blk] + row * d, np.int8)
-                    sc = address_as_pointer(scales[blk] + row * 4, np.float32)[0]
-                    o = address_as_pointer(out_addr + j * d * 4, np.float32)
+            blk, row, n = _disk_chunk(idx, cnt, h, s, capc, C, length, page_ids, page_size,
+                                      ppb, H, disk)
+            if blk < 0:
+                continue
+            if write_list:
+                for i in range(n):
+                    dest[j + i] = (h * capc + s) * C + i
+            if code == 2:
+                q = address_as_pointer(addrs[blk] + row * d, np.int8)
+                sc = address_as_pointer(scales[blk] + row * 4, np.float32)
+                o = address_as_pointer(out_addr + j * d * 4, np.float32)
+                for i in range(n):
                     for e in range(d):
-                        o[e] = np.float32(q[e]) * sc
-                else:
-                    src = address_as_pointer(addrs[blk] + row * d * width, np.uint8)
-                    dst = address_as_pointer(out_addr + j * d * out_w, np.uint8)
-                    for e in range(d * width):
+                        o[i * d + e] = np.float32(q[i * d + e]) * sc[i]
+            else:
+                nbytes = n * d * width
+                if nbytes % 8 == 0:
+                    src = address_as_pointer(addrs[blk] + row * d * width, np.uint64)
+                    dst = address_as_pointer(out_addr + j * d * out_w, np.uint64)
+                    for e in range(nbytes // 8):
                         dst[e] = src[e]
-                j += 1
+                else:
+                    src8 = address_as_pointer(addrs[blk] + row * d * width, np.uint8)
+                    dst8 = address_as_pointer(out_addr + j * d * out_w, np.uint8)
+                    for e in range(nbytes):
+                        dst8[e] = src8[e]
+            j += n
     stats[0] = start[H]
     stats[1] = chunks.sum()
+
+
+@kernel()
+def _stage_request(ctl_addr, idx_addr, count_addr, H, capc, C, length, pages, page_size,
+                   list_addr, n_t, addrs0, disk0, scales0, ppb0, code0, d0, out0, addrs1, disk1,
+                   scales1, ppb1, code1, d1, out1, stats):
+    """A request's rows (its first ``n_t`` tensors, up to two), their places and their number
+    (ctl[ROWS_WORD]); the caller releases the answer."""
+    stats[0] = 0
+    if n_t > 0:
+        _stage(idx_addr, count_addr, H, capc, C, length, pages, page_size, ppb0, disk0, addrs0,
+               scales0, code0, d0, list_addr, out0, True, stats)
+    if n_t > 1:
+        _stage(idx_addr, count_addr, H, capc, C, length, pages, page_size, ppb1, disk1, addrs1,
+               scales1, code1, d1, list_addr, out1, False, stats)
+    rows = address_as_pointer(ctl_addr + 8 * ROWS_WORD, np.int64)
+    rows[0] = stats[0]
 
 
 def stage(req: Request, stats: np.ndarray) -> None:
     """Fill ``req``'s mailbox with its disk rows (the selection the device exported there):
     the packed rows, their places (the list) and their number (ctl[ROWS_WORD])."""
-    mail = req.mail
-    for k, t in enumerate(req.tensors):
-        _stage(mail.addrs[1], mail.addrs[2], mail.H, req.capc, mail.chunk, req.length,
-               req.pages, req.page_size, t.ppb, t.disk, t.addrs, t.scales, t.code, t.dim,
-               mail.addrs[3], t.out, k == 0, stats)
-    mail.ctl[ROWS_WORD] = stats[0] if req.tensors else 0
+    _stage_request(req.mail.ctl_addr, *_head_args(req), stats)
 
 
 @kernel()
@@ -187,25 +208,25 @@ def _serve_head(ctl_addrs, ids, spins, idx_addr, count_addr, H, capc, C, length,
                 addrs1, disk1, scales1, ppb1, code1, d1, out1, stats):
     """Poll the pending requests' mailboxes for their numbers (ctl_addrs, ids); where the
     first (the oldest) is the one exported, answer it here, without the GIL: staged rows, their
-    number, the release. Returns (1, 0) when it answered the first, (2, i) when request i is exported
-    instead (the caller answers it), (3, i) when request i was passed over, (0, 0) after
-    ``spins`` polls."""
-    for _ in range(spins):
+    number, the release; stats[2:4]: ns polled before, ns staging. Returns (1, polls) when it
+    answered the first (0: the device was waiting before the first poll), (2, i) when request i is
+    exported instead (the caller answers it), (3, i) when request i was passed over, (0, 0)
+    after ``spins`` polls."""
+    t0 = monotonic_ns()
+    for k in range(spins):
         for i in range(ids.shape[0]):
             got = load_acquire_i64(ctl_addrs[i])
             if got == ids[i]:
                 if i != 0:
                     return 2, i
-                _stage(idx_addr, count_addr, H, capc, C, length, pages, page_size, ppb0, disk0,
-                       addrs0, scales0, code0, d0, list_addr, out0, True, stats)
-                if n_t > 1:
-                    _stage(idx_addr, count_addr, H, capc, C, length, pages, page_size, ppb1,
-                           disk1, addrs1, scales1, code1, d1, list_addr, out1, False,
-                           stats)
-                rows = address_as_pointer(ctl_addrs[0] + 8 * ROWS_WORD, np.int64)
-                rows[0] = stats[0]
+                t1 = monotonic_ns()
+                _stage_request(ctl_addrs[0], idx_addr, count_addr, H, capc, C, length, pages,
+                               page_size, list_addr, n_t, addrs0, disk0, scales0, ppb0, code0,
+                               d0, out0, addrs1, disk1, scales1, ppb1, code1, d1, out1, stats)
                 store_release_i64(ctl_addrs[0] + 8 * ANSWERED, ids[0])
-                return 1, 0
+                stats[2] = t1 - t0
+                stats[3] = monotonic_ns() - t1
+                return 1, k
             if got > ids[i]:
                 return 3, i
     return 0, 0
@@ -213,7 +234,9 @@ def _serve_head(ctl_addrs, ids, spins, idx_addr, count_addr, H, capc, C, length,
 
 class DiskServer:
     """The worker thread (started on the first request; a daemon). ``counts``: layer-steps
-    answered, rows and chunk-heads copied, bytes, requests passed over, seconds copying."""
+    answered, rows and chunk-heads copied, bytes, requests passed over, seconds copying,
+    seconds polling for the device's export, answers where the device was waiting before the
+    worker polled (``late``)."""
 
     def __init__(self):
         self._q: queue.SimpleQueue = queue.SimpleQueue()
@@ -221,7 +244,7 @@ class DiskServer:
         self._lock = threading.Lock()
         self.error: BaseException | None = None
         self.counts = {"layer_steps": 0, "rows": 0, "chunks": 0, "bytes": 0, "passed_over": 0,
-                       "copy_s": 0.0}
+                       "copy_s": 0.0, "poll_s": 0.0, "late": 0}
 
     def post(self, req: Request) -> None:
         if self._thread is None:
@@ -240,7 +263,7 @@ class DiskServer:
     def _run(self) -> None:
         pending: list[Request] = []
         idle = 0
-        stats = np.zeros(2, np.int64)
+        stats = np.zeros(STATS_WORDS, np.int64)
         while True:
             if not pending:
                 pending.append(self._q.get())
@@ -252,7 +275,6 @@ class DiskServer:
             ids = np.fromiter((r.job for r in pending), np.int64, len(pending))
             ctls = np.fromiter((r.mail.ctl_addr for r in pending), np.int64, len(pending))
             head = pending[0]
-            t0 = time.perf_counter()
             stats[:] = 0
             try:
                 what, i = _serve_head(ctls, ids, SPINS, *_head_args(head), stats)
@@ -260,7 +282,9 @@ class DiskServer:
                 what, i = 2, 0
                 self.error = e
             if what == 1:
-                self._count(pending.pop(0), stats, time.perf_counter() - t0)
+                self._count(pending.pop(0), stats, 1e-9 * stats[3])
+                self.counts["poll_s"] += 1e-9 * stats[2]
+                self.counts["late"] += i == 0
                 idle = 0
             elif what == 2:
                 self._answer(pending.pop(i), stats)
@@ -332,7 +356,7 @@ def warm() -> None:
     for code in (FLOAT16, FLOAT32, INT8):
         t = Tensor(addrs=z64, disk=z8, scales=z64, ppb=1, code=code, dim=1, out=mail.addrs[4])
         req = Request(job=1, mail=mail, capc=1, length=0, pages=z64, page_size=1, tensors=[t])
-        stage(req, np.zeros(2, np.int64))
+        stage(req, np.zeros(STATS_WORDS, np.int64))
         _serve_head(np.array([mail.ctl_addr], np.int64), np.array([1], np.int64), 1,
-                    *_head_args(req), np.zeros(2, np.int64))
+                    *_head_args(req), np.zeros(STATS_WORDS, np.int64))
     _warm.append(True)

@@ -59,7 +59,7 @@ def test_staged_rows_are_the_disk_blocks_rows_of_the_selected_chunks(code):
     length = len(pages) * P - 3  # the last chunk partly past the length
     mail.idx[:] = np.array([[5, 0, 2], [1, 5, 0]], np.uint32).ravel()
     mail.count[:] = [3, 2]  # head 1's third slot is not selected
-    stats = np.zeros(2, np.int64)
+    stats = np.zeros(disk_serve.STATS_WORDS, np.int64)
     disk_serve.stage(Request(job=1, mail=mail, capc=capc, length=length, pages=pages,
                              page_size=P, tensors=[tensor]), stats)
     rows = mail.rows["values"].reshape(-1, D)
