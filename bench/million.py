@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import os
 import random
+import resource
 import sys
 import threading
 import time
@@ -119,6 +120,24 @@ def decode_step(model, cache, y, times, queue, out):
     times.append(time.perf_counter() - t)
     out.append(int(y.item()))
     return y
+
+
+def print_disk_steps(start: dict, steps: list, times: list) -> None:
+    """One line per decode step where the worker copied disk rows: the token's ms, the device's
+    wait for the worker, the worker's copying and polling, the layers whose export it found
+    already waiting (late), the process's minor page faults."""
+    if not steps or steps[-1][0]["layer_steps"] == start["layer_steps"]:
+        return
+    prev, faults = start, None
+    for i, (c, f) in enumerate(steps):
+        d = {k: c[k] - prev[k] for k in ("layer_steps", "device_wait_s", "copy_s", "poll_s",
+                                         "late", "bytes") if k in c}
+        print(f"disk step {i}: {1e3 * times[i]:.1f} ms; device waiting "
+              f"{1e3 * d.get('device_wait_s', 0):.1f} ms, worker copying {1e3 * d['copy_s']:.1f}"
+              f" ms ({d['bytes'] / 2**20:.1f} MiB), polling {1e3 * d.get('poll_s', 0):.1f} ms, "
+              f"late {d.get('late', 0)} of {d['layer_steps']}"
+              + (f", minor faults {f - faults}" if faults is not None else ""), flush=True)
+        prev, faults = c, f
 
 
 def _pooled() -> int:
@@ -245,6 +264,7 @@ def main(argv=None):
     disk0 = disk_stage.counts()
     y = mx.array([[ids[-1]]])
     st = StepTimers() if args.step_timers else None
+    disk_steps = []  # per step: the disk rows' counts and the process's minor page faults
     with st or contextlib.nullcontext():
         for i in range(args.decode_steps):
             if i == args.mark_step:
@@ -252,6 +272,8 @@ def main(argv=None):
             y = decode_step(model, cache, y, times, queue, out)
             if st:
                 st.step()
+            disk_steps.append((disk_stage.counts(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt))
+    print_disk_steps(disk0, disk_steps, times)
     slow = st.print_slow(times) if st else None
     print("first decode steps (compiles included):",
           ", ".join(f"{1e3 * t:.0f}" for t in times[:3]), "ms", flush=True)
