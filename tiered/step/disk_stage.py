@@ -44,6 +44,10 @@ from . import disk_rows
 from .chunk_word import KernelTable
 
 MODE = os.environ.get("TIERED_DISK_ROWS", "worker")  # or "compiled", "sync" (docstring)
+# Map a page file's blocks into the process before the worker reads them (PageFile.populate),
+# so its copies take no page faults: "auto" where the file fits in the memory available now (it
+# is then in the page cache, or will be), "1" always, "0" never.
+POPULATE = os.environ.get("TIERED_DISK_POPULATE", "auto")
 WAIT_MS = 20_000  # a worker that has not answered in 20 s has failed (a template argument)
 
 # System-scope ordering with the CPU: on the GPU through PTX, on the kernel executor (C++ on the
@@ -193,7 +197,30 @@ class _LayerState:
                        scales=scales, ppb=int(tensor.pages_per_block),
                        code=_CODES[tensor.dtype], dim=int(tensor.head_dim), out=out)
             got = self.tables[id(tensor)] = (key, t)
+            _populate(tensor)
         return got[1]
+
+
+def _available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _populate(tensor) -> None:
+    """The page files of ``tensor`` mapped in ahead of the worker's reads (POPULATE)."""
+    files = [f for f in (tensor.disk, getattr(tensor, "scale_disk", None)) if f is not None]
+    if not files or POPULATE == "0":
+        return
+    if POPULATE == "auto" and sum(f.nbytes for f in files) > _available_bytes():
+        return
+    for f in files:
+        f.populate()
 
 
 _STATE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
