@@ -22,7 +22,7 @@ def _run(cmd, tmp_path):
 
 
 def test_two_ranks_answer_the_pass_key_as_one_process(tmp_path):
-    demo = ["-m", "tiered", "run", "--demo-tokens", "3000", "--seed", "2"]
+    demo = ["-m", "tiered", "run", "--demo-tokens", "2000", "--seed", "2"]
     one = _run([sys.executable, *demo, "--json", str(tmp_path / "one.json")], tmp_path)
     # one thread per rank for BLAS and Numba: two ranks with a pool each oversubscribe the
     # cores (8k tokens on 2 cores: decode 404 ms/token against 480, bench/results)
