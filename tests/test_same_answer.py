@@ -14,7 +14,7 @@ from tiered.planning.tasks import passkey
 
 def test_cli_generate_and_a_saved_cache_give_the_same_tokens(embedded, tmp_path):
     model, tok = embedded
-    sample = passkey(tok, 2000, 0.4, seed=3)
+    sample = passkey(tok, 1200, 0.4, seed=3)
     ids = tok.encode(sample.prompt)
     prefix, suffix = ids[:-24], ids[-24:]  # the document, then its question's tokens
 
@@ -28,7 +28,7 @@ def test_cli_generate_and_a_saved_cache_give_the_same_tokens(embedded, tmp_path)
     want = answer(tiered.TieredCache.for_model(model, 0.125), prefix + suffix)
     assert tok.decode(want).strip().startswith(sample.answer)  # a case the full cache passes
     saved = tiered.TieredCache.for_model(model, 0.125)
-    prefill(model, saved, prefix, chunk=1000)
+    prefill(model, saved, prefix, chunk=500)
     saved.save(str(tmp_path / "doc"), model)
     saved.close()
     assert answer(tiered.TieredCacheList.load(str(tmp_path / "doc"), model), suffix) == want
