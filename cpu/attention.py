@@ -49,7 +49,7 @@ def _as_f32(name, x, want):
     return x
 
 
-def causal_attention(q, k, v, scale, *, block=512, column_mass=None):
+def causal_attention(q, k, v, scale, *, block=512, column_mass=None, lse=None):
     """softmax(q k^T * scale + causal mask) v for the last L positions of a sequence of n.
 
     Args:
@@ -66,12 +66,14 @@ def causal_attention(q, k, v, scale, *, block=512, column_mass=None):
     column_mass: optional (H, >= n) float32, accumulated in place with the attention mass every
     key receives, summed over the chunk's rows and the rep query heads of its group (H2O's
     accumulated attention, exported from the softmax already computed: no second QK pass).
+    lse: optional (Hq, L) float32, filled with each row's log-sum-exp (a shard's partial over
+    its own chunk needs it: tiered.shard.tiered).
     """
     q, k, v = _checked(q, k, v, block)
     if k.shape[1] < q.shape[1]:
         raise ValueError(f"Invalid shape of k: n = {k.shape[1]} keys for L = {q.shape[1]} "
                          "queries (need n >= L)")
-    return _attend(q, k, v, scale, k.shape[1] - q.shape[1], int(block), column_mass, None)
+    return _attend(q, k, v, scale, k.shape[1] - q.shape[1], int(block), column_mass, lse)
 
 
 def partial_attention(q, k, v, scale, first_visible: int, *, block=512):

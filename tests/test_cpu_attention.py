@@ -81,3 +81,19 @@ def test_causal_attention_validation():
         causal_attention(q, k, v[:, :10], 0.1)
     with pytest.raises(ValueError, match="Invalid block"):
         causal_attention(q, k, v, 0.1, block=0)
+
+
+def test_causal_attention_exports_the_log_sum_exp_of_each_row():
+    """lse= fills each query row's log-sum-exp over the keys it sees (float64 reference), and the
+    output is the one without it (a shard's partial over its own chunk takes both)."""
+    q, k, v = _inputs(6, 2, 33, 600, 64, 64, seed=5)
+    lse = np.empty((6, 33), np.float32)
+    out = causal_attention(q, k, v, 0.125, lse=lse)
+    np.testing.assert_array_equal(out, causal_attention(q, k, v, 0.125))
+    visible = np.arange(600)[None, :] <= (600 - 33 + np.arange(33))[:, None]
+    for qh in range(6):
+        s = q[qh].astype(np.float64) @ k[qh // 3].astype(np.float64).T * 0.125
+        s = np.where(visible, s, -np.inf)
+        top = s.max(1)
+        want = top + np.log(np.exp(s - top[:, None]).sum(1))
+        np.testing.assert_allclose(lse[qh], want, rtol=1e-5, atol=1e-5)

@@ -92,6 +92,44 @@ def test_one_rank_with_a_tiered_shard_decodes_as_kvcache_when_it_selects_every_t
                                gpu_budget=0.25, device_gather="on")
 
 
+def test_a_ranks_own_chunk_takes_its_partial_from_the_layers_attention(small, monkeypatch):
+    """Reading its own shard, a rank's exact layer attends the chunk once: the partial (output
+    and log-sum-exp) comes from that attention (the CPU's fast path exports the log-sum-exp),
+    not from a second pass over the shard, and equals that second pass."""
+    from tiered import TieredCache
+    from tiered.shard import tiered as shard_tiered
+
+    import tiered.shard.merge as merge_mod
+
+    calls = []
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return partial_attention(*a, **kw)
+
+    monkeypatch.setattr(merge_mod, "partial_attention", counted)
+    rng = np.random.default_rng(3)
+    H, Hq, d = 2, 4, 64
+    caches = TieredCache.for_model(small, 0.25, prefill_window=4096)
+    local = caches[0]
+    past = mx.array(rng.standard_normal((1, H, 40, d)).astype(np.float32))
+    local.update_and_fetch(past, past)
+    local.attention(mx.array(rng.standard_normal((1, Hq, 40, d)).astype(np.float32)), past,
+                    past, scale=0.125, mask="causal")
+    k = mx.array(rng.standard_normal((1, H, 24, d)).astype(np.float32))
+    v = mx.array(rng.standard_normal((1, H, 24, d)).astype(np.float32))
+    q = mx.array(rng.standard_normal((1, Hq, 24, d)).astype(np.float32))
+    waiting = shard_tiered.tiered_store(local, k, v, 0)
+    o, lse = shard_tiered.tiered_partial(local, q, waiting, scale=0.125, q_start=140,
+                                         k_start=100)
+    assert calls == [] and local.last_exact_lse is not None  # no second pass
+    keys, values = local.keys_and_values()
+    o2, lse2 = partial_attention(q, keys, values, scale=0.125, q_start=140, k_start=100)
+    np.testing.assert_allclose(np.array(o), np.array(o2), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.array(lse), np.array(lse2), rtol=1e-5, atol=1e-5)
+    caches.close()
+
+
 @pytest.fixture(scope="module")
 def small():
     return make_small_model("llama-gqa-d64", layers=3)

@@ -28,6 +28,10 @@ class ExactPhase:
         return max(need, min(grow, fits))
 
     _reserved = 0  # tokens the exact buffers get room for at once (reserve_exact)
+    # A sharded cache's layer asks its prompt chunks' log-sum-exp (tiered.shard.tiered): the
+    # last exact attention's (Hq, L) numpy float32, where the CPU's fast path computed it.
+    export_lse = False
+    last_exact_lse = None
 
     def reserve_exact(self, n: int) -> None:
         """Give the exact buffers room for ``n`` tokens at their next growth (a caller that knows
@@ -99,8 +103,13 @@ class ExactPhase:
                 colmass = self._column_mass(keys.shape[2])
             elif ops.column_mass_applies(queries, mask):  # on the device, folded in lazily
                 self._add_device_mass(ops.column_mass(queries, keys, scale, mask == "causal"))
+        lse = None
+        if (self.export_lse and perm is None
+                and ops.exports_column_mass(queries, mask, sinks, not self.config.exact)):
+            lse = np.empty(queries.shape[1:3], np.float32)
         out = ops.exact_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks,
-                                  fast=not self.config.exact, column_mass=colmass)
+                                  fast=not self.config.exact, column_mass=colmass, lse=lse)
+        self.last_exact_lse = lse
         if perm is not None and fresh:
             out = out[:, mx.array(np.argsort(perm))]
         return out

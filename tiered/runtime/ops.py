@@ -112,19 +112,20 @@ def column_mass_applies(queries, mask) -> bool:
 
 
 def exact_attention(queries, keys, values, *, scale, mask, sinks=None, fast=False,
-                    column_mass=None):
+                    column_mass=None, lse=None):
     """Attention over full keys/values. ``fast``: on the CPU backend, prompt chunks go through
     BLAS + a Numba softmax (MLX's CPU exp is the bottleneck there); else mlx's SDPA, bit-equal
     to mlx-lm.
 
     column_mass: optional numpy (H, >= n) float32 the fast path adds, per key, the attention
     mass the chunk's queries (and the rep heads of each group) put on it (elsewhere
-    :func:`column_mass` computes it)."""
+    :func:`column_mass` computes it). lse: optional numpy (Hq, L) float32 the fast path fills
+    with each query row's log-sum-exp (untouched elsewhere)."""
     if exports_column_mass(queries, mask, sinks, fast):
         q = np.array(queries[0].astype(mx.float32))
         k = np.array(keys[0].astype(mx.float32))
         v = np.array(values[0].astype(mx.float32))
-        out = causal_attention(q, k, v, float(scale), column_mass=column_mass)
+        out = causal_attention(q, k, v, float(scale), column_mass=column_mass, lse=lse)
         return mx.array(out)[None].astype(queries.dtype)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask,
                                                 sinks=sinks)

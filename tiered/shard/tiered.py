@@ -73,9 +73,14 @@ def tiered_partial(local, queries, waiting, *, scale: float, q_start: int, k_sta
     if waiting is not None and waiting[0] == "exact":
         _, first, n, (lk, lv) = waiting
         q = queries[:, :, first : first + n]
+        local.export_lse = True
         out = local.attention(q, lk, lv, scale=scale, mask=None if n == 1 else "causal")
         if local.phase == "compressed":  # this decode step compressed the shard (n == 1)
             return out.astype(mx.float32), _lse(local, Hq)
+        if local.last_exact_lse is not None and first == 0 and n == L:
+            # the chunk's queries are all the step's (a rank reading its own shard): their
+            # causal attention over the shard is the partial, with the log-sum-exp it exported
+            return out.astype(mx.float32), mx.array(local.last_exact_lse)[None]
     if local.phase == "exact":
         if local.offset == 0:
             return empty_partial(queries, dv)
