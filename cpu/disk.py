@@ -33,8 +33,7 @@ import zlib
 import numpy as np
 
 ALIGN = mmap.ALLOCATIONGRANULARITY
-MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ",
-                             22 if sys.platform.startswith("linux") else None)  # (Python < 3.13)
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if sys.platform == "linux" else None)
 COPY_CHUNK = 64 << 20  # bytes per copy_file_range call
 # The saved cache directory's pages/ folder while tiered.persistence.persist loads from it: the only
 # place a state's disk blocks are read from (by bare name).
@@ -302,11 +301,8 @@ class PageFile:
                 return
 
     def populate(self) -> int:
-        """Map every block's pages into the process now (MADV_POPULATE_READ, Linux 5.14+; the
-        blocks not done before), so reads through the mapping take no page faults (a fresh
-        mapping's first touch costs several times the copy of a row: /tmp probe, a 2 GB file in
-        the page cache). Pages not in the page cache are read from the disk here. Returns the
-        blocks done; 0 where the kernel has no such advice."""
+        """Map the blocks not done before into the process (MADV_POPULATE_READ, Linux 5.14+):
+        reads through the mapping then take no page faults. Returns the blocks done."""
         done = 0
         while MADV_POPULATE_READ is not None and self._populated < len(self.maps):
             try:
@@ -318,8 +314,7 @@ class PageFile:
         return done
 
     def release(self) -> None:
-        """Unmap from the process the pages reads touched (read-only shared mappings): they
-        stay in the kernel's page cache, out of the process's RSS."""
+        """Unmap the pages reads touched: they stay in the page cache, out of the RSS."""
         self._populated = 0
         for mm in self.maps:
             try:

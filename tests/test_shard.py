@@ -96,10 +96,8 @@ def test_a_ranks_own_chunk_takes_its_partial_from_the_layers_attention(small, mo
     """Reading its own shard, a rank's exact layer attends the chunk once: the partial (output
     and log-sum-exp) comes from that attention (the CPU's fast path exports the log-sum-exp),
     not from a second pass over the shard, and equals that second pass."""
-    from tiered import TieredCache
-    from tiered.shard import tiered as shard_tiered
-
     import tiered.shard.merge as merge_mod
+    from tiered.shard import tiered as shard_tiered
 
     calls = []
 
@@ -110,7 +108,7 @@ def test_a_ranks_own_chunk_takes_its_partial_from_the_layers_attention(small, mo
     monkeypatch.setattr(merge_mod, "partial_attention", counted)
     rng = np.random.default_rng(3)
     H, Hq, d = 2, 4, 64
-    caches = TieredCache.for_model(small, 0.25, prefill_window=4096)
+    caches = shard_tiered.local_caches(small, 0, [0], 200, 0.25, {"prefill_window": 4096})
     local = caches[0]
     past = mx.array(rng.standard_normal((1, H, 40, d)).astype(np.float32))
     local.update_and_fetch(past, past)

@@ -35,6 +35,8 @@ def local_caches(model, rank: int, bounds: list[int], document_tokens: int, gpu_
         kept = caches.kept_layers
         caches.close()
         raise ValueError(f"ShardedCache: every layer must be tiered; kept: {kept}")
+    for layer in caches:  # a chunk's partial over the rank's own shard reuses its log-sum-exp
+        layer.export_lse = True
     return caches
 
 
@@ -73,7 +75,6 @@ def tiered_partial(local, queries, waiting, *, scale: float, q_start: int, k_sta
     if waiting is not None and waiting[0] == "exact":
         _, first, n, (lk, lv) = waiting
         q = queries[:, :, first : first + n]
-        local.export_lse = True
         out = local.attention(q, lk, lv, scale=scale, mask=None if n == 1 else "causal")
         if local.phase == "compressed":  # this decode step compressed the shard (n == 1)
             return out.astype(mx.float32), _lse(local, Hq)
