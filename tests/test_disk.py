@@ -302,9 +302,57 @@ def test_memory_budget_caps_the_accelerator_tier_and_host_ram_together(tmp_path)
                                     "within": True}
     assert "memory budget" in tiered.report(cache) and "within it" in tiered.report(cache)
     assert mx.abs(ref - got).max().item() == 0
+    # the decode steps' reads left none of the page files' pages in the process's RSS
+    assert _mapped_kib(tmp_path) == 0
     cache.close()
     with pytest.raises(ValueError, match="not both"):
         tiered.TieredCache.for_model(model, memory_budget="1MB", host_budget="1MB")
+
+
+def _mapped_kib(folder) -> int:
+    """KiB of files under ``folder`` mapped into this process's RSS (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if len(head) >= 5 and "-" in head[0] and ":" in head[3]:  # a mapping's first line
+                inside = len(head) >= 6 and head[5].startswith(str(folder))
+            elif inside and head[0] == "Rss:":
+                total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs /proc/self/smaps")
+def test_under_memory_budget_decode_reads_leave_no_page_file_pages_mapped(tmp_path, monkeypatch):
+    """memory_budget bounds the process's RSS: a decode step's reads of the disk tier map the
+    page file's pages into the process, and each layer-step lets them go (they stay in the
+    page cache). Without the release they stay mapped (checked: the test can fail)."""
+    import mlx.core as mx
+    from conftest import make_small_model
+
+    import tiered
+    from tiered.cpu.page_reads import PageReads
+
+    model = make_small_model("llama-gqa-d64", layers=2, seed=2)
+    prompt = mx.array(np.random.default_rng(7).integers(10, 49000, 900))[None]
+    opts = dict(gpu_budget=0.25, host_dtype="float32", page_size=16, recent=16,
+                device_gather="off", tau=1.0, max_selected=1.0)
+
+    def decode(folder) -> int:
+        cache = tiered.TieredCache.for_model(model, memory_budget="120KB",
+                                             disk_dir=str(folder), **opts)
+        y = model(prompt, cache=cache)[:, -1]
+        for _ in range(3):
+            y = model(mx.argmax(y, axis=-1)[:, None], cache=cache)[:, -1]
+            mx.eval(y)
+        assert tiered.report_dict(cache)["bytes"]["disk"] > 0
+        kib = _mapped_kib(folder)
+        cache.close()
+        return kib
+
+    assert decode(tmp_path / "a") == 0
+    monkeypatch.setattr(PageReads, "release_if_bounded", lambda self: None)
+    assert decode(tmp_path / "b") > 0
 
 
 def test_a_block_spills_only_after_the_queued_device_writes(tmp_path):

@@ -35,20 +35,34 @@ def status(pid: int) -> dict[str, int] | None:
     return got
 
 
-def watch(cmd: list[str], every: float = 0.05) -> tuple[dict[str, int], int, str]:
-    """Peaks (KiB) of the fields while ``cmd`` runs, its exit code and its output's tail."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def watch(cmd: list[str], every: float = 0.05, phases: bool = False
+          ) -> tuple[dict[str, int], int, str]:
+    """Peaks (KiB) of the fields while ``cmd`` runs, its exit code and its output's tail.
+    ``phases``: each line the command prints is followed by the peaks since its line before
+    (where in the run the memory went: a layer of the prefill, the answer)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            bufsize=1)
     peaks = dict.fromkeys(FIELDS, 0)
+    since = dict.fromkeys(FIELDS, 0)  # peaks since the command's last line
     out = []
     import threading
 
-    reader = threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True)
+    def read():
+        for line in proc.stdout:
+            out.append(line)
+            if phases:
+                print(line.rstrip()[:100] + "\n    since the line before: " + ", ".join(
+                    f"{k} {since[k] / 1024:.1f}" for k in FIELDS) + " MiB", flush=True)
+                since.update(dict.fromkeys(FIELDS, 0))
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     while proc.poll() is None:
         now = status(proc.pid)
         if now:
             for k, v in now.items():
                 peaks[k] = max(peaks[k], v)
+                since[k] = max(since[k], v)
         time.sleep(every)
     reader.join(5)
     return peaks, proc.returncode, "".join(out[-40:])
@@ -60,6 +74,8 @@ MODEL_ONLY = ("import tiered, mlx.core as mx, time; m, t = tiered.load(); "
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--phases", action="store_true",
+                   help="print the peaks between each two lines the command prints")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command to watch")
     args = p.parse_args(argv)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
@@ -69,7 +85,7 @@ def main(argv=None):
     if rc0:
         raise SystemExit("the model alone failed to load")
     t = time.perf_counter()
-    peaks, rc, tail = watch(cmd)
+    peaks, rc, tail = watch(cmd, phases=args.phases)
     print(tail)
     print(f"command: {' '.join(cmd)}\nexit {rc}, {time.perf_counter() - t:.0f} s")
     for k in FIELDS:

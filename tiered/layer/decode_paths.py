@@ -143,6 +143,7 @@ class DecodePaths:
                 self.heavy.update(z, sel.m, sel.s, n, rep)
         marks.append(("resident", time.perf_counter()))
         o_c, lse_c = ops.wait_gather(handle, marks[-1][1] - t_acc)
+        self.parent.host.release_if_bounded()  # the page file's pages read: out of the RSS
         marks.append(("wait", time.perf_counter()))
         if self._update and self.steps % self.config.refresh_every == 0:
             self._prefetch_likely()
@@ -245,6 +246,7 @@ class DecodePaths:
         dispatch.async_eval(*lazy)  # the device works while the CPU gathers
         marks.append(("resident", time.perf_counter()))  # launching it (runs on asynchronously)
         o_c, lse_c = ops.wait_gather(handle, marks[-1][1] - t_acc)
+        self.parent.host.release_if_bounded()  # the page file's pages read: out of the RSS
         marks.append(("wait", time.perf_counter()))
         if self.lookahead and self._update:  # the next step attends this selection
             self._set_pending((idx.copy(), count.copy()))
