@@ -130,7 +130,6 @@ def test_under_memory_budget_the_pass_and_the_cache_stay_within_it(small, tmp_pa
                                         host_dtype="float32")
     layerwise_prefill(small, free, ids, chunk=256)
     b = tiered.report_dict(free)["bytes"]
-    free.close()
     from tiered.cpu.attention import MAX_SCRATCH_BYTES, scratch_bytes
     from tiered.layerwise_prefill import _working_set
     from tiered.runtime.ops import on_cpu_backend
@@ -139,7 +138,11 @@ def test_under_memory_budget_the_pass_and_the_cache_stay_within_it(small, tmp_pa
     # a smaller chunk): the host pages then get about half of what they need, the rest spills
     chunk, scratch = (4096, 1 << 20) if on_cpu_backend() else (64, MAX_SCRATCH_BYTES)
     held, attention = _working_set(small, len(ids), chunk, 4, scratch)
-    total = b["accelerator"] + b["host"] // 2 + held + attention
+    geo = free.context.model_geometry
+    full = geo.full_bytes(len(ids))  # the plan's tier and one exact layer during its pass
+    total = max(b["accelerator"], int(0.25 * full)) + full // geo.layers + b["host"] // 2 + (
+        held + attention)
+    free.close()
     cache = tiered.TieredCache.for_model(small, 0.25, prefill_window=1024, page_size=16,
                                          host_dtype="float32", memory_budget=total,
                                          disk_dir=str(tmp_path))
@@ -160,3 +163,24 @@ def test_under_memory_budget_the_pass_and_the_cache_stay_within_it(small, tmp_pa
     b = tiered.report_dict(cache)["bytes"]
     assert b["disk"] > 0 and b["accelerator"] + b["host"] <= total
     cache.close()
+
+
+def test_on_the_cpu_the_chunk_shrinks_only_where_the_pass_would_not_fit(small):
+    """CPU backend: the pass's chunk halves (to 256 at least) while its working set and the
+    accelerator tier's plan exceed the memory budget, and stays where they fit (each chunk
+    copies the layer's keys and values: smaller chunks cost time)."""
+    from tiered.layerwise_prefill import _within, _working_set
+    from tiered.runtime.ops import on_cpu_backend
+
+    if not on_cpu_backend():
+        pytest.skip("the CPU backend's rule")
+    n, plan = 8192, 20 << 20
+    roomy = 1 << 34
+    assert _within(small, n, 2048, roomy, 4, plan)[0] == 2048
+    need = {c: sum(_working_set(small, n, c, 4, 1 << 20)) + plan for c in (2048, 1024, 512, 256)}
+    assert need[2048] > need[1024] > need[512] > need[256]
+    total = (need[512] + need[1024]) // 2  # fits 512, not 1024
+    chunk, scratch = _within(small, n, 2048, total, 4, plan)
+    assert chunk == 512 and sum(_working_set(small, n, chunk, 4, scratch)) + plan <= total
+    # below what even 256 needs: 256, the smallest (the pass still runs)
+    assert _within(small, n, 2048, need[256] // 2, 4, plan)[0] == 256
