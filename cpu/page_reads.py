@@ -126,7 +126,7 @@ class PageReads:
         at 32k tokens on the embedded model, 10 decode steps left 387 MiB of page-file pages
         in the process against a 360 MiB budget). Elsewhere the mapped pages stay: the next
         reads of the same pages then take no page fault."""
-        if self.disk_bytes and isinstance(self.values.budget, SharedMemoryBudget):
+        if isinstance(self.values.budget, SharedMemoryBudget) and self.disk_bytes:
             self.release_disk_reads()
 
     def check_disk(self) -> None:

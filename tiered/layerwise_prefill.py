@@ -48,17 +48,18 @@ def _working_set(model, n: int, chunk: int, itemsize: int, scratch: int) -> tupl
     kv = getattr(args, "num_key_value_heads", 0) or heads
     d = getattr(args, "head_dim", None) or (hidden // heads if heads else 0)
     inter = getattr(args, "intermediate_size", 0) or 0
-    # beside either: the chunk's projections, rotated queries and keys, attention output,
-    # residuals and norms (on the embedded model at 64k tokens, a 2048-token chunk, the
-    # process peaked 23 MiB above a budget that counted only the attention and the MLP)
-    mlp = 3 * chunk * inter * itemsize + chunk * (4 * hidden + 2 * (heads + 2 * kv) * d) * (
-        itemsize)
+    # the MLP's, and beside it or the attention the chunk's projections, rotated queries and
+    # keys, attention output, residuals and norms (on the embedded model at 64k tokens, a
+    # 2048-token chunk, the process peaked 23 MiB above a budget that counted only the
+    # attention and the MLP)
+    activations = 3 * chunk * inter * itemsize + chunk * (
+        4 * hidden + 2 * (heads + 2 * kv) * d) * itemsize
     if on_cpu_backend():
         rep = heads // kv if kv else 1
         attention = min(scratch, chunk * rep * n * 4) + n * kv * 2 * d * 4
     else:
         attention = chunk * n * heads * 4
-    return (n + chunk) * hidden * itemsize, attention + mlp
+    return (n + chunk) * hidden * itemsize, attention + activations
 
 
 def _within(model, n: int, chunk: int, total: int, itemsize: int, cache_bytes: int = 0
@@ -80,19 +81,6 @@ def _within(model, n: int, chunk: int, total: int, itemsize: int, cache_bytes: i
     while chunk > 16 and _working_set(model, n, chunk, itemsize, 0)[1] > total // 4:
         chunk //= 2
     return chunk, scratch_bytes()
-
-
-def _cache_bytes(ctx, cache, n: int) -> int:
-    """What the accelerator tier will hold at n tokens under the cache's plan (``gpu_budget``
-    of the full cache), with one layer's exact keys and values during its pass; 0 where the
-    model's geometry is unknown."""
-    geo, cfg = getattr(ctx, "model_geometry", None), getattr(cache, "config", None)
-    if geo is None or cfg is None or not geo.layers:
-        return 0
-    full = geo.full_bytes(n)
-    budget = cfg.gpu_budget
-    plan = int(budget * full) if isinstance(budget, float) else int(budget)
-    return plan + full // geo.layers
 
 
 def check_layerwise(model) -> None:
@@ -127,8 +115,10 @@ def layerwise_prefill(model, cache, tokens: list[int], *, chunk: int = 2048,
     scratch = scratch_bytes()
     if shared is not None:
         itemsize = inner.embed_tokens(mx.array(tokens[:1])[None]).dtype.size
+        geo = ctx.model_geometry  # the tier's plan at n tokens, one exact layer in its pass
+        exact = geo.full_bytes(n) // geo.layers if geo is not None and geo.layers else 0
         chunk, scratch = _within(model, n, chunk, shared.total, itemsize,
-                                 _cache_bytes(ctx, cache, n))
+                                 ctx.accelerator_bytes(n) + exact)
         shared.transient = sum(_working_set(model, n, chunk, itemsize, scratch))
     try:
         # the hidden states as chunks (own buffers, not views of one): each let go once read

@@ -26,6 +26,7 @@ import mlx.core as mx
 import tiered
 from tiered.layerwise_prefill import layerwise_prefill
 from tiered.planning import tasks
+from tiered.planning.geometry import model_geometry
 
 MIB = 1 << 20
 
@@ -45,8 +46,8 @@ def main():
     mx.eval(model.parameters())
     base = anon_mib()
     ids = tok.encode(tasks.passkey(tok, n, 0.17, seed=1).prompt)[:n]
-    geo_bytes = tiered.TieredCache.for_model(model, tokenizer=tok).context.model_geometry
-    budget = int(frac * geo_bytes.full_bytes(len(ids)))
+    geo = model_geometry(model, len(model.model.layers))
+    budget = int(frac * geo.full_bytes(len(ids)))
     with tempfile.TemporaryDirectory() as pages:
         cache = tiered.TieredCache.for_model(model, tokenizer=tok, gpu_budget=0.0625,
                                              memory_budget=budget, disk_dir=pages,

@@ -71,11 +71,11 @@ class SharedContext:
         caches = self._caches() if self._caches is not None else None
         return list(caches) if caches is not None else []
 
-    def accelerator_bytes(self) -> int:
+    def accelerator_bytes(self, n: int | None = None) -> int:
         """Accelerator bytes the caches this context serves hold now, or, where more, what a
-        layer's plan will hold at the longest of them (``memory_budget``'s other part:
-        :func:`~tiered.planning.geometry.accelerator_bytes_ahead`)."""
-        return accelerator_bytes_ahead(self._bound(), self.model_geometry, self.config)
+        layer's plan will hold at the longest of them, or at n tokens (``memory_budget``'s
+        other part: :func:`~tiered.planning.geometry.accelerator_bytes_ahead`)."""
+        return accelerator_bytes_ahead(self._bound(), self.model_geometry, self.config, n)
 
     def bound_caches(self) -> list:
         """The caches this context serves (:meth:`bind`), [] when none are known."""

@@ -85,9 +85,11 @@ def model_dtype(model):
     return mx.float32
 
 
-def accelerator_bytes_ahead(caches, geo: Geometry | None, config) -> int:
+def accelerator_bytes_ahead(caches, geo: Geometry | None, config,
+                            n: int | None = None) -> int:
     """Accelerator bytes the tiered layers among ``caches`` hold now or, where more, what each
-    layer's plan holds at the longest of them (``gpu_budget`` of its full cache there). What
+    layer's plan holds at the longest of them (``gpu_budget`` of its full cache there; at n
+    tokens where given: a prefill about to read n). What
     ``memory_budget`` leaves the host pages is read against this: counting only what the layers
     held then, a layer-by-layer prefill gave layer 0's pages the room of the layers not yet
     prefilled, and at 8k tokens the cache ended at 107.0 MiB of an 89.9 MiB memory_budget."""
@@ -96,7 +98,7 @@ def accelerator_bytes_ahead(caches, geo: Geometry | None, config) -> int:
     budget = config.gpu_budget
     if geo is None or not caches or config.exact or not geo.layers:
         return sum(now)
-    n = max(c.offset for c in caches)
+    n = max(c.offset for c in caches) if n is None else n
     ahead = 0
     for c, held in zip(caches, now):
         if isinstance(budget, float):
