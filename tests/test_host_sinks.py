@@ -86,3 +86,33 @@ def test_worst_coded_tokens_match_a_loop_reference(books):
         assert later[:, 0].tolist() == [30, 30] and later.shape == (H, 30)
         np.testing.assert_allclose(err2[1, 41 - 30], err[1, got[1].tolist().index(41)],
                                    rtol=1e-5)
+
+
+def test_worst_coded_in_blocks_is_one_pass_with_a_bounded_transient(monkeypatch):
+    """CodebookKeys.worst_coded reads WORST_CODED_BLOCK tokens at a time: the same tokens and
+    errors as one pass over them all, and numpy's peak allocation during the call stays near
+    one block's, not the L tokens' (at a layer's compress the one pass took the process over
+    its memory_budget)."""
+    import tracemalloc
+
+    from tiered.step import keys as keys_mod
+
+    rng = np.random.default_rng(3)
+    H, n, d, g, c = 3, 20000, 64, 16, 64
+    book = rng.normal(size=(H, g, c, d // g)).astype(np.float32)
+    keys = mx.array(rng.normal(size=(H, n, d)).astype(np.float32))
+    store = CodebookKeys(H, book, n + 8, 8, numpy_path=True)
+    store.append(keys, 0)
+    peaks, got = {}, {}
+    for block in (n, 1000, 777):
+        monkeypatch.setattr(keys_mod, "WORST_CODED_BLOCK", block)
+        tracemalloc.start()
+        got[block] = store.worst_coded(keys, 128)
+        peaks[block] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    for block in (1000, 777):
+        assert got[block][0].tolist() == got[n][0].tolist()
+        np.testing.assert_allclose(got[block][1], got[n][1], rtol=1e-5)
+    # one pass: the codes (int64), the keys and their reconstruction (float32) of every token
+    assert peaks[n] > H * n * (g * 8 + 2 * d * 4)
+    assert peaks[1000] < peaks[n] / 8

@@ -25,6 +25,8 @@ from ..runtime import dispatch
 from ..runtime.ops import numpy_view
 from . import device_encode
 
+WORST_CODED_BLOCK = 4096  # tokens a pass of CodebookKeys.worst_coded reads at once
+
 
 @mx.compile
 def _encode_one(keys: mx.array, codebook: mx.array) -> mx.array:
@@ -81,19 +83,34 @@ class CodebookKeys:
 
     def worst_coded(self, keys: mx.array, m: int, n0: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """The ``m`` tokens per head of ``keys`` (H, L, d), written at token ``n0``, whose codes
-        miss their keys the most: ((H, m) token ids, ascending; (H, m) their squared errors)."""
+        miss their keys the most: ((H, m) token ids, ascending; (H, m) their squared errors).
+        Reads WORST_CODED_BLOCK tokens at a time: a pass over all of them at once held their
+        keys, codes and reconstruction together (~3 KB a token on the embedded model), which
+        at the compress of a long prompt's layer took the process over its memory_budget."""
         H, L, d = keys.shape
         m = min(m, L)
         book = self._codebook_np  # (H, Gc, c, ds)
         ds = book.shape[3]
         g = d // ds
-        codes = np.array(self.codes[:, n0 : n0 + L]).astype(np.int64)  # (H, L, g)
         gi = np.arange(g) if book.shape[1] > 1 else np.zeros(g, np.int64)
-        rec = book[np.arange(H)[:, None, None], gi[None, None, :], codes]  # (H, L, g, ds)
-        k = np.array(keys.astype(mx.float32)).reshape(H, L, g, ds)
-        err = ((k - rec) ** 2).sum(axis=(2, 3))
-        top = np.sort(np.argpartition(-err, m - 1, axis=1)[:, :m], axis=1)
-        return (top + n0).astype(np.int32), np.take_along_axis(err, top, 1).astype(np.float32)
+        heads = np.arange(H)[:, None, None]
+        ids = np.zeros((H, 0), np.int64)
+        errs = np.zeros((H, 0), np.float32)
+        for a in range(0, L, WORST_CODED_BLOCK):
+            b = min(L, a + WORST_CODED_BLOCK)
+            codes = np.array(self.codes[:, n0 + a : n0 + b]).astype(np.intp)  # (H, b - a, g)
+            rec = book[heads, gi[None, None, :], codes]  # (H, b - a, g, ds)
+            k = np.array(keys[:, a:b].astype(mx.float32)).reshape(H, b - a, g, ds)
+            k -= rec
+            err = np.einsum("hlgs,hlgs->hl", k, k)
+            ids = np.concatenate([ids, np.broadcast_to(np.arange(a, b), (H, b - a))], axis=1)
+            errs = np.concatenate([errs, err.astype(np.float32)], axis=1)
+            if errs.shape[1] > m:  # the m worst so far, per head
+                top = np.argpartition(-errs, m - 1, axis=1)[:, :m]
+                ids, errs = np.take_along_axis(ids, top, 1), np.take_along_axis(errs, top, 1)
+        order = np.argsort(ids, axis=1)
+        return ((np.take_along_axis(ids, order, 1) + n0).astype(np.int32),
+                np.take_along_axis(errs, order, 1))
 
     def sq_norms(self) -> mx.array:
         """The centroids' squared norms (H, Gc, c), kept (tiered.step.device_encode)."""
