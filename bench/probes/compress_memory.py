@@ -29,13 +29,7 @@ from tiered.layerwise_prefill import layerwise_prefill
 from tiered.planning import context, tasks
 from tiered.planning.geometry import model_geometry
 
-
-def anon_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no RssAnon in /proc/self/status")
+from memory_layers import anon_mib
 
 
 def main():

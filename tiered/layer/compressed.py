@@ -35,7 +35,7 @@ import tiered.metal as metal
 from ..planning.planner import Plan, capacity
 from ..runtime import dispatch, ops, uva
 from ..step import device_append, device_decode, device_step, undo, unified_step
-from ..step.keys import AffineKeys, CodebookKeys
+from ..step.keys import AffineKeys, CodebookKeys, worst_of
 from .chunked import ChunkAttention
 from .compressed_state import CompressedState
 from .decode_paths import DecodePaths
@@ -216,12 +216,7 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
             return  # and finding them read every chunk's codes and keys back to the host
         ids, err = self.keys.worst_coded(keys, HOST_OUTLIERS, n0)
         if self._host_outliers is not None:
-            ids = np.concatenate([self._host_outliers, ids], axis=1)
-            err = np.concatenate([self._outlier_err, err], axis=1)
-            top = np.argsort(-err, axis=1, kind="stable")[:, :HOST_OUTLIERS]
-            ids, err = np.take_along_axis(ids, top, 1), np.take_along_axis(err, top, 1)
-            order = np.argsort(ids, axis=1)
-            ids, err = np.take_along_axis(ids, order, 1), np.take_along_axis(err, order, 1)
+            ids, err = worst_of(self._host_outliers, self._outlier_err, ids, err, HOST_OUTLIERS)
         self.journal.record(n0 + keys.shape[1], "outliers", (self._host_outliers,
                                                              self._outlier_err))
         self._host_outliers, self._outlier_err = ids, err

@@ -94,23 +94,16 @@ class CodebookKeys:
         g = d // ds
         gi = np.arange(g) if book.shape[1] > 1 else np.zeros(g, np.int64)
         heads = np.arange(H)[:, None, None]
-        ids = np.zeros((H, 0), np.int64)
-        errs = np.zeros((H, 0), np.float32)
+        ids, errs = np.zeros((H, 0), np.int32), np.zeros((H, 0), np.float32)
         for a in range(0, L, WORST_CODED_BLOCK):
             b = min(L, a + WORST_CODED_BLOCK)
             codes = np.array(self.codes[:, n0 + a : n0 + b]).astype(np.intp)  # (H, b - a, g)
-            rec = book[heads, gi[None, None, :], codes]  # (H, b - a, g, ds)
             k = np.array(keys[:, a:b].astype(mx.float32)).reshape(H, b - a, g, ds)
-            k -= rec
+            k -= book[heads, gi[None, None, :], codes]  # minus the reconstruction
             err = np.einsum("hlgs,hlgs->hl", k, k)
-            ids = np.concatenate([ids, np.broadcast_to(np.arange(a, b), (H, b - a))], axis=1)
-            errs = np.concatenate([errs, err.astype(np.float32)], axis=1)
-            if errs.shape[1] > m:  # the m worst so far, per head
-                top = np.argpartition(-errs, m - 1, axis=1)[:, :m]
-                ids, errs = np.take_along_axis(ids, top, 1), np.take_along_axis(errs, top, 1)
-        order = np.argsort(ids, axis=1)
-        return ((np.take_along_axis(ids, order, 1) + n0).astype(np.int32),
-                np.take_along_axis(errs, order, 1))
+            block = np.broadcast_to(np.arange(n0 + a, n0 + b, dtype=np.int32), (H, b - a))
+            ids, errs = worst_of(ids, errs, block, err, m)
+        return ids, errs
 
     def sq_norms(self) -> mx.array:
         """The centroids' squared norms (H, Gc, c), kept (tiered.step.device_encode)."""
@@ -226,3 +219,16 @@ class AffineKeys:
             self.wq[:, :n], self.scales[:, :n], self.biases[:, :n] = st["wq"], st["scales"], st["biases"]
         dispatch.eval(self.wq, self.scales, self.biases)
         return self
+
+
+def worst_of(ids: np.ndarray, errs: np.ndarray, more_ids: np.ndarray, more_errs: np.ndarray,
+             m: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``m`` largest errors per head among two (H, k) sets of token ids and their
+    errors: ((H, <= m) ids ascending, their errors as float32); ties go to the first set."""
+    ids = np.concatenate([ids, more_ids], axis=1)
+    errs = np.concatenate([errs, more_errs.astype(np.float32)], axis=1)
+    if ids.shape[1] > m:
+        top = np.argsort(-errs, axis=1, kind="stable")[:, :m]
+        ids, errs = np.take_along_axis(ids, top, 1), np.take_along_axis(errs, top, 1)
+    order = np.argsort(ids, axis=1)
+    return np.take_along_axis(ids, order, 1), np.take_along_axis(errs, order, 1)
