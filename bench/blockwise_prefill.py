@@ -40,9 +40,9 @@ from tiered.planning.tasks import is_correct, needle_in_text, passkey, topics_te
 MODES = ["full", "exact", "blockwise", "layerwise"]
 
 
-def blockwise_prefill(model, ids, budget, window, chunk, host_keys=True):
+def blockwise_prefill(model, ids, budget, window, chunk, host_keys=True, host_dtype="float16"):
     cache = tiered.TieredCache.for_model(model, gpu_budget=budget, prefill_window=window,
-                                         host_keys=host_keys)
+                                         host_keys=host_keys, host_dtype=host_dtype)
     body = mx.array(ids[:-1])[None]
     for i in range(0, body.shape[1], chunk):
         model(body[:, i : i + chunk], cache=cache)
@@ -64,7 +64,7 @@ def caches(model, ids, args):
     if "blockwise" in args.modes:
         t = time.perf_counter()
         bw = blockwise_prefill(model, ids, args.budget, args.window, args.chunk,
-                               host_keys=not args.no_host_keys)
+                               host_keys=not args.no_host_keys, host_dtype=args.host_dtype)
         yield "blockwise", bw, time.perf_counter() - t
     if "layerwise" in args.modes:
         t = time.perf_counter()
@@ -189,6 +189,9 @@ def main(argv=None):
     p.add_argument("--no-host-keys", action="store_true",
                    help="block-wise: values only on the host, as the million-token runs keep "
                         "them (prompt chunks then retrieve no host tokens)")
+    p.add_argument("--host-dtype", default="float16", choices=["float16", "bfloat16", "int8"],
+                   help="block-wise: the host pages' dtype (int8 halves them: keys and values "
+                        "of 1M tokens of Llama-3-8B in 67 GB)")
     p.add_argument("--name", default=None)
     p.add_argument("--from", dest="source", nargs="+", default=None,
                    help="no run: the tables from JSON files this script wrote (records merged; "
