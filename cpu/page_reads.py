@@ -74,16 +74,19 @@ class PageReads:
                              f"{tokens.shape}")
         if tokens.size and (tokens.min() < -1 or tokens.max() >= self.length):
             raise IndexError(f"token index out of range [0, {self.length})")
-        if tensor.dtype == "int8":
-            out = np.zeros(tokens.shape + (tensor.head_dim,), np.float32)
-            for h in range(self.n_kv_heads):
-                keep = tokens[h] >= 0
-                out[h, keep] = self.gather(kind, b, h, tokens[h, keep])
-            return out
         dt = np.dtype(NP_DTYPES[tensor.dtype])
-        raw = copy_rows(tensor.addrs, self.logical_pages(b), self.page_size,
-                        tensor.pages_per_block, tokens, tensor.head_dim * dt.itemsize)
-        return raw.view(dt).reshape(tokens.shape + (tensor.head_dim,))
+        pages = self.logical_pages(b)
+        raw = copy_rows(tensor.addrs, pages, self.page_size, tensor.pages_per_block, tokens,
+                        tensor.head_dim * dt.itemsize)
+        rows = raw.view(dt).reshape(tokens.shape + (tensor.head_dim,))
+        if tensor.dtype != "int8":
+            return rows
+        # int8: each row times its scale, the scale blocks laid out as the rows (one float32
+        # per row). A loop over heads and blocks in numpy took ~40 ms for 2048 tokens of 8
+        # heads at 1M tokens, per layer and prompt chunk of a block-wise prefill.
+        scales = copy_rows(tensor.scale_addrs, pages, self.page_size, tensor.pages_per_block,
+                           tokens, 4).view(np.float32)
+        return rows.astype(np.float32) * scales
 
     def lazy_tokens(self, kind: str, b: int = 0) -> mx.array:
         """(H, length, d) every token of sequence b as a lazy MLX graph over the blocks: no
