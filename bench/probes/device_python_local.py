@@ -43,6 +43,7 @@ def fake_cuda():
     ptx_cache.enable(False)  # nothing to compile: the kernels are fakes
     uva.available = lambda: True
     uva.advise_host = lambda view: 0
+    uva.register = lambda buf: buf.ctypes.data  # the disk rows' mailboxes: no page-locking
     import tiered.runtime.staging as staging
     staging.ENABLED = False  # the page-locked ring needs the CUDA driver: uploads via mx.array
     for mod in list(sys.modules.values()):
@@ -52,7 +53,8 @@ def fake_cuda():
 
 
 def fake_device_model(layers: int, context: int, budget: float = 0.125, kv: bool = False,
-                      host_keys: bool = True, no_async: bool = False):
+                      host_keys: bool = True, no_async: bool = False, host_budget=None,
+                      disk_dir=None):
     """(model, cache): a random model with Llama-3-8B's heads (narrow elsewhere) and a cache
     of ``context`` tokens on tiered's CUDA path with fake kernels (:func:`fake_cuda`), or
     mlx-lm's KVCache (``kv``). ``no_async``: mx.async_eval does nothing."""
@@ -70,7 +72,8 @@ def fake_device_model(layers: int, context: int, budget: float = 0.125, kv: bool
         mx.async_eval = lambda *a, **k: None
     cache = kv_caches(seed, context) if kv else tiered_caches(
         model, seed, context, budget,
-        dict(calibration_tokens=2048, device_gather="on", kernels="mlx", host_keys=host_keys))
+        dict(calibration_tokens=2048, device_gather="on", kernels="mlx", host_keys=host_keys,
+             **({"host_budget": host_budget, "disk_dir": disk_dir} if host_budget else {})))
     return model, cache
 
 
@@ -92,10 +95,16 @@ def main():
                          "graph building, for comparison)")
     ap.add_argument("--no-host-keys", action="store_true",
                     help="values only on the host (the 1M-token run's layout)")
+    ap.add_argument("--host-budget", default=None,
+                    help="a host budget (e.g. 64MB): the older pages in the disk tier's page "
+                         "file under --disk-dir (the device path's disk rows: "
+                         "tiered.step.disk_stage)")
+    ap.add_argument("--disk-dir", default="/tmp/tiered_probe_pages")
     args = ap.parse_args()
     model, cache = fake_device_model(args.layers, args.context, args.budget, kv=args.kv,
                                      host_keys=not args.no_host_keys,
-                                     no_async=args.no_async)
+                                     no_async=args.no_async, host_budget=args.host_budget,
+                                     disk_dir=args.disk_dir)
     # the host's evaluations inside a step (a refresh reading the heavy hitters' ids) compute
     # the fake graph on the CPU here: their time is taken out of the second figure
     import tiered.runtime.dispatch as dispatch
