@@ -113,6 +113,9 @@ def method_caches(base, budgets, methods):
                         otau999_cap3072=dict(offloaded_tau=0.999, max_selected=3072),
                         otau999_cap3072_off=dict(offloaded_tau=0.999, max_selected=3072,
                                                  device_gather="off"),
+                        # 1/32's short documents: between the 64-centroid shared book the
+                        # planner falls back to and the 256 one that does not fit
+                        default_c128=dict(codebook_size=128),
                         tiered=dict(method="tiered", planner="uniform"),
                         hcattention=dict(method="hcattention", planner="uniform"),
                         tiered_layers=dict(method="tiered", planner="layers"))[m]

@@ -16,12 +16,14 @@ from common import figure, finish_axes, md_table, save_figure
 METHODS = ["full", "tiered", "tiered_layers", "hcattention", "quantized"]
 # on request: tiered as configured by default (planner="auto"), on the device path and on the
 # CPU-gather path (device_gather="off": the path Metal and MLX's CPU backend run)
-EXTRA_METHODS = ["default", "default_gather_off", "otau999_cap3072", "otau999_cap3072_off"]
+EXTRA_METHODS = ["default", "default_gather_off", "otau999_cap3072", "otau999_cap3072_off",
+                 "default_c128"]
 LABELS = {"full": "KVCache (full)", "tiered": "tiered (uniform planner)",
           "default": "tiered (default: planner='auto')",
           "default_gather_off": "tiered (default), CPU-gather path",
           "otau999_cap3072": "tiered (default), offloaded_tau 0.999, max_selected 3072",
           "otau999_cap3072_off": "the same, CPU-gather path",
+          "default_c128": "tiered (default), codebooks of 128 centroids",
           "tiered_layers": "tiered (layer-aware planner)",
           "hcattention": "HCAttention config (this runtime)",
           "quantized": "QuantizedKVCache (4 / 2-bit)"}
