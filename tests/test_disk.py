@@ -67,6 +67,27 @@ def test_gather_kernel_reads_spilled_blocks(tmp_path):
     store.close()
 
 
+@pytest.mark.parametrize("dtype", ["int8", "float16"])
+def test_gather_rows_reads_spilled_blocks(tmp_path, dtype):
+    """gather_rows (the block-wise prefill's retrieval read) of pages in the page file: every
+    head's rows, int8 ones with their scales from the page file too, as the per-head reads
+    give them; -1 as zeros."""
+    rng = np.random.default_rng(4)
+    store, _ = _store(tmp_path, 1, dtype)
+    store.append(_data(rng, 200), _data(rng, 200))
+    assert sum(i >= 0 for i in store.values.disk_index) >= 2
+    tokens = np.stack([rng.choice(200, 70, replace=False) for _ in range(2)]).astype(np.int32)
+    tokens[1, -5:] = -1
+    for kind in ("keys", "values"):
+        rows = store.gather_rows(kind, 0, tokens)
+        for h in range(2):
+            keep = tokens[h] >= 0
+            np.testing.assert_array_equal(rows[h, keep].astype(np.float32),
+                                          store.gather(kind, 0, h, tokens[h, keep]))
+            assert not rows[h, ~keep].any()
+    store.close()
+
+
 def test_corrupt_page_is_detected(tmp_path):
     rng = np.random.default_rng(2)
     store, _ = _store(tmp_path, 1)
