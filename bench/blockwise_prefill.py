@@ -34,6 +34,7 @@ from common import (RESULTS, Clock, cache_bytes, continue_greedy, full_cache_byt
 import mlx.core as mx
 
 import tiered
+from tiered.cpu import HOST_DTYPES
 from tiered.layerwise_prefill import layerwise_prefill
 from tiered.planning.tasks import is_correct, needle_in_text, passkey, topics_text
 
@@ -189,9 +190,9 @@ def main(argv=None):
     p.add_argument("--no-host-keys", action="store_true",
                    help="block-wise: values only on the host, as the million-token runs keep "
                         "them (prompt chunks then retrieve no host tokens)")
-    p.add_argument("--host-dtype", default="float16", choices=["float16", "bfloat16", "int8"],
-                   help="block-wise: the host pages' dtype (int8 halves them: keys and values "
-                        "of 1M tokens of Llama-3-8B in 67 GB)")
+    p.add_argument("--host-dtype", default="float16", choices=list(HOST_DTYPES),
+                   help="block-wise: the host pages' dtype (int8: keys and values in the bytes "
+                        "float16 values alone take, plus a float32 scale per row)")
     p.add_argument("--name", default=None)
     p.add_argument("--from", dest="source", nargs="+", default=None,
                    help="no run: the tables from JSON files this script wrote (records merged; "

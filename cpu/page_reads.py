@@ -82,8 +82,9 @@ class PageReads:
         if tensor.dtype != "int8":
             return rows
         # int8: each row times its scale, the scale blocks laid out as the rows (one float32
-        # per row). A loop over heads and blocks in numpy took ~40 ms for 2048 tokens of 8
-        # heads at 1M tokens, per layer and prompt chunk of a block-wise prefill.
+        # per row). A numpy loop over heads and blocks took 15.7 ms (this: 2.7) for 2048
+        # tokens of 8 heads over 131k tokens on a 2-core CPU, per layer and prompt chunk of a
+        # block-wise prefill with host keys.
         scales = copy_rows(tensor.scale_addrs, pages, self.page_size, tensor.pages_per_block,
                            tokens, 4).view(np.float32)
         return rows.astype(np.float32) * scales
