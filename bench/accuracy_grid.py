@@ -116,6 +116,12 @@ def method_caches(base, budgets, methods):
                         # 1/32's short documents: between the 64-centroid shared book the
                         # planner falls back to and the 256 one that does not fit
                         default_c128=dict(codebook_size=128),
+                        # where 1/32 loses: offloaded layers select to their cap by the codes'
+                        # ranking (tau 1), with a wider cap, and every token (the upper bound)
+                        tau1=dict(offloaded_tau=1.0),
+                        tau1c4k=dict(offloaded_tau=1.0, offloaded_max_selected=4096),
+                        selall=dict(offloaded_tau=1.0, offloaded_min_selected=1 << 20,
+                                    offloaded_max_selected=1 << 20),
                         tiered=dict(method="tiered", planner="uniform"),
                         hcattention=dict(method="hcattention", planner="uniform"),
                         tiered_layers=dict(method="tiered", planner="layers"))[m]

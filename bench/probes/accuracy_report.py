@@ -17,13 +17,16 @@ METHODS = ["full", "tiered", "tiered_layers", "hcattention", "quantized"]
 # on request: tiered as configured by default (planner="auto"), on the device path and on the
 # CPU-gather path (device_gather="off": the path Metal and MLX's CPU backend run)
 EXTRA_METHODS = ["default", "default_gather_off", "otau999_cap3072", "otau999_cap3072_off",
-                 "default_c128"]
+                 "default_c128", "selall", "tau1", "tau1c4k"]
 LABELS = {"full": "KVCache (full)", "tiered": "tiered (uniform planner)",
           "default": "tiered (default: planner='auto')",
           "default_gather_off": "tiered (default), CPU-gather path",
           "otau999_cap3072": "tiered (default), offloaded_tau 0.999, max_selected 3072",
           "otau999_cap3072_off": "the same, CPU-gather path",
           "default_c128": "tiered (default), codebooks of 128 centroids",
+          "tau1": "tiered (default), offloaded layers select to their cap",
+          "tau1c4k": "tiered (default), offloaded layers select to a cap of 4096",
+          "selall": "tiered (default), every token selected",
           "tiered_layers": "tiered (layer-aware planner)",
           "hcattention": "HCAttention config (this runtime)",
           "quantized": "QuantizedKVCache (4 / 2-bit)"}
