@@ -20,6 +20,7 @@ it at the layer's next step (tiered.step.disk_stage).
 
 from __future__ import annotations
 
+import os
 import queue
 import sys
 import threading
@@ -50,6 +51,7 @@ SPINS = 1 << 20
 IDLE_ROUNDS = 50  # fruitless calls in a row before polling slows to IDLE_SLEEP_S
 IDLE_SLEEP_S = 0.0005
 SWITCH_INTERVAL_S = 0.00002  # as tiered.runtime.dispatch sets it for its thread
+BUSY_THREADS = 3  # the main thread, the dispatcher and this one: the copies take the other cores
 
 
 class Mailbox:
@@ -127,56 +129,54 @@ def _stage(idx_addr, count_addr, H, capc, C, length, page_ids, page_size, ppb, d
     """Copy the rows of the selected chunks' tokens that lie in disk blocks, packed head by
     head in token order, to out_addr (int8 dequantized into float32), and (``write_list``)
     each one's row of (H, capc * C) into the list; stats: rows, chunk-heads with one. A chunk's
-    rows are one run of bytes: copied 8 bytes a load where rows are whole words."""
+    rows are one run of bytes: copied 8 bytes a load where rows are whole words. The work is split by chunk, not by head: a head
+    per thread used 8 of the host's threads at most and waited for its slowest."""
     idx = address_as_pointer(idx_addr, np.uint32)
     cnt = address_as_pointer(count_addr, np.int32)
     dest = address_as_pointer(list_addr, np.int32)
     width = 2 if code == 0 else (4 if code == 1 else 1)
     out_w = 2 if code == 0 else 4
-    per_head = np.zeros(H, np.int64)
-    chunks = np.zeros(H, np.int64)
-    for h in numba.prange(H):
-        for s in range(capc):
-            blk, _, n = _disk_chunk(idx, cnt, h, s, capc, C, length, page_ids, page_size, ppb,
-                                    H, disk)
-            if blk >= 0:
-                per_head[h] += n
-                chunks[h] += 1
-    start = np.zeros(H + 1, np.int64)
-    for h in range(H):
-        start[h + 1] = start[h] + per_head[h]
-    for h in numba.prange(H):
-        j = start[h]
-        for s in range(capc):
-            blk, row, n = _disk_chunk(idx, cnt, h, s, capc, C, length, page_ids, page_size,
-                                      ppb, H, disk)
-            if blk < 0:
-                continue
-            if write_list:
-                for i in range(n):
-                    dest[j + i] = (h * capc + s) * C + i
-            if code == 2:
-                q = address_as_pointer(addrs[blk] + row * d, np.int8)
-                sc = address_as_pointer(scales[blk] + row * 4, np.float32)
-                o = address_as_pointer(out_addr + j * d * 4, np.float32)
-                for i in range(n):
-                    for e in range(d):
-                        o[i * d + e] = np.float32(q[i * d + e]) * sc[i]
+    slots = H * capc
+    start = np.zeros(slots + 1, np.int64)
+    for k in numba.prange(slots):
+        _, _, n = _disk_chunk(idx, cnt, k // capc, k % capc, capc, C, length, page_ids,
+                              page_size, ppb, H, disk)
+        start[k + 1] = n
+    chunks = 0
+    for k in range(slots):
+        chunks += start[k + 1] > 0
+        start[k + 1] += start[k]
+    for k in numba.prange(slots):
+        h, s = k // capc, k % capc
+        blk, row, n = _disk_chunk(idx, cnt, h, s, capc, C, length, page_ids, page_size, ppb,
+                                  H, disk)
+        if blk < 0:
+            continue
+        j = start[k]
+        if write_list:
+            for i in range(n):
+                dest[j + i] = k * C + i
+        if code == 2:
+            q = address_as_pointer(addrs[blk] + row * d, np.int8)
+            sc = address_as_pointer(scales[blk] + row * 4, np.float32)
+            o = address_as_pointer(out_addr + j * d * 4, np.float32)
+            for i in range(n):
+                for e in range(d):
+                    o[i * d + e] = np.float32(q[i * d + e]) * sc[i]
+        else:
+            nbytes = n * d * width
+            if nbytes % 8 == 0:
+                src = address_as_pointer(addrs[blk] + row * d * width, np.uint64)
+                dst = address_as_pointer(out_addr + j * d * out_w, np.uint64)
+                for e in range(nbytes // 8):
+                    dst[e] = src[e]
             else:
-                nbytes = n * d * width
-                if nbytes % 8 == 0:
-                    src = address_as_pointer(addrs[blk] + row * d * width, np.uint64)
-                    dst = address_as_pointer(out_addr + j * d * out_w, np.uint64)
-                    for e in range(nbytes // 8):
-                        dst[e] = src[e]
-                else:
-                    src8 = address_as_pointer(addrs[blk] + row * d * width, np.uint8)
-                    dst8 = address_as_pointer(out_addr + j * d * out_w, np.uint8)
-                    for e in range(nbytes):
-                        dst8[e] = src8[e]
-            j += n
-    stats[0] = start[H]
-    stats[1] = chunks.sum()
+                src8 = address_as_pointer(addrs[blk] + row * d * width, np.uint8)
+                dst8 = address_as_pointer(out_addr + j * d * out_w, np.uint8)
+                for e in range(nbytes):
+                    dst8[e] = src8[e]
+    stats[0] = start[slots]
+    stats[1] = chunks
 
 
 @kernel()
@@ -261,6 +261,10 @@ class DiskServer:
         self._q.put(req)
 
     def _run(self) -> None:
+        # Threads for the copies: the host's cores less the step's own threads (the main one,
+        # the dispatcher, this one polling), so that no copy waits for a core to come free
+        numba.set_num_threads(max(1, min(numba.config.NUMBA_NUM_THREADS,
+                                         (os.cpu_count() or 1) - BUSY_THREADS)))
         pending: list[Request] = []
         idle = 0
         stats = np.zeros(STATS_WORDS, np.int64)
