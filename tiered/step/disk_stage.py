@@ -21,9 +21,9 @@ not wait at all. A wait longer than :data:`WAIT_MS` is taken for a fault: the ex
 (the rows read as zeros), flags the mailbox, and the layer's next step raises (as it does for a
 failure in the worker).
 ``TIERED_DISK_ROWS`` picks the way: ``worker`` (the default; such a layer's step is built op by
-op), ``compiled`` (the same kernels inside the compiled chain: H200, 1M tokens, 40 GB of RAM,
-314 ms/token against 194 op by op with the earlier rows kernel, and its decode-equality test
-has not completed on a GPU)
+op), ``compiled`` (the same kernels inside the compiled chain; **fails on a GPU**: on an H100
+its decode-equality test's device wait for the worker timed out (20 s) and the step raised, a
+cause not found; on the kernel executor it does not run, that test being op by op there)
 or ``sync`` (the layer waits for its selection and the main thread copies:
 tiered.step.disk_rows.read).
 """
