@@ -67,11 +67,10 @@ __device__ inline unsigned short tqd_load16(const unsigned short* p) {
   asm volatile("ld.relaxed.sys.b16 %0, [%1];" : "=h"(v) : "l"(p) : "memory");
   return v;
 }
-__device__ inline unsigned int tqd_load32(const unsigned int* p) {
-  unsigned int v;
-  asm volatile("ld.relaxed.sys.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
+// A weak uncached load (ld.global.cv), like tqd_load128: the row places are read after the
+// exchange kernel's acquire, so no ordering of its own is needed; lanes reading one place
+// (16 a row) may merge into one request, which strong sys-scope loads may not
+__device__ inline unsigned int tqd_load32(const unsigned int* p) { return __ldcv(p); }
 __device__ inline uint4 tqd_load128(const uint4* p) { return __ldcv(p); }
 __device__ inline unsigned long long tqd_timer() {
   unsigned long long t;
