@@ -178,9 +178,16 @@ def test_offloaded_layers_take_the_offloaded_floor():
     plans = layer_planner.make_layer_plans(geo, cfg, prof, 2048, 17)
     kinds = {p.keep_values_resident for p in plans.values()}
     assert kinds == {True, False}
-    for p in plans.values():
-        assert p.min_selected == (0 if p.keep_values_resident else 96)
-        assert ("floor 96" in p.why) != p.keep_values_resident
+    wide = {i for i, p in plans.items() if p.max_selected}
+    off = {i for i, p in plans.items() if not p.keep_values_resident}
+    assert len(wide) == min(layer_planner.WIDE_LAYERS, len(off)) and wide <= off
+    for i, p in plans.items():
+        if i in wide:  # selects WIDE_FACTOR x the offloaded cap (3072 at 2048 tokens)
+            assert p.min_selected == p.max_selected == layer_planner.WIDE_FACTOR * 3072
+            assert "err most" in p.why
+        else:
+            assert p.min_selected == (0 if p.keep_values_resident else 96) and not p.max_selected
+            assert ("floor 96" in p.why) != p.keep_values_resident
     with pytest.raises(ValueError, match="offloaded_min_selected"):
         TieredConfig(offloaded_min_selected=-1)
 
@@ -219,10 +226,36 @@ def test_offloaded_layers_take_the_offloaded_tau_and_cap():
                        offloaded_tau=0.995, tau=0.9)
     for resident, cap, tau in ((True, 1000, 0.9), (False, 3000, 0.995)):
         layer = SimpleNamespace(config=cfg, lookahead=False, plan=SimpleNamespace(
-            method="tiered", keep_values_resident=resident, min_selected=0))
+            method="tiered", keep_values_resident=resident, min_selected=0, max_selected=0))
         assert DecodePaths._cap(layer, 6000) == (cap, 32)
         assert DecodePaths.tau.fget(layer) == tau
+    # a layer the planner widens: its cap and floor, at most every live token
+    for n, want in ((20000, 12000), (6000, 6000)):
+        layer = SimpleNamespace(config=cfg, lookahead=False, plan=SimpleNamespace(
+            method="tiered", keep_values_resident=False, min_selected=12000, max_selected=12000))
+        assert DecodePaths._cap(layer, n) == (want, want)
     assert cfg.selection.cap(6000, offloaded=True) == 3000
     assert TieredConfig(offloaded_max_selected=512).selection.cap(6000, offloaded=True) == 2048
     with pytest.raises(ValueError, match="offloaded_max_selected"):
         TieredConfig(offloaded_max_selected=0)
+
+
+def test_the_offloaded_layers_whose_codes_err_most_select_wider():
+    """At 1/32 every layer is offloaded; the WIDE_LAYERS whose profile error at their own
+    code is largest select WIDE_FACTOR x the offloaded cap (floor and cap), the rest keep the
+    offloaded floor; the bytes on the accelerator do not change (the host serves the rows)."""
+    geo = Geometry(30, 3, 9, 64, 64, 2)
+    prof = synthetic_profile(geo.layers, seed=3)
+    cfg = TieredConfig(gpu_budget=0.03125, planner="layers")
+    plans = layer_planner.make_layer_plans(geo, cfg, prof, 6144, 17)
+    assert all(not p.keep_values_resident for p in plans.values())
+    err = {i: prof.error_at(i, p.groups) for i, p in plans.items()}
+    top = set(sorted(err, key=err.get, reverse=True)[:layer_planner.WIDE_LAYERS])
+    assert {i for i, p in plans.items() if p.max_selected} == top
+    cap = cfg.selection.cap(6144, True)
+    for i, p in plans.items():
+        assert p.max_selected == (layer_planner.WIDE_FACTOR * cap if i in top else 0)
+    # a plan saved before the field existed loads with the config's cap
+    d = json.loads(plans[0].to_json())
+    d.pop("max_selected")
+    assert type(plans[0]).from_json(json.dumps(d)).max_selected == 0

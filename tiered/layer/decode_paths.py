@@ -35,7 +35,8 @@ class DecodePaths:
         """(cap, floor) of this step's selection, in tokens per kv head, at n live tokens."""
         selection = self.config.selection
         plan = self.plan
-        cap = selection.cap(n, plan.method == "tiered" and not plan.keep_values_resident)
+        cap = max(selection.cap(n, plan.method == "tiered" and not plan.keep_values_resident),
+                  min(plan.max_selected, n))
         if self.lookahead and self.plan.keep_values_resident:
             # The buffer (a selection and its successors) takes at most half of the resident
             # slots the budget allows: the selection is capped to fit it.

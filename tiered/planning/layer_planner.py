@@ -33,6 +33,13 @@ from .planner import MIN_RECENT, Plan, capacity
 
 PER_GROUP_SHARE = 0.1  # per-group codebooks when they take at most this part of a layer's budget
 COARSE_CENTROIDS = 64  # the book of the layout below the coarsest (allocate)
+# Offloaded layers whose codes err most (the profile's output error at their code) select
+# WIDE_FACTOR x the offloaded cap, floor and cap: the codes' ranking there misses what the
+# answer needs. At 1/32 of float16's bytes (float32 on the CPU, 6,144 tokens, embedded model)
+# a needle document lost in layers 18-19 came back when they selected every token; the four
+# that err most at four groups are 10, 3, 18, 19 (docs/accuracy-grid.md).
+WIDE_LAYERS = 4
+WIDE_FACTOR = 4
 
 
 @dataclasses.dataclass
@@ -150,24 +157,38 @@ def make_layer_plans(geometry: Geometry, config, profile, n: int, horizon: int,
     mean = total / geometry.layers / (1 + 1e-9)
     plans = {}
     offloaded_floor = config.offloaded_min_selected
+    wide = widest_layers(view, opts, choice, resident)
+    wide_cap = WIDE_FACTOR * config.selection.cap(n, True)
     for i, layer in enumerate(layers):
         o = opts[choice[i]]
         keep = bool(resident[i])
         floor = 0 if keep else offloaded_floor
-        why = "layer-aware plan: " + ("resident layout (H2O set)" if keep else
-                                      f"every value on the host, selection floor {floor}")
+        cap = wide_cap if i in wide else 0
+        why = "layer-aware plan: " + (
+            "resident layout (H2O set)" if keep else
+            f"every value on the host, selection floor {floor}" if not cap else
+            f"every value on the host, its codes among the {WIDE_LAYERS} that err most: "
+            f"{cap} tokens selected")
         plan = Plan(geometry=geometry, budget=config.gpu_budget, method="tiered",
                     codec="codebook", groups=o.groups, centroids=o.centroids,
                     per_group=o.per_group, code_bytes=float(o.code_bytes),
                     sinks=config.sinks, recent=config.recent if keep else 1,
                     step=config.step, keep_values_resident=keep, share=float(given[i] / mean),
-                    min_selected=floor, why=why)
+                    min_selected=max(floor, cap), max_selected=cap, why=why)
         try:
             plan.check(n, horizon)
         except ValueError:
             return None
         plans[layer] = plan
     return plans
+
+
+def widest_layers(view, opts, choice, resident) -> set[int]:
+    """Indices (into the tiered layers) of the WIDE_LAYERS offloaded layers whose codes err
+    most by the profile (output error at the chosen code's groups)."""
+    off = [i for i in range(len(choice)) if not resident[i]]
+    err = [view.error_at(i, opts[choice[i]].groups) for i in off]
+    return {off[j] for j in np.argsort(err)[::-1][:WIDE_LAYERS]}
 
 
 class _ProfileView:

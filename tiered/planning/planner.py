@@ -57,6 +57,9 @@ class Plan:
     # this layer's selection floor when above the config's min_selected (the layer-aware
     # planner's offloaded layers: config.offloaded_min_selected); 0: the config's
     min_selected: int = 0
+    # this layer's selection cap when above the config's (the layer-aware planner's offloaded
+    # layers whose codes err most select this many tokens, floor and cap); 0: the config's
+    max_selected: int = 0
 
     # ---- persistence ----------------------------------------------------------------------
     def to_json(self) -> str:
