@@ -129,8 +129,9 @@ def _stage(idx_addr, count_addr, H, capc, C, length, page_ids, page_size, ppb, d
     """Copy the rows of the selected chunks' tokens that lie in disk blocks, packed head by
     head in token order, to out_addr (int8 dequantized into float32), and (``write_list``)
     each one's row of (H, capc * C) into the list; stats: rows, chunk-heads with one. A chunk's
-    rows are one run of bytes: copied 8 bytes a load where rows are whole words. The work is split by chunk, not by head: a head
-    per thread used 8 of the host's threads at most and waited for its slowest."""
+    rows are one run of bytes: copied 8 bytes a load where rows are whole words. The work is
+    split by chunk, not by head: a head per thread used 8 of the host's threads at most and
+    waited for its slowest."""
     idx = address_as_pointer(idx_addr, np.uint32)
     cnt = address_as_pointer(count_addr, np.int32)
     dest = address_as_pointer(list_addr, np.int32)
