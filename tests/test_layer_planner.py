@@ -180,7 +180,7 @@ def test_offloaded_layers_take_the_offloaded_floor():
     assert kinds == {True, False}
     wide = {i for i, p in plans.items() if p.max_selected}
     off = {i for i, p in plans.items() if not p.keep_values_resident}
-    assert len(wide) == min(layer_planner.WIDE_LAYERS, len(off)) and wide <= off
+    assert len(wide) == min(layer_planner.wide_count(len(plans)), len(off)) and wide <= off
     for i, p in plans.items():
         if i in wide:  # selects WIDE_FACTOR x the offloaded cap (3072 at 2048 tokens)
             assert p.min_selected == p.max_selected == layer_planner.WIDE_FACTOR * 3072
@@ -241,7 +241,7 @@ def test_offloaded_layers_take_the_offloaded_tau_and_cap():
 
 
 def test_the_offloaded_layers_whose_codes_err_most_select_wider():
-    """At 1/32 every layer is offloaded; the WIDE_LAYERS whose profile error at their own
+    """At 1/32 every layer is offloaded; the wide_count(30) = 4 whose profile error at their own
     code is largest select WIDE_FACTOR x the offloaded cap (floor and cap), the rest keep the
     offloaded floor; the bytes on the accelerator do not change (the host serves the rows)."""
     geo = Geometry(30, 3, 9, 64, 64, 2)
@@ -250,7 +250,7 @@ def test_the_offloaded_layers_whose_codes_err_most_select_wider():
     plans = layer_planner.make_layer_plans(geo, cfg, prof, 6144, 17)
     assert all(not p.keep_values_resident for p in plans.values())
     err = {i: prof.error_at(i, p.groups) for i, p in plans.items()}
-    top = set(sorted(err, key=err.get, reverse=True)[:layer_planner.WIDE_LAYERS])
+    top = set(sorted(err, key=err.get, reverse=True)[:layer_planner.wide_count(len(plans))])
     assert {i for i, p in plans.items() if p.max_selected} == top
     cap = cfg.selection.cap(6144, True)
     for i, p in plans.items():

@@ -180,7 +180,12 @@ def test_layer_aware_cache_stays_within_budget(small, tmp_path, monkeypatch):
     host_path = not uva.available()
     assert len(seen) == 4 * len(ctx.tiered_layers) or not host_path
     floor = cache.config.offloaded_min_selected
-    assert {p.min_selected for p in ctx.layer_plans.values()} == {floor}
+    # the offloaded floor, and in the layers whose codes err most the wider cap as floor
+    wide = {i for i, p in ctx.layer_plans.items() if p.max_selected}
+    assert len(wide) == layer_planner.wide_count(len(ctx.layer_plans))
+    sel = {i: (p.min_selected, p.max_selected) for i, p in ctx.layer_plans.items()}
+    assert all(sel[i] == ((p.max_selected, p.max_selected) if i in wide else (floor, 0))
+               for i, p in ctx.layer_plans.items())
     for extra, out, got, count in seen if host_path else ():
         # the offloaded layers' floor (issue 25): the tau set alone stopped at 32 there
         assert (count >= floor).all(), count
@@ -193,7 +198,8 @@ def test_layer_aware_cache_stays_within_budget(small, tmp_path, monkeypatch):
     cache.save(str(tmp_path / "saved"), small)
     again = tiered.TieredCacheList.load(str(tmp_path / "saved"), small)
     assert {c.layer: c.compressed.plan.groups for c in again} == groups
-    assert {c.compressed.plan.min_selected for c in again} == {floor}
+    assert {c.layer: (c.compressed.plan.min_selected, c.compressed.plan.max_selected)
+            for c in again} == sel
     for a, b in zip(cache, again):  # the outliers come back too
         if host_path:
             assert (a.compressed._host_outliers == b.compressed._host_outliers).all()

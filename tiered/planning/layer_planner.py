@@ -33,13 +33,19 @@ from .planner import MIN_RECENT, Plan, capacity
 
 PER_GROUP_SHARE = 0.1  # per-group codebooks when they take at most this part of a layer's budget
 COARSE_CENTROIDS = 64  # the book of the layout below the coarsest (allocate)
-# Offloaded layers whose codes err most (the profile's output error at their code) select
-# WIDE_FACTOR x the offloaded cap, floor and cap: the codes' ranking there misses what the
-# answer needs. At 1/32 of float16's bytes (float32 on the CPU, 6,144 tokens, embedded model)
-# a needle document lost in layers 18-19 came back when they selected every token; the four
-# that err most at four groups are 10, 3, 18, 19 (docs/accuracy-grid.md).
-WIDE_LAYERS = 4
+# The WIDE_SHARE of offloaded layers whose codes err most (the profile's output error at their
+# code; at least one) select WIDE_FACTOR x the offloaded cap, floor and cap: the codes' ranking
+# there misses what the answer needs. At 1/32 of float16's bytes (float32 on the CPU, 6,144
+# tokens, embedded model) a needle document lost in layers 18-19 came back when they selected
+# every token; the four of 30 that err most at four groups are 10, 3, 18, 19
+# (docs/accuracy-grid.md).
+WIDE_SHARE = 2 / 15  # 4 of the embedded model's 30 layers, 4 of 32
 WIDE_FACTOR = 4
+
+
+def wide_count(layers: int) -> int:
+    """How many offloaded layers of a model with this many tiered layers select wider."""
+    return max(1, round(layers * WIDE_SHARE))
 
 
 @dataclasses.dataclass
@@ -167,7 +173,7 @@ def make_layer_plans(geometry: Geometry, config, profile, n: int, horizon: int,
         why = "layer-aware plan: " + (
             "resident layout (H2O set)" if keep else
             f"every value on the host, selection floor {floor}" if not cap else
-            f"every value on the host, its codes among the {WIDE_LAYERS} that err most: "
+            f"every value on the host, its codes among the {len(wide)} that err most: "
             f"{cap} tokens selected")
         plan = Plan(geometry=geometry, budget=config.gpu_budget, method="tiered",
                     codec="codebook", groups=o.groups, centroids=o.centroids,
@@ -184,11 +190,11 @@ def make_layer_plans(geometry: Geometry, config, profile, n: int, horizon: int,
 
 
 def widest_layers(view, opts, choice, resident) -> set[int]:
-    """Indices (into the tiered layers) of the WIDE_LAYERS offloaded layers whose codes err
-    most by the profile (output error at the chosen code's groups)."""
+    """Indices (into the tiered layers) of the :func:`wide_count` offloaded layers whose codes
+    err most by the profile (output error at the chosen code's groups)."""
     off = [i for i in range(len(choice)) if not resident[i]]
     err = [view.error_at(i, opts[choice[i]].groups) for i in off]
-    return {off[j] for j in np.argsort(err)[::-1][:WIDE_LAYERS]}
+    return {off[j] for j in np.argsort(err)[::-1][:wide_count(len(choice))]}
 
 
 class _ProfileView:
