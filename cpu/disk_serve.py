@@ -20,7 +20,6 @@ it at the layer's next step (tiered.step.disk_stage).
 
 from __future__ import annotations
 
-import os
 import queue
 import sys
 import threading
@@ -51,7 +50,6 @@ SPINS = 1 << 20
 IDLE_ROUNDS = 50  # fruitless calls in a row before polling slows to IDLE_SLEEP_S
 IDLE_SLEEP_S = 0.0005
 SWITCH_INTERVAL_S = 0.00002  # as tiered.runtime.dispatch sets it for its thread
-BUSY_THREADS = 3  # the main thread, the dispatcher and this one: the copies take the other cores
 
 
 class Mailbox:
@@ -139,21 +137,20 @@ def _stage(idx_addr, count_addr, H, capc, C, length, page_ids, page_size, ppb, d
     out_w = 2 if code == 0 else 4
     slots = H * capc
     start = np.zeros(slots + 1, np.int64)
-    for k in numba.prange(slots):
-        _, _, n = _disk_chunk(idx, cnt, k // capc, k % capc, capc, C, length, page_ids,
-                              page_size, ppb, H, disk)
-        start[k + 1] = n
+    blks = np.empty(slots, np.int64)
+    rows = np.empty(slots, np.int64)
+    for k in numba.prange(slots):  # each slot's chunk located once
+        blks[k], rows[k], start[k + 1] = _disk_chunk(idx, cnt, k // capc, k % capc, capc, C,
+                                                     length, page_ids, page_size, ppb, H, disk)
     chunks = 0
     for k in range(slots):
         chunks += start[k + 1] > 0
         start[k + 1] += start[k]
     for k in numba.prange(slots):
-        h, s = k // capc, k % capc
-        blk, row, n = _disk_chunk(idx, cnt, h, s, capc, C, length, page_ids, page_size, ppb,
-                                  H, disk)
+        blk, row, j = blks[k], rows[k], start[k]
+        n = start[k + 1] - j
         if blk < 0:
             continue
-        j = start[k]
         if write_list:
             for i in range(n):
                 dest[j + i] = k * C + i
@@ -262,10 +259,6 @@ class DiskServer:
         self._q.put(req)
 
     def _run(self) -> None:
-        # Threads for the copies: the host's cores less the step's own threads (the main one,
-        # the dispatcher, this one polling), so that no copy waits for a core to come free
-        numba.set_num_threads(max(1, min(numba.config.NUMBA_NUM_THREADS,
-                                         (os.cpu_count() or 1) - BUSY_THREADS)))
         pending: list[Request] = []
         idle = 0
         stats = np.zeros(STATS_WORDS, np.int64)
