@@ -1,0 +1,155 @@
+"""How fast the disk-rows worker's copy runs (issue 62): ``tiered.cpu.disk_serve.stage`` on a
+1M-token run's request shape (8 kv heads, 256 chunk slots per head of 8 tokens, head_dim 128,
+float16 values), from RAM blocks and from a real page file (mapped in ahead, and fresh), on
+1..N Numba threads, from the main thread and from a worker thread, alone and beside another
+busy Numba parallel loop (the refresh worker's kind of load).
+
+    python bench/probes/disk_stage_rate.py --gib 4 --reps 30
+
+Prints ms per request and GB/s of rows copied, median of ``--reps`` requests, each with a new
+random selection over the whole file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
+
+import common  # noqa: F401  (tiered before mlx)
+import numba
+import numpy as np
+
+from tiered.cpu import disk_serve
+from tiered.cpu.disk import PageFile
+from tiered.cpu.disk_serve import FLOAT16, Mailbox, Request, Tensor
+from tiered.cpu._numba import kernel
+
+H, P, PPB, D, C, CAPC = 8, 64, 64, 128, 8, 256
+
+
+@kernel(parallel=True)
+def _busy(a, reps):
+    """A parallel loop that keeps Numba's threads of its caller busy (a rival team)."""
+    s = 0.0
+    for _ in range(reps):
+        for i in numba.prange(a.shape[0]):
+            s += a[i] * 1.0000001
+    return s
+
+
+def requests(mail, tensor, blocks, rng, share):
+    """A request whose ``share`` of each head's slots are selected chunks anywhere in the file."""
+    pages = rng.permutation(blocks * PPB).astype(np.int64)
+    length = len(pages) * P
+
+    def make():
+        for h in range(H):
+            mail.idx[h * CAPC:(h + 1) * CAPC] = np.sort(rng.choice(length // C, CAPC, replace=False))
+        mail.count[:] = int(CAPC * share)
+        return Request(job=1, mail=mail, capc=CAPC, length=length, pages=pages, page_size=P,
+                       tensors=[tensor])
+    return make
+
+
+def timed(make, reps, stats):
+    ts = []
+    for _ in range(reps):
+        r = make()
+        t = time.perf_counter()
+        disk_serve.stage(r, stats)
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts)), int(stats[0]) * D * 2
+
+
+def in_thread(fn):
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    t.join()
+    return out[0]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gib", type=float, default=1.0, help="page file size")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--share", type=float, default=0.5, help="share of slots selected")
+    ap.add_argument("--dir", default=tempfile.gettempdir())
+    args = ap.parse_args()
+    block_bytes = PPB * H * P * D * 2
+    blocks = max(2, int(args.gib * 2**30 // block_bytes))
+    rng = np.random.default_rng(0)
+    mail = Mailbox(H, CAPC, C, {"values": D}, {"values": FLOAT16}, lambda b: b.ctypes.data)
+    stats = np.zeros(disk_serve.STATS_WORDS, np.int64)
+    t = time.perf_counter()
+    pf = PageFile(args.dir, "probe", (PPB, H, P, D), np.float16)
+    ram = []
+    for b in range(blocks):
+        blk = rng.standard_normal((PPB, H, P, D), np.float32).astype(np.float16)
+        pf.append(blk)
+        if b < blocks // 4 or b == 0:
+            ram.append(blk)
+    print(f"page file: {blocks} blocks of {block_bytes / 2**20:.0f} MiB ({blocks * block_bytes / 2**30:.2f} "
+          f"GiB) written in {time.perf_counter() - t:.1f} s; Numba threads {numba.config.NUMBA_NUM_THREADS}, "
+          f"layer {numba.config.THREADING_LAYER}", flush=True)
+
+    def tensor(addrs, n):
+        return Tensor(addrs=np.asarray(addrs, np.int64), disk=np.ones(n, np.uint8),
+                      scales=np.zeros(0, np.int64), ppb=PPB, code=FLOAT16, dim=D, out=mail.addrs[4])
+
+    t_ram = tensor([b.ctypes.data for b in ram], len(ram))
+    t_disk = tensor([pf.address(i) for i in range(blocks)], blocks)
+    make_ram = requests(mail, t_ram, len(ram), rng, args.share)
+    make_disk = requests(mail, t_disk, blocks, rng, args.share)
+    timed(make_ram, 2, stats)  # compile
+    nmax = numba.config.NUMBA_NUM_THREADS
+    counts = sorted({1, 2, 4, 8, nmax} & set(range(1, nmax + 1)))
+
+    def row(label, make, threads, where="main"):
+        numba.set_num_threads(threads)
+        fn = (lambda: timed(make, args.reps, stats))
+        s, nbytes = fn() if where == "main" else in_thread(
+            lambda: (numba.set_num_threads(threads), fn())[1])
+        print(f"{label:<34} threads {threads:>2} {where:<6} {1e3 * s:7.3f} ms  "
+              f"{nbytes / 2**20:5.2f} MiB  {nbytes / s / 1e9:6.2f} GB/s", flush=True)
+
+    print(f"threading layer: {numba.threading_layer()}")
+    timed(make_ram, args.reps, stats)  # first touches of the RAM blocks
+    for n in counts:
+        row("RAM blocks", make_ram, n)
+    t = time.perf_counter()
+    pf.release()
+    for n in counts:
+        row("page file, fresh mapping (faults)", make_disk, n)
+    pf.release()
+    done = pf.populate()
+    print(f"populated {done} blocks in {time.perf_counter() - t:.2f} s", flush=True)
+    for n in counts:
+        row("page file, mapped in", make_disk, n)
+    row("page file, mapped in", make_disk, nmax, "thread")
+    # a rival Numba team busy beside the worker (as the refresh worker's passes are)
+    stop = threading.Event()
+    a = np.ones(1 << 20, np.float32)
+    _busy(a, 1)
+
+    def rival():
+        numba.set_num_threads(max(1, nmax // 2))
+        while not stop.is_set():
+            _busy(a, 20)
+    th = threading.Thread(target=rival, daemon=True)
+    th.start()
+    time.sleep(0.2)
+    row("mapped in, rival team busy", make_disk, nmax, "thread")
+    row("mapped in, rival team busy", make_disk, max(1, nmax // 2), "thread")
+    stop.set()
+    th.join()
+
+
+if __name__ == "__main__":
+    main()
