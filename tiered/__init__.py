@@ -11,8 +11,9 @@ Importing tiered first loads an optimized BLAS for MLX's CPU backend on Linux (s
 (``TieredCache.for_model`` calls it).
 """
 
-from .runtime._platform import BLAS, preload_blas
+from .runtime._platform import BLAS, passive_openmp, preload_blas
 
+passive_openmp()  # before anything loads an OpenMP runtime (Numba's workers, faiss)
 preload_blas()
 
 from . import cache_list  # noqa: E402

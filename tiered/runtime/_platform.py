@@ -183,3 +183,22 @@ def bounded_malloc() -> bool:
     if ok:
         _MALLOC_BOUNDED.append(True)
     return ok
+
+
+def passive_openmp() -> bool:
+    """``OMP_WAIT_POLICY=PASSIVE`` unless the user set a policy: an OpenMP thread (Numba's CPU
+    workers, faiss) then sleeps as soon as its parallel region ends instead of spinning for
+    its next one. tiered runs several teams beside the threads that build and hand over the
+    decode step (the refresh worker, the disk rows' copies, the scheduler's workers), and
+    spinning teams took the cores those threads need: 1M tokens over the disk tier on an H100
+    host (two leases), the rows' copies 17.6 -> 9.5 ms a token, decode 62.6 -> 53.3 ms/token
+    (docs/million-tokens.md). The OpenMP runtime reads it when it loads: False when one was
+    loaded before tiered (another library's import), where this comes too late."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        return False
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        with open("/proc/self/maps") as f:
+            return "libgomp" not in f.read()
+    except OSError:
+        return True
