@@ -238,6 +238,9 @@ def main(argv=None):
     p.add_argument("--docs", type=int, default=None, help="documents per retrieval task")
     p.add_argument("--first-doc", type=int, default=0)
     p.add_argument("--ppl-docs", type=int, default=None)
+    p.add_argument("--ppl-context", type=int, default=None,
+                   help="tokens of context before the scored ones (default 2048)")
+    p.add_argument("--ppl-scored", type=int, default=None, help="tokens scored (default 256)")
     p.add_argument("--records", default=None, help="append records to this JSONL file as they come")
     p.add_argument("--summarize", nargs="+", default=None, metavar="JSONL",
                    help="no run: tables and plot from these record files")
@@ -273,6 +276,8 @@ def main(argv=None):
     docs = args.docs if args.docs is not None else grid["docs"]
     n_ppl, context, scored = grid["ppl"]
     n_ppl = args.ppl_docs if args.ppl_docs is not None else n_ppl
+    context = args.ppl_context or context
+    scored = args.ppl_scored or scored
     if args.length:
         grid["length"] = args.length
     model, tok = tiered.load(dtype=getattr(mx, args.dtype) if args.dtype else None)
