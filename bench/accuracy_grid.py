@@ -119,6 +119,7 @@ def method_caches(base, budgets, methods):
                         # where 1/32 loses: offloaded layers select to their cap by the codes'
                         # ranking (tau 1), with a wider cap, and every token (the upper bound)
                         tau1=dict(offloaded_tau=1.0),
+                        otau9999=dict(offloaded_tau=0.9999),
                         tau1c4k=dict(offloaded_tau=1.0, offloaded_max_selected=4096),
                         selall=dict(offloaded_tau=1.0, offloaded_min_selected=1 << 20,
                                     offloaded_max_selected=1 << 20),

@@ -17,7 +17,7 @@ METHODS = ["full", "tiered", "tiered_layers", "hcattention", "quantized"]
 # on request: tiered as configured by default (planner="auto"), on the device path and on the
 # CPU-gather path (device_gather="off": the path Metal and MLX's CPU backend run)
 EXTRA_METHODS = ["default", "default_gather_off", "otau999_cap3072", "otau999_cap3072_off",
-                 "default_c128", "selall", "tau1", "tau1c4k"]
+                 "default_c128", "selall", "tau1", "tau1c4k", "otau9999"]
 LABELS = {"full": "KVCache (full)", "tiered": "tiered (uniform planner)",
           "default": "tiered (default: planner='auto')",
           "default_gather_off": "tiered (default), CPU-gather path",
@@ -27,6 +27,7 @@ LABELS = {"full": "KVCache (full)", "tiered": "tiered (uniform planner)",
           "tau1": "tiered (default), offloaded layers select to their cap",
           "tau1c4k": "tiered (default), offloaded layers select to a cap of 4096",
           "selall": "tiered (default), every token selected",
+          "otau9999": "tiered (default), offloaded layers select to tau 0.9999",
           "tiered_layers": "tiered (layer-aware planner)",
           "hcattention": "HCAttention config (this runtime)",
           "quantized": "QuantizedKVCache (4 / 2-bit)"}
