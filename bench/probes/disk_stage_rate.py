@@ -96,8 +96,7 @@ def main():
         if b < blocks // 4 or b == 0:
             ram.append(blk)
     print(f"page file: {blocks} blocks of {block_bytes / 2**20:.0f} MiB ({blocks * block_bytes / 2**30:.2f} "
-          f"GiB) written in {time.perf_counter() - t:.1f} s; Numba threads {numba.config.NUMBA_NUM_THREADS}, "
-          f"layer {numba.config.THREADING_LAYER}", flush=True)
+          f"GiB) written in {time.perf_counter() - t:.1f} s; Numba threads {numba.config.NUMBA_NUM_THREADS}", flush=True)
 
     def tensor(addrs, n):
         return Tensor(addrs=np.asarray(addrs, np.int64), disk=np.ones(n, np.uint8),
@@ -123,11 +122,11 @@ def main():
     timed(make_ram, args.reps, stats)  # first touches of the RAM blocks
     for n in counts:
         row("RAM blocks", make_ram, n)
-    t = time.perf_counter()
     pf.release()
     for n in counts:
         row("page file, fresh mapping (faults)", make_disk, n)
     pf.release()
+    t = time.perf_counter()
     done = pf.populate()
     print(f"populated {done} blocks in {time.perf_counter() - t:.2f} s", flush=True)
     for n in counts:
