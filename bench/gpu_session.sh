@@ -66,7 +66,7 @@ case "$step" in
     n=${GRID_PROCS:-15}; per=${GRID_DOCS:-4}
     for i in $(seq 0 $((n - 1))); do
       NUMBA_NUM_THREADS=1 OMP_NUM_THREADS=1 timeout -k 5 "${GRID_LIMIT:-400}" python3 accuracy_grid.py \
-        --tasks ${GRID_TASKS:-passkey needle kv facts} --docs "$per" --first-doc $((i * per)) \
+        --tasks ${GRID_TASKS:-passkey needle kv facts} --docs "$per" --first-doc $((${GRID_FIRST:-0} + i * per)) \
         --length "${GRID_LENGTH:-6144}" --dtype "${GRID_DTYPE:-float16}" \
         --methods ${GRID_METHODS:-full default default_gather_off} --budgets ${GRID_BUDGETS:-0.0625} \
         --records "/tmp/grid/r$i.jsonl" --name "/tmp/grid/s$i" > "/tmp/grid/log$i.txt" 2>&1 &

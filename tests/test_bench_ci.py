@@ -69,6 +69,35 @@ def test_report_cells_and_acceptance():
     assert rows[("tiered", 0.03125, "passkey")] == "no"
 
 
+def test_report_counts_a_document_once_and_pairs_the_five_points():
+    from accuracy_report import acceptance, summarize
+
+    recs = []
+    for d in range(40):
+        recs.append(dict(task="facts", doc=d, method="full", budget=1.0, ok=d % 5 != 0,
+                         bytes=100, full_bytes=100, fraction=1.0, within=True))
+        # 1/32: every full-cache answer kept on documents 0-19, three more lost on 20-39
+        lost = d % 5 != 0 and d in (21, 22, 23)
+        recs.append(dict(task="facts", doc=d, method="default", budget=0.03125,
+                         ok=d % 5 != 0 and not lost, bytes=3, full_bytes=100, fraction=0.03,
+                         within=True))
+        # 1/16: above the full cache's interval on its documents
+        recs.append(dict(task="facts", doc=d, method="default", budget=0.0625, ok=True,
+                         bytes=6, full_bytes=100, fraction=0.06, within=True))
+    dup = [dict(r, ok=not r["ok"]) for r in recs if r["method"] == "default" and r["doc"] < 20]
+    t = summarize(recs + dup)  # a slice run twice: its second records are not counted
+    c = t["facts"][("default", 0.03125)]
+    assert (c["k"], c["n"]) == (29, 40)
+    rows = {(r[0], r[1], r[2]): r for r in acceptance(t, [0.0625, 0.03125])}
+    assert rows[("default", 0.0625, "facts")][-1] == "yes"  # above the interval loses nothing
+    assert "-7.5 points, 40 paired" in rows[("default", 0.03125, "facts")][3]
+    assert rows[("default", 0.03125, "facts")][-1] == "no"
+    # on documents 0-19 alone the same cells are within five points (none lost)
+    t = summarize([r for r in recs if r["doc"] < 20])
+    rows = {(r[0], r[1], r[2]): r for r in acceptance(t, [0.03125])}
+    assert rows[("default", 0.03125, "facts")][-1] == "yes"
+
+
 def test_set_attribute_sets_typed_values_and_refuses_bad_settings():
     import common
     from tiered.step import device_attend, device_resident
