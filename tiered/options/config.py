@@ -167,12 +167,14 @@ class TieredConfig(OptionGroups):
     # layout, below 1/8): coarse codes put the tau mass in few tokens there, and the answer
     # a layer reads ranked 35-50 on needles lost at 1/32 (issue 25; docs/accuracy-grid.md)
     offloaded_min_selected: int = 128
-    # tau and cap in layers whose every value is on the host (below 1/8): estimated from 2-4
-    # bits per key dimension, 0.9 of the mass sits in too few tokens, and at 0.999 the 2048 cap
-    # cut a key-value answer. Embedded model in float16 at 1/16, 6k tokens, 60 documents per
-    # task on an H200: needles 32% -> 55%, planted facts 53% -> 73% against the defaults 0.99
-    # and 2048 (full cache 65% and 83%; issue 58; docs/accuracy-grid.md)
-    offloaded_tau: float = 0.999
+    # tau and cap in layers whose every value is on the host (below 1/8): their keys are codes
+    # of 1-4 bits per dimension, and the tau mass estimated from them stops before tokens the
+    # model reads. Selecting to the cap (tau 1.0, the codes' ranking) against tau 0.999, at 1/32
+    # of float16's bytes with the embedded model (docs/accuracy-grid.md): perplexity +0.5% against
+    # +3.9% (CPU, float32, 4 documents), +0.0% against +1.4% (H100, float16, 1 document); 21
+    # documents a retrieval task (H100, float16) with 1 answer of 84 different from the full
+    # cache's. At 0.999 the 2048 cap had cut a key-value answer: hence 3072.
+    offloaded_tau: float = 1.0
     offloaded_max_selected: int | float = 3072
     rescore: str | None = None  # "exact" (from host keys) | "approx"; None: exact if it can
     # resident set (H2O)
