@@ -2,13 +2,13 @@
 # What runs on the accelerator machine (device tool), one step per call:
 #   bash bench/gpu_session.sh stage .device/part-00     # carry that part; copies it to /tmp/stage
 #   bash bench/gpu_session.sh install                   # unpack the wheels, build the package tree
-#   bash bench/gpu_session.sh tests|kernels|decode|million|grid
+#   bash bench/gpu_session.sh tests|kernels|decode|million|fourm|grid
 # Wheels: ../shared/tools/pack-wheels.sh-like parts of mlx, mlx-cuda-13, mlx-lm, faiss-cpu
 # (split -b 56M so that two parts travel), reassembled under /tmp/stage. The package is a tree
 # of symlinks (tiered/ with cpu/, metal/, scheduler/ as subpackages, as pyproject maps them),
 # so no build backend is needed offline. Results are copied to $OUT.
 set -uo pipefail
-step=${1:?usage: gpu_session.sh stage PART | install | tests | kernels | decode | million | grid}
+step=${1:?usage: gpu_session.sh stage PART | install | tests | kernels | decode | million | fourm | grid}
 export PYTHONPATH=/tmp/pkg:/tmp/site
 export TOKENIZERS_PARALLELISM=false
 collect() { mkdir -p "${OUT:-/tmp/out}"; for f in "$@"; do [ -f "$f" ] && cp "$f" "${OUT:-/tmp/out}/"; done; }
@@ -57,6 +57,18 @@ case "$step" in
       echo "${run%%:*} rc=$?"; grep -h "^decode after\|^prefill:" "${OUT:-/tmp/out}/million_${run%%:*}.log"
       collect "results/million_${run%%:*}.md" "results/million_${run%%:*}.json"
     done ;;
+  fourm)
+    # Issue 62's 4M tokens on one H200 host (139 GB of HBM: the 1/8 tier of 4M tokens and the
+    # weights do not fit an H100's 80 GB): int8 values, 80 GB of them in RAM, the rest (~55 GB)
+    # in the disk tier's page file, in one 10-minute call.
+    mkdir -p "${OUT:-/tmp/out}"; cd bench; rm -rf /tmp/pages
+    df -h /tmp | tail -1; free -g | sed -n 2p
+    timeout "${FOURM_LIMIT:-570}" python3 million.py --model llama3-8b --tokens 4000000 \
+      --tokens-file /tmp/stage/million_tokens.npz --host-dtype int8 --no-host-keys \
+      --host-budget 80GB --disk-dir /tmp/pages --decode-steps "${STEPS:-30}" --name million_4m \
+      > "${OUT:-/tmp/out}/million_4m.log" 2>&1
+    echo "4M rc=$?"; grep -h "^decode after\|^prefill:\|^| " "${OUT:-/tmp/out}/million_4m.log"
+    collect results/million_4m.md results/million_4m.json ;;
   grid)
     # The 16-bit accuracy grid (docs/accuracy-grid.md): GRID_PROCS processes on the one GPU, each
     # GRID_DOCS documents per task from its own first document; every record lands in one JSONL
