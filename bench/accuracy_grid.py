@@ -285,6 +285,8 @@ def main(argv=None):
     info["dtype"] = str(next((p.dtype for _, p in _leaves(model)), "float32")).replace(
         "mlx.core.", "")
     info["length"] = grid["length"]
+    if "ppl" in args.tasks:
+        info["ppl_context"] = context
     clock = Clock()
     log = clock.log
     sink = open(args.records, "a") if args.records else None

@@ -145,6 +145,8 @@ def markdown(table, info, wall, args, budgets):
              f"Embedded SmolLM2-135M-Instruct in {info.get('dtype', 'float32')}: budgets are "
              f"fractions of the {info.get('dtype', 'float32')} `KVCache`"
              + (f", documents of {info['length']} tokens" if info.get("length") else "")
+             + (f" (perplexity: {info['ppl_context']} tokens of context)"
+                if info.get("ppl_context") else "")
              + ". Cells: accuracy [95% Wilson interval] over n documents, and in brackets "
              "the most accelerator bytes the cache held, as a fraction of the full cache. "
              "Perplexity: [95% block-bootstrap interval], Δ = paired change against the full "
