@@ -2,7 +2,9 @@
 1M-token run's request shape (8 kv heads, 256 chunk slots per head of 8 tokens, head_dim 128,
 float16 values), from RAM blocks and from a real page file (mapped in ahead, and fresh), on
 1..N Numba threads, from the main thread and from a worker thread, alone and beside another
-busy Numba parallel loop (the refresh worker's kind of load).
+busy Numba parallel loop (the refresh worker's kind of load); where cupy finds a GPU, into a
+page-locked mailbox, alone and while a kernel polls the mailbox's answer word at system scope
+as the exchange kernel does (tiered.step.disk_stage) while the worker copies.
 
     python bench/probes/disk_stage_rate.py --gib 4 --reps 30
 
@@ -65,6 +67,61 @@ def timed(make, reps, stats):
         disk_serve.stage(r, stats)
         ts.append(time.perf_counter() - t)
     return float(np.median(ts)), int(stats[0]) * D * 2
+
+
+# The exchange kernel's wait (tiered.step.disk_stage.EXCHANGE), alone: one thread polling a
+# host word with system-scope acquire loads, 256 ns apart, until it reaches `want`.
+POLL = r"""
+extern "C" __global__ void tqp_poll(const long long* word, long long want,
+                                    unsigned long long* polls, unsigned long long limit_ns) {
+  unsigned long long t0, t, n = 0;
+  long long v;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  while (true) {
+    asm volatile("ld.acquire.sys.b64 %0, [%1];" : "=l"(v) : "l"(word) : "memory");
+    if (v >= want) break;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    if (t - t0 > limit_ns) break;
+    __nanosleep(256);
+    n++;
+  }
+  polls[0] = n;
+}
+"""
+
+
+def gpu_rows(mail, row, make, threads):
+    """The copies into the page-locked mailbox, alone and beside the device's wait."""
+    try:
+        import cupy as cp
+        cp.cuda.runtime.getDeviceCount()
+    except Exception as e:  # noqa: BLE001  (no cupy, no driver, no GPU: the rows are skipped)
+        print(f"no page-locked rows: cupy with a GPU is needed ({type(e).__name__})")
+        return
+    bufs = [mail.ctl, mail.idx, mail.count, mail.list, *mail.rows.values()]
+    for b in bufs:
+        cp.cuda.runtime.hostRegister(b.ctypes.data, b.nbytes, 2)  # cudaHostRegisterMapped
+    try:
+        row("mailbox page-locked", make, threads, "thread")
+        polls = cp.zeros(1, cp.uint64)
+        word = cp.cuda.runtime.hostGetDevicePointer(mail.ctl.ctypes.data, 0) + 8  # ctl[1]
+        mail.ctl[1] = 0
+        stream = cp.cuda.Stream(non_blocking=True)
+        t = time.perf_counter()
+        with stream:
+            cp.RawKernel(POLL, "tqp_poll")((1,), (1,), (cp.uint64(word), cp.int64(1), polls,
+                                                         cp.uint64(120 * 10**9)))
+        time.sleep(0.05)
+        row("page-locked, device polling", make, threads, "thread")
+        row("page-locked, device polling", make, max(1, threads // 4), "thread")
+        mail.ctl[1] = 1  # the answer: the kernel's loop ends
+        stream.synchronize()
+        wall = time.perf_counter() - t
+        print(f"the device polled {int(polls.get()[0])} times in {wall:.2f} s", flush=True)
+        mail.ctl[1] = 0
+    finally:
+        for b in bufs:
+            cp.cuda.runtime.hostUnregister(b.ctypes.data)
 
 
 def in_thread(fn):
@@ -132,6 +189,10 @@ def main():
     for n in counts:
         row("page file, mapped in", make_disk, n)
     row("page file, mapped in", make_disk, nmax, "thread")
+    try:
+        gpu_rows(mail, row, make_disk, min(4, nmax))  # the worker's copies run on 4 threads
+    except Exception as e:  # noqa: BLE001  (a probe: the rows below still run)
+        print(f"page-locked rows failed: {type(e).__name__}: {e}", flush=True)
     # a rival Numba team busy beside the worker (as the refresh worker's passes are)
     stop = threading.Event()
     a = np.ones(1 << 20, np.float32)
