@@ -25,6 +25,7 @@ import queue
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import numba
@@ -65,19 +66,25 @@ class Mailbox:
     (idx (H, capc) uint32, count (H,) int32), the place of each staged row in (H, capc * chunk)
     (int32, packed: the first ctl[ROWS_WORD] hold) and the staged rows of each tensor, packed
     in the same order (float16, or float32 for float32 and int8 pages). ``register``
-    page-locks a buffer and returns its device address."""
+    page-locks a buffer and returns its device address; ``pool``: (zeros(n, dtype), release(
+    buffers)) that the buffers come from and go back to when the mailbox is dropped
+    (tiered.runtime.uva.pinned_zeros and release), else numpy's."""
 
-    def __init__(self, H: int, capc: int, chunk: int, dims: dict, codes: dict, register):
+    def __init__(self, H: int, capc: int, chunk: int, dims: dict, codes: dict, register,
+                 pool=None):
         self.H, self.capc, self.chunk = H, capc, chunk
         rows = H * capc * chunk
-        self.ctl = np.zeros(CTL_WORDS, np.int64)
-        self.idx = np.zeros(H * capc, np.uint32)
-        self.count = np.zeros(H, np.int32)
-        self.list = np.zeros(rows, np.int32)
-        self.rows = {name: np.zeros(rows * d, np.float16 if codes[name] == FLOAT16 else np.float32)
+        zeros = pool[0] if pool is not None else np.zeros
+        self.ctl = zeros(CTL_WORDS, np.int64)
+        self.idx = zeros(H * capc, np.uint32)
+        self.count = zeros(H, np.int32)
+        self.list = zeros(rows, np.int32)
+        self.rows = {name: zeros(rows * d, np.float16 if codes[name] == FLOAT16 else np.float32)
                      for name, d in dims.items()}
         bufs = [self.ctl, self.idx, self.count, self.list, *self.rows.values()]
         self.addrs = [int(register(b)) for b in bufs]  # device addresses, in that order
+        if pool is not None:
+            weakref.finalize(self, pool[1], bufs).atexit = False
         self.ctl_addr = self.ctl.ctypes.data
         self.nbytes = sum(b.nbytes for b in bufs)
 

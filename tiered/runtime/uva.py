@@ -8,7 +8,13 @@ statically and exports none of it).
 - :func:`advise_host` keeps a managed buffer (what MLX allocates for CPU-stream arrays on
   CUDA) in host memory and maps it for the GPU, so a kernel reads it over the bus instead of
   migrating its pages;
-- :func:`address_array` is the ``uint64`` MLX array of addresses a kernel takes as input.
+- :func:`address_array` is the ``uint64`` MLX array of addresses a kernel takes as input;
+- :func:`pinned_zeros` and :func:`release`: page-locked buffers that are reused, never freed.
+
+A registered buffer is kept alive by the registry until :func:`unregister`: freed, its address
+could come back as another buffer's, which the registry would take for registered while the
+device still maps the old pages (the CPU's writes to the new buffer then never reach a kernel
+reading the address: a device waiting for a worker's answer there waits in vain).
 
 MLX tracks dependencies by buffer, so memory reached through an address is invisible to it:
 the writer must not change rows a queued kernel may still read (the host store only appends,
@@ -29,9 +35,10 @@ _ADVISE_PREFERRED_LOCATION, _ADVISE_ACCESSED_BY = 3, 5
 _LOCATION_DEVICE, _LOCATION_HOST = 1, 2
 _ALREADY_REGISTERED = 712
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 _lib = None
-_registered: dict[int, int] = {}  # address -> bytes
+_registered: dict[int, tuple[int, np.ndarray]] = {}  # address -> (bytes, the buffer, kept)
+_free: dict[tuple[int, str], list] = {}  # (bytes, dtype) -> released buffers (see release)
 
 
 class UVAError(RuntimeError):
@@ -83,23 +90,30 @@ def _current_context():
 
 
 def register(buf: np.ndarray) -> int:
-    """Page-lock ``buf`` for device reads; returns its address (the device's too). Idempotent."""
+    """Page-lock ``buf`` for device reads; returns its address (the device's too). Idempotent.
+    The buffer is kept alive until :func:`unregister` (see the module docstring)."""
     ptr, size = buf.ctypes.data, buf.nbytes
     with _lock:
-        if ptr in _registered:
+        got = _registered.get(ptr)
+        if got is not None:
+            if size > got[0]:
+                raise UVAError(f"a buffer of {size} bytes at {ptr:#x}, registered with "
+                               f"{got[0]}: a view past the registered buffer's end")
             return ptr
         _current_context()
         lib = _driver()
         fn = lib.cuMemHostRegister_v2
         fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
         rc = fn(ptr, size, _PORTABLE | _DEVICEMAP)
-        if rc != _ALREADY_REGISTERED:
+        if rc != _ALREADY_REGISTERED:  # already: inside a registered buffer (a view of it)
             _check("cuMemHostRegister", rc)
-        _registered[ptr] = size
+        _registered[ptr] = (size, buf)
     return ptr
 
 
 def unregister(buf_or_ptr) -> None:
+    """Unpin a registered buffer and let it go; the caller makes sure no queued kernel still
+    reads it."""
     ptr = buf_or_ptr if isinstance(buf_or_ptr, int) else buf_or_ptr.ctypes.data
     with _lock:
         if _registered.pop(ptr, None) is None:
@@ -108,6 +122,29 @@ def unregister(buf_or_ptr) -> None:
         fn = _driver().cuMemHostUnregister
         fn.argtypes = [ctypes.c_void_p]
         _check("cuMemHostUnregister", fn(ptr))
+
+
+def pinned_zeros(n: int, dtype) -> np.ndarray:
+    """A zeroed page-locked buffer of ``n`` elements: a released one of the same size and dtype
+    where there is one (:func:`release`), else a new one, registered."""
+    dt = np.dtype(dtype)
+    with _lock:
+        free = _free.get((n * dt.itemsize, dt.str))
+        buf = free.pop() if free else None
+    if buf is None:
+        buf = np.zeros(n, dt)
+        register(buf)
+    else:
+        buf.fill(0)
+    return buf
+
+
+def release(bufs) -> None:
+    """Give buffers from :func:`pinned_zeros` back for reuse. They stay page-locked and alive (a
+    kernel queued before still reads valid memory; a later owner zeroes them)."""
+    with _lock:
+        for b in bufs:
+            _free.setdefault((b.nbytes, b.dtype.str), []).append(b)
 
 
 def advise_host(view: np.ndarray) -> int:

@@ -181,7 +181,8 @@ class _LayerState:
             dims = {n: t.head_dim for n, t in tensors.items()}
             codes = {n: _CODES[t.dtype] for n, t in tensors.items()}
             cap = max(capc, self.mail.capc if self.mail is not None else 0)
-            self.mail = Mailbox(H, cap, chunk, dims, codes, uva.register)
+            self.mail = Mailbox(H, cap, chunk, dims, codes, uva.register,
+                                (uva.pinned_zeros, uva.release))
             self.addrs = uva.address_array(self.mail.addrs)
             self.specs = {}
         return self.mail
