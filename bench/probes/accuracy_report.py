@@ -124,13 +124,16 @@ def acceptance(table, budgets):
                 else:
                     if pts is None:
                         ok = c["acc"] >= full["lo"]
-                        got, need = f"{c['acc']:.0f}%", f">= {full['lo']:.0f} (full: [{full['lo']:.0f}, {full['hi']:.0f}])"
+                        got = f"{c['acc']:.0f}%"
+                        need = (f">= {full['lo']:.0f} (full: [{full['lo']:.0f}, "
+                                f"{full['hi']:.0f}])")
                     else:
                         d, n = paired_points(full, c)
                         if d is None:  # no document in common: against the full cache's figure
                             d, n = c["acc"] - full["acc"], c["n"]
                         ok = d >= -pts
-                        got, need = f"{c['acc']:.0f}% ({d:+.1f} points, {n} paired)", f">= -{pts:g} points"
+                        got = f"{c['acc']:.0f}% ({d:+.1f} points, {n} paired)"
+                        need = f">= -{pts:g} points"
                     rows.append([m, b, task, got, need, "yes" if ok else "no"])
     return rows
 
