@@ -81,7 +81,7 @@ def test_report_counts_a_document_once_and_pairs_the_five_points():
         recs.append(dict(task="facts", doc=d, method="default", budget=0.03125,
                          ok=d % 5 != 0 and not lost, bytes=3, full_bytes=100, fraction=0.03,
                          within=True))
-        # 1/16: above the full cache's interval on its documents
+        # 1/16: every document answered, above the full cache's interval
         recs.append(dict(task="facts", doc=d, method="default", budget=0.0625, ok=True,
                          bytes=6, full_bytes=100, fraction=0.06, within=True))
     dup = [dict(r, ok=not r["ok"]) for r in recs if r["method"] == "default" and r["doc"] < 20]
@@ -89,7 +89,7 @@ def test_report_counts_a_document_once_and_pairs_the_five_points():
     c = t["facts"][("default", 0.03125)]
     assert (c["k"], c["n"]) == (29, 40)
     rows = {(r[0], r[1], r[2]): r for r in acceptance(t, [0.0625, 0.03125])}
-    assert rows[("default", 0.0625, "facts")][-1] == "yes"  # above the interval loses nothing
+    assert rows[("default", 0.0625, "facts")][-1] == "no"  # outside the interval, as asked
     assert "-7.5 points, 40 paired" in rows[("default", 0.03125, "facts")][3]
     assert rows[("default", 0.03125, "facts")][-1] == "no"
     # on documents 0-19 alone the same cells are within five points (none lost)
