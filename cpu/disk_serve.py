@@ -81,12 +81,12 @@ class Mailbox:
         self.list = zeros(rows, np.int32)
         self.rows = {name: zeros(rows * d, np.float16 if codes[name] == FLOAT16 else np.float32)
                      for name, d in dims.items()}
-        bufs = [self.ctl, self.idx, self.count, self.list, *self.rows.values()]
-        self.addrs = [int(register(b)) for b in bufs]  # device addresses, in that order
+        self.buffers = [self.ctl, self.idx, self.count, self.list, *self.rows.values()]
+        self.addrs = [int(register(b)) for b in self.buffers]  # device addresses, in that order
         if pool is not None:
-            weakref.finalize(self, pool[1], bufs).atexit = False
+            weakref.finalize(self, pool[1], list(self.buffers)).atexit = False
         self.ctl_addr = self.ctl.ctypes.data
-        self.nbytes = sum(b.nbytes for b in bufs)
+        self.nbytes = sum(b.nbytes for b in self.buffers)
 
     def fits(self, H: int, capc: int, chunk: int, names) -> bool:
         return (H == self.H and chunk == self.chunk and capc <= self.capc

@@ -31,6 +31,7 @@ from tiered.cpu import disk_serve
 from tiered.cpu.disk import PageFile
 from tiered.cpu.disk_serve import FLOAT16, Mailbox, Request, Tensor
 from tiered.cpu._numba import kernel
+from tiered.step import disk_stage
 
 H, P, PPB, D, C, CAPC = 8, 64, 64, 128, 8, 256
 
@@ -69,20 +70,15 @@ def timed(make, reps, stats):
     return float(np.median(ts)), int(stats[0]) * D * 2
 
 
-# The exchange kernel's wait (tiered.step.disk_stage.EXCHANGE), alone: one thread polling a
-# host word with system-scope acquire loads, 256 ns apart, until it reaches `want`.
-POLL = r"""
+# The exchange kernel's wait (tiered.step.disk_stage.EXCHANGE), alone, through the same
+# system-scope loads and pause: one thread polling a host word until it reaches `want`.
+POLL = disk_stage.HEADER + r"""
 extern "C" __global__ void tqp_poll(const long long* word, long long want,
                                     unsigned long long* polls, unsigned long long limit_ns) {
-  unsigned long long t0, t, n = 0;
-  long long v;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  while (true) {
-    asm volatile("ld.acquire.sys.b64 %0, [%1];" : "=l"(v) : "l"(word) : "memory");
-    if (v >= want) break;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    if (t - t0 > limit_ns) break;
-    __nanosleep(256);
+  const unsigned long long t0 = tqd_timer();
+  unsigned long long n = 0;
+  while (tqd_load_acquire(word) < want && tqd_timer() - t0 <= limit_ns) {
+    tqd_pause();
     n++;
   }
   polls[0] = n;
@@ -98,7 +94,7 @@ def gpu_rows(mail, row, make, threads):
     except Exception as e:  # noqa: BLE001  (no cupy, no driver, no GPU: the rows are skipped)
         print(f"no page-locked rows: cupy with a GPU is needed ({type(e).__name__})")
         return
-    bufs = [mail.ctl, mail.idx, mail.count, mail.list, *mail.rows.values()]
+    bufs = mail.buffers
     for b in bufs:
         cp.cuda.runtime.hostRegister(b.ctypes.data, b.nbytes, 2)  # cudaHostRegisterMapped
     try:

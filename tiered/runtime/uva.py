@@ -37,7 +37,7 @@ _ALREADY_REGISTERED = 712
 
 _lock = threading.RLock()
 _lib = None
-_registered: dict[int, tuple[int, np.ndarray]] = {}  # address -> (bytes, the buffer, kept)
+_registered: dict[int, tuple[int, np.ndarray]] = {}  # address -> (bytes, the buffer: kept alive)
 _free: dict[tuple[int, str], list] = {}  # (bytes, dtype) -> released buffers (see release)
 
 
