@@ -34,7 +34,7 @@ case "$step" in
       ${TESTS:-tests/test_accel_kernels.py tests/test_accel_affine.py tests/test_accel_tau.py \
       tests/test_accel_h2o.py tests/test_metal_syntax.py tests/test_metal_shim.py \
       tests/test_table_scale.py tests/test_tiered_core.py tests/test_tiered_persistence.py \
-      tests/test_tiered_lookahead.py tests/test_scheduler.py tests/test_disk.py tests/test_codecs.py \
+      tests/test_tiered_lookahead.py tests/test_scheduler.py tests/test_disk.py tests/test_disk_budgets.py tests/test_codecs.py \
       tests/test_calibration.py} > "${OUT:-/tmp/out}/tests.log" 2>&1
     rc=$?; tail -25 "${OUT:-/tmp/out}/tests.log"; exit $rc ;;
   kernels)
