@@ -15,6 +15,9 @@ one at a time under a process-wide lock, and so did this cache in the launching 
 left a cold machine's first decode step compiling for well over a minute (H200, Llama-3-8B
 shape: still compiling 105 s into the run, py-spy).
 
+Processes side by side share the compiles: each entry is claimed before it is compiled
+(:mod:`tiered.metal.ptx_claim`), and the others wait for it.
+
 Nothing depends on it for correctness: an entry is found only under the hash of the exact source
 MLX generates, so a mismatch (another MLX version) is a miss and MLX compiles as before, and any
 failure turns the cache off with one warning. ``TIERED_PTX_CACHE=0`` turns it off.
@@ -133,8 +136,18 @@ def request(name, input_names, output_names, source, header, inputs, output_dtyp
 
 
 def _write(text: str, module: str, func: str, path: Path, ordinal: int) -> Path:
-    from . import nvrtc
+    from . import nvrtc, ptx_claim
 
+    held = ptx_claim.claim(path)
+    if held is None and ptx_claim.wait(path):
+        return path  # another process compiled it
+    try:
+        return _compile_entry(nvrtc, text, module, func, path, ordinal)
+    finally:
+        ptx_claim.release(held)
+
+
+def _compile_entry(nvrtc, text: str, module: str, func: str, path: Path, ordinal: int) -> Path:
     kernel = "mlx::core::cu::" + func
     code, mangled = nvrtc.compile_kernel(text, module, kernel, ordinal)
     path.parent.mkdir(parents=True, exist_ok=True)
