@@ -5,8 +5,9 @@ on one host, pytest's workers) need the same kernels, and each found the PTX cac
 them: seven processes each compiled every kernel on their own pools, seven times the compile
 work on the same cores. Before compiling an entry, a process claims it with a file created
 exclusively beside it (``<entry>.claim``, holding its pid); a process that finds the claim waits
-for the entry instead. A claim whose process is gone, or older than :data:`STALE_S`, is taken
-over; a wait that sees the claim go without an entry (its compile failed) compiles itself.
+for the entry instead. A claim whose process is gone, or older than :data:`STALE_S` (its
+process stopped or hung), is taken over; a wait that sees the claim go without an entry (its
+compile failed) compiles itself.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 import time
 from pathlib import Path
 
-STALE_S = 300.0  # no kernel compiles this long: its claimant hung or its clock is off
+STALE_S = 120.0  # no kernel compiles this long (seconds): its claimant is stopped or hung
 POLL_S = 0.02
 
 
