@@ -9,20 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tiered.cpu import HostStore
-from tiered.cpu.memory_budget import HostBudget
-
-
-def _data(rng, L, H=2, d=8):
-    return rng.standard_normal((1, H, L, d)).astype(np.float32)
-
-
-def _store(tmp_path, budget_blocks, dtype="float16", **kw):
-    probe = HostStore(2, 8, page_size=16, dtype=dtype, pages_per_block=2)
-    block = probe.values.block_bytes
-    budget = HostBudget(budget_blocks * block)
-    return HostStore(2, 8, page_size=16, dtype=dtype, pages_per_block=2, budget=budget,
-                     disk_dir=str(tmp_path), **kw), budget
+from test_disk import _data, _store  # the small host store both files build
 
 
 def test_cache_with_host_budget_spills_and_stays_correct(tmp_path):
