@@ -15,7 +15,7 @@ one at a time under a process-wide lock, and so did this cache in the launching 
 left a cold machine's first decode step compiling for well over a minute (H200, Llama-3-8B
 shape: still compiling 105 s into the run, py-spy).
 
-Processes side by side share the compiles: each entry is claimed before it is compiled
+Processes side by side share the compiles: each entry is compiled under a lock file beside it
 (:mod:`tiered.metal.ptx_claim`), and the others wait for it.
 
 Nothing depends on it for correctness: an entry is found only under the hash of the exact source
@@ -138,13 +138,10 @@ def request(name, input_names, output_names, source, header, inputs, output_dtyp
 def _write(text: str, module: str, func: str, path: Path, ordinal: int) -> Path:
     from . import nvrtc, ptx_claim
 
-    held = ptx_claim.claim(path)
-    if held is None and ptx_claim.wait(path):
-        return path  # another process compiled it
-    try:
+    with ptx_claim.held(path):
+        if path.exists():
+            return path  # another process compiled it while this one waited
         return _compile_entry(nvrtc, text, module, func, path, ordinal)
-    finally:
-        ptx_claim.release(held)
 
 
 def _compile_entry(nvrtc, text: str, module: str, func: str, path: Path, ordinal: int) -> Path:

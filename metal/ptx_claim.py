@@ -3,90 +3,52 @@
 Processes started side by side (a grid of accuracy runs on one GPU, the ranks of ``mlx.launch``
 on one host, pytest's workers) need the same kernels, and each found the PTX cache without
 them: seven processes each compiled every kernel on their own pools, seven times the compile
-work on the same cores. Before compiling an entry, a process claims it with a file created
-exclusively beside it (``<entry>.claim``, holding its pid); a process that finds the claim waits
-for the entry instead. A claim whose process is gone, or older than :data:`STALE_S` (its
-process stopped or hung), is taken over; a wait that sees the claim go without an entry (its
-compile failed) compiles itself.
+work on the same cores. A process compiles an entry holding an exclusive ``flock`` on a lock
+file beside it (``<entry>.lock``); another process wanting the entry waits for the lock, then
+finds the entry written. The kernel drops a lock whose process ends, however it ends; a holder
+that keeps it past :data:`WAIT_S` (a stopped process) is not waited for longer: the entry is
+compiled anyway. Where ``fcntl`` is missing, nothing is shared.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
 
-STALE_S = 120.0  # no kernel compiles this long (seconds): its claimant is stopped or hung
+try:
+    import fcntl
+except ImportError:  # not a POSIX system
+    fcntl = None
+
+WAIT_S = 120.0  # no kernel compiles this long (seconds): its holder is stopped or hung
 POLL_S = 0.02
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    try:  # a process that ended but is not yet reaped (a zombie) answers kill(pid, 0)
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
-def _holder(claim: Path) -> int | None:
-    """The claim's process id, or None where the claim is gone or unreadable."""
-    try:
-        return int(claim.read_text().strip() or "0")
-    except (OSError, ValueError):
-        return None
-
-
-def claim(entry: Path) -> Path | None:
-    """Claim ``entry`` for this process: the claim's path (remove it with :func:`release`), or
-    None where a live process holds it."""
-    path = entry.with_name(entry.name + ".claim")
+@contextlib.contextmanager
+def held(entry: Path, wait_s: float | None = None):
+    """Hold ``entry``'s lock for the block; True if held, False where another process held it
+    for ``wait_s`` seconds (default :data:`WAIT_S`) or locks are not available. The caller
+    checks for the entry inside: a process that held the lock before may have written it."""
+    if fcntl is None:
+        yield False
+        return
+    path = entry.with_name(entry.name + ".lock")
     path.parent.mkdir(parents=True, exist_ok=True)
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            pid = _holder(path)
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        end = time.monotonic() + (WAIT_S if wait_s is None else wait_s)
+        while True:
             try:
-                age = time.time() - path.stat().st_mtime
-            except OSError:
-                continue  # released meanwhile: try again
-            if pid and pid != os.getpid() and _alive(pid) and age < STALE_S:
-                return None
-            try:
-                path.unlink()  # its process is gone (or it is ours, left by a failure)
-            except OSError:
-                pass
-            continue
-        with os.fdopen(fd, "w") as f:
-            f.write(str(os.getpid()))
-        return path
-    return None
-
-
-def release(path: Path | None) -> None:
-    if path is not None:
-        try:
-            path.unlink()
-        except OSError:
-            pass
-
-
-def wait(entry: Path, timeout: float = STALE_S) -> bool:
-    """Wait for another process's compile of ``entry``: True once the entry is there, False
-    where its claim went without it or the wait ran out (the caller then compiles)."""
-    path = entry.with_name(entry.name + ".claim")
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if entry.exists():
-            return True
-        pid = _holder(path)
-        if pid is None or not _alive(pid):
-            return entry.exists()
-        time.sleep(POLL_S)
-    return entry.exists()
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                got = True
+                break
+            except BlockingIOError:
+                if time.monotonic() >= end:
+                    got = False
+                    break
+                time.sleep(POLL_S)
+        yield got
+    finally:
+        os.close(fd)  # closing drops the lock
