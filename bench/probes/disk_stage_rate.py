@@ -186,7 +186,7 @@ def main():
         row("page file, mapped in", make_disk, n)
     row("page file, mapped in", make_disk, nmax, "thread")
     try:
-        gpu_rows(mail, row, make_disk, min(4, nmax))  # the worker's copies run on 4 threads
+        gpu_rows(mail, row, make_disk, min(disk_serve.COPY_THREADS, nmax))  # as the worker copies
     except Exception as e:  # noqa: BLE001  (a probe: the rows below still run)
         print(f"page-locked rows failed: {type(e).__name__}: {e}", flush=True)
     # a rival Numba team busy beside the worker (as the refresh worker's passes are)
