@@ -219,3 +219,19 @@ def monotonic_ns(typingctx):
         return builder.add(builder.mul(sec, i64(1_000_000_000)), nsec)
 
     return types.int64(), codegen
+
+
+@intrinsic
+def sleep_us(typingctx, us):
+    """Sleep ``us`` microseconds inside a kernel (libc's ``usleep``, no GIL): a worker that
+    stays in native code while it waits for work, instead of returning to Python for it."""
+    if not isinstance(us, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i32, [i32]), "usleep")
+        builder.call(fn, [builder.trunc(args[0], i32) if us.bitwidth > 32 else args[0]])
+        return context.get_dummy_value()
+
+    return types.void(us), codegen

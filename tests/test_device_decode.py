@@ -276,8 +276,7 @@ def test_int8_pages_on_the_device_path_decode_as_on_the_cpu_gather_path(device_p
 
 @pytest.mark.parametrize("host_dtype,mode", [
     ("float32", "worker"), ("int8", "worker"),
-    pytest.param("float32", "compiled", marks=pytest.mark.xfail(
-        strict=True, reason="on an H100 the device's wait for the worker timed out (20 s)")),
+    ("float32", "compiled"),
     pytest.param("float32", "sync", marks=pytest.mark.slow)])  # the fallback (disk_rows.read)
 def test_pages_on_the_disk_tier_decode_as_pages_in_ram(tmp_path, device_path, monkeypatch,
                                                        host_dtype, mode):

@@ -5,13 +5,17 @@ in RAM: tests/test_device_decode.py::test_pages_on_the_disk_tier_decode_as_pages
 
 from __future__ import annotations
 
+import ctypes
+import threading
 import time
 
 import mlx.core as mx
+import numba
 import numpy as np
 import pytest
 
 from tiered.cpu import disk_serve
+from tiered.cpu._numba import load_acquire_i64, monotonic_ns, store_release_i64
 from tiered.cpu.disk_serve import (ANSWERED, EXPORTED, FAULT, FLOAT16, FLOAT32, INT8, Mailbox,
                                    Request, Tensor)
 
@@ -114,6 +118,7 @@ def test_a_request_whose_step_never_ran_is_passed_over():
     np.testing.assert_array_equal(rows[:C], ref[0, C:2 * C])
     np.testing.assert_array_equal(rows[C:2 * C], ref[0, 2 * C:3 * C])
     np.testing.assert_array_equal(rows[2 * C:3 * C], ref[1, :C])
+    server.close()
 
 
 class _Host:  # a store as disk_stage.check sees it: its mailbox
@@ -135,19 +140,30 @@ def test_a_failing_worker_still_answers_and_the_host_raises(monkeypatch):
     server = disk_serve.DiskServer()
     monkeypatch.setattr(disk_serve, "SERVER", server)
 
-    def broken(req, stats):
+    def broken(*args):
         raise OSError("the page file went away")
 
-    monkeypatch.setattr(disk_serve, "stage", broken)
+    monkeypatch.setattr(disk_serve, "_serve", broken)
     mail = Mailbox(H, 1, C, {"values": D}, {"values": FLOAT16}, _address)
+    tensor = Tensor(addrs=np.zeros(1, np.int64), disk=np.ones(1, np.uint8),
+                    scales=np.zeros(0, np.int64), ppb=PPB, code=FLOAT16, dim=D, out=mail.addrs[4])
     server.post(Request(job=1, mail=mail, capc=1, length=0, pages=np.zeros(1, np.int64),
-                        page_size=P, tensors=[]))
+                        page_size=P, tensors=[tensor]))
     _device_exports(mail, 1, np.zeros((H, 1), np.uint32), [0, 0])
     assert _answered(mail, 1)  # the device is not left waiting
     assert mail.ctl[FAULT] == 2
 
     with pytest.raises(RuntimeError, match="disk rows worker failed"):
         disk_stage.check(_host_with(mail, monkeypatch))
+    server.close()
+
+
+def test_a_request_of_no_tensor_is_refused_when_posted():
+    mail = Mailbox(H, 1, C, {"values": D}, {"values": FLOAT16}, _address)
+    with pytest.raises(ValueError, match="one or two tensors"):
+        disk_serve.DiskServer().post(Request(job=1, mail=mail, capc=1, length=0,
+                                             pages=np.zeros(1, np.int64), page_size=P,
+                                             tensors=[]))
 
 
 def test_the_device_gives_up_a_wait_nobody_answers(device_path, monkeypatch):
@@ -178,3 +194,56 @@ def test_the_device_gives_up_a_wait_nobody_answers(device_path, monkeypatch):
 
     with pytest.raises(RuntimeError, match="wait for disk rows failed"):
         disk_stage.check(_host_with(mail, monkeypatch))
+
+
+@numba.njit(nogil=True)
+def _device_waits(ctl_addr, job, flags_addr, timeout_ns):
+    """A device step's exchange, on a CPU thread without the GIL: says it is ready (flags[0]),
+    waits for the go (flags[1]), exports ``job``, then waits for the answer; the ns waited."""
+    store_release_i64(flags_addr, 1)
+    while load_acquire_i64(flags_addr + 8) == 0:
+        pass
+    store_release_i64(ctl_addr + 8 * EXPORTED, job)
+    t0 = monotonic_ns()
+    while load_acquire_i64(ctl_addr + 8 * ANSWERED) < job:
+        if monotonic_ns() - t0 > timeout_ns:
+            break
+    return monotonic_ns() - t0
+
+
+def test_the_worker_answers_while_the_host_holds_the_gil():
+    """The device waits inside a step for the worker; meanwhile the host may sit in a call that
+    holds the GIL and waits for the device (MLX freeing unified memory with cudaFree, which
+    waits for the device's work). A worker that needs the GIL to take a request or to answer
+    one would hang both until the device gives up (20 s): it answers without the GIL."""
+    disk_serve.warm()
+    rng = np.random.default_rng(5)
+    data, _, pages, ref = _store(rng, FLOAT16)
+    server = disk_serve.DiskServer()
+    mail = Mailbox(H, 2, C, {"values": D}, {"values": FLOAT16}, _address)
+    tensor = Tensor(addrs=np.array([b.ctypes.data for b in data], np.int64),
+                    disk=np.ones(3, np.uint8), scales=np.zeros(0, np.int64), ppb=PPB,
+                    code=FLOAT16, dim=D, out=mail.addrs[4])
+    req = dict(mail=mail, capc=2, length=len(pages) * P, pages=pages, page_size=P,
+               tensors=[tensor])
+    server.post(Request(job=1, **req))  # the worker started and idle
+    _device_exports(mail, 1, np.array([[1, 2], [0, 3]], np.uint32), [2, 1])
+    assert _answered(mail, 1)
+    flags = np.zeros(2, np.int64)
+    waited = []
+    device = threading.Thread(target=lambda: waited.append(
+        _device_waits(mail.ctl_addr, 2, flags.ctypes.data, 5_000_000_000)))
+    device.start()
+    while flags[0] == 0:
+        time.sleep(0.001)
+    hold_gil = ctypes.PyDLL(None).usleep  # a C call that keeps the GIL
+    hold_gil.argtypes = [ctypes.c_uint]
+    server.post(Request(job=2, **req))
+    flags[1] = 1
+    hold_gil(600_000)  # the host holds the GIL for 0.6 s while the device waits
+    device.join()
+    assert mail.ctl[ANSWERED] == 2
+    assert waited[0] < 300_000_000, f"answered after {waited[0] / 1e6:.0f} ms"
+    rows = mail.rows["values"].reshape(-1, D)
+    np.testing.assert_array_equal(rows[:C].astype(np.float32), ref[0, C:2 * C])
+    server.close()

@@ -1,7 +1,7 @@
 """How fast the disk-rows worker's copy runs (issue 62): ``tiered.cpu.disk_serve.stage`` on a
 1M-token run's request shape (8 kv heads, 256 chunk slots per head of 8 tokens, head_dim 128,
 float16 values), from RAM blocks and from a real page file (mapped in ahead, and fresh), on
-1..N Numba threads, from the main thread and from a worker thread, alone and beside another
+the calling thread alone (threads 0: the worker's way) and 1..N Numba threads, from the main thread and from a worker thread, alone and beside another
 busy Numba parallel loop (the refresh worker's kind of load); where cupy finds a GPU, into a
 page-locked mailbox, alone and while a kernel polls the mailbox's answer word at system scope
 as the exchange kernel does (tiered.step.disk_stage) while the worker copies.
@@ -60,12 +60,12 @@ def requests(mail, tensor, blocks, rng, share):
     return make
 
 
-def timed(make, reps, stats):
+def timed(make, reps, stats, threads=True):
     ts = []
     for _ in range(reps):
         r = make()
         t = time.perf_counter()
-        disk_serve.stage(r, stats)
+        disk_serve.stage(r, stats, threads)
         ts.append(time.perf_counter() - t)
     return float(np.median(ts)), int(stats[0]) * D * 2
 
@@ -161,13 +161,13 @@ def main():
     make_disk = requests(mail, t_disk, blocks, rng, args.share)
     timed(make_ram, 2, stats)  # compile
     nmax = numba.config.NUMBA_NUM_THREADS
-    counts = sorted({1, 2, 4, 8, nmax} & set(range(1, nmax + 1)))
+    counts = [0] + sorted({1, 2, 4, 8, nmax} & set(range(1, nmax + 1)))
 
-    def row(label, make, threads, where="main"):
-        numba.set_num_threads(threads)
-        fn = (lambda: timed(make, args.reps, stats))
+    def row(label, make, threads, where="main"):  # threads 0: this thread alone, as the worker
+        numba.set_num_threads(max(1, threads))
+        fn = (lambda: timed(make, args.reps, stats, threads > 0))
         s, nbytes = fn() if where == "main" else in_thread(
-            lambda: (numba.set_num_threads(threads), fn())[1])
+            lambda: (numba.set_num_threads(max(1, threads)), fn())[1])
         print(f"{label:<34} threads {threads:>2} {where:<6} {1e3 * s:7.3f} ms  "
               f"{nbytes / 2**20:5.2f} MiB  {nbytes / s / 1e9:6.2f} GB/s", flush=True)
 
@@ -186,7 +186,7 @@ def main():
         row("page file, mapped in", make_disk, n)
     row("page file, mapped in", make_disk, nmax, "thread")
     try:
-        gpu_rows(mail, row, make_disk, min(disk_serve.COPY_THREADS, nmax))  # as the worker copies
+        gpu_rows(mail, row, make_disk, 0)  # as the worker copies: on its own thread
     except Exception as e:  # noqa: BLE001  (a probe: the rows below still run)
         print(f"page-locked rows failed: {type(e).__name__}: {e}", flush=True)
     # a rival Numba team busy beside the worker (as the refresh worker's passes are)
@@ -201,6 +201,7 @@ def main():
     th = threading.Thread(target=rival, daemon=True)
     th.start()
     time.sleep(0.2)
+    row("mapped in, rival team busy", make_disk, 0, "thread")
     row("mapped in, rival team busy", make_disk, nmax, "thread")
     row("mapped in, rival team busy", make_disk, max(1, nmax // 2), "thread")
     stop.set()

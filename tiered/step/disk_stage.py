@@ -20,12 +20,14 @@ So the device waits for the copy of the rows it needs (in the worker's ``copy_s`
 not wait at all. A wait longer than :data:`WAIT_MS` is taken for a fault: the exchange gives up
 (the rows read as zeros), flags the mailbox, and the layer's next step raises (as it does for a
 failure in the worker).
-``TIERED_DISK_ROWS`` picks the way: ``worker`` (the default; such a layer's step is built op by
-op), ``compiled`` (the same kernels inside the compiled chain; **fails on a GPU**: on an H100
-its decode-equality test's device wait for the worker timed out (20 s) and the step raised, a
-cause not found; on the kernel executor it does not run, that test being op by op there)
-or ``sync`` (the layer waits for its selection and the main thread copies:
-tiered.step.disk_rows.read).
+``TIERED_DISK_ROWS`` picks the way: ``worker`` (the default; such a layer's step is built op
+by op), ``compiled`` (the same kernels inside the compiled chain) or ``sync`` (the layer waits
+for its selection and the main thread copies: tiered.step.disk_rows.read). On an H100 the
+compiled way's decode-equality test timed out (the device's 20-s wait for the worker), and so,
+now and then, did the worker's: the worker went back to Python between requests, and Numba's
+parallel copy takes the GIL to start, so a host holding the GIL while it waited for the device
+left both waiting. The worker now never takes the GIL (:mod:`tiered.cpu.disk_serve`; a CPU
+test holds the GIL through a device wait); not yet run on a GPU since.
 """
 
 from __future__ import annotations

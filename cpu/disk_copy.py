@@ -1,0 +1,243 @@
+"""The disk rows' copy (cpu.disk_serve's worker, tiered.step.disk_stage): a layer's pinned
+mailbox with the device, a request's tables, and the kernels that copy the selected chunks'
+rows lying in disk blocks into the mailbox, packed, with their places."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+
+from ._numba import address_as_pointer, kernel
+
+# Mailbox control words (int64): the request number the device exported, the one this thread
+# answered, a fault (1: the device's wait timed out, 2: this thread failed), the rows staged,
+# the nanoseconds the device waited for answers (summed by the device).
+EXPORTED, ANSWERED, FAULT, ROWS_WORD, WAITED_NS = 0, 1, 2, 3, 4
+CTL_WORDS = 8
+STATS_WORDS = 4  # a worker's tallies of one answer: rows, chunk-heads, ns polled, ns staging
+# Storage codes: the host dtype of a tensor's pages, and what its staged rows hold
+FLOAT16, FLOAT32, INT8 = 0, 1, 2  # int8 rows are staged dequantized, as float32
+
+
+class Mailbox:
+    """One layer's pinned exchange with the device: control words, the exported selection
+    (idx (H, capc) uint32, count (H,) int32), the place of each staged row in (H, capc * chunk)
+    (int32, packed: the first ctl[ROWS_WORD] hold) and the staged rows of each tensor, packed
+    in the same order (float16, or float32 for float32 and int8 pages). ``register``
+    page-locks a buffer and returns its device address; ``pool``: (zeros(n, dtype), release(
+    buffers)) that the buffers come from and go back to when the mailbox is dropped
+    (tiered.runtime.uva.pinned_zeros and release), else numpy's."""
+
+    def __init__(self, H: int, capc: int, chunk: int, dims: dict, codes: dict, register,
+                 pool=None):
+        self.H, self.capc, self.chunk = H, capc, chunk
+        rows = H * capc * chunk
+        zeros = pool[0] if pool is not None else np.zeros
+        self.ctl = zeros(CTL_WORDS, np.int64)
+        self.idx = zeros(H * capc, np.uint32)
+        self.count = zeros(H, np.int32)
+        self.list = zeros(rows, np.int32)
+        self.rows = {name: zeros(rows * d, np.float16 if codes[name] == FLOAT16 else np.float32)
+                     for name, d in dims.items()}
+        self.buffers = [self.ctl, self.idx, self.count, self.list, *self.rows.values()]
+        self.addrs = [int(register(b)) for b in self.buffers]  # device addresses, in that order
+        if pool is not None:
+            weakref.finalize(self, pool[1], list(self.buffers)).atexit = False
+        self.ctl_addr = self.ctl.ctypes.data
+        self.nbytes = sum(b.nbytes for b in self.buffers)
+
+    def fits(self, H: int, capc: int, chunk: int, names) -> bool:
+        return (H == self.H and chunk == self.chunk and capc <= self.capc
+                and all(n in self.rows for n in names))
+
+
+@dataclass
+class Tensor:
+    """One tensor's tables as a request sees them: block addresses (the page file's mapping for
+    disk blocks), which blocks are on disk, int8 scale blocks' addresses, storage code, dim."""
+    addrs: np.ndarray  # int64 (blocks,)
+    disk: np.ndarray  # uint8 (blocks,)
+    scales: np.ndarray  # int64 (blocks,), empty unless int8
+    ppb: int
+    code: int
+    dim: int
+    out: int  # the mailbox row buffer's address
+
+
+@dataclass
+class Request:
+    job: int
+    mail: Mailbox
+    capc: int
+    length: int  # tokens on the host pages when the step was built
+    pages: np.ndarray  # int64 physical page of each logical page
+    page_size: int
+    tensors: list
+
+
+@kernel(inline=True)
+def _disk_chunk(idx, cnt, h, s, capc, C, length, page_ids, page_size, ppb, H, disk):
+    """(block, first row, tokens) of slot s's chunk of head h where it is selected and lies in
+    a disk block, else (-1, 0, 0). A chunk's tokens share a page (page_size % C == 0, as the
+    device path requires), so their rows follow each other in the block."""
+    if s >= min(max(cnt[h], 0), capc):
+        return -1, 0, 0
+    t = np.int64(idx[h * capc + s]) * C
+    n = min(np.int64(C), length - t)
+    if n <= 0:
+        return -1, 0, 0
+    lp = t // page_size
+    phys = page_ids[lp]
+    blk = phys // ppb
+    if disk[blk] == 0:
+        return -1, 0, 0
+    return blk, ((phys - blk * ppb) * H + h) * page_size + (t - lp * page_size), n
+
+
+@kernel(inline=True)
+def _copy_slot(k, blks, rows, start, C, addrs, scales, code, d, dest, out_addr, write_list):
+    """Slot k's chunk (located by :func:`_disk_chunk`): its rows into the packed output at row
+    start[k] (int8 dequantized into float32), and (``write_list``) their places into the list.
+    A chunk's rows are one run of bytes: copied 8 bytes a load where rows are whole words."""
+    blk, row, j = blks[k], rows[k], start[k]
+    n = start[k + 1] - j
+    if blk < 0:
+        return
+    if write_list:
+        for i in range(n):
+            dest[j + i] = k * C + i
+    if code == 2:
+        q = address_as_pointer(addrs[blk] + row * d, np.int8)
+        sc = address_as_pointer(scales[blk] + row * 4, np.float32)
+        o = address_as_pointer(out_addr + j * d * 4, np.float32)
+        for i in range(n):
+            for e in range(d):
+                o[i * d + e] = np.float32(q[i * d + e]) * sc[i]
+        return
+    width = 2 if code == 0 else 4
+    nbytes = n * d * width
+    if nbytes % 8 == 0:
+        src = address_as_pointer(addrs[blk] + row * d * width, np.uint64)
+        dst = address_as_pointer(out_addr + j * d * width, np.uint64)
+        for e in range(nbytes // 8):
+            dst[e] = src[e]
+    else:
+        src8 = address_as_pointer(addrs[blk] + row * d * width, np.uint8)
+        dst8 = address_as_pointer(out_addr + j * d * width, np.uint8)
+        for e in range(nbytes):
+            dst8[e] = src8[e]
+
+
+@kernel(inline=True)
+def _packed(start, slots):
+    """Prefix sums of the slots' row counts in place (start[k]: slot k's first packed row);
+    the chunk-heads with a row."""
+    chunks = 0
+    for k in range(slots):
+        chunks += start[k + 1] > 0
+        start[k + 1] += start[k]
+    return chunks
+
+
+@kernel(inline=True)
+def _setup(idx_addr, count_addr, list_addr, H, capc):
+    """The selection and the list as arrays, the slot count, and per slot: its first packed
+    row (start, a prefix sum once filled), its chunk's block and first row."""
+    slots = H * capc
+    return (address_as_pointer(idx_addr, np.uint32), address_as_pointer(count_addr, np.int32),
+            address_as_pointer(list_addr, np.int32), slots, np.zeros(slots + 1, np.int64),
+            np.empty(slots, np.int64), np.empty(slots, np.int64))
+
+
+@kernel(inf_safe=True, parallel=True)
+def _stage(idx_addr, count_addr, H, capc, C, length, page_ids, page_size, ppb, disk, addrs,
+           scales, code, d, list_addr, out_addr, write_list, stats):
+    """Copy the rows of the selected chunks' tokens that lie in disk blocks, packed head by
+    head in token order, to out_addr (int8 dequantized into float32), and (``write_list``)
+    each one's row of (H, capc * C) into the list; stats: rows, chunk-heads with one. On
+    Numba's threads, split by chunk, not by head (a head per thread used 8 of the host's
+    threads at most and waited for its slowest). Each parallel region takes the GIL to start
+    (Numba's gufunc wrapper), so the disk worker, which must never wait for the GIL, copies
+    with :func:`_stage_one`."""
+    idx, cnt, dest, slots, start, blks, rows = _setup(idx_addr, count_addr, list_addr, H, capc)
+    for k in numba.prange(slots):  # each slot's chunk located once
+        blks[k], rows[k], start[k + 1] = _disk_chunk(idx, cnt, k // capc, k % capc, capc, C,
+                                                     length, page_ids, page_size, ppb, H, disk)
+    chunks = _packed(start, slots)
+    for k in numba.prange(slots):
+        _copy_slot(k, blks, rows, start, C, addrs, scales, code, d, dest, out_addr, write_list)
+    stats[0] = start[slots]
+    stats[1] = chunks
+
+
+@kernel(inf_safe=True)
+def _stage_one(idx_addr, count_addr, H, capc, C, length, page_ids, page_size, ppb, disk, addrs,
+               scales, code, d, list_addr, out_addr, write_list, stats):
+    """:func:`_stage` on the calling thread alone (no parallel region: no GIL)."""
+    idx, cnt, dest, slots, start, blks, rows = _setup(idx_addr, count_addr, list_addr, H, capc)
+    for k in range(slots):
+        blks[k], rows[k], start[k + 1] = _disk_chunk(idx, cnt, k // capc, k % capc, capc, C,
+                                                     length, page_ids, page_size, ppb, H, disk)
+    chunks = _packed(start, slots)
+    for k in range(slots):
+        _copy_slot(k, blks, rows, start, C, addrs, scales, code, d, dest, out_addr, write_list)
+    stats[0] = start[slots]
+    stats[1] = chunks
+
+
+@kernel(inline=True)
+def _stage_tensor(threads, idx_addr, count_addr, H, capc, C, length, page_ids, page_size, ppb,
+                  disk, addrs, scales, code, d, list_addr, out_addr, write_list, stats):
+    if threads:
+        _stage(idx_addr, count_addr, H, capc, C, length, page_ids, page_size, ppb, disk, addrs,
+               scales, code, d, list_addr, out_addr, write_list, stats)
+    else:
+        _stage_one(idx_addr, count_addr, H, capc, C, length, page_ids, page_size, ppb, disk,
+                   addrs, scales, code, d, list_addr, out_addr, write_list, stats)
+
+
+@kernel()
+def _stage_request(ctl_addr, idx_addr, count_addr, H, capc, C, length, pages, page_size,
+                   list_addr, n_t, addrs0, disk0, scales0, ppb0, code0, d0, out0, addrs1, disk1,
+                   scales1, ppb1, code1, d1, out1, threads, stats):
+    """A request's rows (its first ``n_t`` tensors, up to two), their places and their number
+    (ctl[ROWS_WORD]), on Numba's threads (``threads``) or the calling one alone; the caller
+    releases the answer."""
+    stats[0] = 0
+    if n_t > 0:
+        _stage_tensor(threads, idx_addr, count_addr, H, capc, C, length, pages, page_size, ppb0,
+                      disk0, addrs0, scales0, code0, d0, list_addr, out0, True, stats)
+    if n_t > 1:
+        _stage_tensor(threads, idx_addr, count_addr, H, capc, C, length, pages, page_size, ppb1,
+                      disk1, addrs1, scales1, code1, d1, list_addr, out1, False, stats)
+    rows = address_as_pointer(ctl_addr + 8 * ROWS_WORD, np.int64)
+    rows[0] = stats[0]
+
+
+def stage(req: Request, stats: np.ndarray, threads: bool = True) -> None:
+    """Fill ``req``'s mailbox with its disk rows (the selection the device exported there):
+    the packed rows, their places (the list) and their number (ctl[ROWS_WORD]); ``threads``:
+    on Numba's threads, else on this thread alone (as the disk worker copies)."""
+    _stage_request(req.mail.ctl_addr, *_head_args(req), threads, stats)
+
+
+_NONE = np.zeros(0, np.int64)
+_NONE8 = np.zeros(0, np.uint8)
+
+
+def _head_args(req: Request) -> tuple:
+    """The arguments of :func:`_stage_request` after the mailbox's control word, for ``req``."""
+    mail, ts = req.mail, req.tensors
+    if not 1 <= len(ts) <= 2:
+        raise ValueError(f"a request stages one or two tensors, not {len(ts)}")
+    t1 = ts[1] if len(ts) > 1 else None
+    one = (ts[0].addrs, ts[0].disk, ts[0].scales, ts[0].ppb, ts[0].code, ts[0].dim, ts[0].out)
+    two = ((t1.addrs, t1.disk, t1.scales, t1.ppb, t1.code, t1.dim, t1.out) if t1 is not None
+           else (_NONE, _NONE8, _NONE, 1, 0, 0, 0))
+    return (mail.addrs[1], mail.addrs[2], mail.H, req.capc, mail.chunk, req.length, req.pages,
+            req.page_size, mail.addrs[3], len(ts), *one, *two)
+
+
