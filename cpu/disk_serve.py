@@ -55,8 +55,11 @@ SLOTS = 4096  # requests outstanding at most (a step of 32 layers posts 32)
 # request's arrival to its export, answers already exported when first polled
 POSTED, STOP, N_STEPS, N_ROWS, N_CHUNKS, N_BYTES, N_PASSED, COPY_NS, POLL_NS, N_LATE = range(10)
 RING_WORDS = 16
-SPIN_NS = 2_000_000  # polls back to back for 2 ms after the last answer, then naps of:
-NAP_US, IDLE_US = 20, 200  # a request pending (the device may be about to export) / none
+# Polls back to back for 2 ms after the last request's arrival or answer, then naps of NAP_US
+# while a request is pending (the device may be about to export it) or IDLE_US while none is;
+# after DOZE_NS without either, naps of DOZE_US (an idle process's worker wakes 500 times a s)
+SPIN_NS, DOZE_NS = 2_000_000, 1_000_000_000
+NAP_US, IDLE_US, DOZE_US = 20, 200, 2000
 
 
 @kernel(inline=True)
@@ -86,7 +89,7 @@ def _serve(ring, queue, ctl_addr, state_addr, stats):
         posted = load_acquire_i64(ctl_addr + 8 * POSTED)
         while taken < posted:
             pending[n] = queue[taken % SLOTS]
-            arrived[pending[n]] = monotonic_ns()
+            last = arrived[pending[n]] = monotonic_ns()
             polled[pending[n]] = 0
             n += 1
             taken += 1
@@ -121,7 +124,10 @@ def _serve(ring, queue, ctl_addr, state_addr, stats):
             n -= 1
             for j in range(k, n):
                 pending[j] = pending[j + 1]
-        if monotonic_ns() - last > SPIN_NS:
+        since = monotonic_ns() - last
+        if since > DOZE_NS:
+            sleep_us(DOZE_US)
+        elif since > SPIN_NS:
             sleep_us(NAP_US if n > 0 else IDLE_US)
 
 
@@ -241,7 +247,6 @@ def _ring_row(req: Request) -> tuple[np.ndarray, list]:
                                       scales.ctypes.data, scales.size, t.ppb, t.code, t.dim,
                                       t.out)
     return row, keep
-
 
 
 @kernel("void(int64, int64)")
