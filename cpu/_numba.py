@@ -235,3 +235,44 @@ def sleep_us(typingctx, us):
         return context.get_dummy_value()
 
     return types.void(us), codegen
+
+
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())  # Linux only
+FUTEX = _SYS_FUTEX is not None and platform.system() == "Linux"
+_FUTEX_WAIT, _FUTEX_WAKE = 128, 129  # FUTEX_WAIT / FUTEX_WAKE with FUTEX_PRIVATE_FLAG
+
+
+def _futex(builder, op: int, address, value):
+    i64 = ir.IntType(64)
+    fnty = ir.FunctionType(i64, [i64], var_arg=True)
+    fn = cgutils.get_or_insert_function(builder.module, fnty, "syscall")
+    ptr = builder.inttoptr(address, ir.IntType(32).as_pointer())
+    null = ir.Constant(ir.IntType(8).as_pointer(), None)
+    return builder.call(fn, [i64(_SYS_FUTEX or 0), ptr, ir.IntType(32)(op),
+                             builder.trunc(value, ir.IntType(32)), null])
+
+
+def _futex_intrinsic(op: int, name: str, doc: str):
+    """An intrinsic ``name(address, value)`` making the futex call ``op``."""
+    def typer(typingctx, address, value):
+        if not isinstance(address, types.Integer) or not isinstance(value, types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            val = builder.sext(args[1], ir.IntType(64)) if value.bitwidth < 64 else args[1]
+            _futex(builder, op, args[0], val)
+            return context.get_dummy_value()
+
+        return types.void(address, value), codegen
+
+    typer.__name__ = typer.__qualname__ = name
+    typer.__doc__ = doc
+    return intrinsic(typer)
+
+
+futex_wait = _futex_intrinsic(_FUTEX_WAIT, "futex_wait", """futex_wait(address, expected):
+sleep while the 32-bit word at ``address`` holds ``expected`` (its low 32 bits) until a
+:func:`futex_wake` (Linux ``futex``; no GIL). Returns at once if the word differs: a wake between
+the caller's read and this call is not lost. May return early (a signal).""")
+futex_wake = _futex_intrinsic(_FUTEX_WAKE, "futex_wake", """futex_wake(address, count): wake up
+to ``count`` threads in :func:`futex_wait` on ``address``.""")

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from ._numba import address_as_pointer, kernel
+from ._numba import (address_as_pointer, futex_wait, futex_wake, kernel, load_acquire_i64,
+                     store_release_i64)
 
 # Mailbox control words (int64): the request number the device exported, the one this thread
 # answered, a fault (1: the device's wait timed out, 2: this thread failed), the rows staged,
@@ -173,25 +174,115 @@ def _stage(idx_addr, count_addr, H, capc, C, length, page_ids, page_size, ppb, d
     stats[1] = chunks
 
 
-@kernel(inf_safe=True)
-def _stage_one(idx_addr, count_addr, H, capc, C, length, page_ids, page_size, ppb, disk, addrs,
-               scales, code, d, list_addr, out_addr, write_list, stats):
-    """:func:`_stage` on the calling thread alone (no parallel region: no GIL)."""
+@kernel(inline=True)
+def _located(idx_addr, count_addr, list_addr, H, capc, C, length, page_ids, page_size, ppb, disk):
+    """Each slot's chunk located on this thread, the packed rows' offsets: (list, slots,
+    start, blocks, first rows, chunk-heads with a row)."""
     idx, cnt, dest, slots, start, blks, rows = _setup(idx_addr, count_addr, list_addr, H, capc)
     for k in range(slots):
         blks[k], rows[k], start[k + 1] = _disk_chunk(idx, cnt, k // capc, k % capc, capc, C,
                                                      length, page_ids, page_size, ppb, H, disk)
-    chunks = _packed(start, slots)
+    return dest, slots, start, blks, rows, _packed(start, slots)
+
+
+@kernel(inf_safe=True)
+def _stage_one(idx_addr, count_addr, H, capc, C, length, page_ids, page_size, ppb, disk, addrs,
+               scales, code, d, list_addr, out_addr, write_list, stats):
+    """:func:`_stage` on the calling thread alone (no parallel region: no GIL)."""
+    dest, slots, start, blks, rows, chunks = _located(idx_addr, count_addr, list_addr, H, capc,
+                                                      C, length, page_ids, page_size, ppb, disk)
     for k in range(slots):
         _copy_slot(k, blks, rows, start, C, addrs, scales, code, d, dest, out_addr, write_list)
     stats[0] = start[slots]
     stats[1] = chunks
 
 
+# A copy team (the disk worker's helper threads, cpu.disk_serve): TEAM_WORDS int64 words. The
+# generation (its low 32 bits the futex word the helpers sleep on), stop, helpers; the task (a
+# tensor's located chunks: per-slot arrays' addresses and the copy's arguments); per helper its
+# slot range [lo, hi) and the last generation it finished.
+TEAM_GEN, TEAM_STOP, TEAM_N = 0, 1, 2
+(TASK_SLOTS, TASK_BLKS, TASK_ROWS, TASK_START, TASK_C, TASK_ADDRS, TASK_NADDRS, TASK_SCALES,
+ TASK_NSCALES, TASK_CODE, TASK_D, TASK_LIST, TASK_OUT, TASK_WRITE) = range(3, 17)
+TEAM_RANGES, TEAM_DONE, TEAM_MAX, TEAM_WORDS = 20, 52, 12, 64
+
+
 @kernel(inline=True)
-def _stage_tensor(threads, idx_addr, count_addr, H, capc, C, length, page_ids, page_size, ppb,
-                  disk, addrs, scales, code, d, list_addr, out_addr, write_list, stats):
-    if threads:
+def _team_copy(w, lo, hi):
+    """Slots [lo, hi) of the team's task (:func:`_copy_slot`)."""
+    n, C, code, d, out, write = (w[TASK_SLOTS], w[TASK_C], w[TASK_CODE], w[TASK_D], w[TASK_OUT],
+                                 w[TASK_WRITE] != 0)
+    blks = numba.carray(address_as_pointer(w[TASK_BLKS], np.int64), (n,))
+    rows = numba.carray(address_as_pointer(w[TASK_ROWS], np.int64), (n,))
+    start = numba.carray(address_as_pointer(w[TASK_START], np.int64), (n + 1,))
+    addrs = numba.carray(address_as_pointer(w[TASK_ADDRS], np.int64), (w[TASK_NADDRS],))
+    scales = numba.carray(address_as_pointer(w[TASK_SCALES], np.int64), (w[TASK_NSCALES],))
+    dest = address_as_pointer(w[TASK_LIST], np.int32)
+    for k in range(lo, hi):
+        _copy_slot(k, blks, rows, start, C, addrs, scales, code, d, dest, out, write)
+
+
+@kernel()
+def _help(team_addr, me):
+    """Helper ``me``'s loop (its own thread, no GIL): sleep on the generation word, copy its
+    range of each new task, say so; return when the team stops."""
+    w = numba.carray(address_as_pointer(team_addr, np.int64), (TEAM_WORDS,))
+    seen = load_acquire_i64(team_addr + 8 * (TEAM_DONE + me))  # a task posted before it ran
+    while load_acquire_i64(team_addr + 8 * TEAM_STOP) == 0:
+        g = load_acquire_i64(team_addr + 8 * TEAM_GEN)
+        if g == seen:
+            futex_wait(team_addr + 8 * TEAM_GEN, g)
+            continue
+        seen = g
+        _team_copy(w, w[TEAM_RANGES + 2 * me], w[TEAM_RANGES + 2 * me + 1])
+        store_release_i64(team_addr + 8 * (TEAM_DONE + me), g)
+
+
+@kernel(inf_safe=True)
+def _stage_team(team_addr, idx_addr, count_addr, H, capc, C, length, page_ids, page_size, ppb,
+                disk, addrs, scales, code, d, list_addr, out_addr, write_list, stats):
+    """:func:`_stage_one` with the copies split over the calling thread and the team's helpers
+    (by rows, about evenly): no parallel region, no GIL."""
+    _, slots, start, blks, rows, chunks = _located(idx_addr, count_addr, list_addr, H, capc, C,
+                                                   length, page_ids, page_size, ppb, disk)
+    w = numba.carray(address_as_pointer(team_addr, np.int64), (TEAM_WORDS,))
+    K = w[TEAM_N]
+    w[TASK_SLOTS], w[TASK_BLKS], w[TASK_ROWS], w[TASK_START] = (
+        slots, blks.ctypes.data, rows.ctypes.data, start.ctypes.data)
+    w[TASK_C], w[TASK_ADDRS], w[TASK_NADDRS] = C, addrs.ctypes.data, addrs.size
+    w[TASK_SCALES], w[TASK_NSCALES], w[TASK_CODE], w[TASK_D] = (
+        scales.ctypes.data, scales.size, code, d)
+    w[TASK_LIST], w[TASK_OUT], w[TASK_WRITE] = list_addr, out_addr, 1 if write_list else 0
+    lo = 0
+    for i in range(K + 1):  # part i: the slots before the (i + 1)-th share of the rows
+        hi = lo
+        want = start[slots] * (i + 1) // (K + 1)
+        while hi < slots and start[hi] < want:
+            hi += 1
+        if i == K:
+            hi = slots
+        w[TEAM_RANGES + 2 * i], w[TEAM_RANGES + 2 * i + 1] = lo, hi
+        lo = hi
+    g = w[TEAM_GEN] + 1
+    store_release_i64(team_addr + 8 * TEAM_GEN, g)
+    if K > 0:
+        futex_wake(team_addr + 8 * TEAM_GEN, K)
+    _team_copy(w, w[TEAM_RANGES + 2 * K], w[TEAM_RANGES + 2 * K + 1])
+    for i in range(K):
+        while load_acquire_i64(team_addr + 8 * (TEAM_DONE + i)) != g:
+            pass
+    stats[0] = start[slots]
+    stats[1] = chunks
+
+
+@kernel(inline=True)
+def _stage_tensor(threads, team_addr, idx_addr, count_addr, H, capc, C, length, page_ids,
+                  page_size, ppb, disk, addrs, scales, code, d, list_addr, out_addr,
+                  write_list, stats):
+    if team_addr != 0:
+        _stage_team(team_addr, idx_addr, count_addr, H, capc, C, length, page_ids, page_size,
+                    ppb, disk, addrs, scales, code, d, list_addr, out_addr, write_list, stats)
+    elif threads:
         _stage(idx_addr, count_addr, H, capc, C, length, page_ids, page_size, ppb, disk, addrs,
                scales, code, d, list_addr, out_addr, write_list, stats)
     else:
@@ -202,26 +293,27 @@ def _stage_tensor(threads, idx_addr, count_addr, H, capc, C, length, page_ids, p
 @kernel()
 def _stage_request(ctl_addr, idx_addr, count_addr, H, capc, C, length, pages, page_size,
                    list_addr, n_t, addrs0, disk0, scales0, ppb0, code0, d0, out0, addrs1, disk1,
-                   scales1, ppb1, code1, d1, out1, threads, stats):
+                   scales1, ppb1, code1, d1, out1, threads, team_addr, stats):
     """A request's rows (its first ``n_t`` tensors, up to two), their places and their number
-    (ctl[ROWS_WORD]), on Numba's threads (``threads``) or the calling one alone; the caller
-    releases the answer."""
+    (ctl[ROWS_WORD]): with a copy team (``team_addr``), on Numba's threads (``threads``) or on
+    the calling thread alone; the caller releases the answer."""
     stats[0] = 0
     if n_t > 0:
-        _stage_tensor(threads, idx_addr, count_addr, H, capc, C, length, pages, page_size, ppb0,
+        _stage_tensor(threads, team_addr, idx_addr, count_addr, H, capc, C, length, pages, page_size, ppb0,
                       disk0, addrs0, scales0, code0, d0, list_addr, out0, True, stats)
     if n_t > 1:
-        _stage_tensor(threads, idx_addr, count_addr, H, capc, C, length, pages, page_size, ppb1,
+        _stage_tensor(threads, team_addr, idx_addr, count_addr, H, capc, C, length, pages, page_size, ppb1,
                       disk1, addrs1, scales1, code1, d1, list_addr, out1, False, stats)
     rows = address_as_pointer(ctl_addr + 8 * ROWS_WORD, np.int64)
     rows[0] = stats[0]
 
 
-def stage(req: Request, stats: np.ndarray, threads: bool = True) -> None:
+def stage(req: Request, stats: np.ndarray, threads: bool = True, team_addr: int = 0) -> None:
     """Fill ``req``'s mailbox with its disk rows (the selection the device exported there):
-    the packed rows, their places (the list) and their number (ctl[ROWS_WORD]); ``threads``:
-    on Numba's threads, else on this thread alone (as the disk worker copies)."""
-    _stage_request(req.mail.ctl_addr, *_head_args(req), threads, stats)
+    the packed rows, their places (the list) and their number (ctl[ROWS_WORD]); with the copy
+    team at ``team_addr`` (as the disk worker copies), else on Numba's threads (``threads``)
+    or on this thread alone."""
+    _stage_request(req.mail.ctl_addr, *_head_args(req), threads, team_addr, stats)
 
 
 _NONE = np.zeros(0, np.int64)

@@ -8,14 +8,15 @@ layer's step it posts a :class:`Request` (the layer's tables as they are at that
 addresses in the worker's ring) and goes on building. On the device, the step's exchange kernel
 writes the selection into the layer's :class:`Mailbox` (pinned memory), stamps the request's
 number and waits; this thread, polling the mailboxes of its pending requests, copies the
-selected disk rows into the mailbox's row buffers, packed, with their places
-(:mod:`tiered.cpu.disk_copy`), and stamps the number back; the device's rows kernel then reads
+selected disk rows into the mailbox's row buffers, packed, with their places, together with
+helper threads of its own (:mod:`tiered.cpu.disk_copy`), and stamps the number back; the device's rows kernel then reads
 them in place. So the device waits for the copy of the disk rows it needs, layer by layer;
 nothing else waits.
 
 The worker never needs the GIL while the device may wait for it: from its first request it
 stays in one native loop (:func:`_serve`) that takes requests from the ring, polls, copies,
-answers and naps there. The host may hold the GIL while it waits for the device (MLX freeing
+answers and naps there; its helpers sleep on a futex between copies. Numba's own threads are
+not used: a Numba parallel region takes the GIL to start. The host may hold the GIL while it waits for the device (MLX freeing
 unified memory calls ``cudaFree``, which waits for the device's work, from an array's
 destructor); a worker that went back to Python for its next request, as an earlier one did,
 then waited for the GIL while the device waited for it, until the device gave up after 20 s
@@ -29,17 +30,24 @@ raises it at the layer's next step (tiered.step.disk_stage).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
 import numba
 import numpy as np
 
-from ._numba import (address_as_pointer, kernel, load_acquire_i64, monotonic_ns, sleep_us,
-                     store_release_i64)
+from ._numba import (FUTEX, address_as_pointer, futex_wake, kernel, load_acquire_i64,
+                     monotonic_ns, sleep_us, store_release_i64)
 from .disk_copy import (  # noqa: F401  (the control words and types: the names users import)
     ANSWERED, CTL_WORDS, EXPORTED, FAULT, FLOAT16, FLOAT32, INT8, ROWS_WORD, STATS_WORDS,
     WAITED_NS, Mailbox, Request, Tensor, _stage_request, stage)
+from .disk_copy import TEAM_GEN, TEAM_MAX, TEAM_N, TEAM_STOP, TEAM_WORDS, _help
+
+# Threads copying a request's rows: the worker and THREADS - 1 helpers of its own (not Numba's:
+# a Numba parallel region takes the GIL to start), sleeping on a futex between copies.
+# TIERED_DISK_THREADS; without futexes (not Linux) the worker alone.
+THREADS = int(os.environ.get("TIERED_DISK_THREADS", str(min(4, os.cpu_count() or 1))))
 
 
 # A request in the worker's ring: one int64 row (see DiskServer.post); per tensor (up to two)
@@ -73,13 +81,14 @@ def _u8(addr, n):
 
 
 @kernel()
-def _serve(ring, queue, ctl_addr, state_addr, stats):
+def _serve(ring, queue, ctl_addr, state_addr, team_addr, stats):
     """The worker's loop, without the GIL from the first request to :meth:`DiskServer.close`:
     take the requests the host posts (``queue[i % SLOTS]``: the ring row of the i-th, below
-    ``ctl[POSTED]``), poll their mailboxes, answer each request as the device exports it (rows, their places, their number, then the
-    release), pass over one whose mailbox shows a later request, free each slot (state 0).
-    Never returning to Python, it answers while the host holds the GIL, even in a call that
-    waits for the device. Returns when ``ctl[STOP]`` is set."""
+    ``ctl[POSTED]``), poll their mailboxes, answer each request as the device exports it (rows
+    copied with the team at ``team_addr``, their places, their number, then the release), pass
+    over one whose mailbox shows a later request, free each slot (state 0). Never returning to
+    Python, it answers while the host holds the GIL, even in a call that waits for the device.
+    Returns when ``ctl[STOP]`` is set."""
     tally = _i64(ctl_addr, RING_WORDS)
     pending = np.empty(SLOTS, np.int64)
     arrived = np.zeros(SLOTS, np.int64)
@@ -105,7 +114,7 @@ def _serve(ring, queue, ctl_addr, state_addr, stats):
                 t0 = monotonic_ns()
                 tally[POLL_NS] += t0 - arrived[pending[k]]
                 tally[N_LATE] += 1 if polled[pending[k]] == 0 else 0
-                _answer(r, stats)
+                _answer(r, team_addr, stats)
                 store_release_i64(r[F_CTL] + 8 * ANSWERED, r[F_JOB])
                 last = monotonic_ns()
                 tally[COPY_NS] += last - t0
@@ -132,7 +141,7 @@ def _serve(ring, queue, ctl_addr, state_addr, stats):
 
 
 @kernel(inline=True)
-def _answer(r, stats):
+def _answer(r, team_addr, stats):
     """Stage the rows of ring row ``r``'s request into its mailbox (:func:`_stage_request`)."""
     a, b = F_TENSORS, F_TENSORS + TENSOR_FIELDS
     stats[:] = 0
@@ -143,7 +152,7 @@ def _answer(r, stats):
                    r[a + T_DIM], r[a + T_OUT],
                    _i64(r[b + T_ADDRS], r[b + T_BLOCKS]), _u8(r[b + T_DISK], r[b + T_BLOCKS]),
                    _i64(r[b + T_SCALES], r[b + T_NSCALES]), r[b + T_PPB], r[b + T_CODE],
-                   r[b + T_DIM], r[b + T_OUT], False, stats)
+                   r[b + T_DIM], r[b + T_OUT], False, team_addr, stats)
 
 
 class DiskServer:
@@ -166,6 +175,9 @@ class DiskServer:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self.error: BaseException | None = None
+        self.team = np.zeros(TEAM_WORDS, np.int64)  # the copy team (cpu.disk_copy.TEAM_*)
+        self.team[TEAM_N] = min(TEAM_MAX, max(0, THREADS - 1)) if FUTEX else 0
+        self._helpers: list[threading.Thread] = []
 
     @property
     def counts(self) -> dict:
@@ -182,9 +194,14 @@ class DiskServer:
         row, keep = _ring_row(req)
         with self._lock:
             if self._thread is None:
+                team = self.team.ctypes.data
+                self._helpers = [threading.Thread(target=_help, args=(team, i), daemon=True,
+                                                  name=f"tiered-disk-rows-{i + 1}")
+                                 for i in range(int(self.team[TEAM_N]))]
                 self._thread = threading.Thread(target=self._run, name="tiered-disk-rows",
                                                 daemon=True)
-                self._thread.start()
+                for t in [*self._helpers, self._thread]:
+                    t.start()
             for s in [s for s in self._busy if self.state[s] == 0]:  # answered: let go
                 self._busy.discard(s)
                 self._held[s] = None
@@ -206,11 +223,16 @@ class DiskServer:
         store_release(self.ctl.ctypes.data + 8 * STOP, 1)
         if self._thread is not None:
             self._thread.join(timeout)
+        store_release(self.team.ctypes.data + 8 * TEAM_STOP, 1)
+        store_release(self.team.ctypes.data + 8 * TEAM_GEN, int(self.team[TEAM_GEN]) + 1)
+        _wake(self.team.ctypes.data + 8 * TEAM_GEN, TEAM_MAX)
+        for t in self._helpers:
+            t.join(timeout)
 
     def _run(self) -> None:
         try:
             _serve(self.ring, self.queue, self.ctl.ctypes.data, self.state.ctypes.data,
-                   np.zeros(STATS_WORDS, np.int64))
+                   self.team.ctypes.data, np.zeros(STATS_WORDS, np.int64))
         except BaseException as e:  # kept for the host; the device must not wait for us
             self.error = e
             while self.ctl[STOP] == 0:
@@ -254,6 +276,11 @@ def store_release(address, value):
     store_release_i64(address, value)
 
 
+@kernel("void(int64, int64)")
+def _wake(address, count):
+    futex_wake(address, count)
+
+
 SERVER = DiskServer()
 _warm: list = []
 
@@ -269,8 +296,10 @@ def warm() -> None:
         t = Tensor(addrs=z64, disk=z8, scales=z64, ppb=1, code=code, dim=1, out=mail.addrs[4])
         req = Request(job=1, mail=mail, capc=1, length=0, pages=z64, page_size=1, tensors=[t])
         stage(req, np.zeros(STATS_WORDS, np.int64))
-    ctl = np.zeros(RING_WORDS, np.int64)
-    ctl[STOP] = 1  # compiled, returns at once
+    ctl, team = np.zeros(RING_WORDS, np.int64), np.zeros(TEAM_WORDS, np.int64)
+    ctl[STOP] = team[TEAM_STOP] = 1  # compiled, returns at once
     _serve(np.zeros((SLOTS, FIELDS), np.int64), np.zeros(SLOTS, np.int64), ctl.ctypes.data,
-           np.zeros(SLOTS, np.int64).ctypes.data, np.zeros(STATS_WORDS, np.int64))
+           np.zeros(SLOTS, np.int64).ctypes.data, team.ctypes.data,
+           np.zeros(STATS_WORDS, np.int64))
+    _help(team.ctypes.data, 0)
     _warm.append(True)

@@ -14,7 +14,7 @@ import numba
 import numpy as np
 import pytest
 
-from tiered.cpu import disk_serve
+from tiered.cpu import disk_copy, disk_serve
 from tiered.cpu._numba import load_acquire_i64, monotonic_ns, store_release_i64
 from tiered.cpu.disk_serve import (ANSWERED, EXPORTED, FAULT, FLOAT16, FLOAT32, INT8, Mailbox,
                                    Request, Tensor)
@@ -50,8 +50,28 @@ def _store(rng, code, blocks=3):
     return data, scales, pages, ref
 
 
+def _team(helpers):
+    """A copy team of ``helpers`` threads (cpu.disk_copy._help) and a stop for it."""
+    team = np.zeros(disk_copy.TEAM_WORDS, np.int64)
+    team[disk_copy.TEAM_N] = helpers
+    threads = [threading.Thread(target=disk_copy._help, args=(team.ctypes.data, i), daemon=True)
+               for i in range(helpers)]
+    for t in threads:
+        t.start()
+
+    def stop():
+        disk_serve.store_release(team.ctypes.data + 8 * disk_copy.TEAM_STOP, 1)
+        disk_serve.store_release(team.ctypes.data + 8 * disk_copy.TEAM_GEN, team[0] + 1)
+        disk_serve._wake(team.ctypes.data + 8 * disk_copy.TEAM_GEN, helpers)
+        for t in threads:
+            t.join(5)
+        return not any(t.is_alive() for t in threads)
+    return team, stop
+
+
+@pytest.mark.parametrize("way", ["numba threads", "alone", "team of 3"])
 @pytest.mark.parametrize("code", [FLOAT16, FLOAT32, INT8])
-def test_staged_rows_are_the_disk_blocks_rows_of_the_selected_chunks(code):
+def test_staged_rows_are_the_disk_blocks_rows_of_the_selected_chunks(code, way):
     rng = np.random.default_rng(code)
     data, scales, pages, ref = _store(rng, code)
     disk = np.array([1, 0, 1], np.uint8)  # blocks 0 and 2 in the page file
@@ -64,8 +84,14 @@ def test_staged_rows_are_the_disk_blocks_rows_of_the_selected_chunks(code):
     mail.idx[:] = np.array([[5, 0, 2], [1, 5, 0]], np.uint32).ravel()
     mail.count[:] = [3, 2]  # head 1's third slot is not selected
     stats = np.zeros(disk_serve.STATS_WORDS, np.int64)
-    disk_serve.stage(Request(job=1, mail=mail, capc=capc, length=length, pages=pages,
-                             page_size=P, tensors=[tensor]), stats)
+    team, stop = _team(2) if way == "team of 3" else (None, None)
+    for _ in range(3 if team is not None else 1):  # a team's generations one after another
+        mail.rows["values"][:] = 0
+        disk_serve.stage(Request(job=1, mail=mail, capc=capc, length=length, pages=pages,
+                                 page_size=P, tensors=[tensor]), stats, way == "numba threads",
+                         0 if team is None else team.ctypes.data)
+    if team is not None:
+        assert stop()  # the helpers leave their loops
     rows = mail.rows["values"].reshape(-1, D)
     want = []  # (place, token), head by head in slot order
     for h in range(H):

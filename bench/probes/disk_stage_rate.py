@@ -1,7 +1,8 @@
 """How fast the disk-rows worker's copy runs (issue 62): ``tiered.cpu.disk_serve.stage`` on a
 1M-token run's request shape (8 kv heads, 256 chunk slots per head of 8 tokens, head_dim 128,
 float16 values), from RAM blocks and from a real page file (mapped in ahead, and fresh), on
-the calling thread alone (threads 0: the worker's way) and 1..N Numba threads, from the main thread and from a worker thread, alone and beside another
+the calling thread alone (threads 0), the disk worker's own team (threads -n: the worker's
+way) and 1..N Numba threads, from the main thread and from a worker thread, alone and beside another
 busy Numba parallel loop (the refresh worker's kind of load); where cupy finds a GPU, into a
 page-locked mailbox, alone and while a kernel polls the mailbox's answer word at system scope
 as the exchange kernel does (tiered.step.disk_stage) while the worker copies.
@@ -27,7 +28,7 @@ import common  # noqa: F401  (tiered before mlx)
 import numba
 import numpy as np
 
-from tiered.cpu import disk_serve
+from tiered.cpu import disk_copy, disk_serve
 from tiered.cpu.disk import PageFile
 from tiered.cpu.disk_serve import FLOAT16, Mailbox, Request, Tensor
 from tiered.cpu._numba import kernel
@@ -60,12 +61,12 @@ def requests(mail, tensor, blocks, rng, share):
     return make
 
 
-def timed(make, reps, stats, threads=True):
+def timed(make, reps, stats, threads=True, team=0):
     ts = []
     for _ in range(reps):
         r = make()
         t = time.perf_counter()
-        disk_serve.stage(r, stats, threads)
+        disk_serve.stage(r, stats, threads, team)
         ts.append(time.perf_counter() - t)
     return float(np.median(ts)), int(stats[0]) * D * 2
 
@@ -109,7 +110,7 @@ def gpu_rows(mail, row, make, threads):
                                                          cp.uint64(120 * 10**9)))
         time.sleep(0.05)
         row("page-locked, device polling", make, threads, "thread")
-        row("page-locked, device polling", make, max(1, threads // 4), "thread")
+        row("page-locked, device polling", make, 0, "thread")
         mail.ctl[1] = 1  # the answer: the kernel's loop ends
         stream.synchronize()
         wall = time.perf_counter() - t
@@ -118,6 +119,16 @@ def gpu_rows(mail, row, make, threads):
     finally:
         for b in bufs:
             cp.cuda.runtime.hostUnregister(b.ctypes.data)
+
+
+def team_of(threads):
+    """The disk worker's copy team: its address (the calling thread and threads - 1 helpers)."""
+    server = disk_serve.DiskServer()
+    server.team[disk_copy.TEAM_N] = threads - 1
+    for i in range(threads - 1):
+        threading.Thread(target=disk_copy._help, args=(server.team.ctypes.data, i),
+                         daemon=True).start()
+    return server
 
 
 def in_thread(fn):
@@ -162,10 +173,14 @@ def main():
     timed(make_ram, 2, stats)  # compile
     nmax = numba.config.NUMBA_NUM_THREADS
     counts = [0] + sorted({1, 2, 4, 8, nmax} & set(range(1, nmax + 1)))
+    counts += [-n for n in counts if n > 1 and n <= disk_copy.TEAM_MAX + 1]
 
-    def row(label, make, threads, where="main"):  # threads 0: this thread alone, as the worker
-        numba.set_num_threads(max(1, threads))
-        fn = (lambda: timed(make, args.reps, stats, threads > 0))
+    teams = {}
+
+    def row(label, make, threads, where="main"):  # threads 0: this thread alone; -n: the
+        numba.set_num_threads(max(1, threads))  # worker's team of n (the disk worker's way)
+        team = teams.setdefault(threads, team_of(-threads)).team.ctypes.data if threads < 0 else 0
+        fn = (lambda: timed(make, args.reps, stats, threads > 0, team))
         s, nbytes = fn() if where == "main" else in_thread(
             lambda: (numba.set_num_threads(max(1, threads)), fn())[1])
         print(f"{label:<34} threads {threads:>2} {where:<6} {1e3 * s:7.3f} ms  "
@@ -186,7 +201,7 @@ def main():
         row("page file, mapped in", make_disk, n)
     row("page file, mapped in", make_disk, nmax, "thread")
     try:
-        gpu_rows(mail, row, make_disk, 0)  # as the worker copies: on its own thread
+        gpu_rows(mail, row, make_disk, -disk_serve.THREADS)  # as the worker copies
     except Exception as e:  # noqa: BLE001  (a probe: the rows below still run)
         print(f"page-locked rows failed: {type(e).__name__}: {e}", flush=True)
     # a rival Numba team busy beside the worker (as the refresh worker's passes are)
@@ -201,7 +216,7 @@ def main():
     th = threading.Thread(target=rival, daemon=True)
     th.start()
     time.sleep(0.2)
-    row("mapped in, rival team busy", make_disk, 0, "thread")
+    row("mapped in, rival team busy", make_disk, -disk_serve.THREADS, "thread")
     row("mapped in, rival team busy", make_disk, nmax, "thread")
     row("mapped in, rival team busy", make_disk, max(1, nmax // 2), "thread")
     stop.set()
