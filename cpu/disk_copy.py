@@ -233,6 +233,8 @@ def _help(team_addr, me):
         if g == seen:
             futex_wait(team_addr + 8 * TEAM_GEN, g)
             continue
+        if load_acquire_i64(team_addr + 8 * TEAM_STOP) != 0:
+            break  # the generation of a stop (set before it), not a task
         seen = g
         _team_copy(w, w[TEAM_RANGES + 2 * me], w[TEAM_RANGES + 2 * me + 1])
         store_release_i64(team_addr + 8 * (TEAM_DONE + me), g)
