@@ -310,28 +310,71 @@ def _stage_request(ctl_addr, idx_addr, count_addr, H, capc, C, length, pages, pa
     rows[0] = stats[0]
 
 
+# A request as one int64 row (:func:`_ring_row`; the disk worker's ring holds them); per tensor (up
+# to two)
+# TENSOR_FIELDS words from F_TENSORS on
+(F_JOB, F_CTL, F_IDX, F_COUNT, F_H, F_CAPC, F_C, F_LENGTH, F_PAGES, F_NPAGES, F_PAGE_SIZE,
+ F_LIST, F_NT, F_TENSORS) = range(14)
+T_ADDRS, T_BLOCKS, T_DISK, T_SCALES, T_NSCALES, T_PPB, T_CODE, T_DIM, T_OUT = range(9)
+TENSOR_FIELDS = 9
+FIELDS = F_TENSORS + 2 * TENSOR_FIELDS
+@kernel(inline=True)
+def _i64(addr, n):
+    return numba.carray(address_as_pointer(addr, np.int64), (n,))
+
+
+@kernel(inline=True)
+def _u8(addr, n):
+    return numba.carray(address_as_pointer(addr, np.uint8), (n,))
+
+
+@kernel(inline=True)
+def _answer(r, threads, team_addr, stats):
+    """Stage the rows of request row ``r`` (:func:`_ring_row`) into its mailbox
+    (:func:`_stage_request`)."""
+    a, b = F_TENSORS, F_TENSORS + TENSOR_FIELDS
+    stats[:] = 0
+    _stage_request(r[F_CTL], r[F_IDX], r[F_COUNT], r[F_H], r[F_CAPC], r[F_C], r[F_LENGTH],
+                   _i64(r[F_PAGES], r[F_NPAGES]), r[F_PAGE_SIZE], r[F_LIST], r[F_NT],
+                   _i64(r[a + T_ADDRS], r[a + T_BLOCKS]), _u8(r[a + T_DISK], r[a + T_BLOCKS]),
+                   _i64(r[a + T_SCALES], r[a + T_NSCALES]), r[a + T_PPB], r[a + T_CODE],
+                   r[a + T_DIM], r[a + T_OUT],
+                   _i64(r[b + T_ADDRS], r[b + T_BLOCKS]), _u8(r[b + T_DISK], r[b + T_BLOCKS]),
+                   _i64(r[b + T_SCALES], r[b + T_NSCALES]), r[b + T_PPB], r[b + T_CODE],
+                   r[b + T_DIM], r[b + T_OUT], threads, team_addr, stats)
+
+
 def stage(req: Request, stats: np.ndarray, threads: bool = True, team_addr: int = 0) -> None:
     """Fill ``req``'s mailbox with its disk rows (the selection the device exported there):
     the packed rows, their places (the list) and their number (ctl[ROWS_WORD]); with the copy
     team at ``team_addr`` (as the disk worker copies), else on Numba's threads (``threads``)
     or on this thread alone."""
-    _stage_request(req.mail.ctl_addr, *_head_args(req), threads, team_addr, stats)
+    row, keep = _ring_row(req)
+    _answer(row, threads, team_addr, stats)
 
 
-_NONE = np.zeros(0, np.int64)
-_NONE8 = np.zeros(0, np.uint8)
-
-
-def _head_args(req: Request) -> tuple:
-    """The arguments of :func:`_stage_request` after the mailbox's control word, for ``req``."""
-    mail, ts = req.mail, req.tensors
+def _ring_row(req: Request) -> tuple[np.ndarray, list]:
+    """``req`` as a row of addresses and sizes (F_* and T_* above) and the arrays it points
+    into, to keep alive while the row may be read."""
+    ts = req.tensors
     if not 1 <= len(ts) <= 2:
         raise ValueError(f"a request stages one or two tensors, not {len(ts)}")
-    t1 = ts[1] if len(ts) > 1 else None
-    one = (ts[0].addrs, ts[0].disk, ts[0].scales, ts[0].ppb, ts[0].code, ts[0].dim, ts[0].out)
-    two = ((t1.addrs, t1.disk, t1.scales, t1.ppb, t1.code, t1.dim, t1.out) if t1 is not None
-           else (_NONE, _NONE8, _NONE, 1, 0, 0, 0))
-    return (mail.addrs[1], mail.addrs[2], mail.H, req.capc, mail.chunk, req.length, req.pages,
-            req.page_size, mail.addrs[3], len(ts), *one, *two)
-
-
+    mail = req.mail
+    pages = np.ascontiguousarray(req.pages, np.int64)
+    keep = [req, pages]
+    row = np.zeros(FIELDS, np.int64)
+    row[:F_TENSORS] = (req.job, mail.ctl_addr, mail.addrs[1], mail.addrs[2], mail.H, req.capc,
+                       mail.chunk, req.length, pages.ctypes.data, pages.size, req.page_size,
+                       mail.addrs[3], len(ts))
+    for j, t in enumerate(ts):
+        addrs = np.ascontiguousarray(t.addrs, np.int64)
+        disk = np.ascontiguousarray(t.disk, np.uint8)
+        scales = np.ascontiguousarray(t.scales, np.int64)
+        if disk.size < addrs.size or (t.code == INT8 and scales.size < addrs.size):
+            raise ValueError("a tensor's disk flags and scale blocks must cover its blocks")
+        keep += [addrs, disk, scales]
+        b = F_TENSORS + j * TENSOR_FIELDS
+        row[b : b + TENSOR_FIELDS] = (addrs.ctypes.data, addrs.size, disk.ctypes.data,
+                                      scales.ctypes.data, scales.size, t.ppb, t.code, t.dim,
+                                      t.out)
+    return row, keep

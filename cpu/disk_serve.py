@@ -34,15 +34,16 @@ import os
 import threading
 import time
 
-import numba
 import numpy as np
 
-from ._numba import (FUTEX, address_as_pointer, futex_wake, kernel, load_acquire_i64,
-                     monotonic_ns, sleep_us, store_release_i64)
+from ._numba import (FUTEX, futex_wake, kernel, load_acquire_i64, monotonic_ns, sleep_us,
+                     store_release_i64)
 from .disk_copy import (  # noqa: F401  (the control words and types: the names users import)
     ANSWERED, CTL_WORDS, EXPORTED, FAULT, FLOAT16, FLOAT32, INT8, ROWS_WORD, STATS_WORDS,
-    WAITED_NS, Mailbox, Request, Tensor, _stage_request, stage)
-from .disk_copy import TEAM_GEN, TEAM_MAX, TEAM_N, TEAM_STOP, TEAM_WORDS, _help
+    WAITED_NS, Mailbox, Request, Tensor, stage)
+from .disk_copy import (F_CTL, F_JOB, F_NT, F_TENSORS, FIELDS, T_CODE, T_DIM, TEAM_GEN,
+                        TEAM_MAX, TEAM_N, TEAM_STOP, TEAM_WORDS, TENSOR_FIELDS, _answer, _help,
+                        _i64, _ring_row)
 
 # Threads copying a request's rows: the worker and THREADS - 1 helpers of its own (not Numba's:
 # a Numba parallel region takes the GIL to start), sleeping on a futex between copies.
@@ -50,13 +51,6 @@ from .disk_copy import TEAM_GEN, TEAM_MAX, TEAM_N, TEAM_STOP, TEAM_WORDS, _help
 THREADS = int(os.environ.get("TIERED_DISK_THREADS", str(min(4, os.cpu_count() or 1))))
 
 
-# A request in the worker's ring: one int64 row (see DiskServer.post); per tensor (up to two)
-# TENSOR_FIELDS words from F_TENSORS on
-(F_JOB, F_CTL, F_IDX, F_COUNT, F_H, F_CAPC, F_C, F_LENGTH, F_PAGES, F_NPAGES, F_PAGE_SIZE,
- F_LIST, F_NT, F_TENSORS) = range(14)
-T_ADDRS, T_BLOCKS, T_DISK, T_SCALES, T_NSCALES, T_PPB, T_CODE, T_DIM, T_OUT = range(9)
-TENSOR_FIELDS = 9
-FIELDS = F_TENSORS + 2 * TENSOR_FIELDS
 SLOTS = 4096  # requests outstanding at most (a step of 32 layers posts 32)
 # The ring's control words: requests posted (the host's count, released), stop, the worker's
 # tallies: layer-steps answered, rows, chunk-heads, bytes, passed over, ns copying, ns from a
@@ -68,16 +62,6 @@ RING_WORDS = 16
 # after DOZE_NS without either, naps of DOZE_US (an idle process's worker wakes 500 times a s)
 SPIN_NS, DOZE_NS = 2_000_000, 1_000_000_000
 NAP_US, IDLE_US, DOZE_US = 20, 200, 2000
-
-
-@kernel(inline=True)
-def _i64(addr, n):
-    return numba.carray(address_as_pointer(addr, np.int64), (n,))
-
-
-@kernel(inline=True)
-def _u8(addr, n):
-    return numba.carray(address_as_pointer(addr, np.uint8), (n,))
 
 
 @kernel()
@@ -114,7 +98,7 @@ def _serve(ring, queue, ctl_addr, state_addr, team_addr, stats):
                 t0 = monotonic_ns()
                 tally[POLL_NS] += t0 - arrived[pending[k]]
                 tally[N_LATE] += 1 if polled[pending[k]] == 0 else 0
-                _answer(r, team_addr, stats)
+                _answer(r, False, team_addr, stats)
                 store_release_i64(r[F_CTL] + 8 * ANSWERED, r[F_JOB])
                 last = monotonic_ns()
                 tally[COPY_NS] += last - t0
@@ -138,21 +122,6 @@ def _serve(ring, queue, ctl_addr, state_addr, team_addr, stats):
             sleep_us(DOZE_US)
         elif since > SPIN_NS:
             sleep_us(NAP_US if n > 0 else IDLE_US)
-
-
-@kernel(inline=True)
-def _answer(r, team_addr, stats):
-    """Stage the rows of ring row ``r``'s request into its mailbox (:func:`_stage_request`)."""
-    a, b = F_TENSORS, F_TENSORS + TENSOR_FIELDS
-    stats[:] = 0
-    _stage_request(r[F_CTL], r[F_IDX], r[F_COUNT], r[F_H], r[F_CAPC], r[F_C], r[F_LENGTH],
-                   _i64(r[F_PAGES], r[F_NPAGES]), r[F_PAGE_SIZE], r[F_LIST], r[F_NT],
-                   _i64(r[a + T_ADDRS], r[a + T_BLOCKS]), _u8(r[a + T_DISK], r[a + T_BLOCKS]),
-                   _i64(r[a + T_SCALES], r[a + T_NSCALES]), r[a + T_PPB], r[a + T_CODE],
-                   r[a + T_DIM], r[a + T_OUT],
-                   _i64(r[b + T_ADDRS], r[b + T_BLOCKS]), _u8(r[b + T_DISK], r[b + T_BLOCKS]),
-                   _i64(r[b + T_SCALES], r[b + T_NSCALES]), r[b + T_PPB], r[b + T_CODE],
-                   r[b + T_DIM], r[b + T_OUT], False, team_addr, stats)
 
 
 class DiskServer:
@@ -244,33 +213,6 @@ class DiskServer:
                 time.sleep(0.001)
 
 
-def _ring_row(req: Request) -> tuple[np.ndarray, list]:
-    """``req`` as a ring row (addresses and sizes: F_* and T_* above) and the arrays it points
-    into, to keep alive while the worker may read them."""
-    ts = req.tensors
-    if not 1 <= len(ts) <= 2:
-        raise ValueError(f"a request stages one or two tensors, not {len(ts)}")
-    mail = req.mail
-    pages = np.ascontiguousarray(req.pages, np.int64)
-    keep = [req, pages]
-    row = np.zeros(FIELDS, np.int64)
-    row[:F_TENSORS] = (req.job, mail.ctl_addr, mail.addrs[1], mail.addrs[2], mail.H, req.capc,
-                       mail.chunk, req.length, pages.ctypes.data, pages.size, req.page_size,
-                       mail.addrs[3], len(ts))
-    for j, t in enumerate(ts):
-        addrs = np.ascontiguousarray(t.addrs, np.int64)
-        disk = np.ascontiguousarray(t.disk, np.uint8)
-        scales = np.ascontiguousarray(t.scales, np.int64)
-        if disk.size < addrs.size or (t.code == INT8 and scales.size < addrs.size):
-            raise ValueError("a tensor's disk flags and scale blocks must cover its blocks")
-        keep += [addrs, disk, scales]
-        b = F_TENSORS + j * TENSOR_FIELDS
-        row[b : b + TENSOR_FIELDS] = (addrs.ctypes.data, addrs.size, disk.ctypes.data,
-                                      scales.ctypes.data, scales.size, t.ppb, t.code, t.dim,
-                                      t.out)
-    return row, keep
-
-
 @kernel("void(int64, int64)")
 def store_release(address, value):
     store_release_i64(address, value)
@@ -290,12 +232,6 @@ def warm() -> None:
     the device's first wait is not a compile."""
     if _warm:
         return
-    z8, z64 = np.zeros(1, np.uint8), np.zeros(1, np.int64)
-    mail = Mailbox(1, 1, 1, {"values": 1}, {"values": FLOAT16}, lambda b: b.ctypes.data)
-    for code in (FLOAT16, FLOAT32, INT8):
-        t = Tensor(addrs=z64, disk=z8, scales=z64, ppb=1, code=code, dim=1, out=mail.addrs[4])
-        req = Request(job=1, mail=mail, capc=1, length=0, pages=z64, page_size=1, tensors=[t])
-        stage(req, np.zeros(STATS_WORDS, np.int64))
     ctl, team = np.zeros(RING_WORDS, np.int64), np.zeros(TEAM_WORDS, np.int64)
     ctl[STOP] = team[TEAM_STOP] = 1  # compiled, returns at once
     _serve(np.zeros((SLOTS, FIELDS), np.int64), np.zeros(SLOTS, np.int64), ctl.ctypes.data,
