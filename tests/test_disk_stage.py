@@ -122,17 +122,23 @@ def _device_exports(mail, job, idx, count):
     disk_serve.store_release(mail.ctl_addr + 8 * EXPORTED, job)
 
 
-def test_a_request_whose_step_never_ran_is_passed_over():
-    disk_serve.warm()  # compiled here, not in the worker while the test waits
-    rng = np.random.default_rng(3)
-    data, _, pages, ref = _store(rng, FLOAT32)
-    server = disk_serve.DiskServer()
-    mail = Mailbox(H, 2, C, {"values": D}, {"values": FLOAT32}, _address)
+def _served(code, seed):
+    """A mailbox of 2 chunk slots per head, a request's fields for it over a store whose blocks
+    all lie on disk (as a worker is posted them), the store's reference rows, and its blocks
+    (the request holds only their addresses: the caller keeps them alive)."""
+    data, _, pages, ref = _store(np.random.default_rng(seed), code)
+    mail = Mailbox(H, 2, C, {"values": D}, {"values": code}, _address)
     tensor = Tensor(addrs=np.array([b.ctypes.data for b in data], np.int64),
                     disk=np.ones(3, np.uint8), scales=np.zeros(0, np.int64), ppb=PPB,
-                    code=FLOAT32, dim=D, out=mail.addrs[4])
-    req = dict(mail=mail, capc=2, length=len(pages) * P, pages=pages, page_size=P,
-               tensors=[tensor])
+                    code=code, dim=D, out=mail.addrs[4])
+    return mail, dict(mail=mail, capc=2, length=len(pages) * P, pages=pages, page_size=P,
+                      tensors=[tensor]), ref, data
+
+
+def test_a_request_whose_step_never_ran_is_passed_over():
+    disk_serve.warm()  # compiled here, not in the worker while the test waits
+    server = disk_serve.DiskServer()
+    mail, req, ref, blocks = _served(FLOAT32, seed=3)
     server.post(Request(job=1, **req))  # built, never run on the device
     server.post(Request(job=2, **req))
     _device_exports(mail, 2, np.array([[1, 2], [0, 3]], np.uint32), [2, 1])
@@ -239,19 +245,12 @@ def _device_waits(ctl_addr, job, flags_addr, timeout_ns):
 
 def test_the_worker_answers_while_the_host_holds_the_gil():
     """The device waits inside a step for the worker; meanwhile the host may sit in a call that
-    holds the GIL and waits for the device (MLX freeing unified memory with cudaFree, which
-    waits for the device's work). A worker that needs the GIL to take a request or to answer
+    holds the GIL and waits for the device (one such call, read in MLX's CUDA allocator: freeing
+    unified memory with cudaFree, which waits for the device's work). A worker that needs the GIL to take a request or to answer
     one would hang both until the device gives up (20 s): it answers without the GIL."""
     disk_serve.warm()
-    rng = np.random.default_rng(5)
-    data, _, pages, ref = _store(rng, FLOAT16)
     server = disk_serve.DiskServer()
-    mail = Mailbox(H, 2, C, {"values": D}, {"values": FLOAT16}, _address)
-    tensor = Tensor(addrs=np.array([b.ctypes.data for b in data], np.int64),
-                    disk=np.ones(3, np.uint8), scales=np.zeros(0, np.int64), ppb=PPB,
-                    code=FLOAT16, dim=D, out=mail.addrs[4])
-    req = dict(mail=mail, capc=2, length=len(pages) * P, pages=pages, page_size=P,
-               tensors=[tensor])
+    mail, req, ref, blocks = _served(FLOAT16, seed=5)
     server.post(Request(job=1, **req))  # the worker started and idle
     _device_exports(mail, 1, np.array([[1, 2], [0, 3]], np.uint32), [2, 1])
     assert _answered(mail, 1)
