@@ -327,23 +327,24 @@ print(json.dumps([tiered.BLAS.status, best]))
 
 def test_import_order_does_not_matter_for_blas():
     """In a fresh process, mlx.core imported before tiered (the README Tour's `import mlx_lm,
-    tiered`) gets matmuls within 8x of tiered imported first: tiered rebinds MLX's BLAS (the
-    wheel's reference BLAS runs ~50x slower here: ~6 against ~350 GFLOP/s; 8x leaves room for
-    a CI run's other worker, which halved one process's figure: 135.7 against 275.4)."""
+    tiered`) gets matmuls within 2x of tiered imported first: tiered rebinds MLX's BLAS. Each
+    order runs in two processes, alternated, its best taken: a CI run's other worker once
+    halved a single process's figure (135.7 against 275.4 GFLOP/s)."""
     if not sys.platform.startswith("linux"):
         pytest.skip("BLAS loading is Linux-only")
     import json
 
     out = {}
-    for order in ("tiered-first", "mlx-first"):
+    for order in ("tiered-first", "mlx-first") * 2:
         r = subprocess.run([sys.executable, "-c", _GFLOPS, order], capture_output=True,
                            text=True, timeout=300)
         assert r.returncode == 0, r.stderr
-        out[order] = json.loads(r.stdout.strip().splitlines()[-1])
+        got = json.loads(r.stdout.strip().splitlines()[-1])
+        out[order] = max(out.get(order, got), got, key=lambda x: x[1])
     if out["tiered-first"][0] == "missing":
         pytest.skip("no optimized BLAS installed on this machine")
     assert out["mlx-first"][0] == "rebound", out
-    assert out["mlx-first"][1] >= out["tiered-first"][1] / 8, out
+    assert out["mlx-first"][1] >= out["tiered-first"][1] / 2, out
 
 
 @pytest.mark.slow  # ~27 s; the CLI's saves: tests/test_save_file.py, refusals: test_saved_fuzz
