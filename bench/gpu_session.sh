@@ -48,7 +48,7 @@ case "$step" in
     # Issue 62's pair on one machine: every page in RAM, then a 40 GB host budget (the rest in
     # the disk tier's page file). The token ids staged beside the wheels (million_tokens.npz).
     mkdir -p "${OUT:-/tmp/out}"; cd bench
-    for run in ram:80GB disk:40GB; do
+    for run in ${MILLION_RUNS:-ram:80GB disk:40GB}; do
       rm -rf /tmp/pages
       timeout "${MILLION_LIMIT:-280}" python3 million.py --model llama3-8b \
         --tokens-file /tmp/stage/million_tokens.npz --host-budget "${run#*:}" --no-host-keys \

@@ -101,7 +101,9 @@ def gpu_rows(mail, row, make, threads):
     try:
         row("mailbox page-locked", make, threads, "thread")
         polls = cp.zeros(1, cp.uint64)
-        word = cp.cuda.runtime.hostGetDevicePointer(mail.ctl.ctypes.data, 0) + 8  # ctl[1]
+        # ctl[1]; registered with unified addressing, the host address is the device's too
+        # (cupy's runtime module has no hostGetDevicePointer)
+        word = mail.ctl.ctypes.data + 8
         mail.ctl[1] = 0
         stream = cp.cuda.Stream(non_blocking=True)
         t = time.perf_counter()
