@@ -46,7 +46,8 @@ case "$step" in
     collect bench/results/decode_speed_gpu_llama3-8b.* ;;
   million)
     # Issue 62's pair on one machine: every page in RAM, then a 40 GB host budget (the rest in
-    # the disk tier's page file). The token ids staged beside the wheels (million_tokens.npz).
+    # the disk tier's page file; MILLION_RUNS="disk:40GB ram:80GB" swaps the order). The token
+    # ids staged beside the wheels: `bash bench/gpu_session.sh stage .device/million_tokens.npz`.
     mkdir -p "${OUT:-/tmp/out}"; cd bench
     for run in ${MILLION_RUNS:-ram:80GB disk:40GB}; do
       rm -rf /tmp/pages
