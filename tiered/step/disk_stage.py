@@ -27,7 +27,9 @@ compiled way's decode-equality test timed out (the device's 20-s wait for the wo
 now and then, did the worker's: the worker went back to Python between requests, and Numba's
 parallel copy takes the GIL to start, so a host holding the GIL while it waited for the device
 left both waiting. The worker now never takes the GIL (:mod:`tiered.cpu.disk_serve`; a CPU
-test holds the GIL through a device wait); not yet run on a GPU since.
+test holds the GIL through a device wait): on an H100 the three decode-equality cases then
+passed in four processes of four, and a 1M-token decode over the disk tier took 1.27-1.29x its
+time all in RAM (docs/million-tokens.md).
 """
 
 from __future__ import annotations
