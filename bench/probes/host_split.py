@@ -7,6 +7,10 @@ The timers cost ~0.3 us a call. Used by ``bench/decode_speed.py --host-split`` (
 only) and on its own with the zero kernels of bench/probes/device_python_local.py:
 
     python bench/probes/host_split.py --layers 32 --context 16384 --steps 40
+
+``--dispatcher`` hands the layers to tiered's dispatcher thread as on CUDA (refreshes then
+planned ahead on their worker, as there); that thread evaluates the fake kernels' graph on the
+same two cores, so the main thread's figures include its share of them.
 """
 
 from __future__ import annotations
@@ -150,6 +154,10 @@ def main():
     ap.add_argument("--async-eval", action="store_true",
                     help="keep mx.async_eval (the dispatcher thread evaluates the zero kernels' "
                     "graph on the CPU beside the main thread)")
+    ap.add_argument("--dispatcher", action="store_true",
+                    help="hand the layers to the dispatcher thread as on CUDA (its shared "
+                    "stream on the CPU device; refreshes then planned ahead on the worker): "
+                    "its evaluations and the main thread's drains are not counted")
     args = ap.parse_args()
     import mlx.core as mx
     import numpy as np
@@ -157,7 +165,12 @@ def main():
 
     import tiered.runtime.dispatch as dispatch
 
-    model, cache = fake_device_model(args.layers, args.context, no_async=not args.async_eval)
+    if args.dispatcher:
+        dispatch._cuda = lambda: True  # the dispatcher's shared stream, here on the CPU
+    model, cache = fake_device_model(args.layers, args.context,
+                                     no_async=not (args.async_eval or args.dispatcher))
+    if args.dispatcher:
+        mx.set_default_stream(dispatch.stream())  # as tiered's integration makes mlx-lm's
     split = HostSplit()
     in_eval = [0.0]
     plain_eval = dispatch.eval
@@ -168,6 +181,15 @@ def main():
         in_eval[0] += time.perf_counter() - t
 
     dispatch.eval = timed_eval
+    plain_drain = dispatch.drain
+
+    def timed_drain(*a, **k):  # the main thread waiting for the dispatcher's evaluations
+        t = time.perf_counter()
+        plain_drain(*a, **k)
+        in_eval[0] += time.perf_counter() - t
+
+    if args.dispatcher:
+        dispatch.drain = timed_drain
     y = mx.array([[1]])
     less = []
     for i in range(3 + args.steps):
