@@ -163,7 +163,7 @@ def main():
     import numpy as np
     from device_python_local import fake_device_model
 
-    import tiered.runtime.dispatch as dispatch
+    from tiered.runtime import dispatch
 
     if args.dispatcher:
         dispatch._cuda = lambda: True  # the dispatcher's shared stream, here on the CPU
