@@ -197,6 +197,18 @@ def _stage_one(idx_addr, count_addr, H, capc, C, length, page_ids, page_size, pp
     stats[1] = chunks
 
 
+@kernel(inline=True)
+def _i64(addr, n):
+    """The n int64 words at ``addr``."""
+    return numba.carray(address_as_pointer(addr, np.int64), (n,))
+
+
+@kernel(inline=True)
+def _u8(addr, n):
+    """The n bytes at ``addr``."""
+    return numba.carray(address_as_pointer(addr, np.uint8), (n,))
+
+
 # A copy team (the disk worker's helper threads, cpu.disk_serve): TEAM_WORDS int64 words. The
 # generation (its low 32 bits the futex word the helpers sleep on), stop, helpers; the task (a
 # tensor's located chunks: per-slot arrays' addresses and the copy's arguments); per helper its
@@ -212,11 +224,11 @@ def _team_copy(w, lo, hi):
     """Slots [lo, hi) of the team's task (:func:`_copy_slot`)."""
     n, C, code, d, out, write = (w[TASK_SLOTS], w[TASK_C], w[TASK_CODE], w[TASK_D], w[TASK_OUT],
                                  w[TASK_WRITE] != 0)
-    blks = numba.carray(address_as_pointer(w[TASK_BLKS], np.int64), (n,))
-    rows = numba.carray(address_as_pointer(w[TASK_ROWS], np.int64), (n,))
-    start = numba.carray(address_as_pointer(w[TASK_START], np.int64), (n + 1,))
-    addrs = numba.carray(address_as_pointer(w[TASK_ADDRS], np.int64), (w[TASK_NADDRS],))
-    scales = numba.carray(address_as_pointer(w[TASK_SCALES], np.int64), (w[TASK_NSCALES],))
+    blks = _i64(w[TASK_BLKS], n)
+    rows = _i64(w[TASK_ROWS], n)
+    start = _i64(w[TASK_START], n + 1)
+    addrs = _i64(w[TASK_ADDRS], w[TASK_NADDRS])
+    scales = _i64(w[TASK_SCALES], w[TASK_NSCALES])
     dest = address_as_pointer(w[TASK_LIST], np.int32)
     for k in range(lo, hi):
         _copy_slot(k, blks, rows, start, C, addrs, scales, code, d, dest, out, write)
@@ -226,7 +238,7 @@ def _team_copy(w, lo, hi):
 def _help(team_addr, me):
     """Helper ``me``'s loop (its own thread, no GIL): sleep on the generation word, copy its
     range of each new task, say so; return when the team stops."""
-    w = numba.carray(address_as_pointer(team_addr, np.int64), (TEAM_WORDS,))
+    w = _i64(team_addr, TEAM_WORDS)
     seen = load_acquire_i64(team_addr + 8 * (TEAM_DONE + me))  # a task posted before it ran
     while load_acquire_i64(team_addr + 8 * TEAM_STOP) == 0:
         g = load_acquire_i64(team_addr + 8 * TEAM_GEN)
@@ -247,7 +259,7 @@ def _stage_team(team_addr, idx_addr, count_addr, H, capc, C, length, page_ids, p
     (by rows, about evenly): no parallel region, no GIL."""
     _, slots, start, blks, rows, chunks = _located(idx_addr, count_addr, list_addr, H, capc, C,
                                                    length, page_ids, page_size, ppb, disk)
-    w = numba.carray(address_as_pointer(team_addr, np.int64), (TEAM_WORDS,))
+    w = _i64(team_addr, TEAM_WORDS)
     K = w[TEAM_N]
     w[TASK_SLOTS], w[TASK_BLKS], w[TASK_ROWS], w[TASK_START] = (
         slots, blks.ctypes.data, rows.ctypes.data, start.ctypes.data)
@@ -301,31 +313,24 @@ def _stage_request(ctl_addr, idx_addr, count_addr, H, capc, C, length, pages, pa
     the calling thread alone; the caller releases the answer."""
     stats[0] = 0
     if n_t > 0:
-        _stage_tensor(threads, team_addr, idx_addr, count_addr, H, capc, C, length, pages, page_size, ppb0,
-                      disk0, addrs0, scales0, code0, d0, list_addr, out0, True, stats)
+        _stage_tensor(threads, team_addr, idx_addr, count_addr, H, capc, C, length, pages,
+                      page_size, ppb0, disk0, addrs0, scales0, code0, d0, list_addr, out0, True,
+                      stats)
     if n_t > 1:
-        _stage_tensor(threads, team_addr, idx_addr, count_addr, H, capc, C, length, pages, page_size, ppb1,
-                      disk1, addrs1, scales1, code1, d1, list_addr, out1, False, stats)
+        _stage_tensor(threads, team_addr, idx_addr, count_addr, H, capc, C, length, pages,
+                      page_size, ppb1, disk1, addrs1, scales1, code1, d1, list_addr, out1, False,
+                      stats)
     rows = address_as_pointer(ctl_addr + 8 * ROWS_WORD, np.int64)
     rows[0] = stats[0]
 
 
-# A request as one int64 row (:func:`_ring_row`; the disk worker's ring holds them); per tensor (up
-# to two)
-# TENSOR_FIELDS words from F_TENSORS on
+# A request as one int64 row (:func:`_ring_row`; the disk worker's ring holds them); per tensor
+# (up to two) TENSOR_FIELDS words from F_TENSORS on
 (F_JOB, F_CTL, F_IDX, F_COUNT, F_H, F_CAPC, F_C, F_LENGTH, F_PAGES, F_NPAGES, F_PAGE_SIZE,
  F_LIST, F_NT, F_TENSORS) = range(14)
 T_ADDRS, T_BLOCKS, T_DISK, T_SCALES, T_NSCALES, T_PPB, T_CODE, T_DIM, T_OUT = range(9)
 TENSOR_FIELDS = 9
 FIELDS = F_TENSORS + 2 * TENSOR_FIELDS
-@kernel(inline=True)
-def _i64(addr, n):
-    return numba.carray(address_as_pointer(addr, np.int64), (n,))
-
-
-@kernel(inline=True)
-def _u8(addr, n):
-    return numba.carray(address_as_pointer(addr, np.uint8), (n,))
 
 
 @kernel(inline=True)
@@ -349,7 +354,7 @@ def stage(req: Request, stats: np.ndarray, threads: bool = True, team_addr: int 
     the packed rows, their places (the list) and their number (ctl[ROWS_WORD]); with the copy
     team at ``team_addr`` (as the disk worker copies), else on Numba's threads (``threads``)
     or on this thread alone."""
-    row, keep = _ring_row(req)
+    row, _keep = _ring_row(req)  # _keep: what the row's addresses point into, alive meanwhile
     _answer(row, threads, team_addr, stats)
 
 

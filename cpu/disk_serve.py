@@ -9,18 +9,18 @@ addresses in the worker's ring) and goes on building. On the device, the step's 
 writes the selection into the layer's :class:`Mailbox` (pinned memory), stamps the request's
 number and waits; this thread, polling the mailboxes of its pending requests, copies the
 selected disk rows into the mailbox's row buffers, packed, with their places, together with
-helper threads of its own (:mod:`tiered.cpu.disk_copy`), and stamps the number back; the device's rows kernel then reads
-them in place. So the device waits for the copy of the disk rows it needs, layer by layer;
-nothing else waits.
+helper threads of its own (:mod:`tiered.cpu.disk_copy`), and stamps the number back; the
+device's rows kernel then reads them in place. So the device waits for the copy of the disk
+rows it needs, layer by layer; nothing else waits.
 
 The worker never needs the GIL while the device may wait for it: from its first request it
 stays in one native loop (:func:`_serve`) that takes requests from the ring, polls, copies,
 answers and naps there; its helpers sleep on a futex between copies. Numba's own threads are
-not used: a Numba parallel region takes the GIL to start. The host may hold the GIL while it waits for the device (MLX freeing
-unified memory calls ``cudaFree``, which waits for the device's work, from an array's
-destructor); a worker that went back to Python for its next request, as an earlier one did,
-then waited for the GIL while the device waited for it, until the device gave up after 20 s
-(an H100 test's intermittent "no answer within 20 s").
+not used: a Numba parallel region takes the GIL to start. The host may hold the GIL while it
+waits for the device (MLX freeing unified memory calls ``cudaFree``, which waits for the
+device's work, from an array's destructor); a worker that went back to Python for its next
+request, as an earlier one did, then waited for the GIL while the device waited for it, until
+the device gave up after 20 s (an H100 test's intermittent "no answer within 20 s").
 
 A request whose step is never run (a graph built and dropped) is passed over when a later
 request's stamp reaches its mailbox. A failure in this thread is kept (:attr:`DiskServer.error`)
