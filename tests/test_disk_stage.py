@@ -246,8 +246,9 @@ def _device_waits(ctl_addr, job, flags_addr, timeout_ns):
 def test_the_worker_answers_while_the_host_holds_the_gil():
     """The device waits inside a step for the worker; meanwhile the host may sit in a call that
     holds the GIL and waits for the device (one such call, read in MLX's CUDA allocator: freeing
-    unified memory with cudaFree, which waits for the device's work). A worker that needs the GIL to take a request or to answer
-    one would hang both until the device gives up (20 s): it answers without the GIL."""
+    unified memory with cudaFree, which waits for the device's work). A worker that needs the
+    GIL to take a request or to answer one would hang both until the device gives up (20 s):
+    it answers without the GIL."""
     disk_serve.warm()
     server = disk_serve.DiskServer()
     mail, req, ref, blocks = _served(FLOAT16, seed=5)

@@ -2,8 +2,8 @@
 1M-token run's request shape (8 kv heads, 256 chunk slots per head of 8 tokens, head_dim 128,
 float16 values), from RAM blocks and from a real page file (mapped in ahead, and fresh), on
 the calling thread alone (threads 0), the disk worker's own team (threads -n: the worker's
-way) and 1..N Numba threads, from the main thread and from a worker thread, alone and beside another
-busy Numba parallel loop (the refresh worker's kind of load); where cupy finds a GPU, into a
+way) and 1..N Numba threads, from the main thread and from a worker thread, alone and beside
+another busy Numba parallel loop (the refresh worker's kind of load); where cupy finds a GPU, into a
 page-locked mailbox, alone and while a kernel polls the mailbox's answer word at system scope
 as the exchange kernel does (tiered.step.disk_stage) while the worker copies.
 
@@ -54,7 +54,8 @@ def requests(mail, tensor, blocks, rng, share):
 
     def make():
         for h in range(H):
-            mail.idx[h * CAPC:(h + 1) * CAPC] = np.sort(rng.choice(length // C, CAPC, replace=False))
+            mail.idx[h * CAPC:(h + 1) * CAPC] = np.sort(rng.choice(length // C, CAPC,
+                                                                    replace=False))
         mail.count[:] = int(CAPC * share)
         return Request(job=1, mail=mail, capc=CAPC, length=length, pages=pages, page_size=P,
                        tensors=[tensor])
@@ -161,8 +162,9 @@ def main():
         pf.append(blk)
         if b < blocks // 4 or b == 0:
             ram.append(blk)
-    print(f"page file: {blocks} blocks of {block_bytes / 2**20:.0f} MiB ({blocks * block_bytes / 2**30:.2f} "
-          f"GiB) written in {time.perf_counter() - t:.1f} s; Numba threads {numba.config.NUMBA_NUM_THREADS}", flush=True)
+    print(f"page file: {blocks} blocks of {block_bytes / 2**20:.0f} MiB "
+          f"({blocks * block_bytes / 2**30:.2f} GiB) written in {time.perf_counter() - t:.1f} s; "
+          f"Numba threads {numba.config.NUMBA_NUM_THREADS}", flush=True)
 
     def tensor(addrs, n):
         return Tensor(addrs=np.asarray(addrs, np.int64), disk=np.ones(n, np.uint8),
