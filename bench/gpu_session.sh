@@ -61,12 +61,12 @@ case "$step" in
   fourm)
     # Issue 62's 4M tokens on one H200 host (139 GB of HBM: the 1/8 tier of 4M tokens and the
     # weights do not fit an H100's 80 GB): int8 values, 80 GB of them in RAM, the rest (~55 GB)
-    # in the disk tier's page file, in one 10-minute call.
+    # in the disk tier's page file, in one 10-minute call. FOURM_EXTRA: more flags of million.py.
     mkdir -p "${OUT:-/tmp/out}"; cd bench; rm -rf /tmp/pages
     df -h /tmp | tail -1; free -g | sed -n 2p
     timeout "${FOURM_LIMIT:-570}" python3 million.py --model llama3-8b --tokens 4000000 \
       --tokens-file /tmp/stage/million_tokens.npz --host-dtype int8 --no-host-keys \
-      --host-budget 80GB --disk-dir /tmp/pages --decode-steps "${STEPS:-30}" --name million_4m \
+      --host-budget 80GB --disk-dir /tmp/pages --decode-steps "${STEPS:-30}" --name million_4m ${FOURM_EXTRA:-} \
       > "${OUT:-/tmp/out}/million_4m.log" 2>&1
     echo "4M rc=$?"; grep -h "^decode after\|^prefill:\|^| " "${OUT:-/tmp/out}/million_4m.log"
     collect results/million_4m.md results/million_4m.json ;;

@@ -164,6 +164,9 @@ def main(argv=None):
     p.add_argument("--prefill-window", type=int, default=16384)
     p.add_argument("--anchor", type=int, default=None, help="default: the chunk size")
     p.add_argument("--decode-steps", type=int, default=8)
+    p.add_argument("--cache-limit-gb", type=float, default=None,
+                   help="cap MLX's buffer cache (mx.set_cache_limit): freed prefill buffers "
+                        "otherwise stay cached, up to most of the card")
     p.add_argument("--tokens-file", help="read the document's token ids (.npz) instead of "
                    "tokenizing (machines without the embedded model's tokenizer)")
     p.add_argument("--write-tokens", help="only write the document's token ids to this .npz")
@@ -183,6 +186,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     for s_ in args.set:
         print(f"set {common.set_attribute(s_)}", flush=True)
+    if args.cache_limit_gb is not None:
+        mx.set_cache_limit(int(args.cache_limit_gb * 2**30))
     on_cpu = mx.default_device() == mx.cpu
     args.name = args.name or f"million_{'cpu' if on_cpu else 'gpu'}_{args.model}"
     args.chunk = args.chunk or (512 if on_cpu else 2048)
