@@ -3,10 +3,12 @@
 #   bash bench/gpu_session.sh stage .device/part-00     # carry that part; copies it to /tmp/stage
 #   bash bench/gpu_session.sh install                   # unpack the wheels, build the package tree
 #   bash bench/gpu_session.sh tests|kernels|decode|million|fourm|grid
-# Wheels: ../shared/tools/pack-wheels.sh-like parts of mlx, mlx-cuda-13, mlx-lm, faiss-cpu
-# (split -b 56M so that two parts travel), reassembled under /tmp/stage. The package is a tree
-# of symlinks (tiered/ with cpu/, metal/, scheduler/ as subpackages, as pyproject maps them),
-# so no build backend is needed offline. Results are copied to $OUT.
+# Wheels: ../shared/tools/pack-wheels.sh parts of mlx, mlx-cuda-13, mlx-lm, faiss-cpu (107 MB;
+# nanobind's wheel beside them for TIERED_NATIVE=1), cut again into two so that they travel in
+# two calls (`cat .device/part-* >/tmp/w.tar; rm .device/part-*; split -b 58M -d /tmp/w.tar
+# .device/part-`: a call carries 64 MiB with the tree), reassembled under /tmp/stage. The
+# package is a tree of symlinks (tiered/ with cpu/, metal/, scheduler/ as subpackages, as
+# pyproject maps them), so no build backend is needed offline. Results are copied to $OUT.
 set -uo pipefail
 step=${1:?usage: gpu_session.sh stage PART | install | tests | kernels | decode | million | fourm | grid}
 export PYTHONPATH=/tmp/pkg:/tmp/site
