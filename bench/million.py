@@ -165,8 +165,7 @@ def main(argv=None):
     p.add_argument("--anchor", type=int, default=None, help="default: the chunk size")
     p.add_argument("--decode-steps", type=int, default=8)
     p.add_argument("--cache-limit-gb", type=float, default=None,
-                   help="cap MLX's buffer cache (mx.set_cache_limit): freed prefill buffers "
-                        "otherwise stay cached, up to most of the card")
+                   help="cap MLX's cache of freed buffers (mx.set_cache_limit)")
     p.add_argument("--tokens-file", help="read the document's token ids (.npz) instead of "
                    "tokenizing (machines without the embedded model's tokenizer)")
     p.add_argument("--write-tokens", help="only write the document's token ids to this .npz")
