@@ -68,7 +68,8 @@ case "$step" in
     df -h /tmp | tail -1; free -g | sed -n 2p
     timeout "${FOURM_LIMIT:-570}" python3 million.py --model llama3-8b --tokens 4000000 \
       --tokens-file /tmp/stage/million_tokens.npz --host-dtype int8 --no-host-keys \
-      --host-budget 80GB --disk-dir /tmp/pages --decode-steps "${STEPS:-30}" --name million_4m ${FOURM_EXTRA:-} \
+      --host-budget 80GB --disk-dir /tmp/pages --decode-steps "${STEPS:-30}" --name million_4m \
+      ${FOURM_EXTRA:-} \
       > "${OUT:-/tmp/out}/million_4m.log" 2>&1
     echo "4M rc=$?"; grep -h "^decode after\|^prefill:\|^| " "${OUT:-/tmp/out}/million_4m.log"
     collect results/million_4m.md results/million_4m.json ;;
