@@ -32,6 +32,8 @@ import zlib
 
 import numpy as np
 
+from .mapping import Mapping
+
 ALIGN = mmap.ALLOCATIONGRANULARITY
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if sys.platform == "linux" else None)
 COPY_CHUNK = 64 << 20  # bytes per copy_file_range call
@@ -95,9 +97,9 @@ _FD_LIMIT_RAISED = False
 
 
 def raise_open_files_limit() -> int:
-    """Lift the soft limit on open files to the hard limit (once): every mapped block holds a
-    descriptor (Python's mmap keeps a duplicate), and a million-token document maps thousands.
-    Returns the soft limit now in force."""
+    """Lift the soft limit on open files to the hard limit (once): every page file holds a
+    descriptor (two a layer with int8 values, more for a model of many layers; its blocks'
+    mappings hold none, see :mod:`tiered.cpu.mapping`). Returns the soft limit now in force."""
     global _FD_LIMIT_RAISED
     import resource
 
@@ -190,7 +192,7 @@ class PageFile:
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         os.unlink(path)  # anonymous from now on
         self._lock = threading.Lock()
-        self.maps: list[mmap.mmap] = []
+        self.maps: list[Mapping] = []  # one a block, no descriptor each
         self.views: list[np.ndarray] = []
         self._populated = 0  # blocks mapped in by populate()
         self.crc: list[list[int]] = []  # per block, per page
@@ -198,11 +200,9 @@ class PageFile:
 
     def _map(self, index: int) -> np.ndarray:
         self.check_size(index + 1)  # mapped past the file's end, a read would be a SIGBUS
-        mm = mmap.mmap(self.fd, self.stride, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ,
-                       offset=index * self.stride)
-        view = np.frombuffer(mm, dtype=self.dtype, count=int(np.prod(self.block_shape)))
+        mm = Mapping(self.fd, self.stride, index * self.stride)
         self.maps.append(mm)
-        self.views.append(view.reshape(self.block_shape))
+        self.views.append(mm.array(self.dtype, self.block_shape))
         return self.views[-1]
 
     # ---- writes ----------------------------------------------------------------------------
@@ -238,8 +238,9 @@ class PageFile:
             except OSError as e:  # the RAM block is still held by the caller: nothing lost
                 os.ftruncate(self.fd, offset)
                 raise DiskTierError(e.errno, f"disk tier: cannot map block {index} of a page "
-                                    f"file in {self.directory!r} ({e.strerror}); with EMFILE "
-                                    "raise the open-files limit (ulimit -n) or host_budget") from None
+                                    f"file in {self.directory!r} ({e.strerror}); with ENOMEM "
+                                    "raise the mappings limit (vm.max_map_count) or "
+                                    "host_budget") from None
             self.crc.append([zlib.crc32(np.ascontiguousarray(block[p]).view(np.uint8))
                              for p in range(self.block_shape[0])])
             return index
@@ -294,10 +295,7 @@ class PageFile:
         page_bytes = self.block_bytes // self.block_shape[0]
         mm = self.maps[index]
         for s in slots:
-            try:
-                mm.madvise(mmap.MADV_WILLNEED, s * page_bytes - (s * page_bytes) % mmap.PAGESIZE,
-                           page_bytes + (s * page_bytes) % mmap.PAGESIZE)
-            except (OSError, ValueError, AttributeError):
+            if not mm.madvise(mmap.MADV_WILLNEED, s * page_bytes, page_bytes):
                 return
 
     def populate(self) -> int:
@@ -305,9 +303,7 @@ class PageFile:
         reads through the mapping then take no page faults. Returns the blocks done."""
         done = 0
         while MADV_POPULATE_READ is not None and self._populated < len(self.maps):
-            try:
-                self.maps[self._populated].madvise(MADV_POPULATE_READ)
-            except (OSError, ValueError, AttributeError):
+            if not self.maps[self._populated].madvise(MADV_POPULATE_READ):
                 return done
             self._populated += 1
             done += 1
@@ -317,9 +313,7 @@ class PageFile:
         """Unmap the pages reads touched: they stay in the page cache, out of the RSS."""
         self._populated = 0
         for mm in self.maps:
-            try:
-                mm.madvise(mmap.MADV_DONTNEED)
-            except (OSError, ValueError, AttributeError):
+            if not mm.madvise(mmap.MADV_DONTNEED):
                 return
 
     @property
@@ -385,13 +379,9 @@ class PageFile:
     # ---- lifetime --------------------------------------------------------------------------
     @staticmethod
     def _cleanup(fd, maps):
-        for mm in maps:
-            try:
-                mm.close()
-            except (BufferError, ValueError):
-                pass  # a numpy view still exports it; the mapping dies with the process
+        maps.clear()  # each block is unmapped once no view of it is left (tiered.cpu.mapping)
         try:
-            os.close(fd)
+            os.close(fd)  # the file lives on while a mapping of it does
         except OSError:
             pass
 
