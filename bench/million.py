@@ -150,6 +150,14 @@ def _pooled() -> int:
     return POOL.held_bytes()
 
 
+def _open_files() -> int | None:
+    """The process's open file descriptors (None where /proc is not there)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return None
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="embedded", choices=["embedded", "llama3-8b", "llama3-8b-2l"])
@@ -251,6 +259,7 @@ def main(argv=None):
         tb = cache.tier_bytes()
         samples.append({"tokens": done, "s": time.perf_counter() - t_start,
                         "rss": current_rss_bytes(), "transient": tb["transient"],
+                        "fds": _open_files(),
                         "accelerator": tb["accelerator"] - tb["transient"],
                         # the blocks allocated ahead for the prompt count as the tier's
                         "host": tb["host"] + _pooled(), "disk": tb["disk"],
@@ -342,6 +351,8 @@ def main(argv=None):
             ["host RSS (peak, process)", f"{peaks['host_rss_bytes'] / 2**30:.2f} GiB",
              f"{rss0 / 2**30:.2f} GiB before prefill", ""],
             ["disk tier", f"{peaks['disk_bytes'] / 2**30:.2f} GiB", "", ""],
+            ["open files (peak, process)", str(max((s["fds"] or 0) for s in samples)),
+             f"limit {resource.getrlimit(resource.RLIMIT_NOFILE)[0]}", ""],
             ["disk chunks read by the CPU (device path, per decode step)",
              f"{disk_read['bytes'] / max(1, args.decode_steps) / 2**20:.1f} MiB",
              f"{disk_read['chunks'] / max(1, args.decode_steps):.0f} chunk-heads in "
