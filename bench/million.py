@@ -15,9 +15,11 @@ the device memory in use, from NVML) and the disk tier's bytes.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import os
 import random
+import re
 import resource
 import sys
 import threading
@@ -150,12 +152,25 @@ def _pooled() -> int:
     return POOL.held_bytes()
 
 
+_FD_WARNED = []
+
+
 def _open_files() -> int | None:
-    """The process's open file descriptors (None where /proc is not there)."""
+    """The process's open file descriptors (None where /proc is not there). Past 80% of the
+    soft limit, once, what they are (their targets, numbers folded) goes to stderr: a run cut
+    by the limit then says what held them."""
     try:
-        return len(os.listdir("/proc/self/fd"))
+        fds = os.listdir("/proc/self/fd")
     except OSError:
         return None
+    if len(fds) > 0.8 * resource.getrlimit(resource.RLIMIT_NOFILE)[0] and not _FD_WARNED:
+        _FD_WARNED.append(True)
+        kinds = collections.Counter()
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                kinds[re.sub(r"\d+", "N", os.readlink(f"/proc/self/fd/{fd}"))] += 1
+        print(f"\n{len(fds)} open files: {kinds.most_common(6)}", file=sys.stderr, flush=True)
+    return len(fds)
 
 
 def main(argv=None):
