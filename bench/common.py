@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
 import os
 import platform
+import re
+import resource
 import shlex
 import sys
 import time
@@ -260,3 +264,24 @@ class Timer:
 
     def __exit__(self, *exc):
         self.s = time.perf_counter() - self.t
+
+
+_FD_WARNED = []
+
+
+def open_files() -> int | None:
+    """The process's open file descriptors (None where /proc is not there). Past 80% of the
+    soft limit, once, what they are (their targets, numbers folded) goes to stderr: a run cut
+    by the limit then says what held them."""
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return None
+    if len(fds) > 0.8 * resource.getrlimit(resource.RLIMIT_NOFILE)[0] and not _FD_WARNED:
+        _FD_WARNED.append(True)
+        kinds = collections.Counter()
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                kinds[re.sub(r"\d+", "N", os.readlink(f"/proc/self/fd/{fd}"))] += 1
+        print(f"\n{len(fds)} open files: {kinds.most_common(6)}", file=sys.stderr, flush=True)
+    return len(fds)

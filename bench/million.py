@@ -15,11 +15,9 @@ the device memory in use, from NVML) and the disk tier's bytes.
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import os
 import random
-import re
 import resource
 import sys
 import threading
@@ -29,8 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent / "probes"))  # helpers and probes
 
 import common  # noqa: F401  (tiered before mlx)
-from common import (RESULTS, figure, finish_axes, machine, md_table, save_figure,
-                    write_results)
+from common import (RESULTS, figure, finish_axes, machine, md_table, open_files,
+                    save_figure, write_results)
 from step_timers import StepTimers
 from streaming_cache import host_copy_rate
 
@@ -152,27 +150,6 @@ def _pooled() -> int:
     return POOL.held_bytes()
 
 
-_FD_WARNED = []
-
-
-def _open_files() -> int | None:
-    """The process's open file descriptors (None where /proc is not there). Past 80% of the
-    soft limit, once, what they are (their targets, numbers folded) goes to stderr: a run cut
-    by the limit then says what held them."""
-    try:
-        fds = os.listdir("/proc/self/fd")
-    except OSError:
-        return None
-    if len(fds) > 0.8 * resource.getrlimit(resource.RLIMIT_NOFILE)[0] and not _FD_WARNED:
-        _FD_WARNED.append(True)
-        kinds = collections.Counter()
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                kinds[re.sub(r"\d+", "N", os.readlink(f"/proc/self/fd/{fd}"))] += 1
-        print(f"\n{len(fds)} open files: {kinds.most_common(6)}", file=sys.stderr, flush=True)
-    return len(fds)
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="embedded", choices=["embedded", "llama3-8b", "llama3-8b-2l"])
@@ -274,7 +251,7 @@ def main(argv=None):
         tb = cache.tier_bytes()
         samples.append({"tokens": done, "s": time.perf_counter() - t_start,
                         "rss": current_rss_bytes(), "transient": tb["transient"],
-                        "fds": _open_files(),
+                        "fds": open_files(),
                         "accelerator": tb["accelerator"] - tb["transient"],
                         # the blocks allocated ahead for the prompt count as the tier's
                         "host": tb["host"] + _pooled(), "disk": tb["disk"],
