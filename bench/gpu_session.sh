@@ -70,8 +70,17 @@ case "$step" in
       --tokens-file /tmp/stage/million_tokens.npz --host-dtype int8 --no-host-keys \
       --host-budget 80GB --disk-dir /tmp/pages --decode-steps "${STEPS:-30}" --name million_4m \
       ${FOURM_EXTRA:-} \
-      > "${OUT:-/tmp/out}/million_4m.log" 2>&1
-    echo "4M rc=$?"; grep -h "^decode after\|^prefill:\|^| " "${OUT:-/tmp/out}/million_4m.log"
+      > "${OUT:-/tmp/out}/million_4m.log" 2>&1 &
+    run=$!
+    # its open files every 30 s, and what they are (a 4M run once stopped on the limit)
+    while kill -0 $run 2>/dev/null; do
+      sleep 30; py=$(pgrep -P $run | head -1); [ -n "$py" ] || continue
+      echo "$(date +%T) $(ls /proc/$py/fd 2>/dev/null | wc -l) open: $(ls -l /proc/$py/fd 2>/dev/null \
+        | awk 'NR>1{print $NF}' | sed 's/[0-9]\+/N/g' | sort | uniq -c | sort -rn | head -3 | tr -s ' \n' ' ')" \
+        >> "${OUT:-/tmp/out}/fourm_fds.log"
+    done
+    wait $run; echo "4M rc=$?"; tail -2 "${OUT:-/tmp/out}/fourm_fds.log"
+    grep -h "^decode after\|^prefill:\|^| " "${OUT:-/tmp/out}/million_4m.log"
     collect results/million_4m.md results/million_4m.json ;;
   grid)
     # The 16-bit accuracy grid (docs/accuracy-grid.md): GRID_PROCS processes on the one GPU, each
