@@ -79,7 +79,7 @@ case "$step" in
         | awk 'NR>1{print $NF}' | sed 's/[0-9]\+/N/g' | sort | uniq -c | sort -rn | head -3 | tr -s ' \n' ' ')" \
         >> "${OUT:-/tmp/out}/fourm_fds.log"
     done
-    wait $run; echo "4M rc=$?"; tail -2 "${OUT:-/tmp/out}/fourm_fds.log"
+    wait $run; echo "4M rc=$?"; tail -2 "${OUT:-/tmp/out}/fourm_fds.log" 2>/dev/null
     grep -h "^decode after\|^prefill:\|^| " "${OUT:-/tmp/out}/million_4m.log"
     collect results/million_4m.md results/million_4m.json ;;
   grid)

@@ -37,7 +37,6 @@ class Mapping:
     refuses (the errno of ``mmap``)."""
 
     __slots__ = ("__array_interface__", "address", "length")
-    address: int | None
 
     def __init__(self, fd: int, length: int, offset: int):
         if length <= 0 or offset < 0 or offset % mmap.ALLOCATIONGRANULARITY:
@@ -68,5 +67,5 @@ class Mapping:
         return _libc.madvise(self.address + start - lead, length + lead, advice) == 0
 
     def __del__(self):
-        if getattr(self, "address", None) is not None:  # None: the mmap call failed
+        if getattr(self, "address", None) is not None:  # unset: the mmap call failed
             _libc.munmap(self.address, self.length)
