@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import json
 import os
 import platform
-import re
 import resource
 import shlex
 import sys
@@ -278,10 +275,9 @@ def open_files() -> int | None:
     except OSError:
         return None
     if len(fds) > 0.8 * resource.getrlimit(resource.RLIMIT_NOFILE)[0] and not _FD_WARNED:
+        from tiered.cpu import open_files as of
+
         _FD_WARNED.append(True)
-        kinds = collections.Counter()
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                kinds[re.sub(r"\d+", "N", os.readlink(f"/proc/self/fd/{fd}"))] += 1
-        print(f"\n{len(fds)} open files: {kinds.most_common(6)}", file=sys.stderr, flush=True)
+        print(f"\n{len(fds)} open files: {of.kinds().most_common(6)}", file=sys.stderr,
+              flush=True)
     return len(fds)

@@ -32,6 +32,7 @@ import zlib
 
 import numpy as np
 
+from . import open_files
 from .mapping import Mapping
 
 ALIGN = mmap.ALLOCATIONGRANULARITY
@@ -65,6 +66,10 @@ def check_directory(directory: str, what: str = "disk tier directory",
             raise DiskTierError(e.errno, f"{what} {directory!r} is full ({free} "
                                 f"bytes free; {e.strerror or e}): free disk space there or "
                                 f"{fix}") from None
+        if e.errno in (errno.EMFILE, errno.ENFILE):
+            raise DiskTierError(e.errno, f"{what} {directory!r}: no file can be opened "
+                                f"({e.strerror}; {open_files.describe()}): raise the limit "
+                                "(`ulimit -n`, or the hard limit where it stops)") from None
         raise DiskTierError(
             e.errno or errno.EACCES,
             f"{what} {directory!r} is not writable ({e.strerror or e}); {fix}",
@@ -91,29 +96,6 @@ def _probe(directory: str) -> None:
         os.close(fd)
         if path is not None:
             os.remove(path)
-
-
-_FD_LIMIT_RAISED = False
-
-
-def raise_open_files_limit() -> int:
-    """Lift the soft limit on open files to the hard limit (once): every page file holds a
-    descriptor (two a layer with int8 values, more for a model of many layers; its blocks'
-    mappings hold none, see :mod:`tiered.cpu.mapping`). Returns the soft limit now in force."""
-    global _FD_LIMIT_RAISED
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if not _FD_LIMIT_RAISED:
-        _FD_LIMIT_RAISED = True
-        want = hard if hard != resource.RLIM_INFINITY else 1 << 20
-        if soft != resource.RLIM_INFINITY and soft < want:
-            try:
-                resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-                soft = want
-            except (ValueError, OSError):
-                pass
-    return soft
 
 
 def disk_room(directory: str | None, nbytes: int, budget=None) -> None:
@@ -180,7 +162,7 @@ class PageFile:
     """Append-only anonymous file of blocks; each block mapped read-only once written."""
 
     def __init__(self, directory: str, name: str, block_shape: tuple, dtype):
-        raise_open_files_limit()
+        open_files.raise_limit()
         self.block_shape = tuple(block_shape)
         self.dtype = np.dtype(dtype)
         self.block_bytes = int(np.prod(self.block_shape)) * self.dtype.itemsize
