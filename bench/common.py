@@ -270,14 +270,10 @@ def open_files() -> int | None:
     """The process's open file descriptors (None where /proc is not there). Past 80% of the
     soft limit, once, what they are (their targets, numbers folded) goes to stderr: a run cut
     by the limit then says what held them."""
-    try:
-        fds = os.listdir("/proc/self/fd")
-    except OSError:
-        return None
-    if len(fds) > 0.8 * resource.getrlimit(resource.RLIMIT_NOFILE)[0] and not _FD_WARNED:
-        from tiered.cpu import open_files as of
+    from tiered.cpu import open_files as of
 
+    n = of.count()
+    if n is not None and n > 0.8 * resource.getrlimit(resource.RLIMIT_NOFILE)[0] and not _FD_WARNED:
         _FD_WARNED.append(True)
-        print(f"\n{len(fds)} open files: {of.kinds().most_common(6)}", file=sys.stderr,
-              flush=True)
-    return len(fds)
+        print(f"\n{n} open files: {of.kinds().most_common(6)}", file=sys.stderr, flush=True)
+    return n

@@ -52,6 +52,15 @@ def raise_limit() -> int:
     return soft
 
 
+def count() -> int | None:
+    """How many descriptors are open (one listing, no lookups; None where /proc is not there
+    or nothing more can be opened)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return None
+
+
 def kinds() -> collections.Counter:
     """Open descriptors by target, numbers folded (``/dev/nvidiaN``, ``pipe:[N]``); empty
     where /proc is not there. At the limit the listing uses a descriptor held back for it
