@@ -1,0 +1,153 @@
+"""MLX's own CUDA kernels compiled side by side, before a cold machine's first prefill needs them.
+
+MLX compiles its JIT kernels (gathers, scatters) on the thread that first evaluates one, one at
+a time under a process-wide lock, and keeps each in its PTX disk cache
+(:func:`tiered.metal.nvrtc.cache_dir`). A module's name holds dtypes and the number of index
+arrays, not sizes, so a tiny op compiles the module a million-token step launches. On an H100
+that had run nothing, a 1M-token prefill of the Llama-3-8B shape waited for seven of them
+(~4.5 s each; docs/million-tokens.md): 12,020 tok/s against 20,563 on the same machine once
+they were cached. Seven small processes compiled those seven in 5.6 s together, against
+27.1 s one after another.
+
+:func:`start` (``TieredCache.for_model`` on CUDA) runs one small process per module that the
+device path launches and the cache lacks (:func:`modules`), each with its own
+``MLX_PTX_CACHE_DIR`` beside the cache, then moves what it wrote into the cache: the names
+file first, then the PTX, each by a rename, as :mod:`tiered.metal.ptx_cache` writes its own
+entries (MLX finds the PTX, then reads the names). Each entry is made under its lock file
+(:mod:`tiered.metal.ptx_claim`), so processes side by side make it once. The jobs join the PTX
+cache's pending compiles: the first graph tiered hands to MLX waits for them
+(:func:`tiered.metal.ptx_cache.settle`). A failure only warns (MLX then compiles as before);
+``TIERED_WARM_KERNELS=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import mlx.core as mx
+
+from . import ptx_cache, ptx_claim
+from .nvrtc import cache_dir
+
+TIMEOUT_S = 180.0  # one module's process (an MLX import and one NVRTC compile: ~3 s on an H100)
+_started: set = set()  # the dtypes started in this process
+_warned = threading.Event()
+
+# MLX module name -> the op that makes MLX compile it, per data dtype {d} (the model's, and
+# float16 for the host rows); the others are the scores (float32), codes (uint8) and ids.
+_OPS = {
+    "gather_{d}_int32_1": "x = mx.zeros((64, 8), {D}); mx.eval(x[mx.array([1, 2], mx.int32)])",
+    "gather_{d}_uint32_1": "x = mx.zeros((64, 8), {D}); mx.eval(x[mx.array([1, 2], mx.uint32)])",
+    "gather_{d}_int64_2": "x = mx.zeros((4, 8, 2), {D}); "
+                          "i = mx.array([1], mx.int64); mx.eval(x[i, i])",
+    "gather_axis_{d}_int32": "x = mx.zeros((4, 64), {D}); "
+                             "mx.eval(mx.take_along_axis(x, mx.zeros((4, 2), mx.int32), axis=1))",
+    "scatter_{d}_int64_Assign_2": "x = mx.zeros((4, 8, 2), {D}); i = mx.array([1], mx.int64); "
+                                  "x[i, i] = mx.ones((1, 2), {D}); mx.eval(x)",
+    "scatter_axis_{d}_int32_Assign": "x = mx.zeros((4, 64), {D}); mx.eval(mx.put_along_axis("
+                                     "x, mx.zeros((4, 2), mx.int32), mx.ones((4, 2), {D}), "
+                                     "axis=1))",
+}
+_FIXED = {  # (module, dtype) of the modules whose dtype is not the data's
+    "gather_axis_float32_int32": ("gather_axis_{d}_int32", "float32"),
+    "gather_axis_float32_uint32": ("gather_axis_{d}_int32", "float32"),
+    "gather_int64_int32_1": ("gather_{d}_int32_1", "int64"),
+    "scatter_axis_float32_int32_Assign": ("scatter_axis_{d}_int32_Assign", "float32"),
+    "scatter_axis_uint8_int32_Assign": ("scatter_axis_{d}_int32_Assign", "uint8"),
+    "scatter_axis_int32_int32_Assign": ("scatter_axis_{d}_int32_Assign", "int32"),
+}
+
+
+def enabled() -> bool:
+    return os.environ.get("TIERED_WARM_KERNELS", "1") != "0"
+
+
+def modules(dtype: str) -> dict[str, str]:
+    """MLX module name -> the Python that compiles it, for a model of ``dtype`` ("float16",
+    "bfloat16", "float32")."""
+    out = {}
+    for d in dict.fromkeys((dtype, "float16")):
+        for name, op in _OPS.items():
+            out[name.format(d=d)] = op.format(D=f"mx.{d}")
+    for name, (template, d) in _FIXED.items():
+        op = _OPS[template].format(D=f"mx.{d}")
+        if name.endswith("uint32"):
+            op = op.replace("mx.zeros((4, 2), mx.int32)", "mx.zeros((4, 2), mx.uint32)")
+        out[name] = op
+    return out
+
+
+def model_dtype(model) -> str | None:
+    """The floating dtype of ``model``'s first floating parameter (a quantized model's scales),
+    as MLX names it, or None."""
+    from mlx.utils import tree_flatten
+
+    for _, p in tree_flatten(model.parameters()):
+        if isinstance(p, mx.array) and p.dtype in (mx.float16, mx.bfloat16, mx.float32):
+            return str(p.dtype).rsplit(".", 1)[-1]
+    return None
+
+
+def start(dtype: str | None, root: Path | None = None, python: str | None = None) -> list:
+    """Compile the modules of :func:`modules` missing from MLX's PTX cache (``root``), each in
+    its own process, on the PTX cache's pool; their futures (the first settle waits for them).
+    Nothing where not on CUDA, turned off, or started for ``dtype`` before."""
+    from ._build import accelerator
+
+    if dtype is None or not enabled() or accelerator() != "cuda" or dtype in _started:
+        return []
+    _started.add(dtype)
+    root = cache_dir() if root is None else root
+    jobs = []
+    for name, op in modules(dtype).items():
+        entry = ptx_cache.ptx_path(name, root)
+        if entry.exists():
+            continue
+        with ptx_cache._lock:
+            if entry in ptx_cache._pending:
+                continue
+            job = ptx_cache._pending[entry] = ptx_cache._executor().submit(
+                _make, name, op, entry, root, python or sys.executable)
+        jobs.append(job)
+    return jobs
+
+
+def _make(name: str, op: str, entry: Path, root: Path, python: str) -> bool:
+    """One module in a process of its own, moved into the cache; False (with one warning)
+    where that failed."""
+    try:
+        with ptx_claim.held(entry):
+            if entry.exists():
+                return True  # another process made it while this one waited
+            root.mkdir(parents=True, exist_ok=True)
+            private = Path(tempfile.mkdtemp(prefix=".warm.", dir=root))
+            try:
+                env = dict(os.environ, MLX_PTX_CACHE_DIR=str(private))
+                subprocess.run([python, "-c", "import mlx.core as mx\n" + op], env=env,
+                               check=True, timeout=TIMEOUT_S, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE)
+                made = ptx_cache.ptx_path(name, private)
+                if not made.exists():
+                    raise RuntimeError(f"MLX wrote no {made.name} ({sorted(private.iterdir())})")
+                for suffix in (".txt", ".ptx", ".cu"):  # the names before the PTX
+                    src = made.with_suffix(suffix)
+                    if src.exists():
+                        os.replace(src, entry.with_suffix(suffix))
+                return True
+            finally:
+                shutil.rmtree(private, ignore_errors=True)
+    except Exception as e:  # noqa: BLE001 - never worse than MLX compiling it itself
+        if not _warned.is_set():
+            _warned.set()
+            detail = getattr(e, "stderr", b"") or b""
+            warnings.warn(f"tiered: MLX's kernel {name} was not compiled ahead ({e!r} "
+                          f"{detail.decode(errors='replace')[-300:]}); MLX compiles it when "
+                          "first needed", RuntimeWarning, stacklevel=2)
+        return False

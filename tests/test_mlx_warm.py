@@ -1,0 +1,86 @@
+"""MLX's own kernels compiled ahead in side processes (tiered.metal.mlx_warm): every op it runs
+is valid MLX; on CUDA each missing module is made in a process of its own and lands in the
+cache whole (names file and PTX) and nowhere else; a module that fails warns once and leaves
+nothing; modules already cached and dtypes already started make no process; the first settle
+waits for them; nothing starts off CUDA."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from tiered.metal import _build, mlx_warm, ptx_cache
+
+WRITE = """
+import os, pathlib, time
+d = pathlib.Path(os.environ["MLX_PTX_CACHE_DIR"])
+time.sleep(0.3)
+(d / "{name}.txt").write_text("{name}_kernel\\tmangled_{name}\\n")
+(d / "{name}.ptx").write_text("PTX of {name}")
+(d / "{name}.cu").write_text("source")
+"""
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_every_op_runs_in_mlx(dtype):
+    ops = mlx_warm.modules(dtype)
+    assert "gather_axis_float32_int32" in ops and f"gather_{dtype}_int32_1" in ops
+    assert "gather_float16_int32_1" in ops  # the host rows' dtype, whatever the model's
+    for name, op in ops.items():
+        exec(compile(op, name, "exec"), {"mx": mx})
+
+
+def test_model_dtype_is_the_first_floating_parameter():
+    import mlx.nn as nn
+
+    lin = nn.Linear(4, 4)
+    assert mlx_warm.model_dtype(lin) == "float32"
+    lin.set_dtype(mx.bfloat16)
+    assert mlx_warm.model_dtype(lin) == "bfloat16"
+    q = nn.QuantizedLinear(64, 64)
+    q.set_dtype(mx.float16)
+    assert mlx_warm.model_dtype(q) == "float16"  # the scales
+    assert mlx_warm.model_dtype(nn.Sequential()) is None
+
+
+def test_nothing_starts_off_cuda(tmp_path, monkeypatch):
+    monkeypatch.setattr(mlx_warm, "_started", set())
+    assert _build.accelerator() != "cuda"
+    assert mlx_warm.start("float16", root=tmp_path) == []
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_modules_are_made_aside_and_moved_in_whole(tmp_path, monkeypatch):
+    monkeypatch.setattr(_build, "accelerator", lambda: "cuda")
+    monkeypatch.setattr(mlx_warm, "_started", set())
+    monkeypatch.setattr(mlx_warm, "_warned", type(mlx_warm._warned)())
+    ops = {"mod_a": WRITE.format(name="mod_a"), "mod_b": WRITE.format(name="mod_b"),
+           "mod_cached": "raise SystemExit('must not run')",
+           "mod_bad": "raise SystemExit(3)", "mod_none": "pass"}
+    monkeypatch.setattr(mlx_warm, "modules", lambda dtype: ops)
+    (tmp_path / "mod_cached.ptx").write_text("old")
+    with pytest.warns(RuntimeWarning, match="was not compiled ahead") as caught:
+        jobs = mlx_warm.start("float16", root=tmp_path)
+        assert len(jobs) == 4  # not the cached one
+        assert all(p in ptx_cache._pending for p in (tmp_path / "mod_a.ptx",
+                                                     tmp_path / "mod_b.ptx"))
+        ptx_cache.settle()  # what tiered's first evaluation does
+    assert len(caught) == 1  # one warning for the two that failed
+    assert sorted(j.result() for j in jobs) == [False, False, True, True]
+    assert not ptx_cache._pending
+    for name in ("mod_a", "mod_b"):
+        assert (tmp_path / f"{name}.ptx").read_text() == f"PTX of {name}"
+        assert (tmp_path / f"{name}.txt").read_text() == f"{name}_kernel\tmangled_{name}\n"
+    assert (tmp_path / "mod_cached.ptx").read_text() == "old"
+    left = {p.name for p in tmp_path.iterdir()}
+    assert not any(n.startswith(".warm.") for n in left)  # the private directories are gone
+    assert not {"mod_bad.ptx", "mod_none.ptx", "mod_none.txt"} & left
+    assert mlx_warm.start("float16", root=tmp_path) == []  # once per dtype and process
+
+
+def test_turned_off(tmp_path, monkeypatch):
+    monkeypatch.setattr(_build, "accelerator", lambda: "cuda")
+    monkeypatch.setattr(mlx_warm, "_started", set())
+    monkeypatch.setenv("TIERED_WARM_KERNELS", "0")
+    assert mlx_warm.start("float16", root=tmp_path) == []
+    assert list(tmp_path.iterdir()) == []
