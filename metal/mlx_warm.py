@@ -98,10 +98,12 @@ def model_dtype(model) -> str | None:
 def start(dtype: str | None, root: Path | None = None, python: str | None = None) -> list:
     """Compile the modules of :func:`modules` missing from MLX's PTX cache (``root``), each in
     its own process, on the PTX cache's pool; their futures (the first settle waits for them).
-    Nothing where not on CUDA, turned off, or started for ``dtype`` before."""
-    from ._build import accelerator
+    Nothing where the default device is not a CUDA GPU, turned off, or started for ``dtype`` before."""
+    from ._build import _cuda_now
 
-    if dtype is None or not enabled() or accelerator() != "cuda" or dtype in _started:
+    # the device itself, not accelerator(): the tools and tests that fake the CUDA path on
+    # the CPU set that, and MLX on the CPU compiles nothing
+    if dtype is None or not enabled() or not _cuda_now() or dtype in _started:
         return []
     _started.add(dtype)
     root = cache_dir() if root is None else root

@@ -45,13 +45,14 @@ def test_model_dtype_is_the_first_floating_parameter():
 
 def test_nothing_starts_off_cuda(tmp_path, monkeypatch):
     monkeypatch.setattr(mlx_warm, "_started", set())
-    assert _build.accelerator() != "cuda"
+    monkeypatch.setattr(_build, "accelerator", lambda: "cuda")  # as the fake CUDA paths do
+    assert not _build._cuda_now()
     assert mlx_warm.start("float16", root=tmp_path) == []
     assert list(tmp_path.iterdir()) == []
 
 
 def test_modules_are_made_aside_and_moved_in_whole(tmp_path, monkeypatch):
-    monkeypatch.setattr(_build, "accelerator", lambda: "cuda")
+    monkeypatch.setattr(_build, "_cuda_now", lambda: True)
     monkeypatch.setattr(mlx_warm, "_started", set())
     monkeypatch.setattr(mlx_warm, "_warned", type(mlx_warm._warned)())
     ops = {"mod_a": WRITE.format(name="mod_a"), "mod_b": WRITE.format(name="mod_b"),
@@ -79,7 +80,7 @@ def test_modules_are_made_aside_and_moved_in_whole(tmp_path, monkeypatch):
 
 
 def test_turned_off(tmp_path, monkeypatch):
-    monkeypatch.setattr(_build, "accelerator", lambda: "cuda")
+    monkeypatch.setattr(_build, "_cuda_now", lambda: True)
     monkeypatch.setattr(mlx_warm, "_started", set())
     monkeypatch.setenv("TIERED_WARM_KERNELS", "0")
     assert mlx_warm.start("float16", root=tmp_path) == []
