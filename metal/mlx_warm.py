@@ -36,7 +36,7 @@ import mlx.core as mx
 from . import ptx_cache, ptx_claim
 from .nvrtc import cache_dir
 
-TIMEOUT_S = 180.0  # one module's process (an MLX import and one NVRTC compile: ~3 s on an H100)
+TIMEOUT_S = 90.0  # one module's process (an MLX import and one NVRTC compile: ~3 s on an H100)
 _started: set = set()  # the dtypes started in this process
 _warned = threading.Event()
 
