@@ -6,8 +6,8 @@ a time under a process-wide lock, and keeps each in its PTX disk cache
 arrays, not sizes, so a tiny op compiles the module a million-token step launches. On an H100
 that had run nothing, a 1M-token prefill of the Llama-3-8B shape waited for seven of them
 (~4.5 s each; docs/million-tokens.md): 12,020 tok/s against 20,563 on the same machine once
-they were cached. Seven small processes compiled those seven in 5.6 s together, against
-27.1 s one after another.
+they were cached. Seven small processes compiled seven such modules (six of those gathers and a
+scatter) in 5.6 s together, against 27.1 s one after another.
 
 :func:`start` (``TieredCache.for_model`` on CUDA) runs one small process per module that the
 device path launches and the cache lacks (:func:`modules`), each with its own
