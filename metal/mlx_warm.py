@@ -40,29 +40,30 @@ TIMEOUT_S = 90.0  # one module's process (an MLX import and one NVRTC compile: ~
 _started: set = set()  # the dtypes started in this process
 _warned = threading.Event()
 
-# MLX module name -> the op that makes MLX compile it, per data dtype {d} (the model's, and
-# float16 for the host rows); the others are the scores (float32), codes (uint8) and ids.
-_OPS = {
-    "gather_{d}_int32_1": "x = mx.zeros((64, 8), {D}); mx.eval(x[mx.array([1, 2], mx.int32)])",
-    "gather_{d}_uint32_1": "x = mx.zeros((64, 8), {D}); mx.eval(x[mx.array([1, 2], mx.uint32)])",
-    "gather_{d}_int64_2": "x = mx.zeros((4, 8, 2), {D}); "
-                          "i = mx.array([1], mx.int64); mx.eval(x[i, i])",
-    "gather_axis_{d}_int32": "x = mx.zeros((4, 64), {D}); "
-                             "mx.eval(mx.take_along_axis(x, mx.zeros((4, 2), mx.int32), axis=1))",
-    "scatter_{d}_int64_Assign_2": "x = mx.zeros((4, 8, 2), {D}); i = mx.array([1], mx.int64); "
-                                  "x[i, i] = mx.ones((1, 2), {D}); mx.eval(x)",
-    "scatter_axis_{d}_int32_Assign": "x = mx.zeros((4, 64), {D}); mx.eval(mx.put_along_axis("
-                                     "x, mx.zeros((4, 2), mx.int32), mx.ones((4, 2), {D}), "
-                                     "axis=1))",
-}
-_FIXED = {  # (module, dtype) of the modules whose dtype is not the data's
-    "gather_axis_float32_int32": ("gather_axis_{d}_int32", "float32"),
-    "gather_axis_float32_uint32": ("gather_axis_{d}_int32", "float32"),
-    "gather_int64_int32_1": ("gather_{d}_int32_1", "int64"),
-    "scatter_axis_float32_int32_Assign": ("scatter_axis_{d}_int32_Assign", "float32"),
-    "scatter_axis_uint8_int32_Assign": ("scatter_axis_{d}_int32_Assign", "uint8"),
-    "scatter_axis_int32_int32_Assign": ("scatter_axis_{d}_int32_Assign", "int32"),
-}
+# MLX module name -> the op that makes MLX compile it, with {D} the data dtype and {I} the
+# index dtype; {d} is the model's dtype, and float16 too (the host rows). The others: scores
+# (float32), codes (uint8), ids (int32, int64).
+_GATHER = "x = mx.zeros((64, 8), {D}); mx.eval(x[mx.zeros((2,), {I})])"
+_GATHER2 = "x = mx.zeros((4, 8, 2), {D}); i = mx.zeros((1,), {I}); mx.eval(x[i, i])"
+_AXIS = "x = mx.zeros((4, 64), {D}); mx.eval(mx.take_along_axis(x, mx.zeros((4, 2), {I}), axis=1))"
+_SCATTER2 = ("x = mx.zeros((4, 8, 2), {D}); i = mx.zeros((1,), {I}); "
+             "x[i, i] = mx.ones((1, 2), {D}); mx.eval(x)")
+_SCATTER_AXIS = ("x = mx.zeros((4, 64), {D}); mx.eval(mx.put_along_axis(x, mx.zeros((4, 2), {I}), "
+                 "mx.ones((4, 2), {D}), axis=1))")
+_MODULES = [  # (name, op, data dtype: None for the model's and float16, index dtype)
+    ("gather_{d}_int32_1", _GATHER, None, "int32"),
+    ("gather_{d}_uint32_1", _GATHER, None, "uint32"),
+    ("gather_{d}_int64_2", _GATHER2, None, "int64"),
+    ("gather_axis_{d}_int32", _AXIS, None, "int32"),
+    ("scatter_{d}_int64_Assign_2", _SCATTER2, None, "int64"),
+    ("scatter_axis_{d}_int32_Assign", _SCATTER_AXIS, None, "int32"),
+    ("gather_axis_{d}_int32", _AXIS, "float32", "int32"),
+    ("gather_axis_{d}_uint32", _AXIS, "float32", "uint32"),
+    ("gather_{d}_int32_1", _GATHER, "int64", "int32"),
+    ("scatter_axis_{d}_int32_Assign", _SCATTER_AXIS, "float32", "int32"),
+    ("scatter_axis_{d}_int32_Assign", _SCATTER_AXIS, "uint8", "int32"),
+    ("scatter_axis_{d}_int32_Assign", _SCATTER_AXIS, "int32", "int32"),
+]
 
 
 def enabled() -> bool:
@@ -73,14 +74,9 @@ def modules(dtype: str) -> dict[str, str]:
     """MLX module name -> the Python that compiles it, for a model of ``dtype`` ("float16",
     "bfloat16", "float32")."""
     out = {}
-    for d in dict.fromkeys((dtype, "float16")):
-        for name, op in _OPS.items():
-            out[name.format(d=d)] = op.format(D=f"mx.{d}")
-    for name, (template, d) in _FIXED.items():
-        op = _OPS[template].format(D=f"mx.{d}")
-        if name.endswith("uint32"):
-            op = op.replace("mx.zeros((4, 2), mx.int32)", "mx.zeros((4, 2), mx.uint32)")
-        out[name] = op
+    for name, op, data, index in _MODULES:
+        for d in dict.fromkeys((dtype, "float16")) if data is None else (data,):
+            out[name.format(d=d)] = op.format(D=f"mx.{d}", I=f"mx.{index}")
     return out
 
 
@@ -98,7 +94,8 @@ def model_dtype(model) -> str | None:
 def start(dtype: str | None, root: Path | None = None, python: str | None = None) -> list:
     """Compile the modules of :func:`modules` missing from MLX's PTX cache (``root``), each in
     its own process, on the PTX cache's pool; their futures (the first settle waits for them).
-    Nothing where the default device is not a CUDA GPU, turned off, or started for ``dtype`` before."""
+    Nothing where the default device is not a CUDA GPU, turned off, or started for ``dtype``
+    before."""
     from ._build import _cuda_now
 
     # the device itself, not accelerator(): the tools and tests that fake the CUDA path on
@@ -110,15 +107,17 @@ def start(dtype: str | None, root: Path | None = None, python: str | None = None
     jobs = []
     for name, op in modules(dtype).items():
         entry = ptx_cache.ptx_path(name, root)
-        if entry.exists():
-            continue
-        with ptx_cache._lock:
-            if entry in ptx_cache._pending:
-                continue
-            job = ptx_cache._pending[entry] = ptx_cache._executor().submit(
-                _make, name, op, entry, root, python or sys.executable)
-        jobs.append(job)
+        if not entry.exists():
+            jobs.append(ptx_cache.pending(entry, _make, name, op, entry, root,
+                                          python or sys.executable))
     return jobs
+
+
+def start_for(model) -> list:
+    """:func:`start` for ``model``'s dtype (read only where it can start)."""
+    from ._build import _cuda_now
+
+    return start(model_dtype(model)) if enabled() and _cuda_now() else []
 
 
 def _make(name: str, op: str, entry: Path, root: Path, python: str) -> bool:

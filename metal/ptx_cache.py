@@ -128,10 +128,16 @@ def request(name, input_names, output_names, source, header, inputs, output_dtyp
     if path.exists():
         return None
     ordinal = _ordinal()  # read on the caller's thread (MLX's default device is per thread)
+    return pending(path, _write, text, module, func, path, ordinal)
+
+
+def pending(path: Path, make, *args) -> Future:
+    """The job writing the entry ``path``: the one already pending, else ``make(*args)`` started
+    on the pool; :func:`settle` waits for it (:mod:`tiered.metal.mlx_warm` adds MLX's own)."""
     with _lock:
         got = _pending.get(path)
         if got is None:
-            got = _pending[path] = _executor().submit(_write, text, module, func, path, ordinal)
+            got = _pending[path] = _executor().submit(make, *args)
     return got
 
 

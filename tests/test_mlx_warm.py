@@ -85,3 +85,16 @@ def test_turned_off(tmp_path, monkeypatch):
     monkeypatch.setenv("TIERED_WARM_KERNELS", "0")
     assert mlx_warm.start("float16", root=tmp_path) == []
     assert list(tmp_path.iterdir()) == []
+
+
+def test_start_for_reads_the_model_dtype_only_where_it_can_start(monkeypatch):
+    import mlx.nn as nn
+
+    got = []
+    monkeypatch.setattr(mlx_warm, "start", lambda dtype: got.append(dtype) or ["job"])
+    monkeypatch.setattr(mlx_warm, "model_dtype", lambda m: got.append("read") or "bfloat16")
+    assert mlx_warm.start_for(nn.Linear(2, 2)) == [] and got == []  # this machine: no CUDA
+    monkeypatch.setattr(_build, "_cuda_now", lambda: True)
+    assert mlx_warm.start_for(nn.Linear(2, 2)) == ["job"] and got == ["read", "bfloat16"]
+    monkeypatch.setenv("TIERED_WARM_KERNELS", "0")
+    assert mlx_warm.start_for(nn.Linear(2, 2)) == [] and got == ["read", "bfloat16"]

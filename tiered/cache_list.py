@@ -92,7 +92,7 @@ def for_model(cls, model, gpu_budget=0.125, *, install: bool = True, tokenizer=N
         integration.install()
     if not cfg.exact:
         dispatch.share_streams()  # CUDA: decode steps dispatched from a second thread
-        mlx_warm.start(mlx_warm.model_dtype(model))  # CUDA: MLX's kernels compiled side by side
+        mlx_warm.start_for(model)  # CUDA: MLX's kernels compiled side by side
     base = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in layers]
     reused = _reused_whole(model, len(base))
     tiered, kept, reasons = [], [], {}
