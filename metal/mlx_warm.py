@@ -10,14 +10,17 @@ they were cached. Seven small processes compiled seven such modules (six of thos
 scatter) in 5.6 s together, against 27.1 s one after another.
 
 :func:`start` (``TieredCache.for_model`` on CUDA) runs one small process per module that the
-device path launches and the cache lacks (:func:`modules`), each with its own
-``MLX_PTX_CACHE_DIR`` beside the cache, then moves what it wrote into the cache: the names
-file first, then the PTX, each by a rename, as :mod:`tiered.metal.ptx_cache` writes its own
-entries (MLX finds the PTX, then reads the names). Each entry is made under its lock file
-(:mod:`tiered.metal.ptx_claim`), so processes side by side make it once. The jobs join the PTX
-cache's pending compiles: the first graph tiered hands to MLX waits for them
-(:func:`tiered.metal.ptx_cache.settle`). A failure only warns (MLX then compiles as before);
-``TIERED_WARM_KERNELS=0`` turns it off.
+device path launches and the cache lacks (:func:`modules`: the gathers and scatters, and the
+model's fused swiglu, which on a second cold H100 was the first evaluation's longest wait, 6.5
+s), each with its own ``MLX_PTX_CACHE_DIR`` beside the cache, then moves what it wrote into
+the cache: the names file first, then the PTX, each by a rename, as
+:mod:`tiered.metal.ptx_cache` writes its own entries (MLX finds the PTX, then reads the names).
+Each entry is made under its lock file (:mod:`tiered.metal.ptx_claim`), so processes side by
+side make it once. The prefill's modules join the PTX cache's pending compiles: the first graph
+tiered hands to MLX waits for them (:func:`tiered.metal.ptx_cache.settle`). The decode's are
+made once those are done, on a thread no settle waits for: a prompt does not wait for them
+(7.1 s for all twelve side by side on that H100), and a long prompt's decode finds them made.
+A failure only warns (MLX then compiles as before); ``TIERED_WARM_KERNELS=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import sys
 import tempfile
 import threading
 import warnings
+from concurrent import futures
 from pathlib import Path
 
 import mlx.core as mx
@@ -50,19 +54,31 @@ _SCATTER2 = ("x = mx.zeros((4, 8, 2), {D}); i = mx.zeros((1,), {I}); "
              "x[i, i] = mx.ones((1, 2), {D}); mx.eval(x)")
 _SCATTER_AXIS = ("x = mx.zeros((4, 64), {D}); mx.eval(mx.put_along_axis(x, mx.zeros((4, 2), {I}), "
                  "mx.ones((4, 2), {D}), axis=1))")
-_MODULES = [  # (name, op, data dtype: None for the model's and float16, index dtype)
-    ("gather_{d}_int32_1", _GATHER, None, "int32"),
-    ("gather_{d}_uint32_1", _GATHER, None, "uint32"),
-    ("gather_{d}_int64_2", _GATHER2, None, "int64"),
-    ("gather_axis_{d}_int32", _AXIS, None, "int32"),
-    ("scatter_{d}_int64_Assign_2", _SCATTER2, None, "int64"),
-    ("scatter_axis_{d}_int32_Assign", _SCATTER_AXIS, None, "int32"),
-    ("gather_axis_{d}_int32", _AXIS, "float32", "int32"),
-    ("gather_axis_{d}_uint32", _AXIS, "float32", "uint32"),
-    ("gather_{d}_int32_1", _GATHER, "int64", "int32"),
-    ("scatter_axis_{d}_int32_Assign", _SCATTER_AXIS, "float32", "int32"),
-    ("scatter_axis_{d}_int32_Assign", _SCATTER_AXIS, "uint8", "int32"),
-    ("scatter_axis_{d}_int32_Assign", _SCATTER_AXIS, "int32", "int32"),
+# mlx-lm's swiglu (Llama, Mistral, Qwen MLPs), an ``mx.compile``d function: MLX names its fused
+# module after the traced graph, the inputs' kinds and dtypes (f2 float16, V2 bfloat16, f4
+# float32) and a hash of its constants, never the shapes (``Compiled``'s kernel_lib_, the same
+# on every backend). On the cold H100 it was the first evaluation's longest wait (6.5 s).
+_SWIGLU = ("from mlx_lm.models.activations import swiglu; a = mx.zeros((2, 8), {D}); "
+           "b = mx.zeros((2, 8), {D}); mx.eval(swiglu(a, b))")
+_SWIGLU_NAME = ("C{k}ISigmoidAD{k}IBroadcastACE{k}IBroadcastCAF{k}IMultiplyDEG{k}IBroadcastFBH{k}"
+                "IBroadcastBFI{k}OMultiplyGH_VV_{k}{k}_6142509188972423790")
+_KINDS = {"float16": "f2", "bfloat16": "V2", "float32": "f4"}
+PREFILL, DECODE = "prefill", "decode"  # when a 1M-token run first launched the module
+_MODULES = [  # (name, op, data dtype: None for the model's and float16, "model" for the
+    # model's alone, index dtype, first needed)
+    ("gather_{d}_int32_1", _GATHER, None, "int32", PREFILL),
+    ("gather_{d}_uint32_1", _GATHER, None, "uint32", PREFILL),
+    ("gather_{d}_int64_2", _GATHER2, None, "int64", DECODE),
+    ("gather_axis_{d}_int32", _AXIS, None, "int32", PREFILL),
+    ("scatter_{d}_int64_Assign_2", _SCATTER2, None, "int64", DECODE),
+    ("scatter_axis_{d}_int32_Assign", _SCATTER_AXIS, None, "int32", DECODE),
+    ("gather_axis_{d}_int32", _AXIS, "float32", "int32", PREFILL),
+    ("gather_axis_{d}_uint32", _AXIS, "float32", "uint32", PREFILL),
+    ("gather_{d}_int32_1", _GATHER, "int64", "int32", PREFILL),
+    ("scatter_axis_{d}_int32_Assign", _SCATTER_AXIS, "float32", "int32", DECODE),
+    ("scatter_axis_{d}_int32_Assign", _SCATTER_AXIS, "uint8", "int32", DECODE),
+    ("scatter_axis_{d}_int32_Assign", _SCATTER_AXIS, "int32", "int32", DECODE),
+    ("{swiglu}", _SWIGLU, "model", None, PREFILL),
 ]
 
 
@@ -70,13 +86,18 @@ def enabled() -> bool:
     return os.environ.get("TIERED_WARM_KERNELS", "1") != "0"
 
 
-def modules(dtype: str) -> dict[str, str]:
+def modules(dtype: str, phase: str | None = None) -> dict[str, str]:
     """MLX module name -> the Python that compiles it, for a model of ``dtype`` ("float16",
-    "bfloat16", "float32")."""
+    "bfloat16", "float32"); ``phase``: only those a run first needs in it (:data:`PREFILL`,
+    :data:`DECODE`)."""
     out = {}
-    for name, op, data, index in _MODULES:
-        for d in dict.fromkeys((dtype, "float16")) if data is None else (data,):
-            out[name.format(d=d)] = op.format(D=f"mx.{d}", I=f"mx.{index}")
+    for name, op, data, index, first in _MODULES:
+        if phase is not None and first != phase:
+            continue
+        dtypes = {None: dict.fromkeys((dtype, "float16")), "model": (dtype,)}.get(data, (data,))
+        for d in dtypes:
+            full = name.format(d=d, swiglu=_SWIGLU_NAME.format(k=_KINDS.get(d, "?")))
+            out[full] = op.format(D=f"mx.{d}", I=f"mx.{index}")
     return out
 
 
@@ -104,13 +125,26 @@ def start(dtype: str | None, root: Path | None = None, python: str | None = None
         return []
     _started.add(dtype)
     root = cache_dir() if root is None else root
-    jobs = []
-    for name, op in modules(dtype).items():
-        entry = ptx_cache.ptx_path(name, root)
-        if not entry.exists():
-            jobs.append(ptx_cache.pending(entry, _make, name, op, entry, root,
-                                          python or sys.executable))
+    python = python or sys.executable
+    first, later = [], []
+    for phase, out in ((PREFILL, first), (DECODE, later)):
+        for name, op in modules(dtype, phase).items():
+            entry = ptx_cache.ptx_path(name, root)
+            if not entry.exists():
+                out.append((name, op, entry, root, python))
+    jobs = [ptx_cache.pending(job[2], _make, *job) for job in first]  # job[2]: its entry
+    if later:  # once the prefill's are made, on their own thread: no settle waits for them
+        threading.Thread(target=_after, args=(jobs, later), name="tiered-warm-decode",
+                         daemon=True).start()
     return jobs
+
+
+def _after(first: list, later: list) -> None:
+    """The decode's modules, side by side, once ``first`` (the prefill's jobs) are done: they
+    do not take cores from the modules a prefill waits for."""
+    futures.wait(first)
+    with futures.ThreadPoolExecutor(len(later), thread_name_prefix="tiered-warm") as pool:
+        list(pool.map(lambda job: _make(*job), later))
 
 
 def start_for(model) -> list:

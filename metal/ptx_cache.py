@@ -239,6 +239,16 @@ class CachedKernel:
                 self._ensure(template, inputs, launch["output_dtypes"], key)
         return self.kernel(**launch)
 
+    def prepare(self, inputs, output_dtypes, template=()) -> None:
+        """Start compiling the launch with ``inputs`` given as (dtype, ndim) pairs (what a
+        launch's key holds of its arrays), ``output_dtypes`` and ``template``, without
+        launching: a later launch of that signature finds it made or being made."""
+        if _state["enabled"]:
+            template, inputs = tuple(template or ()), tuple(tuple(i) for i in inputs)
+            key = (template, inputs, tuple(output_dtypes))
+            if key not in self.seen:
+                self._ensure(template, inputs, output_dtypes, key)
+
     def _ensure(self, template, inputs, output_dtypes, key) -> None:
         s = self.spec
         with _lock:

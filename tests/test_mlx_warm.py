@@ -2,9 +2,12 @@
 is valid MLX; on CUDA each missing module is made in a process of its own and lands in the
 cache whole (names file and PTX) and nowhere else; a module that fails warns once and leaves
 nothing; modules already cached and dtypes already started make no process; the first settle
-waits for them; nothing starts off CUDA."""
+waits for the prefill's, the decode's are made after them; the fused swiglu module is named as
+MLX names it; nothing starts off CUDA."""
 
 from __future__ import annotations
+
+import threading
 
 import mlx.core as mx
 import pytest
@@ -26,8 +29,26 @@ def test_every_op_runs_in_mlx(dtype):
     ops = mlx_warm.modules(dtype)
     assert "gather_axis_float32_int32" in ops and f"gather_{dtype}_int32_1" in ops
     assert "gather_float16_int32_1" in ops  # the host rows' dtype, whatever the model's
+    assert set(ops) == set(mlx_warm.modules(dtype, mlx_warm.PREFILL)) | set(
+        mlx_warm.modules(dtype, mlx_warm.DECODE))
     for name, op in ops.items():
         exec(compile(op, name, "exec"), {"mx": mx})
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_the_swiglu_module_is_named_as_mlx_names_it(dtype, tmp_path):
+    """MLX's CPU backend names its fused library after the same kernel_lib_ as CUDA's module
+    (mlx/compile.cpp), in its temporary directory: the name predicted is the one MLX made."""
+    import os
+    import subprocess
+    import sys
+
+    (name, op), = [(n, o) for n, o in mlx_warm.modules(dtype, mlx_warm.PREFILL).items()
+                   if "Sigmoid" in n]
+    subprocess.run([sys.executable, "-c", "import mlx.core as mx\n" + op], check=True,
+                   env=dict(os.environ, TMPDIR=str(tmp_path)), timeout=120)
+    made = {p.name for p in tmp_path.rglob("*.cpp")}
+    assert f"{name}_contiguous.cpp" in made, made
 
 
 def test_model_dtype_is_the_first_floating_parameter():
@@ -58,20 +79,29 @@ def test_modules_are_made_aside_and_moved_in_whole(tmp_path, monkeypatch):
     ops = {"mod_a": WRITE.format(name="mod_a"), "mod_b": WRITE.format(name="mod_b"),
            "mod_cached": "raise SystemExit('must not run')",
            "mod_bad": "raise SystemExit(3)", "mod_none": "pass"}
-    monkeypatch.setattr(mlx_warm, "modules", lambda dtype: ops)
+    later = {"mod_late": WRITE.format(name="mod_late")}
+    monkeypatch.setattr(mlx_warm, "modules",
+                        lambda dtype, phase=None: ops if phase == mlx_warm.PREFILL else later)
     (tmp_path / "mod_cached.ptx").write_text("old")
     with pytest.warns(RuntimeWarning, match="was not compiled ahead") as caught:
         jobs = mlx_warm.start("float16", root=tmp_path)
-        assert len(jobs) == 4  # not the cached one
+        assert len(jobs) == 4  # not the cached one, nor the decode's
         assert all(p in ptx_cache._pending for p in (tmp_path / "mod_a.ptx",
                                                      tmp_path / "mod_b.ptx"))
+        assert tmp_path / "mod_late.ptx" not in ptx_cache._pending  # no settle waits for it
         ptx_cache.settle()  # what tiered's first evaluation does
+        late = [t for t in threading.enumerate() if t.name == "tiered-warm-decode"]
+        assert len(late) == 1
+        late[0].join(60)
     assert len(caught) == 1  # one warning for the two that failed
     assert sorted(j.result() for j in jobs) == [False, False, True, True]
     assert not ptx_cache._pending
-    for name in ("mod_a", "mod_b"):
+    for name in ("mod_a", "mod_b", "mod_late"):
         assert (tmp_path / f"{name}.ptx").read_text() == f"PTX of {name}"
         assert (tmp_path / f"{name}.txt").read_text() == f"{name}_kernel\tmangled_{name}\n"
+    # the decode's module was made after the prefill's (their files' times)
+    assert (tmp_path / "mod_late.ptx").stat().st_mtime_ns >= max(
+        (tmp_path / f"{n}.ptx").stat().st_mtime_ns for n in ("mod_a", "mod_b"))
     assert (tmp_path / "mod_cached.ptx").read_text() == "old"
     left = {p.name for p in tmp_path.iterdir()}
     assert not any(n.startswith(".warm.") for n in left)  # the private directories are gone

@@ -12,6 +12,7 @@ import numpy as np
 from .layer.compressed import CompressedLayer
 from .layer.h2o_baseline import H2OBaselineLayer
 from .runtime import dispatch, ops
+from .step import compile_ahead
 
 log = logging.getLogger("tiered")
 
@@ -51,6 +52,7 @@ class ExactPhase:
             new_v = mx.zeros((B, H, size, values.shape[3]), values.dtype)
             if self.keys is None:
                 self.keys, self.values = new_k, new_v
+                compile_ahead.compression_kernels(self, keys, values)  # CUDA: compiled meanwhile
             else:
                 self.keys = mx.concatenate([self.keys[..., :prev, :], new_k], axis=2)
                 self.values = mx.concatenate([self.values[..., :prev, :], new_v], axis=2)

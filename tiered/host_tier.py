@@ -176,8 +176,7 @@ class HostTier:
         per layer."""
         g = self.geometry
         host = self.config.host
-        pages = max(1, -(-n // host.page_size))
-        ppb = min(MAX_PAGES_PER_BLOCK, 1 << (pages - 1).bit_length())
+        ppb = self._pages_per_block(n)
         return HostStore(
             g.kv_heads, g.k_dim, value_dim=g.v_dim, page_size=host.page_size,
             dtype=host.host_dtype, keys=host.host_keys, batch=g.batch, pages_per_block=ppb,
@@ -185,6 +184,19 @@ class HostTier:
             disk_dir=host.disk_dir, disk_budget=self.context.disk_budget,
             name=f"layer{self.layer}", unified=unified_step.wanted(self.config),
         )
+
+    def _pages_per_block(self, n: int) -> int:
+        """Pages per host block of a store made holding ``n`` tokens (:meth:`_new_host`)."""
+        pages = max(1, -(-n // self.config.host.page_size))
+        return min(MAX_PAGES_PER_BLOCK, 1 << (pages - 1).bit_length())
+
+    def compresses_with(self, chunk: int) -> int | None:
+        """The tokens this layer holds when it compresses, for a prompt fed ``chunk`` tokens at
+        a time from where it is (the prefill window's end, rounded up to a chunk), or None where
+        it does not compress at that point."""
+        window = self.config.prefill_window
+        n = self.offset + max(1, -(-(window + 1 - self.offset) // chunk)) * chunk
+        return n if self._compresses_at(n, chunk) else None
 
     def plan_host_pool(self, more: int, chunk: int) -> int:
         """Plan in the process's block pool (tiered.cpu.block_maker.BlockPool) the host
@@ -198,9 +210,8 @@ class HostTier:
             return self.host.plan_pool(tokens, prepare)
         if self.phase != "exact" or self.geometry is None or more <= 0:
             return 0
-        window = self.config.prefill_window
-        n = self.offset + max(1, -(-(window + 1 - self.offset) // chunk)) * chunk
-        if n > tokens or not self._compresses_at(n, chunk):
+        n = self.compresses_with(chunk)
+        if n is None or n > tokens:
             return 0
         return self._new_host(n).plan_pool(tokens, prepare)  # a store that holds nothing yet
 

@@ -66,6 +66,18 @@ def enabled() -> bool:
     return bool(ENABLED) and uva.available()
 
 
+_copy_kernel = None
+
+
+def copy_kernel():
+    """The ring's copy kernel (one per process): an address (1,) uint64 in, int32 out."""
+    global _copy_kernel
+    if _copy_kernel is None:
+        _copy_kernel = cuda_kernel(name="tiered_staged_copy", input_names=["addr"],
+                                   output_names=["out"], source=compact(_COPY))
+    return _copy_kernel
+
+
 class Ring:
     """The page-locked ring and the copies still reading it (see the module docstring)."""
 
@@ -79,8 +91,7 @@ class Ring:
         self.held: collections.deque = collections.deque()  # (start, end, out) in ring order
         self.addrs: dict[int, mx.array] = {}  # record start -> its address array
         self.lock = threading.Lock()
-        self.kernel = cuda_kernel(name="tiered_staged_copy", input_names=["addr"],
-                                  output_names=["out"], source=compact(_COPY))
+        self.kernel = copy_kernel()
 
     def upload(self, a: np.ndarray) -> mx.array:
         flat = np.ascontiguousarray(a, np.int32).reshape(-1)

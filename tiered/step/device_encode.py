@@ -75,20 +75,25 @@ def norms(codebook: mx.array) -> mx.array:
     return (cb * cb).sum(axis=-1)
 
 
+def kernel():
+    """The encoder (one per process; the kernel executor's tests reset ``_kernel``)."""
+    global _kernel
+    if _kernel is None:
+        _kernel = cuda_kernel(name="tiered_encode", input_names=["keys", "codebook", "norms"],
+                              output_names=["codes"], source=compact(_SOURCE))
+    return _kernel
+
+
 def encode(keys: mx.array, codebook: mx.array, sq_norms: mx.array, out_dtype) -> mx.array:
     """Codes (H, L, g) in ``out_dtype`` of keys (H, L, d) (any float dtype, read as float32)
     against ``codebook`` (H, Gc, c, ds) float32 with ``sq_norms`` from :func:`norms`: a decode
     token's, or a prompt chunk's (there the reference's MLX ops took ~20 ms of an H200's time
     per 2048-token chunk of a Llama-3-8B, most in an argmin over a (H, g, L, c) float32
     distance tensor; bench/probes/prefill_profile.py)."""
-    global _kernel
-    if _kernel is None:
-        _kernel = cuda_kernel(name="tiered_encode", input_names=["keys", "codebook", "norms"],
-                              output_names=["codes"], source=compact(_SOURCE))
     H, Gc, c, ds = codebook.shape
     L = keys.shape[1]
     g = keys.shape[-1] // ds
-    (codes,) = _kernel(
+    (codes,) = kernel()(
         inputs=[keys, codebook, sq_norms], output_shapes=[(H, L, g)], output_dtypes=[out_dtype],
         grid=(-(-H * L * g * 32 // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
         template=[("G", g), ("C", c), ("DS", ds), ("GC", Gc),

@@ -1,0 +1,70 @@
+"""The kernels a layer's compression first launches, compiled while its exact phase still runs.
+
+On CUDA each custom kernel is compiled at its first launch (:mod:`tiered.metal.ptx_cache`: on
+a pool of threads, the evaluation waiting for it). A prompt's layers compress at the end of the
+prefill window, and there the first launches came one evaluation after another: on an H100
+that had compiled nothing, a 1M-token prefill of the Llama-3-8B shape waited 1.4 s for the
+key encoder, then 4.0 s for the door, the upload ring's copy and the host-page write (side by
+side), 25 s into the run (``.device`` probe of 2026-12-07: compile log and stacks of the main
+thread). Their signatures are known from a layer's first prompt chunk: the model's dtype, the
+layout the layer will compress into (its codebook's shape), the host pages' geometry at that
+point. :func:`compression_kernels` requests them then; a prediction that misses costs one
+compile on a spare core, and the launch compiles as before.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..metal import ptx_cache
+from ..runtime import staging, uva
+from . import device_decode, device_encode
+
+_asked: set = set()  # signatures requested in this process (every layer has the same ones)
+
+
+def wanted() -> bool:
+    """On MLX's CUDA backend, with the PTX cache on."""
+    return uva.available() and ptx_cache._state["enabled"]
+
+
+def compression_kernels(layer, keys: mx.array, values: mx.array) -> int:
+    """Request the compiles of the launches ``layer`` (a TieredCache in its exact phase) makes
+    when it compresses, fed prompt chunks like ``keys`` / ``values`` (B, H, L, d); returns how
+    many signatures were new. Nothing off CUDA, or where the layer will not compress then."""
+    if not wanted() or keys.shape[2] <= 1:
+        return 0
+    n = layer.compresses_with(keys.shape[2])
+    plan = None if n is None else layer.context.layout_at(layer, n)
+    if plan is None or not plan.groups:
+        return 0
+    host = layer.config.host
+    H, dk, dv = keys.shape[1], keys.shape[3], values.shape[3]
+    sig = (keys.dtype, values.dtype, H, dk, dv, n, plan.groups, plan.centroids,
+           plan.per_group, host.page_size, host.host_dtype, host.host_keys)
+    if sig in _asked:
+        return 0
+    _asked.add(sig)
+    int32 = (mx.int32, 1)
+    # the door: each prompt chunk's keys and values, the flag so far, the chunk's start
+    device_decode._kernel("door").prepare(
+        [(keys.dtype, 4), (values.dtype, 4), int32, int32], [mx.int32])
+    # the codes of the exact tokens: keys (H, L, d) against the codebook (H, Gc, c, ds)
+    g, c = plan.groups, plan.centroids
+    code = mx.uint8 if c <= 256 else mx.uint16
+    if c <= device_encode.MAX_CENTROIDS:
+        device_encode.kernel().prepare(
+            [(keys.dtype, 3), (mx.float32, 4), (mx.float32, 3)], [code],
+            [("G", g), ("C", c), ("DS", dk // g), ("GC", g if plan.per_group else 1),
+             ("OutT", code)])
+    # the tokens' writes into the host pages (float host values; int8 goes through device_q8)
+    if host.host_dtype != "int8":
+        dtype = device_decode.host_mx_dtype(host.host_dtype)
+        ppb = layer._pages_per_block(n)
+        for d in (dv,) + ((dk,) if host.host_keys else ()):
+            device_decode._kernel("write").prepare(
+                [(dtype, 3), int32, int32, (mx.uint64, 1), int32], [mx.int32],
+                [("H", H), ("P", host.page_size), ("PPB", ppb), ("ROW_BYTES", d * dtype.size)])
+    if staging.enabled():  # the page tables' and addresses' uploads
+        staging.copy_kernel().prepare([(mx.uint64, 1)], [mx.int32])
+    return 1
