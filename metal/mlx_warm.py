@@ -57,9 +57,11 @@ _SCATTER_AXIS = ("x = mx.zeros((4, 64), {D}); mx.eval(mx.put_along_axis(x, mx.ze
 # mlx-lm's swiglu (Llama, Mistral, Qwen MLPs), an ``mx.compile``d function: MLX names its fused
 # module after the traced graph, the inputs' kinds and dtypes (f2 float16, V2 bfloat16, f4
 # float32) and a hash of its constants, never the shapes (``Compiled``'s kernel_lib_, the same
-# on every backend). On the cold H100 it was the first evaluation's longest wait (6.5 s).
-_SWIGLU = ("from mlx_lm.models.activations import swiglu; a = mx.zeros((2, 8), {D}); "
-           "b = mx.zeros((2, 8), {D}); mx.eval(swiglu(a, b))")
+# on every backend). On a cold H100 it was the first evaluation's longest wait (6.5 s); the same
+# function traced here makes the same module without importing mlx-lm (its import took a
+# process ~1 s more here, and that process was the last of the prefill's to finish, 12 s).
+_SWIGLU = ("import mlx.nn as nn; f = mx.compile(lambda g, x: nn.silu(g) * x, shapeless=True); "
+           "a = mx.zeros((2, 8), {D}); b = mx.zeros((2, 8), {D}); mx.eval(f(a, b))")
 _SWIGLU_NAME = ("C{k}ISigmoidAD{k}IBroadcastACE{k}IBroadcastCAF{k}IMultiplyDEG{k}IBroadcastFBH{k}"
                 "IBroadcastBFI{k}OMultiplyGH_VV_{k}{k}_6142509188972423790")
 _KINDS = {"float16": "f2", "bfloat16": "V2", "float32": "f4"}
@@ -165,7 +167,10 @@ def _make(name: str, op: str, entry: Path, root: Path, python: str) -> bool:
             private = Path(tempfile.mkdtemp(prefix=".warm.", dir=root))
             try:
                 env = dict(os.environ, MLX_PTX_CACHE_DIR=str(private))
-                subprocess.run([python, "-c", "import mlx.core as mx\n" + op], env=env,
+                # out at once when made: a process's exit (CUDA's teardown) took ~2 s on an
+                # H100, after its entry was written
+                code = "import mlx.core as mx\n" + op + "\nimport os; os._exit(0)"
+                subprocess.run([python, "-c", code], env=env,
                                check=True, timeout=TIMEOUT_S, stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE)
                 made = ptx_cache.ptx_path(name, private)

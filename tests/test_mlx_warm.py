@@ -45,10 +45,16 @@ def test_the_swiglu_module_is_named_as_mlx_names_it(dtype, tmp_path):
 
     (name, op), = [(n, o) for n, o in mlx_warm.modules(dtype, mlx_warm.PREFILL).items()
                    if "Sigmoid" in n]
-    subprocess.run([sys.executable, "-c", "import mlx.core as mx\n" + op], check=True,
-                   env=dict(os.environ, TMPDIR=str(tmp_path)), timeout=120)
-    made = {p.name for p in tmp_path.rglob("*.cpp")}
-    assert f"{name}_contiguous.cpp" in made, made
+    mlx_lm_own = ("from mlx_lm.models.activations import swiglu\n"
+                  f"a = mx.zeros((3, 5), mx.{dtype}); b = mx.zeros((3, 5), mx.{dtype})\n"
+                  "mx.eval(swiglu(a, b))")
+    for i, code in enumerate((op, mlx_lm_own)):  # the op, and what mlx-lm's models run
+        tmp = tmp_path / str(i)
+        tmp.mkdir()
+        subprocess.run([sys.executable, "-c", "import mlx.core as mx\n" + code], check=True,
+                       env=dict(os.environ, TMPDIR=str(tmp)), timeout=120)
+        made = {p.name for p in tmp.rglob("*.cpp")}
+        assert f"{name}_contiguous.cpp" in made, made
 
 
 def test_model_dtype_is_the_first_floating_parameter():
