@@ -2,7 +2,7 @@
 # What runs on the accelerator machine (device tool), one step per call:
 #   bash bench/gpu_session.sh stage .device/part-00     # carry that part; copies it to /tmp/stage
 #   bash bench/gpu_session.sh install                   # unpack the wheels, build the package tree
-#   bash bench/gpu_session.sh tests|kernels|decode|million|fourm|grid
+#   bash bench/gpu_session.sh tests|kernels|decode|million|cold|fourm|grid
 # Wheels: ../shared/tools/pack-wheels.sh parts of mlx, mlx-cuda-13, mlx-lm, faiss-cpu (107 MB;
 # nanobind's wheel beside them for TIERED_NATIVE=1), cut again into two so that they travel in
 # two calls (`cat .device/part-* >/tmp/w.tar; rm .device/part-*; split -b 58M -d /tmp/w.tar
@@ -10,7 +10,7 @@
 # package is a tree of symlinks (tiered/ with cpu/, metal/, scheduler/ as subpackages, as
 # pyproject maps them), so no build backend is needed offline. Results are copied to $OUT.
 set -uo pipefail
-step=${1:?usage: gpu_session.sh stage PART | install | tests | kernels | decode | million | fourm | grid}
+step=${1:?usage: gpu_session.sh stage PART | install | tests | kernels | decode | million | cold | fourm | grid}
 export PYTHONPATH=/tmp/pkg:/tmp/site
 export TOKENIZERS_PARALLELISM=false
 collect() { mkdir -p "${OUT:-/tmp/out}"; for f in "$@"; do [ -f "$f" ] && cp "$f" "${OUT:-/tmp/out}/"; done; }
@@ -60,6 +60,22 @@ case "$step" in
       echo "${run%%:*} rc=$?"; grep -h "^decode after\|^prefill:" "${OUT:-/tmp/out}/million_${run%%:*}.log"
       collect "results/million_${run%%:*}.md" "results/million_${run%%:*}.json"
     done ;;
+  cold)
+    # Issue 57's first run: a 1M-token run on a machine that has compiled nothing, with the
+    # timeline of its compiles and of the main thread's waits for them (compile_log.txt,
+    # stacks.txt under $OUT); then the same run again, its kernels cached.
+    mkdir -p "${OUT:-/tmp/out}"; cd bench
+    for run in cold warm; do
+      rm -rf /tmp/pages
+      probe=$([ $run = cold ] && echo probes/compile_timeline.py || echo million.py)
+      timeout "${COLD_LIMIT:-240}" python3 "$probe" --model llama3-8b \
+        --tokens-file /tmp/stage/million_tokens.npz --host-budget 80GB --no-host-keys \
+        --disk-dir /tmp/pages --decode-steps "${STEPS:-4}" --name "million_$run" \
+        > "${OUT:-/tmp/out}/million_$run.log" 2>&1
+      echo "$run rc=$?"; grep -h "^prefill:\|^first decode\|^decode after" "${OUT:-/tmp/out}/million_$run.log"
+      collect "results/million_$run.md"
+    done
+    grep -h "settle" "${OUT:-/tmp/out}/compile_log.txt" | head -20 ;;
   fourm)
     # Issue 62's 4M tokens on one H200 host (139 GB of HBM: the 1/8 tier of 4M tokens and the
     # weights do not fit an H100's 80 GB): int8 values, 80 GB of them in RAM, the rest (~55 GB)
