@@ -167,8 +167,8 @@ def _make(name: str, op: str, entry: Path, root: Path, python: str) -> bool:
             private = Path(tempfile.mkdtemp(prefix=".warm.", dir=root))
             try:
                 env = dict(os.environ, MLX_PTX_CACHE_DIR=str(private))
-                # out at once when made: a process's exit (CUDA's teardown) took ~2 s on an
-                # H100, after its entry was written
+                # out at once when made: on a cold H100 processes ended 1.4-2 s after writing
+                # their entry (the module's load, then CUDA's teardown at exit)
                 code = "import mlx.core as mx\n" + op + "\nimport os; os._exit(0)"
                 subprocess.run([python, "-c", code], env=env,
                                check=True, timeout=TIMEOUT_S, stdout=subprocess.DEVNULL,
