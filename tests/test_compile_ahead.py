@@ -8,9 +8,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import make_small_model
+from tiered.metal import ptx_cache
 
 from tiered import TieredCache
-from tiered.metal import ptx_cache
 from tiered.prefill import prefill
 from tiered.step import compile_ahead, device_encode
 
@@ -82,3 +82,19 @@ def test_nothing_is_requested_off_cuda(requests):
     assert got == [] and compile_ahead._asked == set()
     k = mx.zeros((1, 3, 128, 64), mx.float16)
     assert compile_ahead.compression_kernels(cache[0], k, k) == 0
+
+
+def test_a_failing_prediction_leaves_the_prefill_as_it_was(device_path, requests, monkeypatch):
+    got, fed = requests
+
+    def broken(self, chunk):
+        raise RuntimeError("a layout this cannot predict")
+
+    monkeypatch.setattr(TieredCache, "compresses_with", broken)
+    model = make_small_model("llama-gqa-d64", layers=2, seed=3)
+    cache = TieredCache.for_model(model, gpu_budget=0.25, page_size=64, recent=16,
+                                  prefill_window=256)
+    prefill(model, cache, _ids(512), chunk=128, on_chunk=lambda done: fed.__setitem__(0, done))
+    assert all(c.phase != "exact" for c in cache)
+    assert not [r for r in got if r[0] == 0]  # nothing ahead; the launches compiled as met
+    assert {r[1] for r in got} >= {"tiered_door", "tiered_host_write"}

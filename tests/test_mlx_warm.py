@@ -11,7 +11,6 @@ import threading
 
 import mlx.core as mx
 import pytest
-
 from tiered.metal import _build, mlx_warm, ptx_cache
 
 WRITE = """

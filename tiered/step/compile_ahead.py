@@ -14,12 +14,15 @@ compile on a spare core, and the launch compiles as before.
 
 from __future__ import annotations
 
+import logging
+
 import mlx.core as mx
 
 from ..metal import ptx_cache
 from ..runtime import staging, uva
 from . import device_decode, device_encode
 
+log = logging.getLogger(__name__)
 _asked: set = set()  # signatures requested in this process (every layer has the same ones)
 
 
@@ -34,6 +37,14 @@ def compression_kernels(layer, keys: mx.array, values: mx.array) -> int:
     many signatures were new. Nothing off CUDA, or where the layer will not compress then."""
     if not wanted() or keys.shape[2] <= 1:
         return 0
+    try:
+        return _request(layer, keys, values)
+    except Exception as e:  # noqa: BLE001 - never worse than compiling at the first launch
+        log.debug("tiered: compression kernels not requested ahead: %r", e)
+        return 0
+
+
+def _request(layer, keys: mx.array, values: mx.array) -> int:
     n = layer.compresses_with(keys.shape[2])
     plan = None if n is None else layer.context.layout_at(layer, n)
     if plan is None or not plan.groups:
