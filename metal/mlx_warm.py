@@ -16,10 +16,13 @@ s), each with its own ``MLX_PTX_CACHE_DIR`` beside the cache, then moves what it
 the cache: the names file first, then the PTX, each by a rename, as
 :mod:`tiered.metal.ptx_cache` writes its own entries (MLX finds the PTX, then reads the names).
 Each entry is made under its lock file (:mod:`tiered.metal.ptx_claim`), so processes side by
-side make it once. The prefill's modules join the PTX cache's pending compiles: the first graph
-tiered hands to MLX waits for them (:func:`tiered.metal.ptx_cache.settle`). The decode's are
-made once those are done, on a thread no settle waits for: a prompt does not wait for them
-(7.1 s for all twelve side by side on that H100), and a long prompt's decode finds them made.
+side make it once. Each module is made for the part of a run that first launches it
+(:data:`_MODULES`): the first prompt chunk's two (the embedding's gather, the swiglu) join the
+PTX cache's pending compiles, and the first graph tiered hands to MLX waits for them
+(:func:`tiered.metal.ptx_cache.settle`); the compression's compile meanwhile, and a layer
+waits for them where it compresses (:func:`tiered.metal.ptx_cache.join_later`); the decode's
+are made once those are done, on a thread nothing waits for, and a long prompt's decode finds
+them made. (On that H100, the first evaluation waited 7.1 s for all twelve side by side.)
 A failure only warns (MLX then compiles as before); ``TIERED_WARM_KERNELS=0`` turns it off.
 """
 
@@ -65,22 +68,28 @@ _SWIGLU = ("import mlx.nn as nn; f = mx.compile(lambda g, x: nn.silu(g) * x, sha
 _SWIGLU_NAME = ("C{k}ISigmoidAD{k}IBroadcastACE{k}IBroadcastCAF{k}IMultiplyDEG{k}IBroadcastFBH{k}"
                 "IBroadcastBFI{k}OMultiplyGH_VV_{k}{k}_6142509188972423790")
 _KINDS = {"float16": "f2", "bfloat16": "V2", "float32": "f4"}
-PREFILL, DECODE = "prefill", "decode"  # when a 1M-token run first launched the module
+# When a 1M-token prefill on a cold H100 first launched each (MLX's PTX cache by write time,
+# compiled one at a time as met): the first prompt chunk the embedding's gather and the swiglu;
+# the compression at the prefill window's end the others of the prefill; the first decode steps
+# the gathers and scatters of DECODE.
+FIRST, COMPRESS, DECODE = "first", "compress", "decode"
+PREFILL = (FIRST, COMPRESS)
 _MODULES = [  # (name, op, data dtype: None for the model's and float16, "model" for the
     # model's alone, index dtype, first needed)
-    ("gather_{d}_int32_1", _GATHER, None, "int32", PREFILL),
-    ("gather_{d}_uint32_1", _GATHER, None, "uint32", PREFILL),
+    ("gather_{d}_int32_1", _GATHER, "model", "int32", FIRST),  # the embedding
+    ("gather_{d}_int32_1", _GATHER, "float16", "int32", COMPRESS),  # host rows
+    ("gather_{d}_uint32_1", _GATHER, None, "uint32", COMPRESS),
     ("gather_{d}_int64_2", _GATHER2, None, "int64", DECODE),
-    ("gather_axis_{d}_int32", _AXIS, None, "int32", PREFILL),
+    ("gather_axis_{d}_int32", _AXIS, None, "int32", COMPRESS),
     ("scatter_{d}_int64_Assign_2", _SCATTER2, None, "int64", DECODE),
     ("scatter_axis_{d}_int32_Assign", _SCATTER_AXIS, None, "int32", DECODE),
-    ("gather_axis_{d}_int32", _AXIS, "float32", "int32", PREFILL),
-    ("gather_axis_{d}_uint32", _AXIS, "float32", "uint32", PREFILL),
-    ("gather_{d}_int32_1", _GATHER, "int64", "int32", PREFILL),
+    ("gather_axis_{d}_int32", _AXIS, "float32", "int32", COMPRESS),
+    ("gather_axis_{d}_uint32", _AXIS, "float32", "uint32", COMPRESS),
+    ("gather_{d}_int32_1", _GATHER, "int64", "int32", COMPRESS),
     ("scatter_axis_{d}_int32_Assign", _SCATTER_AXIS, "float32", "int32", DECODE),
     ("scatter_axis_{d}_int32_Assign", _SCATTER_AXIS, "uint8", "int32", DECODE),
     ("scatter_axis_{d}_int32_Assign", _SCATTER_AXIS, "int32", "int32", DECODE),
-    ("{swiglu}", _SWIGLU, "model", None, PREFILL),
+    ("{swiglu}", _SWIGLU, "model", None, FIRST),
 ]
 
 
@@ -88,19 +97,19 @@ def enabled() -> bool:
     return os.environ.get("TIERED_WARM_KERNELS", "1") != "0"
 
 
-def modules(dtype: str, phase: str | None = None) -> dict[str, str]:
+def modules(dtype: str, phase=None) -> dict[str, str]:
     """MLX module name -> the Python that compiles it, for a model of ``dtype`` ("float16",
-    "bfloat16", "float32"); ``phase``: only those a run first needs in it (:data:`PREFILL`,
-    :data:`DECODE`)."""
-    out = {}
-    for name, op, data, index, first in _MODULES:
-        if phase is not None and first != phase:
-            continue
+    "bfloat16", "float32"); ``phase``: only those a run first needs then (:data:`FIRST`,
+    :data:`COMPRESS`, :data:`DECODE`, or a tuple of them), each in the earliest."""
+    out, first = {}, {}
+    for name, op, data, index, when in _MODULES:
         dtypes = {None: dict.fromkeys((dtype, "float16")), "model": (dtype,)}.get(data, (data,))
         for d in dtypes:
             full = name.format(d=d, swiglu=_SWIGLU_NAME.format(k=_KINDS.get(d, "?")))
-            out[full] = op.format(D=f"mx.{d}", I=f"mx.{index}")
-    return out
+            if full not in out:
+                out[full], first[full] = op.format(D=f"mx.{d}", I=f"mx.{index}"), when
+    wanted = (phase,) if isinstance(phase, str) else phase
+    return {k: v for k, v in out.items() if wanted is None or first[k] in wanted}
 
 
 def model_dtype(model) -> str | None:
@@ -116,7 +125,8 @@ def model_dtype(model) -> str | None:
 
 def start(dtype: str | None, root: Path | None = None, python: str | None = None) -> list:
     """Compile the modules of :func:`modules` missing from MLX's PTX cache (``root``), each in
-    its own process, on the PTX cache's pool; their futures (the first settle waits for them).
+    its own process, on the PTX cache's pool; the futures of the prefill's (the first settle
+    waits for the first chunk's, a layer's compression for the others: ``join_later``).
     Nothing where the default device is not a CUDA GPU, turned off, or started for ``dtype``
     before."""
     from ._build import _cuda_now
@@ -128,15 +138,19 @@ def start(dtype: str | None, root: Path | None = None, python: str | None = None
     _started.add(dtype)
     root = cache_dir() if root is None else root
     python = python or sys.executable
-    first, later = [], []
-    for phase, out in ((PREFILL, first), (DECODE, later)):
+    jobs, decode = [], []
+    for phase in (FIRST, COMPRESS, DECODE):
         for name, op in modules(dtype, phase).items():
             entry = ptx_cache.ptx_path(name, root)
-            if not entry.exists():
-                out.append((name, op, entry, root, python))
-    jobs = [ptx_cache.pending(job[2], _make, *job) for job in first]  # job[2]: its entry
-    if later:  # once the prefill's are made, on their own thread: no settle waits for them
-        threading.Thread(target=_after, args=(jobs, later), name="tiered-warm-decode",
+            if entry.exists():
+                continue
+            job = (name, op, entry, root, python)
+            if phase == DECODE:
+                decode.append(job)
+            else:  # the compression's: waited for where a layer compresses (join_later)
+                jobs.append(ptx_cache.pending(entry, _make, *job, later=phase == COMPRESS))
+    if decode:  # once the prefill's are made, on their own thread: no settle waits for them
+        threading.Thread(target=_after, args=(jobs, decode), name="tiered-warm-decode",
                          daemon=True).start()
     return jobs
 

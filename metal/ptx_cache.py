@@ -50,6 +50,7 @@ _MAX_NAME = 245  # MLX's get_ptx_path splits longer module names into directorie
 _lock = threading.Lock()
 _state = {"enabled": os.environ.get("TIERED_PTX_CACHE", "1") != "0", "compiled": 0}
 _pending: dict = {}  # entry path -> the Future writing it
+_later: dict = {}  # the same, for compiles nothing waits for before join_later
 _pool: ThreadPoolExecutor | None = None
 
 
@@ -116,11 +117,12 @@ def kernel_source(name: str, input_names, output_names, source: str, header: str
 
 
 def request(name, input_names, output_names, source, header, inputs, output_dtypes,
-            template) -> Future | None:
+            template, later: bool = False) -> Future | None:
     """Start writing the cache entry for one launch unless it is there or being written: the
     compile runs on a pool of threads (NVRTC, called through ctypes, runs without the GIL),
     so the kernels a graph needs compile side by side while it is built; :func:`settle`
-    waits for them before the graph is evaluated. Returns the compile's future, or None."""
+    waits for them before the graph is evaluated (``later``: only :func:`join_later`, or a
+    launch of it). Returns the compile's future, or None."""
     func, text = kernel_source(name, input_names, output_names, source, header, inputs,
                                output_dtypes, template)
     module = f"{func}_{std_hash(text):x}"
@@ -128,17 +130,43 @@ def request(name, input_names, output_names, source, header, inputs, output_dtyp
     if path.exists():
         return None
     ordinal = _ordinal()  # read on the caller's thread (MLX's default device is per thread)
-    return pending(path, _write, text, module, func, path, ordinal)
+    return pending(path, _write, text, module, func, path, ordinal, later=later)
 
 
-def pending(path: Path, make, *args) -> Future:
-    """The job writing the entry ``path``: the one already pending, else ``make(*args)`` started
-    on the pool; :func:`settle` waits for it (:mod:`tiered.metal.mlx_warm` adds MLX's own)."""
+def pending(path: Path, make, *args, later: bool = False) -> Future:
+    """The job writing the entry ``path``: the one already started, else ``make(*args)``
+    started on the pool; :func:`settle` waits for it (:mod:`tiered.metal.mlx_warm` adds
+    MLX's own), or, ``later``, only :func:`join_later` (compiles for a later phase, which the
+    graphs before it do not wait for; asked for now, a later job is waited for now)."""
     with _lock:
         got = _pending.get(path)
+        if got is None and path in _later:
+            got = _later[path] if later else _pending.setdefault(path, _later.pop(path))
         if got is None:
-            got = _pending[path] = _executor().submit(make, *args)
+            got = _executor().submit(make, *args)
+            (_later if later else _pending)[path] = got
     return got
+
+
+def join_later() -> None:
+    """Wait for the compiles started for later (a layer's compression waits for those
+    requested for it: :mod:`tiered.step.compile_ahead`, the modules of
+    :mod:`tiered.metal.mlx_warm` the compression launches)."""
+    if _later:
+        with _lock:
+            for path in list(_later):
+                _pending.setdefault(path, _later.pop(path))
+    settle()
+
+
+def _now(job: Future) -> None:
+    """A launch needs ``job`` (started for later): the next settle waits for it."""
+    if job.done():
+        return
+    with _lock:
+        for path, got in list(_later.items()):
+            if got is job:
+                _pending.setdefault(path, _later.pop(path))
 
 
 def _write(text: str, module: str, func: str, path: Path, ordinal: int) -> Path:
@@ -222,6 +250,7 @@ class CachedKernel:
         self.spec = spec
         self.kernel = mx.fast.cuda_kernel(**spec)
         self.seen: set = set()
+        self.later: dict = {}  # key -> the compile prepared for later (see prepare)
         self.native: NativeKernel | None = None
 
     def __call__(self, **launch):
@@ -237,27 +266,34 @@ class CachedKernel:
             key = (template, inputs, tuple(launch["output_dtypes"]))
             if key not in self.seen:
                 self._ensure(template, inputs, launch["output_dtypes"], key)
+            elif self.later:
+                job = self.later.pop(key, None)
+                if job is not None:
+                    _now(job)
         return self.kernel(**launch)
 
     def prepare(self, inputs, output_dtypes, template=()) -> None:
         """Start compiling the launch with ``inputs`` given as (dtype, ndim) pairs (what a
         launch's key holds of its arrays), ``output_dtypes`` and ``template``, without
-        launching: a later launch of that signature finds it made or being made."""
+        launching, for later: no settle waits for it until :func:`join_later` or a launch of
+        that signature."""
         if _state["enabled"]:
             template, inputs = tuple(template or ()), tuple(tuple(i) for i in inputs)
             key = (template, inputs, tuple(output_dtypes))
             if key not in self.seen:
-                self._ensure(template, inputs, output_dtypes, key)
+                self._ensure(template, inputs, output_dtypes, key, later=True)
 
-    def _ensure(self, template, inputs, output_dtypes, key) -> None:
+    def _ensure(self, template, inputs, output_dtypes, key, later: bool = False) -> None:
         s = self.spec
         with _lock:
             if key in self.seen or not _state["enabled"]:
                 return
             self.seen.add(key)
         try:
-            request(s["name"], s["input_names"], s["output_names"], s["source"],
-                    s.get("header", ""), inputs, output_dtypes, template)
+            job = request(s["name"], s["input_names"], s["output_names"], s["source"],
+                          s.get("header", ""), inputs, output_dtypes, template, later=later)
+            if later and job is not None:
+                self.later[key] = job
         except Exception as e:  # noqa: BLE001 - never worse than MLX compiling it
             _disable(e)
 

@@ -29,8 +29,8 @@ def requests(monkeypatch):
     monkeypatch.setattr(compile_ahead, "_asked", set())
 
     def request(name, input_names, output_names, source, header, inputs, output_dtypes,
-                template):
-        got.append((fed[0], name, tuple(template), tuple(inputs), tuple(output_dtypes)))
+                template, later=False):
+        got.append((fed[0], name, tuple(template), tuple(inputs), tuple(output_dtypes), later))
 
     monkeypatch.setattr(ptx_cache, "request", request)
     return got, fed
@@ -52,9 +52,11 @@ def test_the_compression_launches_what_was_requested_at_the_first_chunk(
 
     prefill(model, cache, _ids(640), chunk=128, on_chunk=chunk_done)
     assert all(c.phase != "exact" for c in cache)  # every layer compressed
-    first = {(name, tmpl, ins, outs) for n, name, tmpl, ins, outs in got if n == 0}
-    later = {(name, tmpl, ins, outs) for n, name, tmpl, ins, outs in got
+    first = {(name, tmpl, ins, outs) for n, name, tmpl, ins, outs, _ in got if n == 0}
+    later = {(name, tmpl, ins, outs) for n, name, tmpl, ins, outs, _ in got
              if n > 0 and name in AHEAD}
+    # what is requested ahead is for later (no settle before the compression waits for it)
+    assert all(flag == (ahead and n == 0) for n, *_, flag in got) and ptx_cache._state["enabled"]
     if not ahead:
         # (the key encoder runs on CUDA alone: here the codes are made by the CPU kernels)
         assert {name for name, *_ in later} == AHEAD - {"tiered_encode"}

@@ -28,8 +28,12 @@ def test_every_op_runs_in_mlx(dtype):
     ops = mlx_warm.modules(dtype)
     assert "gather_axis_float32_int32" in ops and f"gather_{dtype}_int32_1" in ops
     assert "gather_float16_int32_1" in ops  # the host rows' dtype, whatever the model's
-    assert set(ops) == set(mlx_warm.modules(dtype, mlx_warm.PREFILL)) | set(
-        mlx_warm.modules(dtype, mlx_warm.DECODE))
+    phases = [set(mlx_warm.modules(dtype, p)) for p in (mlx_warm.FIRST, mlx_warm.COMPRESS,
+                                                       mlx_warm.DECODE)]
+    assert set(ops) == set.union(*phases) and sum(map(len, phases)) == len(ops)  # each once
+    first = phases[0]  # what the first prompt chunk launches: the embedding, the swiglu
+    assert len(first) == 2 and f"gather_{dtype}_int32_1" in first
+    assert any("Sigmoid" in n for n in first)
     for name, op in ops.items():
         exec(compile(op, name, "exec"), {"mx": mx})
 
@@ -81,23 +85,27 @@ def test_modules_are_made_aside_and_moved_in_whole(tmp_path, monkeypatch):
     monkeypatch.setattr(_build, "_cuda_now", lambda: True)
     monkeypatch.setattr(mlx_warm, "_started", set())
     monkeypatch.setattr(mlx_warm, "_warned", type(mlx_warm._warned)())
-    ops = {"mod_a": WRITE.format(name="mod_a"), "mod_b": WRITE.format(name="mod_b"),
+    ops = {"mod_a": WRITE.format(name="mod_a"),
            "mod_cached": "raise SystemExit('must not run')",
            "mod_bad": "raise SystemExit(3)", "mod_none": "pass"}
-    later = {"mod_late": WRITE.format(name="mod_late")}
-    monkeypatch.setattr(mlx_warm, "modules",
-                        lambda dtype, phase=None: ops if phase == mlx_warm.PREFILL else later)
+    at_compress = {"mod_b": WRITE.format(name="mod_b")}
+    late = {"mod_late": WRITE.format(name="mod_late")}
+    monkeypatch.setattr(mlx_warm, "modules", lambda dtype, phase=None: {
+        mlx_warm.FIRST: ops, mlx_warm.COMPRESS: at_compress}.get(phase, late))
+    monkeypatch.setattr(ptx_cache, "_later", {})
     (tmp_path / "mod_cached.ptx").write_text("old")
     with pytest.warns(RuntimeWarning, match="was not compiled ahead") as caught:
         jobs = mlx_warm.start("float16", root=tmp_path)
         assert len(jobs) == 4  # not the cached one, nor the decode's
-        assert all(p in ptx_cache._pending for p in (tmp_path / "mod_a.ptx",
-                                                     tmp_path / "mod_b.ptx"))
-        assert tmp_path / "mod_late.ptx" not in ptx_cache._pending  # no settle waits for it
+        assert tmp_path / "mod_a.ptx" in ptx_cache._pending  # the first chunk's
+        assert list(ptx_cache._later) == [tmp_path / "mod_b.ptx"]  # the compression's
+        assert tmp_path / "mod_late.ptx" not in ptx_cache._pending  # nothing waits for it
         ptx_cache.settle()  # what tiered's first evaluation does
-        late = [t for t in threading.enumerate() if t.name == "tiered-warm-decode"]
-        assert len(late) == 1
-        late[0].join(60)
+        ptx_cache.join_later()  # what a layer's compression does
+        assert not ptx_cache._later
+        late_thread = [t for t in threading.enumerate() if t.name == "tiered-warm-decode"]
+        assert len(late_thread) == 1
+        late_thread[0].join(60)
     assert len(caught) == 1  # one warning for the two that failed
     assert sorted(j.result() for j in jobs) == [False, False, True, True]
     assert not ptx_cache._pending

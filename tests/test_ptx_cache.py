@@ -139,6 +139,7 @@ def fake_nvrtc(tmp_path, monkeypatch):
     monkeypatch.setenv("TIERED_COMPILE_THREADS", "3")
     monkeypatch.setattr(ptx_cache, "_pool", None)
     monkeypatch.setattr(ptx_cache, "_pending", {})
+    monkeypatch.setattr(ptx_cache, "_later", {})
     monkeypatch.setitem(ptx_cache._state, "enabled", True)
     calls = []
 
@@ -184,3 +185,44 @@ def test_a_failed_compile_turns_the_cache_off_with_a_warning(fake_nvrtc):
     with pytest.warns(RuntimeWarning, match="not cached on disk"):
         ptx_cache.settle()
     assert not ptx_cache._state["enabled"] and not ptx_cache._pending
+
+
+def test_compiles_for_later_are_waited_for_where_asked(fake_nvrtc):
+    """A compile requested for later (a layer's compression, prepared at its first chunk) is
+    not waited for by settle; join_later waits for it, and so does the next settle once a
+    request or a launch of the same entry asks for it now."""
+    go = threading.Event()
+    fake_nvrtc(lambda: go.wait(30))
+    a = ptx_cache.request("probe", ["a"], ["o"], "o[0] = 1 + a[0];", "", [(mx.float32, 1)],
+                          [mx.float32], [("V", 1)], later=True)
+    b = ptx_cache.request("probe", ["a"], ["o"], "o[0] = 2 + a[0];", "", [(mx.float32, 1)],
+                          [mx.float32], [("V", 2)], later=True)
+    assert a is not None and b is not None and len(ptx_cache._later) == 2
+    ptx_cache.settle()  # returns at once: nothing waits for them yet
+    assert not a.done() and not ptx_cache._pending
+    ptx_cache._now(a)  # a launch of a's signature: the next settle waits for it
+    assert list(ptx_cache._pending.values()) == [a] and list(ptx_cache._later.values()) == [b]
+    go.set()
+    ptx_cache.settle()
+    assert a.done() and not ptx_cache._pending
+    ptx_cache.join_later()
+    assert b.done() and not ptx_cache._later and not ptx_cache._pending
+
+
+def test_a_launch_of_a_prepared_signature_waits_for_its_compile(fake_nvrtc, monkeypatch):
+    go = threading.Event()
+    fake_nvrtc(lambda: go.wait(30))
+    launched = []
+    monkeypatch.setattr(ptx_cache, "NATIVE", False)
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **spec: lambda **kw: launched.append(kw))
+    k = ptx_cache.CachedKernel(name="probe", input_names=["a"], output_names=["o"],
+                               source="o[0] = a[0];")
+    k.prepare([(mx.float32, 1)], [mx.float32], [("V", 3)])
+    (job,) = ptx_cache._later.values()
+    assert not ptx_cache._pending
+    k(inputs=[mx.zeros((2,))], output_dtypes=[mx.float32], output_shapes=[(2,)],
+      grid=(1, 1, 1), threadgroup=(1, 1, 1), template=[("V", 3)])
+    assert launched and list(ptx_cache._pending.values()) == [job] and not ptx_cache._later
+    go.set()
+    ptx_cache.settle()
+    assert job.done() and not k.later

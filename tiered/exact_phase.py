@@ -11,6 +11,7 @@ import numpy as np
 
 from .layer.compressed import CompressedLayer
 from .layer.h2o_baseline import H2OBaselineLayer
+from .metal import ptx_cache
 from .runtime import dispatch, ops
 from .step import compile_ahead
 
@@ -174,6 +175,7 @@ class ExactPhase:
 
         queries: this step's queries (or None: the observed ones seed the resident set);
         chunk > 1: the last ``chunk`` tokens are a prompt chunk still to be attended."""
+        ptx_cache.join_later()  # CUDA: the compression's kernels, compiled meanwhile
         keys, values = self._exact_view()
         self.stats.peak_transient_bytes = max(self.stats.peak_transient_bytes,
                                               self.keys.nbytes + self.values.nbytes)

@@ -8,8 +8,10 @@ key encoder, then 4.0 s for the door, the upload ring's copy and the host-page w
 side), 25 s into the run (``.device`` probe of 2026-12-07: compile log and stacks of the main
 thread). Their signatures are known from a layer's first prompt chunk: the model's dtype, the
 layout the layer will compress into (its codebook's shape), the host pages' geometry at that
-point. :func:`compression_kernels` requests them then; a prediction that misses costs one
-compile on a spare core, and the launch compiles as before.
+point. :func:`compression_kernels` requests them then, for later: no evaluation before the
+compression waits for them, and the compression does
+(:func:`tiered.metal.ptx_cache.join_later`). A prediction that misses costs one compile on a
+spare core, and the launch compiles as before.
 """
 
 from __future__ import annotations
