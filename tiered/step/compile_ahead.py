@@ -5,8 +5,8 @@ a pool of threads, the evaluation waiting for it). A prompt's layers compress at
 prefill window, and there the first launches came one evaluation after another: on an H100
 that had compiled nothing, a 1M-token prefill of the Llama-3-8B shape waited 1.4 s for the
 key encoder, then 4.0 s for the door, the upload ring's copy and the host-page write (side by
-side), 25 s into the run (``.device`` probe of 2026-12-07: compile log and stacks of the main
-thread). Their signatures are known from a layer's first prompt chunk: the model's dtype, the
+side), 25 s into the run (bench/probes/compile_timeline.py: its compile log and the main
+thread's stack samples). Their signatures are known from a layer's first prompt chunk: the model's dtype, the
 layout the layer will compress into (its codebook's shape), the host pages' geometry at that
 point. :func:`compression_kernels` requests them then, for later: no evaluation before the
 compression waits for them, and the compression does
