@@ -15,7 +15,7 @@ buffer it writes to MLX's command encoder, so later readers are ordered after it
 that still reads a buffer it writes as an input (:mod:`tiered.step.native_append`).
 
 Its users: a decode token's append (:mod:`tiered.step.native_append`), every custom kernel
-(:class:`tiered.metal.native_kernel.NativeKernel`) and the dispatcher's worker thread
+(:class:`tiered.metal.ptx_cache.NativeKernel`) and the dispatcher's worker thread
 (``native_dispatch.cpp``, :mod:`tiered.runtime.dispatch`). It is opt-in (``TIERED_NATIVE=1``):
 on an H200 none of them measured faster (32k, alternating rounds on one cache: the append 23.1
 against 22.7 ms/token; native kernels 19.9 against 19.6; the C++ worker 18.8; rounds spread

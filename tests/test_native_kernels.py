@@ -1,4 +1,4 @@
-"""Custom kernels launched through the native launcher (tiered.metal.native_kernel.NativeKernel).
+"""Custom kernels launched through the native launcher (tiered.metal.ptx_cache.NativeKernel).
 
 On MLX's CUDA backend with ``TIERED_NATIVE=1`` every tiered custom kernel launches as a native
 program of the kernel MLX would have compiled, its parameters laid out as MLX lays them. Checked

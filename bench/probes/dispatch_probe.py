@@ -11,7 +11,7 @@ times ``KVCache`` once for reference, then decodes in interleaved rounds, one mo
 - a suffix ``+native`` / ``+compiled``: a decode token's append takes the native in-place
   kernel (tiered.step.native_append) or the compiled MLX function;
 - a suffix ``+nk`` / ``+mk``: custom kernels launch as native programs
-  (tiered.metal.native_kernel.NativeKernel) or through MLX's launch;
+  (tiered.metal.ptx_cache.NativeKernel) or through MLX's launch;
 - a suffix ``+nd`` / ``+pd``: the dispatcher thread in C++ (metal/native_dispatch.cpp; Python's
   default GIL switch interval) or in Python.
 
