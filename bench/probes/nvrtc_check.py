@@ -2,7 +2,7 @@
 
 The kernel executor (tests/metal_exec/cuda.py) runs these kernels on the CPU through g++,
 which is not the compiler MLX uses: this tool builds the source MLX generates for each launch
-of the kernel tests' shapes (tiered.metal.ptx_cache.kernel_source) and compiles it with NVRTC
+of the kernel tests' shapes (tiered.metal.kernel_source.kernel_source) and compiles it with NVRTC
 for an sm_90 (H100 / H200) device, as MLX would, from the wheels the GPU machine installs:
 
     ../shared/tools/pack-wheels.sh .device mlx==0.32.4 mlx-cuda-13==0.32.4 mlx-lm==0.32.2 \

@@ -1,7 +1,7 @@
 """Runs tiered's CUDA kernels (``mx.fast.cuda_kernel`` bodies) on the CPU executor.
 
 The kernel text is the source MLX generates for the launch
-(:func:`tiered.metal.ptx_cache.kernel_source`, the one tiered compiles into MLX's PTX cache),
+(:func:`tiered.metal.kernel_source.kernel_source`, the one tiered compiles into MLX's PTX cache),
 with MLX's includes replaced by cuda_shim.h, each ``Shape`` / ``Strides`` argument a pointer
 to the input's sizes / strides, and, once preprocessed (the shared kernels' CUDA prelude is
 macros), each ``__shared__`` declaration rewritten into a reference to one array per block
@@ -27,7 +27,7 @@ import re
 import mlx.core as mx
 import numpy as np
 
-from tiered.metal.ptx_cache import _HEADER, kernel_source
+from tiered.metal.kernel_source import HEADER, kernel_source
 
 from . import MAX_THREADS, _output, to_numpy
 from .build import CXX, HERE, _run, build_unit
@@ -112,7 +112,7 @@ def kernel_unit(name, input_names, output_names, source, header, inputs, output_
     """The C++ translation unit of one launch and its number of shared declarators."""
     func, text = kernel_source(name, input_names, output_names, source, header, inputs,
                                output_dtypes, template)
-    text = text.replace(_HEADER, "").replace("namespace cg = cooperative_groups;", "")
+    text = text.replace(HEADER, "").replace("namespace cg = cooperative_groups;", "")
     for ptx, cpp in PTX.items():
         text = text.replace(ptx, cpp)
     text = text.replace("const __grid_constant__ Shape ", "const int32_t* ")

@@ -32,7 +32,7 @@ import mlx.core as mx
 
 from ..metal import device_ints, native
 from .device_encode import NEAREST
-from ..metal.ptx_cache import _CUDA_TYPES
+from ..metal.kernel_source import CUDA_TYPES
 
 NO_BAD = 1 << 30  # tiered.step.device_decode.NO_BAD
 THREADS = 256
@@ -116,7 +116,7 @@ _functions: dict = {}
 
 
 def _ctype(dtype) -> str:
-    return _CUDA_TYPES[dtype]
+    return CUDA_TYPES[dtype]
 
 
 def _host_ctype(name: str) -> str:
