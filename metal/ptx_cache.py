@@ -65,13 +65,20 @@ def pending(path: Path, make, *args, later: bool = False) -> Future:
     MLX's own), or, ``later``, only :func:`join_later` (compiles for a later phase, which the
     graphs before it do not wait for; asked for now, a later job is waited for now)."""
     with _lock:
-        got = _pending.get(path)
-        if got is None and path in _later:
-            got = _later[path] if later else _pending.setdefault(path, _later.pop(path))
+        if not later:
+            _wait_now([path])
+        got = _pending.get(path) or _later.get(path)
         if got is None:
             got = _executor().submit(make, *args)
             (_later if later else _pending)[path] = got
     return got
+
+
+def _wait_now(paths) -> None:
+    """Entries started for later that the next settle waits for (the caller holds _lock)."""
+    for path in paths:
+        if path in _later:
+            _pending.setdefault(path, _later.pop(path))
 
 
 def join_later() -> None:
@@ -80,19 +87,8 @@ def join_later() -> None:
     :mod:`tiered.metal.mlx_warm` the compression launches)."""
     if _later:
         with _lock:
-            for path in list(_later):
-                _pending.setdefault(path, _later.pop(path))
+            _wait_now(list(_later))
     settle()
-
-
-def _now(job: Future) -> None:
-    """A launch needs ``job`` (started for later): the next settle waits for it."""
-    if job.done():
-        return
-    with _lock:
-        for path, got in list(_later.items()):
-            if got is job:
-                _pending.setdefault(path, _later.pop(path))
 
 
 def _write(text: str, module: str, func: str, path: Path, ordinal: int) -> Path:
@@ -192,10 +188,10 @@ class CachedKernel:
             key = (template, inputs, tuple(launch["output_dtypes"]))
             if key not in self.seen:
                 self._ensure(template, inputs, launch["output_dtypes"], key)
-            elif self.later:
-                job = self.later.pop(key, None)
-                if job is not None:
-                    _now(job)
+            elif self.later and key in self.later:  # prepared: the next settle waits for it
+                job = self.later.pop(key)
+                with _lock:
+                    _wait_now([p for p, got in _later.items() if got is job])
         return self.kernel(**launch)
 
     def prepare(self, inputs, output_dtypes, template=()) -> None:

@@ -200,7 +200,9 @@ def test_compiles_for_later_are_waited_for_where_asked(fake_nvrtc):
     assert a is not None and b is not None and len(ptx_cache._later) == 2
     ptx_cache.settle()  # returns at once: nothing waits for them yet
     assert not a.done() and not ptx_cache._pending
-    ptx_cache._now(a)  # a launch of a's signature: the next settle waits for it
+    now = ptx_cache.request("probe", ["a"], ["o"], "o[0] = 1 + a[0];", "", [(mx.float32, 1)],
+                            [mx.float32], [("V", 1)])  # asked for now: the next settle waits
+    assert now is a
     assert list(ptx_cache._pending.values()) == [a] and list(ptx_cache._later.values()) == [b]
     go.set()
     ptx_cache.settle()
