@@ -35,8 +35,9 @@ def wanted() -> bool:
 
 def compression_kernels(layer, keys: mx.array, values: mx.array) -> int:
     """Request the compiles of the launches ``layer`` (a TieredCache in its exact phase) makes
-    when it compresses, fed prompt chunks like ``keys`` / ``values`` (B, H, L, d); returns how
-    many signatures were new. Nothing off CUDA, or where the layer will not compress then."""
+    when it compresses, fed prompt chunks like ``keys`` / ``values`` (B, H, L, d); returns 1
+    where this configuration was new in the process (its kernels requested), else 0. Nothing
+    off CUDA, or where the layer will not compress then."""
     if not wanted() or keys.shape[2] <= 1:
         return 0
     try:
