@@ -29,6 +29,7 @@ import os
 import threading
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -40,6 +41,7 @@ _state = {"enabled": os.environ.get("TIERED_PTX_CACHE", "1") != "0", "compiled":
 _pending: dict = {}  # entry path -> the Future writing it
 _later: dict = {}  # the same, for compiles nothing waits for before join_later
 _pool: ThreadPoolExecutor | None = None
+_ahead = threading.local()  # .on: launches only request their compiles (see ahead)
 
 
 def request(name, input_names, output_names, source, header, inputs, output_dtypes,
@@ -72,6 +74,20 @@ def pending(path: Path, make, *args, later: bool = False) -> Future:
             got = _executor().submit(make, *args)
             (_later if later else _pending)[path] = got
     return got
+
+
+@contextmanager
+def ahead():
+    """Inside, on this thread, a launch of a cached kernel launches nothing: it requests its
+    compile for later (:meth:`CachedKernel.prepare`) and returns zeros of its output shapes. A
+    graph built inside and never evaluated then says which kernels it would launch, and they
+    compile meanwhile (:func:`tiered.step.compile_ahead.decode_kernels`)."""
+    before = getattr(_ahead, "on", False)
+    _ahead.on = True
+    try:
+        yield
+    finally:
+        _ahead.on = before
 
 
 def _wait_now(paths) -> None:
@@ -176,6 +192,11 @@ class CachedKernel:
         self.native: NativeKernel | None = None
 
     def __call__(self, **launch):
+        if getattr(_ahead, "on", False):
+            self.prepare([_signature(x) for x in launch["inputs"]], launch["output_dtypes"],
+                         launch.get("template") or ())
+            return [mx.zeros(s, d) for s, d in zip(launch["output_shapes"],
+                                                   launch["output_dtypes"])]
         if NATIVE:
             if self.native is None:
                 self.native = NativeKernel(self.spec)

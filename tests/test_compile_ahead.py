@@ -100,3 +100,70 @@ def test_a_failing_prediction_leaves_the_prefill_as_it_was(device_path, requests
     assert all(c.phase != "exact" for c in cache)
     assert not [r for r in got if r[0] == 0]  # nothing ahead; the launches compiled as met
     assert {r[1] for r in got} >= {"tiered_door", "tiered_host_write"}
+
+
+@pytest.fixture
+def prepared(monkeypatch):
+    """Every signature a launch under ``ptx_cache.ahead`` (or a prediction) prepares, new to
+    its kernel or not, as (kernel name, template, inputs, outputs)."""
+    got = []
+    plain = ptx_cache.CachedKernel.prepare
+
+    def prepare(self, inputs, output_dtypes, template=()):
+        got.append((self.spec["name"], tuple(template or ()), tuple(tuple(i) for i in inputs),
+                    tuple(output_dtypes)))
+        return plain(self, inputs, output_dtypes, template)
+
+    monkeypatch.setattr(ptx_cache.CachedKernel, "prepare", prepare)
+    monkeypatch.setattr(compile_ahead, "_asked_decode", set())
+    return got
+
+
+@pytest.mark.parametrize("host_keys", [False, True])
+def test_the_decode_step_at_2k_tokens_launches_what_its_first_chunk_requested(
+        host_keys, device_path, requests, prepared, monkeypatch):
+    """From a compressed layer's first prompt chunk, its decode step's kernels (the compiled
+    chain, the write-behind) are requested for later; built again on the layer as it stands
+    after a 2048-token prompt (another width, other counts), the chain asks for nothing
+    that was not requested then. The control without it requests none of them."""
+    got, fed = requests
+    monkeypatch.setenv("TIERED_COMPILE", "1")  # what the chain's trace needs (the executor's
+    # decode steps run op by op; the prediction is checked on the chain itself below)
+    model = make_small_model("llama-gqa-d64", layers=2, seed=3)
+    cache = TieredCache.for_model(model, gpu_budget=0.25, page_size=64, recent=16,
+                                  prefill_window=256, kernels="mlx",  # CUDA's "auto"
+                                  host_keys=host_keys)
+    prefill(model, cache, _ids(2048), chunk=128,
+            on_chunk=lambda done: fed.__setitem__(0, done))
+    ahead = set(prepared)
+    names = {name for name, *_ in ahead}
+    assert {"tiered_host_write_one", "tiered_codebook_scores"} <= names, names
+    gather = "tiered_gather_kv" if host_keys else "tiered_host_gather"
+    # the gather's fence: int32 at a layer's first step, bool (the last step's ok) after
+    assert {r[2][-1] for r in ahead if r[0] == gather} == {(mx.int32, 1), (mx.bool_, 1)}
+    assert len(names) >= 6  # scores, chunk logits, selection, gather, attention, H2O, write
+    # requested for later, at the chunk after the compression (n = 384), once per process
+    decode_requests = [r for r in got if r[1] in names - AHEAD]
+    assert decode_requests and all(r[5] for r in decode_requests)
+    assert {r[0] for r in decode_requests} == {384}
+    layer = cache[0].compressed
+    assert layer._decode_ahead and layer.n == 2048
+    prepared.clear()
+    layer._decode_ahead = False
+    compile_ahead._asked_decode.clear()
+    q = mx.zeros((1, 4, 2, 64), mx.float32)
+    assert compile_ahead.decode_kernels(layer, q, layer.scale) == 1
+    assert prepared and set(prepared) <= ahead
+
+
+def test_without_it_no_decode_kernel_is_requested_during_the_prefill(device_path, requests,
+                                                                     prepared, monkeypatch):
+    got, fed = requests
+    monkeypatch.setenv("TIERED_COMPILE", "1")
+    monkeypatch.setattr(compile_ahead, "wanted", lambda: False)  # the control
+    model = make_small_model("llama-gqa-d64", layers=2, seed=3)
+    cache = TieredCache.for_model(model, gpu_budget=0.25, page_size=64, recent=16,
+                                  prefill_window=256, kernels="mlx")
+    prefill(model, cache, _ids(512), chunk=128)
+    assert prepared == [] and not any(r[5] for r in got)
+    assert all(not c.compressed._decode_ahead for c in cache)

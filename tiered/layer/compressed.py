@@ -35,6 +35,7 @@ import tiered.metal as metal
 from ..planning.planner import Plan, capacity
 from ..runtime import dispatch, ops, uva
 from ..step import device_append, device_decode, device_step, undo, unified_step
+from ..step.compile_ahead import decode_kernels as decode_kernels_ahead
 from ..step.keys import AffineKeys, CodebookKeys, worst_of
 from .chunked import ChunkAttention
 from .compressed_state import CompressedState
@@ -72,6 +73,7 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
         self._tables = None
         self._compile_ok = None  # whether its step runs compiled (tiered.step.device_compiled)
         self._native = None  # whether its appends take the native kernel (tiered.step.native_append)
+        self._decode_ahead = False  # its decode step's kernels requested (step.compile_ahead)
         self._alloc(capacity)
         self.res_k = self.res_v = self.res_tok = None
         self._res_tok_np = None
@@ -324,6 +326,7 @@ class CompressedLayer(ResidentSet, ChunkAttention, DecodePaths, Lookahead, Compr
             return self._decode_mlx(queries, scale, sinks)
         if update:
             self._spill_reset()  # the next decode step selects afresh (synchronously)
+            decode_kernels_ahead(self, queries, scale, sinks)  # CUDA: compiled meanwhile
         return self._chunk(queries, keys, values, scale, sinks)
 
     def _device_tables(self, update: bool):

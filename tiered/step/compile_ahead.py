@@ -12,6 +12,15 @@ point. :func:`compression_kernels` requests them then, for later: no evaluation 
 compression waits for them, and the compression does
 (:func:`tiered.metal.ptx_cache.join_later`). A prediction that misses costs one compile on a
 spare core, and the launch compiles as before.
+
+The decode step's kernels likewise (:func:`decode_kernels`): on that H100 the first decode
+step after the 1M-token prefill waited 19.4 s for them (ten kernels, requested only then, in
+five waits). From a compressed layer's first prompt chunk on the device path, its step's chain
+(:func:`tiered.step.device_compiled._chain`) is built once on that chunk's arrays under
+:func:`tiered.metal.ptx_cache.ahead`, never evaluated: each launch requests its compile for
+later, and they compile while the rest of the prompt is read. The chain's kernels take the
+width and the token counts as shapes and inputs, not in their templates, so the signatures at
+the first chunk are those of the decode step a million tokens later.
 """
 
 from __future__ import annotations
@@ -22,10 +31,11 @@ import mlx.core as mx
 
 from ..metal import ptx_cache
 from ..runtime import staging, uva
-from . import device_decode, device_encode
+from . import device_append, device_compiled, device_decode, device_encode
 
 log = logging.getLogger(__name__)
 _asked: set = set()  # signatures requested in this process (every layer has the same ones)
+_asked_decode: set = set()  # the same, for decode steps (the chain's key without its width)
 
 
 def wanted() -> bool:
@@ -81,4 +91,54 @@ def _request(layer, keys: mx.array, values: mx.array) -> int:
                 [("H", H), ("P", host.page_size), ("PPB", ppb), ("ROW_BYTES", d * dtype.size)])
     if staging.enabled():  # the page tables' and addresses' uploads
         staging.copy_kernel().prepare([(mx.uint64, 1)], [mx.int32])
+    return 1
+
+
+def decode_kernels(layer, queries: mx.array, scale: float, sinks=None) -> int:
+    """Request the compiles of the launches ``layer``'s decode step makes (a CompressedLayer
+    reading a prompt chunk with ``queries`` (B, Hq, L, d)); returns 1 where its configuration
+    was new in the process, else 0. Marks the layer done (``_decode_ahead``) once it could
+    tell; nothing off CUDA, on the CPU-gather path, or with pages on the disk tier."""
+    if layer._decode_ahead or not wanted() or queries.shape[2] <= 1:
+        return 0
+    try:
+        return _request_decode(layer, queries, scale, sinks)
+    except Exception as e:  # noqa: BLE001 - never worse than compiling at the first launch
+        layer._decode_ahead = True
+        log.debug("tiered: decode kernels not requested ahead: %r", e)
+        return 0
+
+
+def _request_decode(layer, queries: mx.array, scale: float, sinks) -> int:
+    tables, host = layer._tables, layer.parent.host
+    if tables is None or host is None or layer.res_k is None:
+        return 0  # not on the device path yet (its tables come with the first write)
+    layer._decode_ahead = True
+    if (layer.numpy_path or device_decode.supported(layer) is not None
+            or device_compiled.why_not(layer) is not None or host.disk_bytes > 0):
+        return 0
+    # the buffers hold the prompt so far (a decode step's append grows them): the chain is
+    # built at a width they hold, the selection's cap at the layer's length
+    cap, floor = layer._cap(layer.n)
+    chunk = device_decode.CHUNK
+    n = min(layer.n, (device_compiled.capacity(layer) - 1) // chunk * chunk)
+    q = mx.zeros(queries.shape[:2] + (1, queries.shape[3]), queries.dtype)
+    got = device_compiled.inputs(layer, q, scale, sinks, tables, n, min(host.length, n), cap,
+                                 floor, disk=False)
+    if got is None:
+        return 0
+    key, args, _ = got
+    if key[1:] in _asked_decode:
+        return 0
+    _asked_decode.add(key[1:])
+    pages, addrs_k, addrs_v = args[8:11]
+    H, dk, dv = layer.H, host.head_dim, host.value_dim
+    with ptx_cache.ahead():  # launches nothing: requests, and zeros of the outputs' shapes
+        # the pages' fence: int32 before the layer's first step (a write's done), then the
+        # previous step's ``ok`` (bool): the gather's two signatures
+        for fence in (mx.zeros((1,), mx.int32), mx.zeros((1,), mx.bool_)):
+            device_compiled._chain(key)(*args[:11], fence, *args[12:])
+        device_append.dry_write(mx.zeros((1, H, 1, dk), layer.dtype),
+                                mx.zeros((1, H, 1, dv), layer.dtype), pages, addrs_k, addrs_v,
+                                host)
     return 1

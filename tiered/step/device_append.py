@@ -304,13 +304,20 @@ def _warm_write(layer, keys, values, pages, addrs_k, addrs_v, host, kt, vt) -> N
     if key in _WARM:
         return
     _WARM.add(key)
-    # The same template and input dtypes as the real launch, or MLX compiles another module:
-    # its fence is then the step's gather's ``ok`` (bool; HostStore.device_op)
+    layer._later.append(dry_write(keys, values, pages, addrs_k, addrs_v, host))
+
+
+def dry_write(keys, values, pages, addrs_k, addrs_v, host) -> mx.array:
+    """The write-behind's launch that writes nothing (token -1), with the same template and
+    input dtypes as the real one, or MLX compiles another module: its fence is then the
+    step's gather's ``ok`` (bool; HostStore.device_op). Returns its ``done``."""
+    vt = host.values
+    kt = vt if host.keys is None else host.keys
     dry = device_compiled._step_ints(0, -1)
     fence = device_compiled._placeholder((1,), mx.bool_)
-    layer._later.append(_write_one(values, keys, pages, dry, addrs_v, addrs_k, fence,
-                                   host.page_size, vt.pages_per_block, kt.pages_per_block,
-                                   kt.dtype, vt.dtype, host.keys is not None))
+    return _write_one(values, keys, pages, dry, addrs_v, addrs_k, fence, host.page_size,
+                      vt.pages_per_block, kt.pages_per_block, kt.dtype, vt.dtype,
+                      host.keys is not None)
 
 
 def _size(dtype_name: str) -> int:

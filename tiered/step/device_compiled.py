@@ -96,6 +96,23 @@ def step(layer, queries, scale, sinks, tables, n: int, n_host: int, cap: int, fl
     then builds the step op by op). Returns (o (Hq, dv) in the query dtype, stats (Hq, 2),
     q (Hq, d) float32 scaled, new accumulators or None), lazy; ``ok`` (which gathered tokens
     were attended) becomes the host pages' fence."""
+    got = inputs(layer, queries, scale, sinks, tables, n, n_host, cap, floor)
+    if got is None:
+        return None
+    key, args, st = got
+    fn = compiled(_functions, key, _chain, MAX_FUNCTIONS)
+    o, stats, q, ok, acc_new, *last = fn(*args)
+    if st is not None:
+        st.last = last[0]
+    layer.parent.host.device_op(ok)  # a sibling of the gathered rows: evaluated with them
+    return o, stats, q, (acc_new if layer.heavy is not None else None)
+
+
+def inputs(layer, queries, scale, sinks, tables, n: int, n_host: int, cap: int, floor: int,
+           disk: bool = True):
+    """(key, the chain's arguments, the disk rows' mailbox or None) for :func:`step`, or None
+    where the step's width does not fit the buffers. ``disk=False``: None where the store has
+    disk blocks (their rows are posted to the worker here)."""
     host, keys, heavy = layer.parent.host, layer.keys, layer.heavy
     W = width(n, capacity(layer))
     if W is None:
@@ -112,6 +129,8 @@ def step(layer, queries, scale, sinks, tables, n: int, n_host: int, cap: int, fl
     pages, addrs_k, addrs_v = page_tables(tables, host, W)
     disk_in, specs, st = (), None, None
     if host.disk_bytes > 0:  # the disk chunks' rows from the worker (tiered.step.disk_stage)
+        if not disk:
+            return None
         st, disk_in, specs = disk_stage.post(host, layer.H, capc, CHUNK,
                                              ("keys", "values") if exact else ("values",))
     alpha = heavy.alpha if heavy is not None else None
@@ -120,22 +139,17 @@ def step(layer, queries, scale, sinks, tables, n: int, n_host: int, cap: int, fl
            kt.head_dim, vt.head_dim, kt.dtype, vt.dtype, exact, H2O_AFTER,
            device_attend.MERGE_GROUPS, device_resident.RESIDENT_ITER,
            bool(device_attend.RESIDENT_SCORES_GIVEN), specs)  # what is traced
-    fn = compiled(_functions, key, _chain, MAX_FUNCTIONS)
     # the same arrays in every layer of the step, from their own cache (see _placeholder)
     sizes = _step_ints(n_host, n, *chunk_widths(n_host, n, W))
     sink = (_placeholder((Hq,)) if sinks is None
             else mx.array(sinks).astype(mx.float32).reshape(Hq))
     acc = heavy.acc if heavy is not None else _placeholder((1, 1))
     acc_params = _step_ints(n, W + 1, acc.shape[1])
-    o, stats, q, ok, acc_new, *last = fn(
-        queries, layer.res_k, layer.res_v, layer.res_tok, keys.codebook, keys.codes,
-        layer.flags, acc, pages, addrs_k, addrs_v,
-        _placeholder((1,), mx.int32) if host.fence is None else host.fence, sizes, acc_params,
-        sink, *disk_in)
-    if st is not None:
-        st.last = last[0]
-    host.device_op(ok)  # a sibling of the gathered rows: evaluated with them
-    return o, stats, q, (acc_new if heavy is not None else None)
+    args = (queries, layer.res_k, layer.res_v, layer.res_tok, keys.codebook, keys.codes,
+            layer.flags, acc, pages, addrs_k, addrs_v,
+            _placeholder((1,), mx.int32) if host.fence is None else host.fence, sizes,
+            acc_params, sink, *disk_in)
+    return key, args, st
 
 
 def page_tables(tables, host, W: int):
