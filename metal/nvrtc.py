@@ -14,9 +14,16 @@ import ctypes
 import functools
 import glob
 import os
+import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
+
+from .nvrtc_child import compile_program
+
+CHILD_S = 300.0  # one compile's process (the largest kernels took ~5 s on an H100)
 
 _SYM = np.dtype([("name", "<u4"), ("info", "u1"), ("other", "u1"), ("shndx", "<u2"),
                  ("value", "<u8"), ("size", "<u8")])
@@ -125,10 +132,8 @@ def _load(names: list[str], patterns: list[str]) -> ctypes.CDLL:
 
 @functools.cache
 def _nvrtc() -> ctypes.CDLL:
-    lib = _load(["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"],
-                ["nvidia/*/lib/libnvrtc.so*", "nvidia/cuda_nvrtc/lib/libnvrtc.so*"])
-    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
-    return lib
+    return _load(["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"],
+                 ["nvidia/*/lib/libnvrtc.so*", "nvidia/cuda_nvrtc/lib/libnvrtc.so*"])
 
 
 @functools.cache
@@ -144,15 +149,11 @@ def compute_capability(ordinal: int = 0) -> tuple[int, int]:
     return major.value, minor.value
 
 
-def _check(err: int, what: str) -> None:
-    if err != 0:
-        raise RuntimeError(f"{what} failed: {_nvrtc().nvrtcGetErrorString(err).decode()}")
-
-
 def _sass(nvrtc, cc: tuple[int, int]) -> bool:
     """MLX's ``compiler_supports_device_sass``."""
     major, minor = ctypes.c_int(), ctypes.c_int()
-    _check(nvrtc.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
+    if nvrtc.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)) != 0:
+        raise RuntimeError("nvrtcVersion failed")
     limit = {9: (7, 2), 10: (7, 5)}.get(major.value)
     if major.value < 9:
         return False
@@ -163,40 +164,35 @@ def _sass(nvrtc, cc: tuple[int, int]) -> bool:
 
 def compile_kernel(source: str, module_name: str, kernel_name: str,
                    ordinal: int = 0) -> tuple[bytes, str]:
-    """(PTX or CUBIN, lowered name of ``kernel_name``) for ``source``, as MLX compiles it."""
-    nvrtc = _nvrtc()
-    headers = embedded_headers()
-    names = (ctypes.c_char_p * len(headers))(*[n.encode() for n in headers])
-    texts = (ctypes.c_char_p * len(headers))(*headers.values())
-    prog = ctypes.c_void_p()
-    _check(nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source.encode(),
-                                    (module_name + ".cu").encode(), len(headers), texts, names),
-           "nvrtcCreateProgram")
+    """(PTX or CUBIN, lowered name of ``kernel_name``) for ``source``, as MLX compiles it: in a
+    process of its own (:mod:`tiered.metal.nvrtc_child`; in one process NVRTC compiles one
+    program at a time, and MLX's own compiles wait behind them), or in this one where no
+    process can be started or ``TIERED_COMPILE_PROCESSES=0``."""
+    lib = _nvrtc()
+    cc = compute_capability(ordinal)
+    cubin = _sass(lib, cc)
+    arch = f"--gpu-architecture={'sm' if cubin else 'compute'}_{cc[0]}{cc[1]}"
+    args = ["--device-as-default-execution-space", arch + ("a" if cc[0] >= 9 else "")]
+    args += include_paths()
+    program = (source, module_name, kernel_name, embedded_headers(), args, cubin)
+    if os.environ.get("TIERED_COMPILE_PROCESSES", "1") != "0":
+        got = _in_child(lib, *program)
+        if got is not None:
+            return got
+    return compile_program(lib, *program)
+
+
+def _in_child(lib, source, module_name, kernel_name, headers, args, cubin):
+    """:func:`compile_kernel` in a child process: its result, or None where the child could
+    not run (the caller then compiles here). NVRTC's own errors raise as they would here."""
+    req = dict(library=lib._name, source=source, module=module_name, kernel=kernel_name,
+               headers=headers, args=args, cubin=cubin)
     try:
-        _check(nvrtc.nvrtcAddNameExpression(prog, kernel_name.encode()), "nvrtcAddNameExpression")
-        cc = compute_capability(ordinal)
-        sass = _sass(nvrtc, cc)
-        arch = f"--gpu-architecture={'sm' if sass else 'compute'}_{cc[0]}{cc[1]}"
-        args = ["--device-as-default-execution-space", arch + ("a" if cc[0] >= 9 else "")]
-        args += include_paths()
-        argv = (ctypes.c_char_p * len(args))(*[a.encode() for a in args])
-        err = nvrtc.nvrtcCompileProgram(prog, len(args), argv)
-        if err != 0:
-            size = ctypes.c_size_t()
-            nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-            log = ctypes.create_string_buffer(size.value + 1)
-            nvrtc.nvrtcGetProgramLog(prog, log)
-            raise RuntimeError(f"NVRTC could not compile {module_name}: {log.value.decode()}")
-        lowered = ctypes.c_char_p()
-        _check(nvrtc.nvrtcGetLoweredName(prog, kernel_name.encode(), ctypes.byref(lowered)),
-               "nvrtcGetLoweredName")
-        mangled = lowered.value.decode()
-        size = ctypes.c_size_t()
-        get_size, get = ((nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN) if sass
-                         else (nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX))
-        _check(get_size(prog, ctypes.byref(size)), "nvrtcGet(PTX|CUBIN)Size")
-        code = ctypes.create_string_buffer(size.value)
-        _check(get(prog, code), "nvrtcGet(PTX|CUBIN)")
-        return code.raw, mangled
-    finally:
-        nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
+        done = subprocess.run([sys.executable, "-I", str(Path(__file__).with_name(
+            "nvrtc_child.py"))], input=pickle.dumps(req), capture_output=True, timeout=CHILD_S)
+        got = pickle.loads(done.stdout)
+    except (OSError, subprocess.SubprocessError, pickle.UnpicklingError, EOFError):
+        return None
+    if got[0] == "error":
+        raise RuntimeError(got[1])
+    return (got[1], got[2]) if got[0] == "ok" else None

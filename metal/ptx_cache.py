@@ -9,11 +9,12 @@ kernel again: 5-8 s of a 1M-token prefill on an H200 and most of the first decod
 MLX will build (``build_kernel`` of ``custom_kernel.cpp``) and, when the cache lacks it, compiles
 it (:mod:`tiered.metal.nvrtc`) and writes the entry; MLX then reads it instead of compiling.
 
-The compiles run side by side on a pool of threads while the graph is built, and the places
-that hand a graph to MLX wait for them first (:func:`settle`): MLX compiles its own JIT kernels
-one at a time under a process-wide lock, and so did this cache in the launching thread, which
-left a cold machine's first decode step compiling for well over a minute (H200, Llama-3-8B
-shape: still compiling 105 s into the run, py-spy).
+The compiles run side by side while the graph is built, each started from a pool thread in a
+process of its own (:mod:`tiered.metal.nvrtc_child`: NVRTC compiles one program at a time per
+process), and the places that hand a graph to MLX wait for them first (:func:`settle`): MLX
+compiles its own JIT kernels one at a time under a process-wide lock, and so did this cache in
+the launching thread, which left a cold machine's first decode step compiling for well over a
+minute (H200, Llama-3-8B shape: still compiling 105 s into the run, py-spy).
 
 Processes side by side share the compiles: each entry is compiled under a lock file beside it
 (:mod:`tiered.metal.ptx_claim`), and the others wait for it.
