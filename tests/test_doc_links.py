@@ -1,4 +1,5 @@
-"""Every relative link in the README, docs/ and bench/README.md points to a file that exists."""
+"""Every relative link in the README, docs/ and bench/README.md points to a file that exists;
+every such page stays within its length."""
 
 import glob
 import os
@@ -28,3 +29,13 @@ def test_relative_links_resolve(page):
         if path and not os.path.exists(os.path.normpath(os.path.join(base, path))):
             missing.append(target)
     assert not missing, f"{page}: links to files that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_pages_stay_readable(page):
+    """A page says what is true now, not how it got there: README <= 250 lines, every other
+    page <= 200 (history lives in git)."""
+    limit = 250 if page == "README.md" else 200
+    with open(os.path.join(ROOT, page)) as f:
+        lines = sum(1 for _ in f)
+    assert lines <= limit, f"{page}: {lines} lines, more than {limit}"
