@@ -155,6 +155,32 @@ def start(dtype: str | None, root: Path | None = None, python: str | None = None
     return jobs
 
 
+EARLY_DTYPES = ("float16", "bfloat16")  # what models run in on a GPU
+
+
+def start_early(root: Path | None = None, python: str | None = None) -> list:
+    """The first prompt chunk's modules (:data:`FIRST`) for float16 and bfloat16 models, missing
+    from MLX's PTX cache, started at ``import tiered`` on a CUDA GPU: they compile while the
+    model loads, where :func:`start` (``TieredCache.for_model``) started them only once it had
+    loaded (a cold H100 then waited 7.5 s for them at the first chunk of a 1M-token prefill).
+    For later: :func:`start` for the model's dtype makes the first settle wait for its own;
+    nothing waits for the other dtype's. Their futures; nothing off CUDA or turned off."""
+    from ._build import _cuda_now
+
+    if not enabled() or not _cuda_now():
+        return []
+    root = cache_dir() if root is None else root
+    python = python or sys.executable
+    jobs = []
+    for dtype in EARLY_DTYPES:
+        for name, op in modules(dtype, FIRST).items():
+            entry = ptx_cache.ptx_path(name, root)
+            if not entry.exists():
+                jobs.append(ptx_cache.pending(entry, _make, name, op, entry, root, python,
+                                              later=True))
+    return jobs
+
+
 def _after(first: list, later: list) -> None:
     """The decode's modules, side by side, once ``first`` (the prefill's jobs) are done: they
     do not take cores from the modules a prefill waits for."""

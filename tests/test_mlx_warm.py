@@ -78,6 +78,7 @@ def test_nothing_starts_off_cuda(tmp_path, monkeypatch):
     monkeypatch.setattr(_build, "accelerator", lambda: "cuda")  # as the fake CUDA paths do
     assert not _build._cuda_now()
     assert mlx_warm.start("float16", root=tmp_path) == []
+    assert mlx_warm.start_early(root=tmp_path) == []
     assert list(tmp_path.iterdir()) == []
 
 
@@ -141,3 +142,40 @@ def test_start_for_reads_the_model_dtype_only_where_it_can_start(monkeypatch):
     assert mlx_warm.start_for(nn.Linear(2, 2)) == ["job"] and got == ["read", "bfloat16"]
     monkeypatch.setenv("TIERED_WARM_KERNELS", "0")
     assert mlx_warm.start_for(nn.Linear(2, 2)) == [] and got == ["read", "bfloat16"]
+
+
+def test_the_first_chunks_modules_start_at_import_and_the_models_own_are_waited_for(
+        tmp_path, monkeypatch):
+    """start_early (``import tiered`` on CUDA): the first chunk's modules of float16 and
+    bfloat16 models, for later; start for the model's dtype then joins them (the first settle
+    waits for the float16 ones, made once), and nothing waits for the bfloat16 ones."""
+    monkeypatch.setattr(_build, "_cuda_now", lambda: True)
+    monkeypatch.setattr(mlx_warm, "_started", set())
+    monkeypatch.setattr(ptx_cache, "_later", {})
+    monkeypatch.setattr(ptx_cache, "_pending", {})
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    root = tmp_path / "ptx"
+
+    def modules(dtype, phase=None):
+        if phase != mlx_warm.FIRST:
+            return {}
+        name = f"first_{dtype}"
+        return {name: f"open(r'{runs}/{name}', 'a').write('x')\n" + WRITE.format(name=name)}
+
+    monkeypatch.setattr(mlx_warm, "modules", modules)
+    early = mlx_warm.start_early(root=root)
+    assert len(early) == 2 and not ptx_cache._pending  # nothing waits for them yet
+    assert set(ptx_cache._later) == {root / "first_float16.ptx", root / "first_bfloat16.ptx"}
+    jobs = mlx_warm.start("float16", root=root)
+    assert jobs == [early[0]] and list(ptx_cache._pending) == [root / "first_float16.ptx"]
+    ptx_cache.settle()
+    assert early[0].done() and (root / "first_float16.ptx").read_text() == "PTX of first_float16"
+    assert list(ptx_cache._later) == [root / "first_bfloat16.ptx"]
+    early[1].result(60)
+    assert sorted(p.name for p in runs.iterdir()) == ["first_bfloat16", "first_float16"]
+    assert all(p.read_text() == "x" for p in runs.iterdir())  # each made once
+    assert mlx_warm.start_early(root=root) == []  # made: nothing to start
+    monkeypatch.setenv("TIERED_WARM_KERNELS", "0")
+    (root / "first_float16.ptx").unlink()
+    assert mlx_warm.start_early(root=root) == []
