@@ -182,11 +182,29 @@ def compile_kernel(source: str, module_name: str, kernel_name: str,
     return compile_program(lib, *program)
 
 
+def _library_path(name: str) -> str:
+    """The file ``name`` was loaded from: a name such as ``libnvrtc.so.13`` resolves here
+    because MLX loaded that library first, from a directory a child's search would not look
+    in (the wheel's ``nvidia/cu13/lib``); this process's memory map says where."""
+    if os.path.isabs(name):
+        return name
+    base = name.split(".so")[0] + ".so"
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rsplit(" ", 1)[-1].strip()
+                if os.path.basename(path).startswith(base) and os.path.isabs(path):
+                    return path
+    except OSError:
+        pass
+    return name
+
+
 def _in_child(lib, source, module_name, kernel_name, headers, args, cubin):
     """:func:`compile_kernel` in a child process: its result, or None where the child could
     not run (the caller then compiles here). NVRTC's own errors raise as they would here."""
-    req = dict(library=lib._name, source=source, module=module_name, kernel=kernel_name,
-               headers=headers, args=args, cubin=cubin)
+    req = dict(library=_library_path(lib._name), source=source, module=module_name,
+               kernel=kernel_name, headers=headers, args=args, cubin=cubin)
     try:
         done = subprocess.run([sys.executable, "-I", str(Path(__file__).with_name(
             "nvrtc_child.py"))], input=pickle.dumps(req), capture_output=True, timeout=CHILD_S)

@@ -86,3 +86,14 @@ def test_where_no_child_can_load_nvrtc_this_process_compiles(monkeypatch):
     monkeypatch.setenv("TIERED_COMPILE_PROCESSES", "1")
     assert nvrtc.compile_kernel("src", "mod", "k") == (b"code", "mangled")
     assert calls == [("src", "mod", "k")]
+
+
+def test_a_library_loaded_by_name_is_handed_to_the_child_by_its_file():
+    """A child's search path is not this process's (MLX loaded NVRTC from the wheel's own
+    directory): the child gets the file this process mapped."""
+    ctypes.CDLL("libc.so.6")
+    path = nvrtc._library_path("libc.so.6")
+    assert os.path.isabs(path) and os.path.exists(path)
+    assert os.path.basename(path).startswith("libc.so")
+    assert nvrtc._library_path("/some/abs/libnvrtc.so.13") == "/some/abs/libnvrtc.so.13"
+    assert nvrtc._library_path("libnot-loaded-here.so.7") == "libnot-loaded-here.so.7"
