@@ -48,7 +48,7 @@ _ahead = threading.local()  # .on: launches only request their compiles (see ahe
 def request(name, input_names, output_names, source, header, inputs, output_dtypes,
             template, later: bool = False) -> Future | None:
     """Start writing the cache entry for one launch unless it is there or being written: the
-    compile runs on a pool of threads (NVRTC, called through ctypes, runs without the GIL),
+    compile runs from a pool of threads, each in a process of its own (tiered.metal.nvrtc),
     so the kernels a graph needs compile side by side while it is built; :func:`settle`
     waits for them before the graph is evaluated (``later``: only :func:`join_later`, or a
     launch of it). Returns the compile's future, or None."""
