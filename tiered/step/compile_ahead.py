@@ -1,21 +1,22 @@
 """The kernels a layer's compression first launches, compiled while its exact phase still runs.
 
 On CUDA each custom kernel is compiled at its first launch (:mod:`tiered.metal.ptx_cache`: in
-a process of its own, the evaluation waiting for it). A prompt's layers compress at the end of the
-prefill window, and there the first launches came one evaluation after another: on an H100
+a process of its own, the evaluation waiting for it). A prompt's layers compress at the end of
+the prefill window, and there the first launches came one evaluation after another: on an H100
 that had compiled nothing, a 1M-token prefill of the Llama-3-8B shape waited 1.4 s for the
 key encoder, then 4.0 s for the door, the upload ring's copy and the host-page write (side by
 side), 25 s into the run (bench/probes/compile_timeline.py: its compile log and the main
-thread's stack samples). Their signatures are known from a layer's first prompt chunk: the model's dtype, the
-layout the layer will compress into (its codebook's shape), the host pages' geometry at that
-point. :func:`compression_kernels` requests them then, for later: no evaluation before the
+thread's stack samples). Their signatures are known from a layer's first prompt chunk: the
+model's dtype, the layout the layer will compress into (its codebook's shape), the host pages'
+geometry at that point. :func:`compression_kernels` requests them then, for later: no evaluation before the
 compression waits for them, and the compression does
 (:func:`tiered.metal.ptx_cache.join_later`). A prediction that misses costs one compile on a
 spare core, and the launch compiles as before.
 
 The decode step's kernels likewise (:func:`decode_kernels`): on that H100 the first decode
 step after the 1M-token prefill waited 19.4 s for them (ten kernels, requested only then, in
-five waits); requested ahead, on another cold H100 the first step took 569 ms. From a compressed layer's first prompt chunk on the device path, its step's chain
+five waits); requested ahead, on another cold H100 the first step took 569 ms. From a
+compressed layer's first prompt chunk on the device path, its step's chain
 (:func:`tiered.step.device_compiled._chain`) is built once on that chunk's arrays under
 :func:`tiered.metal.ptx_cache.ahead`, never evaluated: each launch requests its compile for
 later, and they compile while the rest of the prompt is read. The chain's kernels take the
