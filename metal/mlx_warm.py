@@ -140,15 +140,11 @@ def start(dtype: str | None, root: Path | None = None, python: str | None = None
     python = python or sys.executable
     jobs, decode = [], []
     for phase in (FIRST, COMPRESS, DECODE):
-        for name, op in modules(dtype, phase).items():
-            entry = ptx_cache.ptx_path(name, root)
-            if entry.exists():
-                continue
-            job = (name, op, entry, root, python)
+        for job in _missing(dtype, phase, root, python):
             if phase == DECODE:
                 decode.append(job)
             else:  # the compression's: waited for where a layer compresses (join_later)
-                jobs.append(ptx_cache.pending(entry, _make, *job, later=phase == COMPRESS))
+                jobs.append(ptx_cache.pending(job[2], _make, *job, later=phase == COMPRESS))
     if decode:  # once the prefill's are made, on their own thread: no settle waits for them
         threading.Thread(target=_after, args=(jobs, decode), name="tiered-warm-decode",
                          daemon=True).start()
@@ -163,7 +159,7 @@ def start_early(root: Path | None = None, python: str | None = None) -> list:
     from MLX's PTX cache, started at ``import tiered`` on a CUDA GPU: they compile while the
     model loads, where :func:`start` (``TieredCache.for_model``) started them only once it had
     loaded (a cold H100 then waited 7.5 s for them at the first chunk of a 1M-token prefill).
-    For later: :func:`start` for the model's dtype makes the first settle wait for its own;
+    Idle: :func:`start` for the model's dtype makes the first settle wait for its own;
     nothing waits for the other dtype's. Their futures; nothing off CUDA or turned off."""
     from ._build import _cuda_now
 
@@ -171,14 +167,19 @@ def start_early(root: Path | None = None, python: str | None = None) -> list:
         return []
     root = cache_dir() if root is None else root
     python = python or sys.executable
-    jobs = []
-    for dtype in EARLY_DTYPES:
-        for name, op in modules(dtype, FIRST).items():
-            entry = ptx_cache.ptx_path(name, root)
-            if not entry.exists():
-                jobs.append(ptx_cache.pending(entry, _make, name, op, entry, root, python,
-                                              later=True))
-    return jobs
+    return [ptx_cache.pending(job[2], _make, *job, idle=True)
+            for dtype in EARLY_DTYPES for job in _missing(dtype, FIRST, root, python)]
+
+
+def _missing(dtype: str, phase: str, root: Path, python: str) -> list[tuple]:
+    """:func:`_make`'s arguments (name, op, entry, root, python) for each module of ``phase``
+    that the cache under ``root`` lacks."""
+    out = []
+    for name, op in modules(dtype, phase).items():
+        entry = ptx_cache.ptx_path(name, root)
+        if not entry.exists():
+            out.append((name, op, entry, root, python))
+    return out
 
 
 def _after(first: list, later: list) -> None:

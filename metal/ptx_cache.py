@@ -41,17 +41,18 @@ _lock = threading.Lock()
 _state = {"enabled": os.environ.get("TIERED_PTX_CACHE", "1") != "0", "compiled": 0}
 _pending: dict = {}  # entry path -> the Future writing it
 _later: dict = {}  # the same, for compiles nothing waits for before join_later
+_idle: dict = {}  # the same, for compiles only a launch (or a request now) waits for
 _pool: ThreadPoolExecutor | None = None
 _ahead = threading.local()  # .on: launches only request their compiles (see ahead)
 
 
 def request(name, input_names, output_names, source, header, inputs, output_dtypes,
-            template, later: bool = False) -> Future | None:
+            template, later: bool = False, idle: bool = False) -> Future | None:
     """Start writing the cache entry for one launch unless it is there or being written: the
     compile runs from a pool of threads, each in a process of its own (tiered.metal.nvrtc),
     so the kernels a graph needs compile side by side while it is built; :func:`settle`
-    waits for them before the graph is evaluated (``later``: only :func:`join_later`, or a
-    launch of it). Returns the compile's future, or None."""
+    waits for them before the graph is evaluated (``later``, ``idle``: see :func:`pending`).
+    Returns the compile's future, or None."""
     func, text = kernel_source(name, input_names, output_names, source, header, inputs,
                                output_dtypes, template)
     module = f"{func}_{std_hash(text):x}"
@@ -59,28 +60,30 @@ def request(name, input_names, output_names, source, header, inputs, output_dtyp
     if path.exists():
         return None
     ordinal = _ordinal()  # read on the caller's thread (MLX's default device is per thread)
-    return pending(path, _write, text, module, func, path, ordinal, later=later)
+    return pending(path, _write, text, module, func, path, ordinal, later=later, idle=idle)
 
 
-def pending(path: Path, make, *args, later: bool = False) -> Future:
+def pending(path: Path, make, *args, later: bool = False, idle: bool = False) -> Future:
     """The job writing the entry ``path``: the one already started, else ``make(*args)``
     started on the pool; :func:`settle` waits for it (:mod:`tiered.metal.mlx_warm` adds
     MLX's own), or, ``later``, only :func:`join_later` (compiles for a later phase, which the
-    graphs before it do not wait for; asked for now, a later job is waited for now)."""
+    graphs before it do not wait for), or, ``idle``, nothing until a launch of it (the decode
+    step's, compiled during a prefill whose compressions need none of them). A job started
+    for later or idle and asked for now is waited for now."""
     with _lock:
-        if not later:
+        if not (later or idle):
             _wait_now([path])
-        got = _pending.get(path) or _later.get(path)
+        got = _pending.get(path) or _later.get(path) or _idle.get(path)
         if got is None:
             got = _executor().submit(make, *args)
-            (_later if later else _pending)[path] = got
+            (_idle if idle else _later if later else _pending)[path] = got
     return got
 
 
 @contextmanager
 def ahead():
     """Inside, on this thread, a launch of a cached kernel launches nothing: it requests its
-    compile for later (:meth:`CachedKernel.prepare`) and returns zeros of its output shapes. A
+    compile, idle (:meth:`CachedKernel.prepare`), and returns zeros of its output shapes. A
     graph built inside and never evaluated then says which kernels it would launch, and they
     compile meanwhile (:func:`tiered.step.compile_ahead.decode_kernels`)."""
     before = getattr(_ahead, "on", False)
@@ -92,10 +95,12 @@ def ahead():
 
 
 def _wait_now(paths) -> None:
-    """Entries started for later that the next settle waits for (the caller holds _lock)."""
+    """Entries started for later or idle that the next settle waits for (the caller holds
+    _lock)."""
     for path in paths:
-        if path in _later:
-            _pending.setdefault(path, _later.pop(path))
+        for bucket in (_later, _idle):
+            if path in bucket:
+                _pending.setdefault(path, bucket.pop(path))
 
 
 def join_later() -> None:
@@ -195,7 +200,7 @@ class CachedKernel:
     def __call__(self, **launch):
         if getattr(_ahead, "on", False):
             self.prepare([_signature(x) for x in launch["inputs"]], launch["output_dtypes"],
-                         launch.get("template") or ())
+                         launch.get("template") or (), idle=True)
             return [mx.zeros(s, d) for s, d in zip(launch["output_shapes"],
                                                    launch["output_dtypes"])]
         if NATIVE:
@@ -213,21 +218,23 @@ class CachedKernel:
             elif self.later and key in self.later:  # prepared: the next settle waits for it
                 job = self.later.pop(key)
                 with _lock:
-                    _wait_now([p for p, got in _later.items() if got is job])
+                    _wait_now([p for bucket in (_later, _idle) for p, got in bucket.items()
+                               if got is job])
         return self.kernel(**launch)
 
-    def prepare(self, inputs, output_dtypes, template=()) -> None:
+    def prepare(self, inputs, output_dtypes, template=(), idle: bool = False) -> None:
         """Start compiling the launch with ``inputs`` given as (dtype, ndim) pairs (what a
         launch's key holds of its arrays), ``output_dtypes`` and ``template``, without
-        launching, for later: no settle waits for it until :func:`join_later` or a launch of
-        that signature."""
+        launching, for later: no settle waits for it until :func:`join_later` (not where
+        ``idle``) or a launch of that signature."""
         if _state["enabled"]:
             template, inputs = tuple(template or ()), tuple(tuple(i) for i in inputs)
             key = (template, inputs, tuple(output_dtypes))
             if key not in self.seen:
-                self._ensure(template, inputs, output_dtypes, key, later=True)
+                self._ensure(template, inputs, output_dtypes, key, later=True, idle=idle)
 
-    def _ensure(self, template, inputs, output_dtypes, key, later: bool = False) -> None:
+    def _ensure(self, template, inputs, output_dtypes, key, later: bool = False,
+                idle: bool = False) -> None:
         s = self.spec
         with _lock:
             if key in self.seen or not _state["enabled"]:
@@ -235,7 +242,8 @@ class CachedKernel:
             self.seen.add(key)
         try:
             job = request(s["name"], s["input_names"], s["output_names"], s["source"],
-                          s.get("header", ""), inputs, output_dtypes, template, later=later)
+                          s.get("header", ""), inputs, output_dtypes, template, later=later,
+                          idle=idle)
             if later and job is not None:
                 self.later[key] = job
         except Exception as e:  # noqa: BLE001 - never worse than MLX compiling it

@@ -23,14 +23,16 @@ def _ids(n, seed=0):
 
 @pytest.fixture
 def requests(monkeypatch):
-    """Every compile request as (chunks fed so far, kernel name, template, inputs, outputs)."""
+    """Every compile request as (chunks fed so far, kernel name, template, inputs, outputs,
+    "now" / "later" / "idle")."""
     got, fed = [], [0]
     monkeypatch.setitem(ptx_cache._state, "enabled", True)
     monkeypatch.setattr(compile_ahead, "_asked", set())
 
     def request(name, input_names, output_names, source, header, inputs, output_dtypes,
-                template, later=False):
-        got.append((fed[0], name, tuple(template), tuple(inputs), tuple(output_dtypes), later))
+                template, later=False, idle=False):
+        got.append((fed[0], name, tuple(template), tuple(inputs), tuple(output_dtypes),
+                    "idle" if idle else "later" if later else "now"))
 
     monkeypatch.setattr(ptx_cache, "request", request)
     return got, fed
@@ -56,7 +58,8 @@ def test_the_compression_launches_what_was_requested_at_the_first_chunk(
     later = {(name, tmpl, ins, outs) for n, name, tmpl, ins, outs, _ in got
              if n > 0 and name in AHEAD}
     # what is requested ahead is for later (no settle before the compression waits for it)
-    assert all(flag == (ahead and n == 0) for n, *_, flag in got) and ptx_cache._state["enabled"]
+    assert all(flag == ("later" if ahead and n == 0 else "now") for n, *_, flag in got)
+    assert ptx_cache._state["enabled"]
     if not ahead:
         # (the key encoder runs on CUDA alone: here the codes are made by the CPU kernels)
         assert {name for name, *_ in later} == AHEAD - {"tiered_encode"}
@@ -109,10 +112,10 @@ def prepared(monkeypatch):
     got = []
     plain = ptx_cache.CachedKernel.prepare
 
-    def prepare(self, inputs, output_dtypes, template=()):
+    def prepare(self, inputs, output_dtypes, template=(), idle=False):
         got.append((self.spec["name"], tuple(template or ()), tuple(tuple(i) for i in inputs),
                     tuple(output_dtypes)))
-        return plain(self, inputs, output_dtypes, template)
+        return plain(self, inputs, output_dtypes, template, idle=idle)
 
     monkeypatch.setattr(ptx_cache.CachedKernel, "prepare", prepare)
     monkeypatch.setattr(compile_ahead, "_asked_decode", set())
@@ -144,7 +147,7 @@ def test_the_decode_step_at_2k_tokens_launches_what_its_first_chunk_requested(
     assert len(names) >= 6  # scores, chunk logits, selection, gather, attention, H2O, write
     # requested for later, at the chunk after the compression (n = 384), once per process
     decode_requests = [r for r in got if r[1] in names - AHEAD]
-    assert decode_requests and all(r[5] for r in decode_requests)
+    assert decode_requests and all(r[5] == "idle" for r in decode_requests)
     assert {r[0] for r in decode_requests} == {384}
     layer = cache[0].compressed
     assert layer._decode_ahead and layer.n == 2048
@@ -165,5 +168,5 @@ def test_without_it_no_decode_kernel_is_requested_during_the_prefill(device_path
     cache = TieredCache.for_model(model, gpu_budget=0.25, page_size=64, recent=16,
                                   prefill_window=256, kernels="mlx")
     prefill(model, cache, _ids(512), chunk=128)
-    assert prepared == [] and not any(r[5] for r in got)
+    assert prepared == [] and all(r[5] == "now" for r in got)
     assert all(not c.compressed._decode_ahead for c in cache)

@@ -94,6 +94,7 @@ def test_modules_are_made_aside_and_moved_in_whole(tmp_path, monkeypatch):
     monkeypatch.setattr(mlx_warm, "modules", lambda dtype, phase=None: {
         mlx_warm.FIRST: ops, mlx_warm.COMPRESS: at_compress}.get(phase, late))
     monkeypatch.setattr(ptx_cache, "_later", {})
+    monkeypatch.setattr(ptx_cache, "_idle", {})
     (tmp_path / "mod_cached.ptx").write_text("old")
     with pytest.warns(RuntimeWarning, match="was not compiled ahead") as caught:
         jobs = mlx_warm.start("float16", root=tmp_path)
@@ -147,11 +148,13 @@ def test_start_for_reads_the_model_dtype_only_where_it_can_start(monkeypatch):
 def test_the_first_chunks_modules_start_at_import_and_the_models_own_are_waited_for(
         tmp_path, monkeypatch):
     """start_early (``import tiered`` on CUDA): the first chunk's modules of float16 and
-    bfloat16 models, for later; start for the model's dtype then joins them (the first settle
-    waits for the float16 ones, made once), and nothing waits for the bfloat16 ones."""
+    bfloat16 models, idle; start for the model's dtype then joins them (the first settle
+    waits for the float16 ones, made once), and nothing waits for the bfloat16 ones, not even
+    a layer's compression (join_later)."""
     monkeypatch.setattr(_build, "_cuda_now", lambda: True)
     monkeypatch.setattr(mlx_warm, "_started", set())
     monkeypatch.setattr(ptx_cache, "_later", {})
+    monkeypatch.setattr(ptx_cache, "_idle", {})
     monkeypatch.setattr(ptx_cache, "_pending", {})
     runs = tmp_path / "runs"
     runs.mkdir()
@@ -165,13 +168,14 @@ def test_the_first_chunks_modules_start_at_import_and_the_models_own_are_waited_
 
     monkeypatch.setattr(mlx_warm, "modules", modules)
     early = mlx_warm.start_early(root=root)
-    assert len(early) == 2 and not ptx_cache._pending  # nothing waits for them yet
-    assert set(ptx_cache._later) == {root / "first_float16.ptx", root / "first_bfloat16.ptx"}
+    assert len(early) == 2 and not ptx_cache._pending and not ptx_cache._later
+    assert set(ptx_cache._idle) == {root / "first_float16.ptx", root / "first_bfloat16.ptx"}
     jobs = mlx_warm.start("float16", root=root)
     assert jobs == [early[0]] and list(ptx_cache._pending) == [root / "first_float16.ptx"]
     ptx_cache.settle()
     assert early[0].done() and (root / "first_float16.ptx").read_text() == "PTX of first_float16"
-    assert list(ptx_cache._later) == [root / "first_bfloat16.ptx"]
+    ptx_cache.join_later()  # a layer's compression
+    assert list(ptx_cache._idle) == [root / "first_bfloat16.ptx"] and not ptx_cache._pending
     early[1].result(60)
     assert sorted(p.name for p in runs.iterdir()) == ["first_bfloat16", "first_float16"]
     assert all(p.read_text() == "x" for p in runs.iterdir())  # each made once

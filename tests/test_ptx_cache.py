@@ -140,6 +140,7 @@ def fake_nvrtc(tmp_path, monkeypatch):
     monkeypatch.setattr(ptx_cache, "_pool", None)
     monkeypatch.setattr(ptx_cache, "_pending", {})
     monkeypatch.setattr(ptx_cache, "_later", {})
+    monkeypatch.setattr(ptx_cache, "_idle", {})
     monkeypatch.setitem(ptx_cache._state, "enabled", True)
     calls = []
 
@@ -225,6 +226,33 @@ def test_a_launch_of_a_prepared_signature_waits_for_its_compile(fake_nvrtc, monk
     k(inputs=[mx.zeros((2,))], output_dtypes=[mx.float32], output_shapes=[(2,)],
       grid=(1, 1, 1), threadgroup=(1, 1, 1), template=[("V", 3)])
     assert launched and list(ptx_cache._pending.values()) == [job] and not ptx_cache._later
+    go.set()
+    ptx_cache.settle()
+    assert job.done() and not k.later
+
+
+def test_an_idle_compile_is_waited_for_by_its_launch_only(fake_nvrtc, monkeypatch):
+    """Prepared idle (the decode step's kernels, under ptx_cache.ahead): neither settle nor a
+    layer's compression (join_later) waits for it; a launch of its signature makes the next
+    settle wait."""
+    go = threading.Event()
+    fake_nvrtc(lambda: go.wait(30))
+    launched = []
+    monkeypatch.setattr(ptx_cache, "NATIVE", False)
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **spec: lambda **kw: launched.append(kw))
+    k = ptx_cache.CachedKernel(name="probe", input_names=["a"], output_names=["o"],
+                               source="o[0] = a[0];")
+    with ptx_cache.ahead():
+        out = k(inputs=[mx.zeros((2,))], output_dtypes=[mx.float32], output_shapes=[(2,)],
+                grid=(1, 1, 1), threadgroup=(1, 1, 1), template=[("V", 4)])
+    assert not launched and out[0].shape == (2,) and not out[0].any().item()
+    (job,) = ptx_cache._idle.values()
+    ptx_cache.settle()
+    ptx_cache.join_later()  # both return at once (the compile is held until go)
+    assert not job.done() and not ptx_cache._pending and not ptx_cache._later
+    k(inputs=[mx.zeros((2,))], output_dtypes=[mx.float32], output_shapes=[(2,)],
+      grid=(1, 1, 1), threadgroup=(1, 1, 1), template=[("V", 4)])
+    assert launched and list(ptx_cache._pending.values()) == [job] and not ptx_cache._idle
     go.set()
     ptx_cache.settle()
     assert job.done() and not k.later
