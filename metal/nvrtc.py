@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .nvrtc_child import compile_program
+from .nvrtc_child import check, compile_program
 
 CHILD_S = 300.0  # one compile's process (the largest kernels took ~5 s on an H100)
 
@@ -152,8 +152,7 @@ def compute_capability(ordinal: int = 0) -> tuple[int, int]:
 def _sass(nvrtc, cc: tuple[int, int]) -> bool:
     """MLX's ``compiler_supports_device_sass``."""
     major, minor = ctypes.c_int(), ctypes.c_int()
-    if nvrtc.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)) != 0:
-        raise RuntimeError("nvrtcVersion failed")
+    check(nvrtc, nvrtc.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
     limit = {9: (7, 2), 10: (7, 5)}.get(major.value)
     if major.value < 9:
         return False
@@ -175,13 +174,17 @@ def compile_kernel(source: str, module_name: str, kernel_name: str,
     args = ["--device-as-default-execution-space", arch + ("a" if cc[0] >= 9 else "")]
     args += include_paths()
     program = (source, module_name, kernel_name, embedded_headers(), args, cubin)
-    if os.environ.get("TIERED_COMPILE_PROCESSES", "1") != "0":
+    if _children["ok"] and os.environ.get("TIERED_COMPILE_PROCESSES", "1") != "0":
         got = _in_child(lib, *program)
         if got is not None:
             return got
     return compile_program(lib, *program)
 
 
+_children = {"ok": True}  # False once a child could not run: this process compiles from then
+
+
+@functools.cache
 def _library_path(name: str) -> str:
     """The file ``name`` was loaded from: a name such as ``libnvrtc.so.13`` resolves here
     because MLX loaded that library first, from a directory a child's search would not look
@@ -210,7 +213,10 @@ def _in_child(lib, source, module_name, kernel_name, headers, args, cubin):
             "nvrtc_child.py"))], input=pickle.dumps(req), capture_output=True, timeout=CHILD_S)
         got = pickle.loads(done.stdout)
     except (OSError, subprocess.SubprocessError, pickle.UnpicklingError, EOFError):
-        return None
+        got = ("failed",)
     if got[0] == "error":
         raise RuntimeError(got[1])
-    return (got[1], got[2]) if got[0] == "ok" else None
+    if got[0] != "ok":
+        _children["ok"] = False
+        return None
+    return got[1], got[2]

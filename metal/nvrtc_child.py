@@ -16,7 +16,7 @@ import pickle
 import sys
 
 
-def _check(lib, err: int, what: str) -> None:
+def check(lib, err: int, what: str) -> None:
     if err != 0:
         lib.nvrtcGetErrorString.restype = ctypes.c_char_p
         raise RuntimeError(f"{what} failed: {lib.nvrtcGetErrorString(err).decode()}")
@@ -29,11 +29,11 @@ def compile_program(lib, source: str, module_name: str, kernel_name: str, header
     names = (ctypes.c_char_p * len(headers))(*[n.encode() for n in headers])
     texts = (ctypes.c_char_p * len(headers))(*headers.values())
     prog = ctypes.c_void_p()
-    _check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(),
+    check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(),
                                        (module_name + ".cu").encode(), len(headers), texts,
                                        names), "nvrtcCreateProgram")
     try:
-        _check(lib, lib.nvrtcAddNameExpression(prog, kernel_name.encode()),
+        check(lib, lib.nvrtcAddNameExpression(prog, kernel_name.encode()),
                "nvrtcAddNameExpression")
         argv = (ctypes.c_char_p * len(args))(*[a.encode() for a in args])
         if lib.nvrtcCompileProgram(prog, len(args), argv) != 0:
@@ -43,15 +43,15 @@ def compile_program(lib, source: str, module_name: str, kernel_name: str, header
             lib.nvrtcGetProgramLog(prog, log)
             raise RuntimeError(f"NVRTC could not compile {module_name}: {log.value.decode()}")
         lowered = ctypes.c_char_p()
-        _check(lib, lib.nvrtcGetLoweredName(prog, kernel_name.encode(), ctypes.byref(lowered)),
+        check(lib, lib.nvrtcGetLoweredName(prog, kernel_name.encode(), ctypes.byref(lowered)),
                "nvrtcGetLoweredName")
         mangled = lowered.value.decode()
         size = ctypes.c_size_t()
         get_size, get = ((lib.nvrtcGetCUBINSize, lib.nvrtcGetCUBIN) if cubin
                          else (lib.nvrtcGetPTXSize, lib.nvrtcGetPTX))
-        _check(lib, get_size(prog, ctypes.byref(size)), "nvrtcGet(PTX|CUBIN)Size")
+        check(lib, get_size(prog, ctypes.byref(size)), "nvrtcGet(PTX|CUBIN)Size")
         code = ctypes.create_string_buffer(size.value)
-        _check(lib, get(prog, code), "nvrtcGet(PTX|CUBIN)")
+        check(lib, get(prog, code), "nvrtcGet(PTX|CUBIN)")
         return code.raw, mangled
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))

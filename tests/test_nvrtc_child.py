@@ -50,6 +50,7 @@ def real_nvrtc(monkeypatch):
 
 
 def _compile(i: int, processes: str, monkeypatch):
+    monkeypatch.setattr(nvrtc, "_children", {"ok": True})
     monkeypatch.setenv("TIERED_COMPILE_PROCESSES", processes)
     return nvrtc.compile_kernel(SOURCE % {"i": i}, f"scaled_{i}", f"mlx::core::cu::scaled_{i}")
 
@@ -57,11 +58,13 @@ def _compile(i: int, processes: str, monkeypatch):
 def test_a_child_compiles_the_bytes_this_process_compiles(real_nvrtc, monkeypatch):
     here = _compile(3, "0", monkeypatch)
     child = _compile(3, "1", monkeypatch)
+    assert nvrtc._children == {"ok": True}  # the child compiled it, not this process after it
     assert child == here and here[1] == "_ZN3mlx4core2cu8scaled_3EPKfPfi"
     assert _compile(4, "1", monkeypatch)[0] != here[0]
 
 
 def test_an_nvrtc_error_in_the_child_is_raised_here(real_nvrtc, monkeypatch):
+    monkeypatch.setattr(nvrtc, "_children", {"ok": True})
     monkeypatch.setenv("TIERED_COMPILE_PROCESSES", "1")
     monkeypatch.setattr(nvrtc, "compile_program", lambda *a: pytest.fail("compiled here"))
     with pytest.raises(RuntimeError, match="NVRTC could not compile broken.*undefined"):
@@ -70,11 +73,15 @@ def test_an_nvrtc_error_in_the_child_is_raised_here(real_nvrtc, monkeypatch):
 
 def test_where_no_child_can_load_nvrtc_this_process_compiles(monkeypatch):
     """The child runs on the standard library alone (``python -I``): a library it cannot load
-    hands the compile back (None), and compile_kernel then compiles in this process."""
+    hands the compile back (None), compile_kernel then compiles in this process, and no more
+    children are started."""
     class Lib:
         _name = "/nonexistent/libnvrtc.so.99"
 
+    monkeypatch.setattr(nvrtc, "_children", {"ok": True})
     assert nvrtc._in_child(Lib(), "", "m", "k", {}, [], False) is None
+    assert nvrtc._children == {"ok": False}
+    nvrtc._children["ok"] = True
     calls = []
     monkeypatch.setattr(nvrtc, "_nvrtc", lambda: Lib())
     monkeypatch.setattr(nvrtc, "compute_capability", lambda ordinal=0: (9, 0))
@@ -85,7 +92,10 @@ def test_where_no_child_can_load_nvrtc_this_process_compiles(monkeypatch):
                         lambda *a: calls.append(a[1:4]) or (b"code", "mangled"))
     monkeypatch.setenv("TIERED_COMPILE_PROCESSES", "1")
     assert nvrtc.compile_kernel("src", "mod", "k") == (b"code", "mangled")
-    assert calls == [("src", "mod", "k")]
+    assert calls == [("src", "mod", "k")] and nvrtc._children == {"ok": False}
+    monkeypatch.setattr(nvrtc, "_in_child", lambda *a: pytest.fail("a child after one failed"))
+    assert nvrtc.compile_kernel("src2", "mod2", "k2") == (b"code", "mangled")
+    assert calls[1] == ("src2", "mod2", "k2")
 
 
 def test_a_library_loaded_by_name_is_handed_to_the_child_by_its_file():
