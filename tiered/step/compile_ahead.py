@@ -18,8 +18,9 @@ step after the 1M-token prefill waited 19.4 s for them (ten kernels, requested o
 five waits); requested ahead, on another cold H100 the first step took 569 ms. From a
 compressed layer's first prompt chunk on the device path, its step's chain
 (:func:`tiered.step.device_compiled._chain`) is built once on that chunk's arrays under
-:func:`tiered.metal.ptx_cache.ahead`, never evaluated: each launch requests its compile for
-later, and they compile while the rest of the prompt is read. The chain's kernels take the
+:func:`tiered.metal.ptx_cache.ahead`, never evaluated: each launch requests its compile, idle
+(nothing but a launch of it waits for it, not the next layer's compression), and they compile
+while the rest of the prompt is read. The chain's kernels take the
 width and the token counts as shapes and inputs, not in their templates, so the signatures at
 the first chunk are those of the decode step a million tokens later.
 """
