@@ -23,7 +23,7 @@ PTX cache's pending compiles, and the first graph tiered hands to MLX waits for 
 waits for them where it compresses (:func:`tiered.metal.ptx_cache.join_later`); the decode's
 are made once those are done, on a thread nothing waits for, and a long prompt's decode finds
 them made. (On that H100, the first evaluation waited 7.1 s for all twelve side by side.)
-A failure only warns (MLX then compiles as before); ``TIERED_WARM_KERNELS=0`` turns it off.
+The prefill's start at ``import tiered`` (:func:`start_early`). A failure only warns (MLX then compiles as before); ``TIERED_WARM_KERNELS=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -155,12 +155,16 @@ EARLY_DTYPES = ("float16", "bfloat16")  # what models run in on a GPU
 
 
 def start_early(root: Path | None = None, python: str | None = None) -> list:
-    """The first prompt chunk's modules (:data:`FIRST`) for float16 and bfloat16 models, missing
-    from MLX's PTX cache, started at ``import tiered`` on a CUDA GPU: they compile while the
-    model loads, where :func:`start` (``TieredCache.for_model``) started them only once it had
-    loaded (a cold H100 then waited 7.5 s for them at the first chunk of a 1M-token prefill).
-    Idle: :func:`start` for the model's dtype makes the first settle wait for its own;
-    nothing waits for the other dtype's. Their futures; nothing off CUDA or turned off."""
+    """The prefill's modules (:data:`PREFILL`: the first chunk's, then the compression's) for
+    float16 and bfloat16 models, missing from MLX's PTX cache, started at ``import tiered`` on
+    a CUDA GPU: they compile while the model loads. Started only once it had loaded
+    (:func:`start`, ``TieredCache.for_model``), a cold H100 waited 7.5 s for the first chunk's
+    at a 1M-token prefill's first chunk; with those made at import, the main thread still spent
+    6.2 s of the first chunks in NVRTC under MLX's ``Gather::eval_gpu`` (py-spy, native), one
+    gather compiled in-process while the compression's were compiling aside. Idle:
+    :func:`start` for the model's dtype makes the first settle wait for the first chunk's and a
+    compression for the others; nothing waits for the other dtype's. Their futures; nothing
+    off CUDA or turned off."""
     from ._build import _cuda_now
 
     if not enabled() or not _cuda_now():
@@ -168,7 +172,8 @@ def start_early(root: Path | None = None, python: str | None = None) -> list:
     root = cache_dir() if root is None else root
     python = python or sys.executable
     return [ptx_cache.pending(job[2], _make, *job, idle=True)
-            for dtype in EARLY_DTYPES for job in _missing(dtype, FIRST, root, python)]
+            for phase in PREFILL for dtype in EARLY_DTYPES
+            for job in _missing(dtype, phase, root, python)]
 
 
 def _missing(dtype: str, phase: str, root: Path, python: str) -> list[tuple]:

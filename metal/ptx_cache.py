@@ -69,10 +69,13 @@ def pending(path: Path, make, *args, later: bool = False, idle: bool = False) ->
     MLX's own), or, ``later``, only :func:`join_later` (compiles for a later phase, which the
     graphs before it do not wait for), or, ``idle``, nothing until a launch of it (the decode
     step's, compiled during a prefill whose compressions need none of them). A job started
-    for later or idle and asked for now is waited for now."""
+    for later or idle and asked for now is waited for now; one started idle and asked for
+    later, by join_later."""
     with _lock:
         if not (later or idle):
             _wait_now([path])
+        elif later and path in _idle:  # made at import, now needed by a compression
+            _later[path] = _idle.pop(path)
         got = _pending.get(path) or _later.get(path) or _idle.get(path)
         if got is None:
             got = _executor().submit(make, *args)

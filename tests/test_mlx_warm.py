@@ -145,12 +145,13 @@ def test_start_for_reads_the_model_dtype_only_where_it_can_start(monkeypatch):
     assert mlx_warm.start_for(nn.Linear(2, 2)) == [] and got == ["read", "bfloat16"]
 
 
-def test_the_first_chunks_modules_start_at_import_and_the_models_own_are_waited_for(
+def test_the_prefills_modules_start_at_import_and_the_models_own_are_waited_for(
         tmp_path, monkeypatch):
-    """start_early (``import tiered`` on CUDA): the first chunk's modules of float16 and
-    bfloat16 models, idle; start for the model's dtype then joins them (the first settle
-    waits for the float16 ones, made once), and nothing waits for the bfloat16 ones, not even
-    a layer's compression (join_later)."""
+    """start_early (``import tiered`` on CUDA): the prefill's modules of float16 and bfloat16
+    models (the first chunk's, the compression's; one shared by both made once), idle; start
+    for the model's dtype then joins them: the first settle waits for its first chunk's, a
+    layer's compression (join_later) for its compression's, and nothing for the other
+    dtype's."""
     monkeypatch.setattr(_build, "_cuda_now", lambda: True)
     monkeypatch.setattr(mlx_warm, "_started", set())
     monkeypatch.setattr(ptx_cache, "_later", {})
@@ -160,24 +161,32 @@ def test_the_first_chunks_modules_start_at_import_and_the_models_own_are_waited_
     runs.mkdir()
     root = tmp_path / "ptx"
 
+    def made(name):
+        return f"open(r'{runs}/{name}', 'a').write('x')\n" + WRITE.format(name=name)
+
     def modules(dtype, phase=None):
-        if phase != mlx_warm.FIRST:
-            return {}
-        name = f"first_{dtype}"
-        return {name: f"open(r'{runs}/{name}', 'a').write('x')\n" + WRITE.format(name=name)}
+        names = {mlx_warm.FIRST: [f"first_{dtype}"],
+                 mlx_warm.COMPRESS: [f"comp_{dtype}", "comp_shared"]}.get(phase, [])
+        return {name: made(name) for name in names}
 
     monkeypatch.setattr(mlx_warm, "modules", modules)
     early = mlx_warm.start_early(root=root)
-    assert len(early) == 2 and not ptx_cache._pending and not ptx_cache._later
-    assert set(ptx_cache._idle) == {root / "first_float16.ptx", root / "first_bfloat16.ptx"}
+    names = ["first_float16", "first_bfloat16", "comp_float16", "comp_shared", "comp_bfloat16"]
+    assert len(early) == 6 and early[5] is early[3]  # the shared one: one job
+    assert not ptx_cache._pending and not ptx_cache._later
+    assert list(ptx_cache._idle) == [root / f"{n}.ptx" for n in names]  # first chunk's first
     jobs = mlx_warm.start("float16", root=root)
-    assert jobs == [early[0]] and list(ptx_cache._pending) == [root / "first_float16.ptx"]
+    assert jobs == early[:1] + early[2:4]
+    assert list(ptx_cache._pending) == [root / "first_float16.ptx"]
+    assert list(ptx_cache._later) == [root / "comp_float16.ptx", root / "comp_shared.ptx"]
     ptx_cache.settle()
     assert early[0].done() and (root / "first_float16.ptx").read_text() == "PTX of first_float16"
     ptx_cache.join_later()  # a layer's compression
-    assert list(ptx_cache._idle) == [root / "first_bfloat16.ptx"] and not ptx_cache._pending
-    early[1].result(60)
-    assert sorted(p.name for p in runs.iterdir()) == ["first_bfloat16", "first_float16"]
+    assert early[2].done() and early[3].done() and not ptx_cache._later
+    assert set(ptx_cache._idle) == {root / "first_bfloat16.ptx", root / "comp_bfloat16.ptx"}
+    assert not ptx_cache._pending
+    early[1].result(60), early[4].result(60)
+    assert sorted(p.name for p in runs.iterdir()) == sorted(names)
     assert all(p.read_text() == "x" for p in runs.iterdir())  # each made once
     assert mlx_warm.start_early(root=root) == []  # made: nothing to start
     monkeypatch.setenv("TIERED_WARM_KERNELS", "0")

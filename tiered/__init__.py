@@ -9,7 +9,7 @@
 Importing tiered first loads an optimized BLAS for MLX's CPU backend on Linux (see
 ``tiered.runtime._platform``); it patches nothing in mlx-lm until :func:`install` is called
 (``TieredCache.for_model`` calls it). On an NVIDIA GPU whose MLX kernel cache lacks them, it
-starts compiling the MLX kernels a prefill's first chunk launches, in small processes
+starts compiling the MLX kernels a prefill launches, in small processes
 (:func:`tiered.metal.mlx_warm.start_early`; ``TIERED_WARM_KERNELS=0`` turns it off).
 """
 
@@ -28,7 +28,7 @@ from .report import report, report_dict  # noqa: E402
 from .persistence.version import __version__  # noqa: E402
 from .metal import mlx_warm as _mlx_warm  # noqa: E402
 
-_mlx_warm.start_early()  # CUDA: the first chunk's MLX kernels compile while the model loads
+_mlx_warm.start_early()  # CUDA: the prefill's MLX kernels compile while the model loads
 
 
 def load_prompt_cache(path: str, return_metadata: bool = False):
