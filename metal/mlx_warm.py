@@ -23,7 +23,8 @@ PTX cache's pending compiles, and the first graph tiered hands to MLX waits for 
 waits for them where it compresses (:func:`tiered.metal.ptx_cache.join_later`); the decode's
 are made once those are done, on a thread nothing waits for, and a long prompt's decode finds
 them made. (On that H100, the first evaluation waited 7.1 s for all twelve side by side.)
-The prefill's start at ``import tiered`` (:func:`start_early`). A failure only warns (MLX then compiles as before); ``TIERED_WARM_KERNELS=0`` turns it off.
+The prefill's start at ``import tiered`` (:func:`start_early`). A failure only warns (MLX
+then compiles as before); ``TIERED_WARM_KERNELS=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -160,8 +161,8 @@ def start_early(root: Path | None = None, python: str | None = None) -> list:
     a CUDA GPU: they compile while the model loads. Started only once it had loaded
     (:func:`start`, ``TieredCache.for_model``), a cold H100 waited 7.5 s for the first chunk's
     at a 1M-token prefill's first chunk; with those made at import, the main thread still spent
-    6.2 s of the first chunks in NVRTC under MLX's ``Gather::eval_gpu`` (py-spy, native), one
-    gather compiled in-process while the compression's were compiling aside. Idle:
+    6.2 s of the first chunks in NVRTC under MLX's ``Gather::eval_gpu`` (py-spy, native): a
+    gather compiled in the process while the compression's were compiling aside. Idle:
     :func:`start` for the model's dtype makes the first settle wait for the first chunk's and a
     compression for the others; nothing waits for the other dtype's. Their futures; nothing
     off CUDA or turned off."""
