@@ -74,7 +74,7 @@ def pending(path: Path, make, *args, later: bool = False, idle: bool = False) ->
     with _lock:
         if not (later or idle):
             _wait_now([path])
-        elif later and path in _idle:  # made at import, now needed by a compression
+        elif later and not idle and path in _idle:  # made at import, now for a compression
             _later[path] = _idle.pop(path)
         got = _pending.get(path) or _later.get(path) or _idle.get(path)
         if got is None:

@@ -212,19 +212,32 @@ def test_compiles_for_later_are_waited_for_where_asked(fake_nvrtc):
     assert b.done() and not ptx_cache._later and not ptx_cache._pending
 
 
-def test_a_launch_of_a_prepared_signature_waits_for_its_compile(fake_nvrtc, monkeypatch):
+def _held_probe(fake_nvrtc, monkeypatch):
+    """(go, launched, a CachedKernel factory): compiles held until ``go``, launches recorded."""
     go = threading.Event()
     fake_nvrtc(lambda: go.wait(30))
     launched = []
     monkeypatch.setattr(ptx_cache, "NATIVE", False)
     monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **spec: lambda **kw: launched.append(kw))
-    k = ptx_cache.CachedKernel(name="probe", input_names=["a"], output_names=["o"],
-                               source="o[0] = a[0];")
+
+    def kernel():
+        return ptx_cache.CachedKernel(name="probe", input_names=["a"], output_names=["o"],
+                                      source="o[0] = a[0];")
+    return go, launched, kernel
+
+
+def _launch(k, v: int):
+    return k(inputs=[mx.zeros((2,))], output_dtypes=[mx.float32], output_shapes=[(2,)],
+             grid=(1, 1, 1), threadgroup=(1, 1, 1), template=[("V", v)])
+
+
+def test_a_launch_of_a_prepared_signature_waits_for_its_compile(fake_nvrtc, monkeypatch):
+    go, launched, kernel = _held_probe(fake_nvrtc, monkeypatch)
+    k = kernel()
     k.prepare([(mx.float32, 1)], [mx.float32], [("V", 3)])
     (job,) = ptx_cache._later.values()
     assert not ptx_cache._pending
-    k(inputs=[mx.zeros((2,))], output_dtypes=[mx.float32], output_shapes=[(2,)],
-      grid=(1, 1, 1), threadgroup=(1, 1, 1), template=[("V", 3)])
+    _launch(k, 3)
     assert launched and list(ptx_cache._pending.values()) == [job] and not ptx_cache._later
     go.set()
     ptx_cache.settle()
@@ -233,25 +246,19 @@ def test_a_launch_of_a_prepared_signature_waits_for_its_compile(fake_nvrtc, monk
 
 def test_an_idle_compile_is_waited_for_by_its_launch_only(fake_nvrtc, monkeypatch):
     """Prepared idle (the decode step's kernels, under ptx_cache.ahead): neither settle nor a
-    layer's compression (join_later) waits for it; a launch of its signature makes the next
-    settle wait."""
-    go = threading.Event()
-    fake_nvrtc(lambda: go.wait(30))
-    launched = []
-    monkeypatch.setattr(ptx_cache, "NATIVE", False)
-    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **spec: lambda **kw: launched.append(kw))
-    k = ptx_cache.CachedKernel(name="probe", input_names=["a"], output_names=["o"],
-                               source="o[0] = a[0];")
+    layer's compression (join_later) waits for it, nor does another idle request of the same
+    entry make it one; a launch of its signature makes the next settle wait."""
+    go, launched, kernel = _held_probe(fake_nvrtc, monkeypatch)
+    k = kernel()
     with ptx_cache.ahead():
-        out = k(inputs=[mx.zeros((2,))], output_dtypes=[mx.float32], output_shapes=[(2,)],
-                grid=(1, 1, 1), threadgroup=(1, 1, 1), template=[("V", 4)])
+        out = _launch(k, 4)
+        _launch(kernel(), 4)  # another kernel object, the same entry: still idle
     assert not launched and out[0].shape == (2,) and not out[0].any().item()
     (job,) = ptx_cache._idle.values()
     ptx_cache.settle()
     ptx_cache.join_later()  # both return at once (the compile is held until go)
     assert not job.done() and not ptx_cache._pending and not ptx_cache._later
-    k(inputs=[mx.zeros((2,))], output_dtypes=[mx.float32], output_shapes=[(2,)],
-      grid=(1, 1, 1), threadgroup=(1, 1, 1), template=[("V", 4)])
+    _launch(k, 4)
     assert launched and list(ptx_cache._pending.values()) == [job] and not ptx_cache._idle
     go.set()
     ptx_cache.settle()
