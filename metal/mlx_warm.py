@@ -23,8 +23,8 @@ PTX cache's pending compiles, and the first graph tiered hands to MLX waits for 
 waits for them where it compresses (:func:`tiered.metal.ptx_cache.join_later`); the decode's
 are made once those are done, on a thread nothing waits for, and a long prompt's decode finds
 them made. (On that H100, the first evaluation waited 7.1 s for all twelve side by side.)
-The prefill's start at ``import tiered`` (:func:`start_early`). A failure only warns (MLX
-then compiles as before); ``TIERED_WARM_KERNELS=0`` turns it off.
+The prefill's modules start at ``import tiered`` (:func:`start_early`). A failure only warns
+(MLX then compiles as before); ``TIERED_WARM_KERNELS=0`` turns it off.
 """
 
 from __future__ import annotations

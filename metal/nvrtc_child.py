@@ -30,11 +30,11 @@ def compile_program(lib, source: str, module_name: str, kernel_name: str, header
     texts = (ctypes.c_char_p * len(headers))(*headers.values())
     prog = ctypes.c_void_p()
     check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(),
-                                       (module_name + ".cu").encode(), len(headers), texts,
-                                       names), "nvrtcCreateProgram")
+                                      (module_name + ".cu").encode(), len(headers), texts,
+                                      names), "nvrtcCreateProgram")
     try:
         check(lib, lib.nvrtcAddNameExpression(prog, kernel_name.encode()),
-               "nvrtcAddNameExpression")
+              "nvrtcAddNameExpression")
         argv = (ctypes.c_char_p * len(args))(*[a.encode() for a in args])
         if lib.nvrtcCompileProgram(prog, len(args), argv) != 0:
             size = ctypes.c_size_t()
@@ -44,7 +44,7 @@ def compile_program(lib, source: str, module_name: str, kernel_name: str, header
             raise RuntimeError(f"NVRTC could not compile {module_name}: {log.value.decode()}")
         lowered = ctypes.c_char_p()
         check(lib, lib.nvrtcGetLoweredName(prog, kernel_name.encode(), ctypes.byref(lowered)),
-               "nvrtcGetLoweredName")
+              "nvrtcGetLoweredName")
         mangled = lowered.value.decode()
         size = ctypes.c_size_t()
         get_size, get = ((lib.nvrtcGetCUBINSize, lib.nvrtcGetCUBIN) if cubin

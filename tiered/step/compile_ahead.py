@@ -8,8 +8,8 @@ key encoder, then 4.0 s for the door, the upload ring's copy and the host-page w
 side), 25 s into the run (bench/probes/compile_timeline.py: its compile log and the main
 thread's stack samples). Their signatures are known from a layer's first prompt chunk: the
 model's dtype, the layout the layer will compress into (its codebook's shape), the host pages'
-geometry at that point. :func:`compression_kernels` requests them then, for later: no evaluation before the
-compression waits for them, and the compression does
+geometry at that point. :func:`compression_kernels` requests them then, for later: no
+evaluation before the compression waits for them, and the compression does
 (:func:`tiered.metal.ptx_cache.join_later`). A prediction that misses costs one compile on a
 spare core, and the launch compiles as before.
 
@@ -20,9 +20,9 @@ compressed layer's first prompt chunk on the device path, its step's chain
 (:func:`tiered.step.device_compiled._chain`) is built once on that chunk's arrays under
 :func:`tiered.metal.ptx_cache.ahead`, never evaluated: each launch requests its compile, idle
 (nothing but a launch of it waits for it, not the next layer's compression), and they compile
-while the rest of the prompt is read. The chain's kernels take the
-width and the token counts as shapes and inputs, not in their templates, so the signatures at
-the first chunk are those of the decode step a million tokens later.
+while the rest of the prompt is read. The chain's kernels take the width and the token counts
+as shapes and inputs, not in their templates, so the signatures at the first chunk are those
+of the decode step a million tokens later.
 """
 
 from __future__ import annotations
