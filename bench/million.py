@@ -38,6 +38,7 @@ import numpy as np
 import tiered
 from tiered.commands.cli import Progress
 from tiered.prefill import current_rss_bytes, peak_rss_bytes, prefill
+from tiered.runtime import memory_limit
 from tiered.step import disk_stage
 
 
@@ -264,6 +265,10 @@ def main(argv=None):
                     on_chunk=sample)
     print(f"prefill: {stats['tokens']} tokens in {stats['seconds']:.0f}s = "
           f"{stats['tokens_per_s']:.1f} tok/s", flush=True)
+    base = memory_limit.base()  # above the limit MLX serializes each eval (runtime.memory_limit)
+    print(f"MLX memory after the prefill: active {mx.get_active_memory() / 2**30:.2f} GiB, "
+          f"limit {mx.get_memory_limit() / 2**30:.2f} GiB"
+          + (f" (base {base / 2**30:.2f} + host pages)" if base is not None else ""), flush=True)
     # decode at 1M: the last prompt token, then greedy steps
     times, queue, out = [], [], []
     disk0 = disk_stage.counts()

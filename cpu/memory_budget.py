@@ -14,6 +14,9 @@ class HostBudget:
         self.used = 0
         self.peak = 0
         self._lock = threading.Lock()
+        # called with no lock held after ``used`` changed (tiered.runtime.memory_limit: MLX's
+        # memory limit follows the host bytes on CUDA)
+        self.on_change = None
 
     def reserve(self, nbytes: int) -> bool:
         with self._lock:
@@ -21,17 +24,24 @@ class HostBudget:
                 return False
             self.used += nbytes
             self.peak = max(self.peak, self.used)
-            return True
+        self._changed()
+        return True
 
     def charge(self, nbytes: int):
         """Count bytes already held (even past the limit: the next growth spills instead)."""
         with self._lock:
             self.used += nbytes
             self.peak = max(self.peak, self.used)
+        self._changed()
 
     def release(self, nbytes: int):
         with self._lock:
             self.used -= nbytes
+        self._changed()
+
+    def _changed(self):
+        if self.on_change is not None:
+            self.on_change()
 
 
 

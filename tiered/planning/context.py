@@ -12,7 +12,7 @@ import numpy as np
 
 from ..codecs import train_codebook
 from ..cpu.memory_budget import HostBudget, SharedMemoryBudget
-from ..runtime import dispatch, ops
+from ..runtime import dispatch, memory_limit, ops
 from ..scheduler import Scheduler
 from . import layout
 from .geometry import Geometry, accelerator_bytes_ahead, model_geometry
@@ -60,6 +60,7 @@ class SharedContext:
         self.host_budget = (SharedMemoryBudget(config.memory_budget, self.accelerator_bytes)
                             if config.memory_budget is not None
                             else HostBudget(config.host_budget))
+        memory_limit.track(self.host_budget)  # CUDA: host pages out of MLX's memory limit
         self.disk_budget = HostBudget(config.disk_budget) if config.disk_budget else None
 
     # ---- the steps of the model's layers ---------------------------------------------------
