@@ -14,8 +14,8 @@ import gc
 import mlx.core as mx
 import numpy as np
 import pytest
-
 from tiered.cpu.memory_budget import HostBudget
+
 from tiered.runtime import memory_limit
 
 MB = 1 << 20
