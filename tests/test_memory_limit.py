@@ -10,6 +10,7 @@ budget dropped stops counting, and a real cache's host pages are counted while i
 from __future__ import annotations
 
 import gc
+import threading
 
 import mlx.core as mx
 import numpy as np
@@ -72,6 +73,24 @@ def test_a_dropped_budget_stops_counting(tracked):
     del a
     gc.collect()
     assert mx.get_memory_limit() == base
+
+
+def test_an_update_while_the_lock_is_held_does_not_wait_for_itself(tracked):
+    """A budget collected while update() holds the lock (a collection can run at any allocation)
+    calls update() again in the same thread: it must not wait for itself."""
+    a = HostBudget(None)
+    memory_limit.track(a)
+    got = []
+
+    def nested():
+        with memory_limit._lock:
+            a.reserve(MB)  # its on_change runs update() here, the lock held
+            got.append(mx.get_memory_limit())
+
+    t = threading.Thread(target=nested, daemon=True)
+    t.start()
+    t.join(10)
+    assert got == [tracked + MB]
 
 
 def test_untracked_where_it_does_not_apply(monkeypatch):

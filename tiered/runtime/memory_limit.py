@@ -25,7 +25,9 @@ import weakref
 
 import mlx.core as mx
 
-_lock = threading.Lock()
+# re-entrant: a budget collected while the lock is held (a collection can run at any allocation)
+# calls update() in the same thread
+_lock = threading.RLock()
 _budgets: weakref.WeakSet = weakref.WeakSet()
 _state = {"base": None, "set": None}
 
@@ -44,7 +46,8 @@ def track(budget, enabled: bool | None = None) -> None:
     with _lock:
         _budgets.add(budget)
     budget.on_change = update
-    weakref.finalize(budget, update)  # a budget dropped unreleased stops counting
+    done = weakref.finalize(budget, update)  # a budget dropped unreleased stops counting
+    done.atexit = False  # nothing to give back at interpreter exit
     update()
 
 
