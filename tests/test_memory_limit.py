@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import weakref
 
 import mlx.core as mx
 import numpy as np
@@ -23,14 +24,20 @@ MB = 1 << 20
 
 
 @pytest.fixture
-def tracked(monkeypatch):
-    """The module's state fresh, tracking forced on, MLX's limit restored afterwards."""
+def fresh(monkeypatch):
+    """The module's state fresh, MLX's limit restored afterwards; yields the limit before."""
     before = mx.get_memory_limit()
-    monkeypatch.setattr(memory_limit, "_budgets", memory_limit.weakref.WeakSet())
+    monkeypatch.setattr(memory_limit, "_budgets", weakref.WeakSet())
     monkeypatch.setattr(memory_limit, "_state", {"base": None, "set": None})
-    monkeypatch.setattr(memory_limit, "applies", lambda: True)
     yield before
     mx.set_memory_limit(before)
+
+
+@pytest.fixture
+def tracked(fresh, monkeypatch):
+    """:func:`fresh`, tracking forced on."""
+    monkeypatch.setattr(memory_limit, "applies", lambda: True)
+    return fresh
 
 
 def test_the_limit_moves_with_the_budgets_bytes(tracked):
@@ -93,10 +100,8 @@ def test_an_update_while_the_lock_is_held_does_not_wait_for_itself(tracked):
     assert got == [tracked + MB]
 
 
-def test_untracked_where_it_does_not_apply(monkeypatch):
-    before = mx.get_memory_limit()
-    monkeypatch.setattr(memory_limit, "_budgets", memory_limit.weakref.WeakSet())
-    monkeypatch.setattr(memory_limit, "_state", {"base": None, "set": None})
+def test_untracked_where_it_does_not_apply(fresh):
+    before = fresh
     a = HostBudget(None)
     memory_limit.track(a, enabled=False)
     a.reserve(64 * MB)

@@ -60,7 +60,7 @@ def host_bytes() -> int:
 def update() -> int:
     """Set the limit to its base plus :func:`host_bytes`; returns the limit set."""
     with _lock:
-        held = sum(max(0, b.used) for b in list(_budgets))
+        held = host_bytes()
         now = mx.get_memory_limit()
         if _state["set"] is None or now != _state["set"]:
             _state["base"] = now  # the first call, or the caller set a limit of their own
