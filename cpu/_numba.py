@@ -9,19 +9,44 @@ that); ``threadsafe`` picks ``tbb`` or ``omp`` instead. A layer chosen by the us
 
 from __future__ import annotations
 
+import hashlib
+import os
 import platform
+from pathlib import Path
 
 import numba
 
 if numba.config.THREADING_LAYER == "default":
     numba.config.THREADING_LAYER = "threadsafe"
 
+
+def _cache_dir() -> str:
+    """Where the kernels' compiled code is cached: one folder per version of this package's
+    sources. Numba checks only the stamp of a kernel's own file, so a kernel whose callee in
+    another module changed (cpu.disk_copy calling cpu.disk_cache) would load the code it was
+    compiled with before; a folder keyed by every module's bytes never holds such code."""
+    digest = hashlib.sha1()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.name.encode() + path.read_bytes())
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return str(root / "tiered" / "numba" / digest.hexdigest()[:16])
+
+
+if not os.environ.get("NUMBA_CACHE_DIR"):  # the user's own choice stands
+    try:
+        _dir = _cache_dir()
+        os.makedirs(_dir, exist_ok=True)
+        if os.access(_dir, os.W_OK):
+            numba.config.CACHE_DIR = _dir  # else beside the sources, Numba's default
+    except OSError:
+        pass
+
 from llvmlite import ir  # noqa: E402
 from numba import types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
-# One place for the jit options: cached to disk, GIL released, fast math.
+# One place for the jit options: cached to disk (_cache_dir), GIL released, fast math.
 JIT = dict(cache=True, nogil=True)
 # Fast math without the no-NaN / no-Inf promises, for kernels that read or write -inf on purpose
 # (empty selections, log-sum-exp of nothing): under "ninf" LLVM may fold those comparisons away.
