@@ -132,11 +132,12 @@ def print_disk_steps(start: dict, steps: list, times: list) -> None:
     prev, faults = start, None
     for i, (c, f) in enumerate(steps):
         d = {k: c[k] - prev[k] for k in ("layer_steps", "device_wait_s", "copy_s", "poll_s",
-                                         "late", "bytes") if k in c}
+                                         "late", "bytes", "rows", "copied_rows") if k in c}
         print(f"disk step {i}: {1e3 * times[i]:.1f} ms; device waiting "
               f"{1e3 * d.get('device_wait_s', 0):.1f} ms, worker copying {1e3 * d['copy_s']:.1f}"
               f" ms ({d['bytes'] / 2**20:.1f} MiB), polling {1e3 * d.get('poll_s', 0):.1f} ms, "
-              f"late {d.get('late', 0)} of {d['layer_steps']}"
+              f"late {d.get('late', 0)} of {d['layer_steps']}, rows copied "
+              f"{d.get('copied_rows', 0)} of {d.get('rows', 0)} (the rest cached)"
               + (f", minor faults {f - faults}" if faults is not None else ""), flush=True)
         prev, faults = c, f
 
@@ -356,8 +357,9 @@ def main(argv=None):
              f"{disk_read['layer_steps'] / max(1, args.decode_steps):.0f} layers; the worker "
              f"copying {1e3 * disk_read.get('copy_s', 0) / max(1, args.decode_steps):.1f} "
              f"ms/step, the device waiting for it "
-             f"{1e3 * disk_read.get('device_wait_s', 0) / max(1, args.decode_steps):.1f} ms/step",
-             ""],
+             f"{1e3 * disk_read.get('device_wait_s', 0) / max(1, args.decode_steps):.1f} ms/step"
+             f"; rows copied {disk_read.get('copied_rows', 0)} of {disk_read.get('rows', 0)} "
+             f"(the rest from the worker's chunk cache)", ""],
             ["streaming-offload baseline at this length (computed, not run)",
              f"{streaming_ms:.0f} ms/token", f"the whole cache, {full / 1e9:.1f} GB, uploaded every "
              f"step at the measured {host_bw:.1f} GB/s host-to-device", ""]]

@@ -41,9 +41,9 @@ from ._numba import (FUTEX, futex_wake, kernel, load_acquire_i64, monotonic_ns, 
 from .disk_copy import (  # noqa: F401  (the control words and types: the names users import)
     ANSWERED, CTL_WORDS, EXPORTED, FAULT, FLOAT16, FLOAT32, INT8, ROWS_WORD, STATS_WORDS,
     WAITED_NS, Mailbox, Request, Tensor, stage)
-from .disk_copy import (F_CTL, F_JOB, F_NT, F_TENSORS, FIELDS, T_CODE, T_DIM, TEAM_GEN,
-                        TEAM_MAX, TEAM_N, TEAM_STOP, TEAM_WORDS, TENSOR_FIELDS, _answer, _help,
-                        _i64, _ring_row)
+from .disk_copy import (F_CTL, F_JOB, F_NT, F_TENSORS, FIELDS, T_CODE, T_DIM, TENSOR_FIELDS,
+                        _answer, _i64, _ring_row)
+from .disk_team import TEAM_GEN, TEAM_MAX, TEAM_N, TEAM_STOP, TEAM_WORDS, _help
 
 # Threads copying a request's rows: the worker and THREADS - 1 helpers of its own (not Numba's:
 # a Numba parallel region takes the GIL to start), sleeping on a futex between copies.
@@ -54,8 +54,10 @@ THREADS = int(os.environ.get("TIERED_DISK_THREADS", str(min(4, os.cpu_count() or
 SLOTS = 4096  # requests outstanding at most (a step of 32 layers posts 32)
 # The ring's control words: requests posted (the host's count, released), stop, the worker's
 # tallies: layer-steps answered, rows, chunk-heads, bytes, passed over, ns copying, ns from a
-# request's arrival to its export, answers already exported when first polled
-POSTED, STOP, N_STEPS, N_ROWS, N_CHUNKS, N_BYTES, N_PASSED, COPY_NS, POLL_NS, N_LATE = range(10)
+# request's arrival to its export, answers already exported when first polled, rows and
+# chunk-heads copied (the rest were in the mailbox's cache: cpu.disk_cache)
+(POSTED, STOP, N_STEPS, N_ROWS, N_CHUNKS, N_BYTES, N_PASSED, COPY_NS, POLL_NS, N_LATE,
+ N_COPIED_ROWS, N_COPIED_CHUNKS) = range(12)
 RING_WORDS = 16
 # Polls back to back for 2 ms after the last request's arrival or answer, then naps of NAP_US
 # while a request is pending (the device may be about to export it) or IDLE_US while none is;
@@ -105,6 +107,8 @@ def _serve(ring, queue, ctl_addr, state_addr, team_addr, stats):
                 tally[N_STEPS] += 1
                 tally[N_ROWS] += stats[0]
                 tally[N_CHUNKS] += stats[1]
+                tally[N_COPIED_ROWS] += stats[2]
+                tally[N_COPIED_CHUNKS] += stats[3]
                 width = 0
                 for j in range(r[F_NT]):
                     code = r[F_TENSORS + j * TENSOR_FIELDS + T_CODE]
@@ -126,9 +130,10 @@ def _serve(ring, queue, ctl_addr, state_addr, team_addr, stats):
 
 class DiskServer:
     """The worker thread (started on the first request; a daemon) and the ring the host posts
-    requests to. ``counts``: layer-steps answered, rows and chunk-heads copied, bytes, requests
-    passed over, seconds copying, seconds from a request's arrival to its export, answers the
-    device was waiting for before the worker polled (``late``). ``error``: what stopped the
+    requests to. ``counts``: layer-steps answered, rows and chunk-heads staged, their bytes,
+    requests passed over, seconds copying, seconds from a request's arrival to its export,
+    answers the device was waiting for before the worker polled (``late``), rows and
+    chunk-heads copied (the rest were in the mailbox's chunk cache). ``error``: what stopped the
     loop; the requests are then answered with a fault (``ctl[FAULT] = 2``), so the device never
     waits for a dead thread, and the host raises it at the layer's next step."""
 
@@ -154,7 +159,8 @@ class DiskServer:
         return {"layer_steps": int(c[N_STEPS]), "rows": int(c[N_ROWS]),
                 "chunks": int(c[N_CHUNKS]), "bytes": int(c[N_BYTES]),
                 "passed_over": int(c[N_PASSED]), "copy_s": 1e-9 * int(c[COPY_NS]),
-                "poll_s": 1e-9 * int(c[POLL_NS]), "late": int(c[N_LATE])}
+                "poll_s": 1e-9 * int(c[POLL_NS]), "late": int(c[N_LATE]),
+                "copied_rows": int(c[N_COPIED_ROWS]), "copied_chunks": int(c[N_COPIED_CHUNKS])}
 
     def post(self, req: Request) -> None:
         """Hand ``req`` to the worker: a ring row of addresses (its arrays kept alive here

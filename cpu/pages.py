@@ -277,6 +277,12 @@ class HostStore(DeviceWrites, PageReads):
                 f"d={dim}), got {tuple(x.shape)}"
             )
 
+    @property
+    def rewrites(self) -> int:
+        """How often a page list changed in place (a truncation, an undone append, a page
+        moved for a device write): a stored token's rows can differ only after it grew."""
+        return self._shrunk
+
     def truncate(self, length: int):
         """Drop tokens past ``length``; pages that become empty return to the free list."""
         if not 0 <= length <= self.length:

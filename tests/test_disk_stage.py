@@ -14,7 +14,7 @@ import numba
 import numpy as np
 import pytest
 
-from tiered.cpu import disk_copy, disk_serve
+from tiered.cpu import disk_serve, disk_team
 from tiered.cpu._numba import load_acquire_i64, monotonic_ns, store_release_i64
 from tiered.cpu.disk_serve import (ANSWERED, EXPORTED, FAULT, FLOAT16, FLOAT32, INT8, Mailbox,
                                    Request, Tensor)
@@ -51,18 +51,18 @@ def _store(rng, code, blocks=3):
 
 
 def _team(helpers):
-    """A copy team of ``helpers`` threads (cpu.disk_copy._help) and a stop for it."""
-    team = np.zeros(disk_copy.TEAM_WORDS, np.int64)
-    team[disk_copy.TEAM_N] = helpers
-    threads = [threading.Thread(target=disk_copy._help, args=(team.ctypes.data, i), daemon=True)
+    """A copy team of ``helpers`` threads (cpu.disk_team._help) and a stop for it."""
+    team = np.zeros(disk_team.TEAM_WORDS, np.int64)
+    team[disk_team.TEAM_N] = helpers
+    threads = [threading.Thread(target=disk_team._help, args=(team.ctypes.data, i), daemon=True)
                for i in range(helpers)]
     for t in threads:
         t.start()
 
     def stop():
-        disk_serve.store_release(team.ctypes.data + 8 * disk_copy.TEAM_STOP, 1)
-        disk_serve.store_release(team.ctypes.data + 8 * disk_copy.TEAM_GEN, team[0] + 1)
-        disk_serve._wake(team.ctypes.data + 8 * disk_copy.TEAM_GEN, helpers)
+        disk_serve.store_release(team.ctypes.data + 8 * disk_team.TEAM_STOP, 1)
+        disk_serve.store_release(team.ctypes.data + 8 * disk_team.TEAM_GEN, team[0] + 1)
+        disk_serve._wake(team.ctypes.data + 8 * disk_team.TEAM_GEN, helpers)
         for t in threads:
             t.join(5)
         return not any(t.is_alive() for t in threads)
@@ -85,9 +85,8 @@ def test_staged_rows_are_the_disk_blocks_rows_of_the_selected_chunks(code, way):
     mail.count[:] = [3, 2]  # head 1's third slot is not selected
     stats = np.zeros(disk_serve.STATS_WORDS, np.int64)
     team, stop = _team(2) if way == "team of 3" else (None, None)
-    for _ in range(3 if team is not None else 1):  # a team's generations one after another
-        mail.rows["values"][:] = 0
-        disk_serve.stage(Request(job=1, mail=mail, capc=capc, length=length, pages=pages,
+    for job in range(1, 4 if team is not None else 2):  # a team's generations one by one
+        disk_serve.stage(Request(job=job, mail=mail, capc=capc, length=length, pages=pages,
                                  page_size=P, tensors=[tensor]), stats, way == "numba threads",
                          0 if team is None else team.ctypes.data)
     if team is not None:
@@ -104,8 +103,59 @@ def test_staged_rows_are_the_disk_blocks_rows_of_the_selected_chunks(code, way):
     assert 0 < k == len(want) == stats[0] < H * capc * C
     np.testing.assert_array_equal(mail.list[:k], [w[0] for w in want])
     for j, (_, h, t) in enumerate(want):
-        np.testing.assert_array_equal(rows[j].astype(np.float32), ref[h, t])
+        np.testing.assert_array_equal(rows[mail.src[j]].astype(np.float32), ref[h, t])
     assert stats[1] == len({w[0] // C for w in want})
+    # a team's later generations (the same selection again) read every whole chunk from the
+    # cache and copy only the partial last chunk (a store's last tokens are never cached)
+    partial = sum(1 for _, h, t in want if t // C == (length - 1) // C and length % C)
+    assert stats[2] == (k if team is None else partial) and stats[3] == (
+        stats[1] if team is None else int(partial > 0))
+
+
+@pytest.mark.parametrize("cache", [1, 2])
+def test_cached_chunks_are_read_where_the_worker_put_them_until_the_store_is_rewritten(cache):
+    """Requests of random overlapping selections: every staged row, read through its slot row,
+    is the store's, whether copied now or cached by an earlier request; only chunks not cached
+    are copied; a new rewrite count (a truncation) drops the cache, as does a store whose
+    tokens changed under the same count would not (so a changed store must bump it)."""
+    rng = np.random.default_rng(11)
+    data, _, pages, ref = _store(rng, FLOAT32, blocks=6)
+    capc, length = 3, len(pages) * P
+    nc = length // C
+    mail = Mailbox(H, capc, C, {"values": D}, {"values": FLOAT32}, _address, cache=cache)
+    tensor = Tensor(addrs=np.array([b.ctypes.data for b in data], np.int64),
+                    disk=np.ones(6, np.uint8), scales=np.zeros(0, np.int64), ppb=PPB,
+                    code=FLOAT32, dim=D, out=mail.addrs[4])
+    stats = np.zeros(disk_serve.STATS_WORDS, np.int64)
+    seen: set = set()  # chunk-heads staged since the last drop
+    last: set = set()  # the previous request's
+    copied = listed = 0
+    for job in range(1, 41):
+        epoch = job // 15  # the cache drops at jobs 15 and 30
+        if job % 15 == 0:
+            seen.clear()
+        sel = [np.sort(rng.choice(nc, capc, replace=False)) for _ in range(H)]
+        mail.idx[:] = np.concatenate(sel).astype(np.uint32)
+        mail.count[:] = rng.integers(1, capc + 1, H)
+        disk_serve.stage(Request(job=job, mail=mail, capc=capc, length=length, pages=pages,
+                                 page_size=P, tensors=[tensor], epoch=epoch), stats, False)
+        k = int(mail.ctl[disk_serve.ROWS_WORD])
+        rows = mail.rows["values"].reshape(-1, D)
+        for j in range(k):
+            place = int(mail.list[j])
+            h, s_, i = place // (capc * C), place // C % capc, place % C
+            t = int(mail.idx[h * capc + s_]) * C + i
+            np.testing.assert_array_equal(rows[mail.src[j]], ref[h, t])
+        new = {(h, int(mail.idx[h * capc + s_])) for h in range(H)
+               for s_ in range(mail.count[h])}
+        assert stats[3] >= len(new - seen)  # a chunk never staged is always copied
+        if cache == 2 and job % 15 != 0 and job > 1:  # room for two: the last stays cached
+            assert stats[3] <= len(new - last)
+        seen |= new
+        last = new
+        copied += int(stats[2])
+        listed += int(stats[0])
+    assert 0 < copied < listed  # some rows came from the cache
 
 
 def _answered(mail, job, timeout=10.0):
@@ -144,7 +194,7 @@ def test_a_request_whose_step_never_ran_is_passed_over():
     _device_exports(mail, 2, np.array([[1, 2], [0, 3]], np.uint32), [2, 1])
     assert _answered(mail, 2)
     assert server.counts["passed_over"] == 1 and server.counts["layer_steps"] == 1
-    rows = mail.rows["values"].reshape(-1, D)
+    rows = mail.rows["values"].reshape(-1, D)[mail.src[: 3 * C]]
     assert mail.ctl[disk_serve.ROWS_WORD] == 3 * C  # head 0: two chunks, head 1: one
     np.testing.assert_array_equal(mail.list[: 3 * C], np.r_[0:2 * C, 2 * C:3 * C])
     np.testing.assert_array_equal(rows[:C], ref[0, C:2 * C])
@@ -201,13 +251,13 @@ def test_a_request_of_no_tensor_is_refused_when_posted():
 def test_the_device_gives_up_a_wait_nobody_answers(device_path, monkeypatch):
     """No worker answers: the exchange kernel stops waiting after WAIT_MS, the rows read as
     zeros, the mailbox is flagged and the host's next check raises (a hang otherwise)."""
-    from tiered.step import disk_stage
-
     from tiered.runtime import uva
+    from tiered.step import disk_stage
 
     monkeypatch.setattr(disk_stage, "WAIT_MS", 200)
     mail = Mailbox(H, 2, C, {"values": D}, {"values": FLOAT16}, uva.register)  # device-readable
     mail.list[:] = np.arange(mail.list.size)
+    mail.src[:] = np.arange(mail.src.size)
     mail.ctl[disk_serve.ROWS_WORD] = mail.list.size
     mail.rows["values"][:] = 1.0
     addrs = mx.array(np.array(mail.addrs, np.uint64))
@@ -215,7 +265,7 @@ def test_the_device_gives_up_a_wait_nobody_answers(device_path, monkeypatch):
     count = mx.array(np.array([2, 1], np.int32))
     t0 = time.monotonic()
     out, done = disk_stage.launch(idx, count, addrs, mx.array([7], dtype=mx.int64),
-                                  mx.array([0]), (("values", D, 0, "float16", 4),), C)
+                                  mx.array([0]), (("values", D, 0, "float16", 4, 5),), C)
     rows = out["values"]
     mx.eval(rows)
     assert time.monotonic() - t0 < 30

@@ -101,7 +101,8 @@ def test_a_dropped_mailbox_gives_its_buffers_to_the_next_one(driver):
     del first
     gc.collect()
     second = mailbox()
-    assert second.addrs == addrs and not second.ctl.any()
-    assert len([c for c in driver.calls if c[0] == "register"]) == 5  # ctl, idx, count, list, rows
+    # the same buffers (two of one size, the lists, may trade places), the words zeroed
+    assert sorted(second.addrs) == sorted(addrs) and not second.ctl.any()
+    assert len([c for c in driver.calls if c[0] == "register"]) == 6  # ctl, idx, count, list, rows, src
     third = mailbox()  # the second is alive: new buffers
     assert set(third.addrs).isdisjoint(addrs)

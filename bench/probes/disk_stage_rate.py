@@ -28,7 +28,7 @@ import common  # noqa: F401  (tiered before mlx)
 import numba
 import numpy as np
 
-from tiered.cpu import disk_copy, disk_serve
+from tiered.cpu import disk_serve, disk_team
 from tiered.cpu.disk import PageFile
 from tiered.cpu.disk_serve import FLOAT16, Mailbox, Request, Tensor
 from tiered.cpu._numba import kernel
@@ -127,9 +127,9 @@ def gpu_rows(mail, row, make, threads):
 def team_of(threads):
     """The disk worker's copy team: its address (the calling thread and threads - 1 helpers)."""
     server = disk_serve.DiskServer()
-    server.team[disk_copy.TEAM_N] = threads - 1
+    server.team[disk_team.TEAM_N] = threads - 1
     for i in range(threads - 1):
-        threading.Thread(target=disk_copy._help, args=(server.team.ctypes.data, i),
+        threading.Thread(target=disk_team._help, args=(server.team.ctypes.data, i),
                          daemon=True).start()
     return server
 
@@ -177,7 +177,7 @@ def main():
     timed(make_ram, 2, stats)  # compile
     nmax = numba.config.NUMBA_NUM_THREADS
     counts = [0] + sorted({1, 2, 4, 8, nmax} & set(range(1, nmax + 1)))
-    counts += [-n for n in counts if n > 1 and n <= disk_copy.TEAM_MAX + 1]
+    counts += [-n for n in counts if n > 1 and n <= disk_team.TEAM_MAX + 1]
 
     teams = {}
 

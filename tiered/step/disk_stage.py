@@ -10,11 +10,12 @@ disk blocks at a block of zeros). For a layer whose store has disk blocks the st
    system-scope release ordering; its thread 0 then waits for the answer (2.);
 2. the CPU worker (:data:`cpu.disk_serve.SERVER`), which the host told about the request when it
    built the step, sees the number, copies the selected chunks' rows that lie in disk blocks
-   into the mailbox's pinned row buffers, packed (int8 rows dequantized), with their places,
-   and answers with the number;
-3. **rows** (one launch per tensor, after the exchange): the staged rows read in place, each
-   put in its place (zeros elsewhere); :func:`tiered.step.disk_rows.add` puts them where
-   the gather kernel read zeros. Exact, as the synchronous read.
+   into chunk slots of the mailbox's pinned row buffers (int8 rows dequantized; a chunk still
+   in its slot from an earlier step is not copied again: :mod:`tiered.cpu.disk_cache`), lists
+   each row's place and slot row, and answers with the number;
+3. **rows** (one launch per tensor, after the exchange): the listed rows read in place from
+   their slots, each put in its place (zeros elsewhere); :func:`tiered.step.disk_rows.add`
+   puts them where the gather kernel read zeros. Exact, as the synchronous read.
 
 So the device waits for the copy of the rows it needs (in the worker's ``copy_s``); the host does
 not wait at all. A wait longer than :data:`WAIT_MS` is taken for a fault: the exchange gives up
@@ -123,11 +124,13 @@ EXCHANGE = r"""
 
 ROWS = r"""
     // out (H * CAPC * C, D) in OUT, zeros where no disk row goes (init_value): the ctl[3] staged rows
-    // (packed, float32 where SRC4 else float16) each to its place list[i], read once the
-    // exchange kernel saw the worker's answer (`after`: its done). A fixed grid strides over
-    // the staged rows' 16-byte words, a warp's loads covering whole rows; the row count is read
-    // once per block: one system-scope acquire per thread (262,144 threads a layer at 1M
-    // tokens, most of them past the count) took 8.6 ms a layer on an H100, 276 ms a token.
+    // (float32 where SRC4 else float16), the i-th read from row src[i] of the mailbox's
+    // chunk slots (mail[SRCS]: the worker's cache, tiered.cpu.disk_cache) into its place
+    // list[i], once the exchange kernel saw the worker's answer (`after`: its done). A fixed
+    // grid strides over the staged rows' 16-byte words, a warp's loads covering whole rows; the
+    // row count is read once per block: one system-scope acquire per thread (262,144 threads a
+    // layer at 1M tokens, most of them past the count) took 8.6 ms a layer on an H100, 276 ms
+    // a token.
     // Loads at system scope, uncached: the CPU wrote these bytes.
     constexpr uint32_t SB = SRC4 ? 4 : 2, WPR = D * SB / 16;
     __shared__ long long staged[1];
@@ -137,13 +140,14 @@ ROWS = r"""
     __syncthreads();
     const uint64_t words = (uint64_t)staged[0] * WPR;
     const unsigned int* places = reinterpret_cast<const unsigned int*>(mail[3]);
+    const unsigned int* from = reinterpret_cast<const unsigned int*>(mail[SRCS]);
     const uint4* src = reinterpret_cast<const uint4*>(mail[SLOT]);
     for (uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; tid < words;
          tid += (uint64_t)gridDim.x * blockDim.x) {
         const uint64_t i = tid / WPR;
         const uint32_t w = tid % WPR;
         const int32_t r = (int32_t)tqd_load32(places + i);
-        const uint4 v = tqd_load128(src + tid);
+        const uint4 v = tqd_load128(src + (uint64_t)tqd_load32(from + i) * WPR + w);
         if (SRC4) {
             const float f[4] = {__uint_as_float(v.x), __uint_as_float(v.y), __uint_as_float(v.z),
                                 __uint_as_float(v.w)};
@@ -192,13 +196,14 @@ class _LayerState:
         return self.mail
 
     def launch_specs(self, host, names) -> tuple:
-        """Per tensor: name, dim, float32 staged, host dtype, the mailbox's row buffer slot."""
+        """Per tensor: name, dim, float32 staged, host dtype, the mailbox's row buffer slot,
+        and the slot of its source rows list (the same for every tensor)."""
         got = self.specs.get(names)
         if got is None:
             order = list(self.mail.rows)
             got = self.specs[names] = tuple(
                 (n, getattr(host, n).head_dim, int(_CODES[getattr(host, n).dtype] != FLOAT16),
-                 getattr(host, n).dtype, 4 + order.index(n)) for n in names)
+                 getattr(host, n).dtype, 4 + order.index(n), 4 + len(order)) for n in names)
         return got
 
     def tensor(self, tensor, out: int) -> Tensor:
@@ -283,11 +288,12 @@ def post(host, H: int, capc: int, chunk: int, names: tuple):
         st = _STATE[host] = _LayerState()
     mail = st.mailbox(host, H, capc, chunk, names)
     specs = st.launch_specs(host, names)
-    tensors = [st.tensor(getattr(host, n), mail.addrs[slot]) for n, _, _, _, slot in specs]
+    tensors = [st.tensor(getattr(host, n), mail.addrs[slot]) for n, _, _, _, slot, _ in specs]
     job = next(_jobs)
     disk_serve.SERVER.post(Request(job=job, mail=mail, capc=capc, length=host.length,
                                    pages=np.asarray(host.logical_pages(0), np.int64),
-                                   page_size=int(host.page_size), tensors=tensors))
+                                   page_size=int(host.page_size), tensors=tensors,
+                                   epoch=host.rewrites))
     if not _NO_PREV:
         _NO_PREV.append(mx.zeros((1,), mx.int32))
         mx.eval(_NO_PREV[0])
@@ -309,14 +315,15 @@ def launch(idx: mx.array, count: mx.array, addrs: mx.array, jid: mx.array, prev:
         grid=(256, 1, 1), threadgroup=(256, 1, 1), template=[("WAIT_MS", WAIT_MS)])
     out = {}
     n_rows = H * capc * chunk
-    for name, d, src4, dtype, slot in specs:
+    for name, d, src4, dtype, slot, srcs in specs:
         dt = _OUT[dtype]
         words = n_rows * d * (4 if src4 else 2) // 16
         (o,) = _kernel("rows")(
             inputs=[done, addrs, prev], output_shapes=[(H, capc * chunk, d)],
             output_dtypes=[dt], grid=(min(-(-words // 256), ROWS_BLOCKS) * 256, 1, 1),
             threadgroup=(256, 1, 1),
-            template=[("D", d), ("SLOT", slot), ("SRC4", src4), ("OUT", dt)], init_value=0)
+            template=[("D", d), ("SLOT", slot), ("SRCS", srcs), ("SRC4", src4), ("OUT", dt)],
+            init_value=0)
         out[name] = o
         prev = o.reshape(-1)[:1]
     return out, prev
