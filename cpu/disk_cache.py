@@ -32,15 +32,16 @@ import numpy as np
 from ._numba import kernel
 
 CACHE = max(1, int(os.environ.get("TIERED_DISK_CACHE", "2")))  # slots per selectable chunk-head
-# state words: the clock hand, the store's rewrite count + 1 (0: none), the last request
-HAND, EPOCH, LAST = 0, 1, 2
+# state words: the clock hand, the store's rewrite count + 1 (0: none), the last request, the
+# tensors its requests stage
+HAND, EPOCH, LAST, TENSORS = 0, 1, 2, 3
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 
 
 class CacheMap:
     """The host side of a mailbox's chunk cache: table (hash -> slot, -1 empty), owner (slot ->
     key, -1 free), stamp (slot -> the last request that took it), rows (slot -> rows cached),
-    state (HAND, EPOCH, LAST)."""
+    state (HAND, EPOCH, LAST, TENSORS)."""
 
     def __init__(self, slots: int):
         bits = max(4, int(8 * slots - 1).bit_length())  # >= 8 entries a slot: few collisions
@@ -48,7 +49,7 @@ class CacheMap:
         self.owner = np.full(slots, -1, np.int64)
         self.stamp = np.zeros(slots, np.int64)
         self.rows = np.zeros(slots, np.int64)
-        self.state = np.zeros(3, np.int64)
+        self.state = np.zeros(4, np.int64)
         self.bits = bits
 
 
@@ -103,18 +104,18 @@ def _remove(table, bits, owner, key):
 
 
 @kernel(inline=True)
-def assign(idx, blks, start, slots, capc, H, C, job, epoch, table, bits, owner, stamp, cached,
-           state, cslot, copy):
+def assign(idx, blks, start, slots, capc, H, C, job, epoch, tensors, table, bits, owner, stamp,
+           cached, state, cslot, copy):
     """Give every selection slot k whose chunk lies on disk (blks[k] >= 0; start[k + 1] -
     start[k] rows) a cache slot cslot[k], and copy[k] = 1 where its rows must be copied there
     (else 0: cached); -1 and 0 elsewhere. The cached chunks are found first, so no chunk this
     request reads from the cache gives its slot to another. Returns (rows to copy, chunk-heads
     to copy)."""
-    if state[EPOCH] != epoch + 1:  # the store was rewritten since (or nothing cached yet)
-        table[:] = -1
+    if state[EPOCH] != epoch + 1 or state[TENSORS] != tensors:  # the store was rewritten
+        table[:] = -1  # since, or the slots hold other tensors' rows (or nothing cached yet)
         owner[:] = -1
         cached[:] = 0
-        state[EPOCH] = epoch + 1
+        state[EPOCH], state[TENSORS] = epoch + 1, tensors
     if job <= state[LAST]:  # numbers out of order (a test's, a probe's): no slot is taken
         stamp[:] = 0
     state[LAST] = job

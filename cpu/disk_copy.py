@@ -157,9 +157,9 @@ def _cached(r, idx, blks, start, slots, cslot, copy, stats):
     the rows and chunk-heads it copies."""
     n = r[F_NSLOTS]
     stats[2], stats[3] = assign(
-        idx, blks, start, slots, r[F_CAPC], r[F_H], r[F_C], r[F_JOB], r[F_EPOCH],
+        idx, blks, start, slots, r[F_CAPC], r[F_H], r[F_C], r[F_JOB], r[F_EPOCH], r[F_NT],
         _i64(r[F_TABLE], np.int64(1) << r[F_BITS]), r[F_BITS], _i64(r[F_OWNER], n),
-        _i64(r[F_STAMP], n), _i64(r[F_CACHED], n), _i64(r[F_STATE], 3), cslot, copy)
+        _i64(r[F_STAMP], n), _i64(r[F_CACHED], n), _i64(r[F_STATE], 4), cslot, copy)
 
 
 @kernel(inf_safe=True, parallel=True)

@@ -158,6 +158,39 @@ def test_cached_chunks_are_read_where_the_worker_put_them_until_the_store_is_rew
     assert 0 < copied < listed  # some rows came from the cache
 
 
+def test_a_request_of_other_tensors_does_not_read_the_cached_slots_of_the_first():
+    """A mailbox whose requests staged values only, then keys and values for the same chunks:
+    the keys' slots were never filled, so the cache is dropped and both are copied."""
+    rng = np.random.default_rng(4)
+    stores = {n: _store(rng, FLOAT16) for n in ("keys", "values")}
+    pages = stores["values"][2]
+    stores["keys"] = _store(np.random.default_rng(5), FLOAT16)[:2] + (pages,)
+    ref_k = np.zeros_like(stores["values"][3])
+    for t in range(len(pages) * P):  # the keys' rows under the values' page table
+        phys = pages[t // P]
+        ref_k[:, t] = stores["keys"][0][phys // PPB][phys % PPB, :, t % P]
+    mail = Mailbox(H, 2, C, {"keys": D, "values": D}, {"keys": FLOAT16, "values": FLOAT16},
+                   _address)
+    tensors = {n: Tensor(addrs=np.array([b.ctypes.data for b in stores[n][0]], np.int64),
+                         disk=np.ones(3, np.uint8), scales=np.zeros(0, np.int64), ppb=PPB,
+                         code=FLOAT16, dim=D, out=mail.addrs[4 + i])
+               for i, n in enumerate(("keys", "values"))}
+    mail.idx[:] = np.array([[1, 2], [0, 3]], np.uint32).ravel()
+    mail.count[:] = [2, 2]
+    stats = np.zeros(disk_serve.STATS_WORDS, np.int64)
+    req = dict(mail=mail, capc=2, length=len(pages) * P, pages=pages, page_size=P)
+    disk_serve.stage(Request(job=1, tensors=[tensors["values"]], **req), stats, False)
+    disk_serve.stage(Request(job=2, tensors=[tensors["values"], tensors["keys"]], **req), stats,
+                     False)
+    assert stats[2] == stats[0] == 4 * C  # all copied again
+    k = int(mail.ctl[disk_serve.ROWS_WORD])
+    keys = mail.rows["keys"].reshape(-1, D)
+    for j in range(k):
+        place = int(mail.list[j])
+        h, t = place // (2 * C), int(mail.idx[place // C]) * C + place % C
+        np.testing.assert_array_equal(keys[mail.src[j]].astype(np.float32), ref_k[h, t])
+
+
 def _answered(mail, job, timeout=10.0):
     end = time.monotonic() + timeout
     while mail.ctl[ANSWERED] < job and time.monotonic() < end:

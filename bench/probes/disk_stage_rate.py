@@ -9,13 +9,15 @@ as the exchange kernel does (tiered.step.disk_stage) while the worker copies.
 
     python bench/probes/disk_stage_rate.py --gib 4 --reps 30
 
-Prints ms per request and GB/s of rows copied, median of ``--reps`` requests, each with a new
-random selection over the whole file.
+Prints ms per request and GB/s of rows staged, median of ``--reps`` requests, each with a new
+random selection over the whole file (``--reselect F``: also requests keeping F of the previous
+one's chunks, which the worker's chunk cache then does not copy again).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import tempfile
 import threading
@@ -47,18 +49,29 @@ def _busy(a, reps):
     return s
 
 
-def requests(mail, tensor, blocks, rng, share):
-    """A request whose ``share`` of each head's slots are selected chunks anywhere in the file."""
+def requests(mail, tensor, blocks, rng, share, reselect=0.0, epoch=0):
+    """Requests whose ``share`` of each head's slots are selected chunks anywhere in the file;
+    ``reselect``: that share of each head's chunks kept from the request before (its chunks
+    then in the mailbox's cache: tiered.cpu.disk_cache), the rest new. ``epoch``: each maker
+    its own (a mailbox's cached chunks are one store's)."""
     pages = rng.permutation(blocks * PPB).astype(np.int64)
     length = len(pages) * P
+    n = int(CAPC * share)
+    jobs = itertools.count(1)
+    before = [None] * H
 
     def make():
         for h in range(H):
-            mail.idx[h * CAPC:(h + 1) * CAPC] = np.sort(rng.choice(length // C, CAPC,
-                                                                    replace=False))
-        mail.count[:] = int(CAPC * share)
-        return Request(job=1, mail=mail, capc=CAPC, length=length, pages=pages, page_size=P,
-                       tensors=[tensor])
+            fresh = rng.choice(length // C, CAPC, replace=False)
+            if before[h] is not None and reselect > 0:
+                keep = rng.choice(before[h], int(n * reselect), replace=False)
+                fresh = np.concatenate([keep, np.setdiff1d(fresh, keep)])[:CAPC]
+            chosen = np.sort(fresh[:n])
+            before[h] = chosen
+            mail.idx[h * CAPC:(h + 1) * CAPC] = np.concatenate([chosen, np.sort(fresh[n:])])
+        mail.count[:] = n
+        return Request(job=next(jobs), mail=mail, capc=CAPC, length=length, pages=pages,
+                       page_size=P, tensors=[tensor], epoch=epoch)
     return make
 
 
@@ -148,6 +161,9 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--share", type=float, default=0.5, help="share of slots selected")
     ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--reselect", type=float, default=0.0,
+                    help="also time requests that keep this share of the previous request's "
+                         "chunks (cached by the worker), as the disk worker copies")
     args = ap.parse_args()
     block_bytes = PPB * H * P * D * 2
     blocks = max(2, int(args.gib * 2**30 // block_bytes))
@@ -172,8 +188,8 @@ def main():
 
     t_ram = tensor([b.ctypes.data for b in ram], len(ram))
     t_disk = tensor([pf.address(i) for i in range(blocks)], blocks)
-    make_ram = requests(mail, t_ram, len(ram), rng, args.share)
-    make_disk = requests(mail, t_disk, blocks, rng, args.share)
+    make_ram = requests(mail, t_ram, len(ram), rng, args.share, epoch=1)
+    make_disk = requests(mail, t_disk, blocks, rng, args.share, epoch=2)
     timed(make_ram, 2, stats)  # compile
     nmax = numba.config.NUMBA_NUM_THREADS
     counts = [0] + sorted({1, 2, 4, 8, nmax} & set(range(1, nmax + 1)))
@@ -204,6 +220,10 @@ def main():
     for n in counts:
         row("page file, mapped in", make_disk, n)
     row("page file, mapped in", make_disk, nmax, "thread")
+    if args.reselect > 0:
+        again = requests(mail, t_disk, blocks, rng, args.share, args.reselect, epoch=3)
+        for n in [0] + [c for c in counts if c < 0]:
+            row(f"mapped in, {args.reselect:.0%} re-selected", again, n)
     try:
         gpu_rows(mail, row, make_disk, -disk_serve.THREADS)  # as the worker copies
     except Exception as e:  # noqa: BLE001  (a probe: the rows below still run)
