@@ -13,14 +13,15 @@ most one slot, found through a hash table of 8 entries a slot or more (linear pr
 leaving moves the keys probed past it back). Per request, every selected disk chunk gets a
 slot: its own if cached with the same rows (these are found first), else the next slot by a
 clock hand that this request has not taken (a step takes at most ``H * capc`` slots, no more
-than the cache holds). The slots a request
-takes are stamped with its number, so nothing it reads is overwritten while it is answered;
-a slot read by the device at step t is overwritten only for a later request of the same
+than the cache holds). The slots a request takes are stamped with its number, so nothing it
+reads is overwritten while it is answered; a slot read by the device at step t is
+overwritten only for a later request of the same
 mailbox, which the worker answers after the device exported it, that is after step t's rows
 kernel ran (disk_stage orders a mailbox's kernels). A partial chunk (the store's last tokens)
 is copied every time, not cached. When the store's page lists were rewritten (a trim, an
-undone append: ``epoch``, HostStore.rewrites) every entry is dropped first: a stored token's
-rows change only then.
+undone append: ``epoch``, HostStore.rewrites), or its requests stage other tensors, every
+entry is dropped first: a stored token's rows change only then. Memory: the row buffers are
+CACHE times what one step's selection needs (pinned), the table 64 bytes a slot (not).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class CacheMap:
     state (HAND, EPOCH, LAST, TENSORS)."""
 
     def __init__(self, slots: int):
-        bits = max(4, int(8 * slots - 1).bit_length())  # >= 8 entries a slot: few collisions
+        bits = max(4, int(8 * slots - 1).bit_length())  # >= 8 entries a slot: short probes
         self.table = np.full(1 << bits, -1, np.int64)
         self.owner = np.full(slots, -1, np.int64)
         self.stamp = np.zeros(slots, np.int64)
