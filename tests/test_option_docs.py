@@ -21,7 +21,7 @@ def test_the_readme_table_is_the_generated_one():
     text = open(os.path.join(ROOT, "README.md")).read()
     between = text.split(option_docs.BEGIN, 1)[1].split(option_docs.END, 1)[0]
     assert between.strip() == option_docs.table(TieredConfig), (
-        "README's option table is stale: python -c \"import tiered; from tiered import "
+        "README's option table is stale: python -c \"import tiered; from tiered.options import "
         "option_docs as o; o.write_readme(tiered.TieredConfig)\"")
 
 

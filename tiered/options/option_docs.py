@@ -73,7 +73,8 @@ ROWS = [
      "`0`: anchor and local blocks only; needs host keys)"),
     (("device_gather",), "CUDA and Metal: the GPU reads selected chunks from host pages in place "
      "(not with `lookahead`; int8 pages dequantized by the gather, op by op; chunks on the disk "
-     "tier come through the CPU, a wait per such layer; on Metal the pages are slabs taken as "
+     "tier come through a CPU worker's copy, which the device waits for; a chunk it copied for "
+     "an earlier step is read from its cache; on Metal the pages are slabs taken as "
      "kernel inputs); `\"on\"`: required; `\"off\"`: CPU workers gather"),
     (("lookahead",), "accelerator + CPU gather: attend the last step's selection from a device "
      "buffer, no per-layer sync"),
