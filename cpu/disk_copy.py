@@ -152,9 +152,22 @@ def _setup(r):
 
 
 @kernel(inline=True)
-def _cached(r, idx, blks, start, slots, cslot, copy, stats):
-    """Request r's cache slots for its located chunks (tiered.cpu.disk_cache.assign); stats[2:4]
-    the rows and chunk-heads it copies."""
+def _locate(r, idx, cnt, page_ids, ppb, disk, k):
+    """:func:`_disk_chunk` of request r's selection slot k in a tensor's blocks."""
+    capc = r[F_CAPC]
+    return _disk_chunk(idx, cnt, k // capc, k % capc, capc, r[F_C], r[F_LENGTH], page_ids,
+                       r[F_PAGE_SIZE], ppb, r[F_H], disk)
+
+
+@kernel(inline=True)
+def _slotted(r, idx, blks, start, slots, first, cslot, copy, stats):
+    """The located rows' packed offsets (start's prefix sums); for the ``first`` tensor, the
+    chunks' cache slots (tiered.cpu.disk_cache.assign) and stats: rows and chunk-heads listed,
+    and copied."""
+    chunks = _packed(start, slots)
+    if not first:
+        return
+    stats[0], stats[1] = start[slots], chunks
     n = r[F_NSLOTS]
     stats[2], stats[3] = assign(
         idx, blks, start, slots, r[F_CAPC], r[F_H], r[F_C], r[F_JOB], r[F_EPOCH], r[F_NT],
@@ -171,18 +184,12 @@ def _stage(r, t, first, cslot, copy, stats):
     takes the GIL to start, so the disk worker copies with :func:`_stage_team` instead."""
     addrs, disk, scales, ppb, code, d, out = _tensor(r, t)
     idx, cnt, page_ids, dest, src, slots, start, blks, rows = _setup(r)
-    capc, C = r[F_CAPC], r[F_C]
     for k in numba.prange(slots):  # each slot's chunk located once
-        blks[k], rows[k], start[k + 1] = _disk_chunk(idx, cnt, k // capc, k % capc, capc, C,
-                                                     r[F_LENGTH], page_ids, r[F_PAGE_SIZE], ppb,
-                                                     r[F_H], disk)
-    chunks = _packed(start, slots)
-    if first:
-        _cached(r, idx, blks, start, slots, cslot, copy, stats)
-        stats[0], stats[1] = start[slots], chunks
+        blks[k], rows[k], start[k + 1] = _locate(r, idx, cnt, page_ids, ppb, disk, k)
+    _slotted(r, idx, blks, start, slots, first, cslot, copy, stats)
     for k in numba.prange(slots):
-        _copy_slot(k, blks, rows, start, cslot, copy, C, addrs, scales, code, d, dest, src, out,
-                   first)
+        _copy_slot(k, blks, rows, start, cslot, copy, r[F_C], addrs, scales, code, d, dest, src,
+                   out, first)
 
 
 @kernel(inline=True)
@@ -191,15 +198,9 @@ def _located(r, t, first, cslot, copy, stats):
     (``first``) their cache slots: (its tables, the lists, slots, start, blocks, first rows)."""
     addrs, disk, scales, ppb, code, d, out = _tensor(r, t)
     idx, cnt, page_ids, dest, src, slots, start, blks, rows = _setup(r)
-    capc, C = r[F_CAPC], r[F_C]
     for k in range(slots):
-        blks[k], rows[k], start[k + 1] = _disk_chunk(idx, cnt, k // capc, k % capc, capc, C,
-                                                     r[F_LENGTH], page_ids, r[F_PAGE_SIZE], ppb,
-                                                     r[F_H], disk)
-    chunks = _packed(start, slots)
-    if first:
-        _cached(r, idx, blks, start, slots, cslot, copy, stats)
-        stats[0], stats[1] = start[slots], chunks
+        blks[k], rows[k], start[k + 1] = _locate(r, idx, cnt, page_ids, ppb, disk, k)
+    _slotted(r, idx, blks, start, slots, first, cslot, copy, stats)
     return addrs, scales, code, d, out, dest, src, slots, start, blks, rows
 
 
