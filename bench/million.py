@@ -359,7 +359,8 @@ def main(argv=None):
              f"ms/step, the device waiting for it "
              f"{1e3 * disk_read.get('device_wait_s', 0) / max(1, args.decode_steps):.1f} ms/step"
              f"; rows copied {disk_read.get('copied_rows', 0)} of {disk_read.get('rows', 0)} "
-             f"(the rest from the worker's chunk cache)", ""],
+             f"(the rest from the worker's chunk cache); the layers' mailboxes "
+             f"{disk_stage.counts()['mailbox_bytes'] / 2**20:.1f} MiB page-locked", ""],
             ["streaming-offload baseline at this length (computed, not run)",
              f"{streaming_ms:.0f} ms/token", f"the whole cache, {full / 1e9:.1f} GB, uploaded every "
              f"step at the measured {host_bw:.1f} GB/s host-to-device", ""]]

@@ -286,6 +286,7 @@ def test_pages_on_the_disk_tier_decode_as_pages_in_ram(tmp_path, device_path, mo
     a few blocks, the older blocks on disk, decodes exactly as the same cache with every page
     in RAM, and what the device wrote behind (always into RAM blocks) is what the model
     produced."""
+    from tiered.cpu import disk_cache
     from tiered.step import device_compiled, disk_stage
 
     # both runs op by op, or both compiled (the worker's rows go into the compiled chain; the
@@ -315,6 +316,14 @@ def test_pages_on_the_disk_tier_decode_as_pages_in_ram(tmp_path, device_path, mo
         disk = sum(c.host.disk_bytes for c in layers)
         pages = [c.host.read("values", 0, 0, c.host.length) for c in layers]
         after = disk_stage.counts()
+        mails = [(c, st.mail) for c in layers
+                 if (st := disk_stage._STATE.get(c.host)) is not None and st.mail is not None]
+        assert bool(mails) == (disk > 0)  # mailboxes only where pages lie on disk
+        for c, m in mails:  # row buffers of CACHE times a step's selection, counted
+            for name, r in m.rows.items():
+                assert r.size == (disk_cache.CACHE * m.H * m.capc * m.chunk
+                                  * getattr(c.host, name).head_dim)
+        assert after["mailbox_bytes"] >= sum(m.nbytes for _, m in mails)
         read = after["chunks"] - before["chunks"]
         cached = (after["rows"] - before["rows"]) - (after.get("copied_rows", 0)
                                                     - before.get("copied_rows", 0))

@@ -250,12 +250,14 @@ _STATE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def counts() -> dict:
     """Disk rows read for the device path in this process, either way: layer-steps, chunk-heads
     and bytes (the worker's also rows, requests passed over, its seconds copying, and the
-    seconds the device waited for its answers, from the layers' current mailboxes)."""
+    seconds the device waited for its answers, from the layers' current mailboxes), and the
+    page-locked bytes those mailboxes hold (``mailbox_bytes``: their chunk caches included)."""
     out = dict(disk_serve.SERVER.counts)
     for k, v in disk_rows.COUNTS.items():
         out[k] = out.get(k, 0) + v
-    out["device_wait_s"] = 1e-9 * sum(int(st.mail.ctl[disk_serve.WAITED_NS])
-                                      for st in list(_STATE.values()) if st.mail is not None)
+    mails = [st.mail for st in list(_STATE.values()) if st.mail is not None]
+    out["device_wait_s"] = 1e-9 * sum(int(m.ctl[disk_serve.WAITED_NS]) for m in mails)
+    out["mailbox_bytes"] = sum(m.nbytes for m in mails)
     return out
 
 
