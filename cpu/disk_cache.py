@@ -11,7 +11,7 @@ The mailbox's row buffers hold ``slots`` chunk slots of ``chunk`` rows each (CAC
 step's largest selection); each chunk-head key ``chunk id * H + head`` of a whole chunk owns at
 most one slot, found through a hash table of 8 entries a slot or more (linear probing; a key
 leaving moves the keys probed past it back). Per request, every selected disk chunk gets a
-slot: its own if cached with the same rows (these are found first), else the next slot by a
+slot: its own if cached (these are found first), else the next slot by a
 clock hand that this request has not taken (a step takes at most ``H * capc`` slots, no more
 than the cache holds). The slots a request takes are stamped with its number, so nothing it
 reads is overwritten while it is answered; a slot read by the device at step t is
@@ -21,7 +21,8 @@ kernel ran (disk_stage orders a mailbox's kernels). A partial chunk (the store's
 is copied every time, not cached. When the store's page lists were rewritten (a trim, an
 undone append: ``epoch``, HostStore.rewrites), or its requests stage other tensors, every
 entry is dropped first: a stored token's rows change only then. Memory: the row buffers are
-CACHE times what one step's selection needs (pinned), the table 64 bytes a slot (not).
+CACHE times what one step's selection needs (pinned), the table and the slots' words about
+80 bytes a slot (not pinned).
 """
 
 from __future__ import annotations
@@ -41,15 +42,14 @@ _MIX = np.uint64(0x9E3779B97F4A7C15)
 
 class CacheMap:
     """The host side of a mailbox's chunk cache: table (hash -> slot, -1 empty), owner (slot ->
-    key, -1 free), stamp (slot -> the last request that took it), rows (slot -> rows cached),
-    state (HAND, EPOCH, LAST, TENSORS)."""
+    key, -1 free: a slot with an owner holds that chunk's whole rows), stamp (slot -> the last
+    request that took it), state (HAND, EPOCH, LAST, TENSORS)."""
 
     def __init__(self, slots: int):
         bits = max(4, int(8 * slots - 1).bit_length())  # >= 8 entries a slot: short probes
         self.table = np.full(1 << bits, -1, np.int64)
         self.owner = np.full(slots, -1, np.int64)
         self.stamp = np.zeros(slots, np.int64)
-        self.rows = np.zeros(slots, np.int64)
         self.state = np.zeros(4, np.int64)
         self.bits = bits
 
@@ -106,7 +106,7 @@ def _remove(table, bits, owner, key):
 
 @kernel(inline=True)
 def assign(idx, blks, start, slots, capc, H, C, job, epoch, tensors, table, bits, owner, stamp,
-           cached, state, cslot, copy):
+           state, cslot, copy):
     """Give every selection slot k whose chunk lies on disk (blks[k] >= 0; start[k + 1] -
     start[k] rows) a cache slot cslot[k], and copy[k] = 1 where its rows must be copied there
     (else 0: cached); -1 and 0 elsewhere. The cached chunks are found first, so no chunk this
@@ -115,7 +115,6 @@ def assign(idx, blks, start, slots, capc, H, C, job, epoch, tensors, table, bits
     if state[EPOCH] != epoch + 1 or state[TENSORS] != tensors:  # the store was rewritten
         table[:] = -1  # since, or the slots hold other tensors' rows (or nothing cached yet)
         owner[:] = -1
-        cached[:] = 0
         state[EPOCH], state[TENSORS] = epoch + 1, tensors
     if job <= state[LAST]:  # numbers out of order (a test's, a probe's): no slot is taken
         stamp[:] = 0
@@ -130,7 +129,7 @@ def assign(idx, blks, start, slots, capc, H, C, job, epoch, tensors, table, bits
             continue
         key = np.int64(idx[k]) * H + k // capc
         cs = _find(table, bits, owner, key)
-        if cs >= 0 and cached[cs] == n:
+        if cs >= 0:
             stamp[cs] = job
             cslot[k] = cs
         else:
@@ -150,7 +149,6 @@ def assign(idx, blks, start, slots, capc, H, C, job, epoch, tensors, table, bits
         n = start[k + 1] - start[k]
         key = np.int64(idx[k]) * H + k // capc if n == C else np.int64(-1)
         owner[cs] = key
-        cached[cs] = n if key >= 0 else 0
         stamp[cs] = job
         if key >= 0:
             _insert(table, bits, key, cs)

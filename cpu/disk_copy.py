@@ -123,8 +123,8 @@ def _packed(start, slots):
 # mailbox's words and lists, its chunk cache (cpu.disk_cache), and per tensor (up to two)
 # TENSOR_FIELDS words from F_TENSORS on
 (F_JOB, F_CTL, F_IDX, F_COUNT, F_H, F_CAPC, F_C, F_LENGTH, F_PAGES, F_NPAGES, F_PAGE_SIZE,
- F_LIST, F_NT, F_SRC, F_TABLE, F_BITS, F_OWNER, F_STAMP, F_CACHED, F_STATE, F_NSLOTS, F_EPOCH,
- F_TENSORS) = range(23)
+ F_LIST, F_NT, F_SRC, F_TABLE, F_BITS, F_OWNER, F_STAMP, F_STATE, F_NSLOTS, F_EPOCH,
+ F_TENSORS) = range(22)
 T_ADDRS, T_BLOCKS, T_DISK, T_SCALES, T_NSCALES, T_PPB, T_CODE, T_DIM, T_OUT = range(9)
 TENSOR_FIELDS = 9
 FIELDS = F_TENSORS + 2 * TENSOR_FIELDS
@@ -172,7 +172,7 @@ def _slotted(r, idx, blks, start, slots, first, cslot, copy, stats):
     stats[2], stats[3] = assign(
         idx, blks, start, slots, r[F_CAPC], r[F_H], r[F_C], r[F_JOB], r[F_EPOCH], r[F_NT],
         _i64(r[F_TABLE], np.int64(1) << r[F_BITS]), r[F_BITS], _i64(r[F_OWNER], n),
-        _i64(r[F_STAMP], n), _i64(r[F_CACHED], n), _i64(r[F_STATE], 4), cslot, copy)
+        _i64(r[F_STAMP], n), _i64(r[F_STATE], 4), cslot, copy)
 
 
 @kernel(inf_safe=True, parallel=True)
@@ -272,7 +272,7 @@ def _ring_row(req: Request) -> tuple[np.ndarray, list]:
                        mail.chunk, req.length, pages.ctypes.data, pages.size, req.page_size,
                        mail.addrs[3], len(ts), mail.src.ctypes.data, cache.table.ctypes.data,
                        cache.bits, cache.owner.ctypes.data, cache.stamp.ctypes.data,
-                       cache.rows.ctypes.data, cache.state.ctypes.data, cache.owner.size,
+                       cache.state.ctypes.data, cache.owner.size,
                        req.epoch)
     for j, t in enumerate(ts):
         addrs = np.ascontiguousarray(t.addrs, np.int64)

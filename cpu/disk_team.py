@@ -115,7 +115,8 @@ def _help(team_addr, me):
 def run(team_addr, slots, blks, rows, start, cslot, copy, C, addrs, scales, code, d, list_addr,
         out, first, src_addr):
     """The located chunks' copies (:func:`_copy_slot`) split over the calling thread and the
-    team's helpers (by listed rows, about evenly); returns when all are done."""
+    team's helpers (by rows to copy, about evenly: cached chunks only list theirs); returns
+    when all are done."""
     w = _i64(team_addr, TEAM_WORDS)
     K = w[TEAM_N]
     w[TASK_SLOTS], w[TASK_BLKS], w[TASK_ROWS], w[TASK_START] = (
@@ -125,11 +126,15 @@ def run(team_addr, slots, blks, rows, start, cslot, copy, C, addrs, scales, code
         scales.ctypes.data, scales.size, code, d)
     w[TASK_LIST], w[TASK_OUT], w[TASK_WRITE] = list_addr, out, 1 if first else 0
     w[TASK_CSLOT], w[TASK_COPY], w[TASK_SRC] = cslot.ctypes.data, copy.ctypes.data, src_addr
-    lo = 0
-    for i in range(K + 1):  # part i: the slots before the (i + 1)-th share of the rows
+    total = 0
+    for k in range(slots):
+        total += (start[k + 1] - start[k]) * copy[k]
+    lo, before = 0, 0  # before: the rows to copy in slots [0, hi)
+    for i in range(K + 1):  # part i: the slots before the (i + 1)-th share of those rows
         hi = lo
-        want = start[slots] * (i + 1) // (K + 1)
-        while hi < slots and start[hi] < want:
+        want = total * (i + 1) // (K + 1)
+        while hi < slots and before < want:
+            before += (start[hi + 1] - start[hi]) * copy[hi]
             hi += 1
         if i == K:
             hi = slots
