@@ -325,8 +325,8 @@ def test_pages_on_the_disk_tier_decode_as_pages_in_ram(tmp_path, device_path, mo
                                   * getattr(c.host, name).head_dim)
         assert after["mailbox_bytes"] >= sum(m.nbytes for _, m in mails)
         read = after["chunks"] - before["chunks"]
-        cached = (after["rows"] - before["rows"]) - (after.get("copied_rows", 0)
-                                                    - before.get("copied_rows", 0))
+        cached = (after["rows"] - before["rows"]) - (after["copied_rows"]
+                                                    - before["copied_rows"])
         runs.append((mx.concatenate(got, axis=1), pages, disk, read, cached))
         cache.close()
     (a, pa, disk_a, read_a, _), (b, pb, disk_b, read_b, cached_b) = runs

@@ -85,13 +85,16 @@ def test_staged_rows_are_the_disk_blocks_rows_of_the_selected_chunks(code, way):
     mail.count[:] = [3, 2]  # head 1's third slot is not selected
     stats = np.zeros(disk_serve.STATS_WORDS, np.int64)
     team, stop = _team(2) if way == "team of 3" else (None, None)
-    for job in range(1, 4 if team is not None else 2):  # a team's generations one by one
+
+    def staged(job, epoch):
         disk_serve.stage(Request(job=job, mail=mail, capc=capc, length=length, pages=pages,
-                                 page_size=P, tensors=[tensor]), stats, way == "numba threads",
-                         0 if team is None else team.ctypes.data)
-    if team is not None:
-        assert stop()  # the helpers leave their loops
-    rows = mail.rows["values"].reshape(-1, D)
+                                 page_size=P, tensors=[tensor], epoch=epoch), stats,
+                         way == "numba threads", 0 if team is None else team.ctypes.data)
+
+    generations = 3 if team is not None else 1
+    for job in range(1, generations + 1):  # a team's generations one after another, each
+        mail.rows["values"][:] = 0  # with a new rewrite count: every chunk copied again
+        staged(job, epoch=job)
     want = []  # (place, token), head by head in slot order
     for h in range(H):
         for s in range(mail.count[h]):
@@ -99,25 +102,35 @@ def test_staged_rows_are_the_disk_blocks_rows_of_the_selected_chunks(code, way):
                 t = int(mail.idx[h * capc + s]) * C + i
                 if t < length and disk[pages[t // P] // PPB]:
                     want.append(((h * capc + s) * C + i, h, t))
-    k = int(mail.ctl[disk_serve.ROWS_WORD])
-    assert 0 < k == len(want) == stats[0] < H * capc * C
-    np.testing.assert_array_equal(mail.list[:k], [w[0] for w in want])
-    for j, (_, h, t) in enumerate(want):
-        np.testing.assert_array_equal(rows[mail.src[j]].astype(np.float32), ref[h, t])
-    assert stats[1] == len({w[0] // C for w in want})
-    # a team's later generations (the same selection again) read every whole chunk from the
-    # cache and copy only the partial last chunk (a store's last tokens are never cached)
+
+    def check():
+        rows = mail.rows["values"].reshape(-1, D)
+        k = int(mail.ctl[disk_serve.ROWS_WORD])
+        assert 0 < k == len(want) == stats[0] < H * capc * C
+        np.testing.assert_array_equal(mail.list[:k], [w[0] for w in want])
+        for j, (_, h, t) in enumerate(want):
+            np.testing.assert_array_equal(rows[mail.src[j]].astype(np.float32), ref[h, t])
+        assert stats[1] == len({w[0] // C for w in want})
+
+    check()
+    assert stats[2] == stats[0] and stats[3] == stats[1]  # all copied
+    # the same selection once more, the store unchanged: every whole chunk is read from the
+    # cache and only the partial last chunk is copied (a store's last tokens are never cached)
+    staged(generations + 1, epoch=generations)
+    if team is not None:
+        assert stop()  # the helpers leave their loops
+    check()
     partial = sum(1 for _, h, t in want if t // C == (length - 1) // C and length % C)
-    assert stats[2] == (k if team is None else partial) and stats[3] == (
-        stats[1] if team is None else int(partial > 0))
+    assert partial < stats[0]  # some rows came from the cache
+    assert stats[2] == partial and stats[3] == 1 * (partial > 0)
 
 
 @pytest.mark.parametrize("cache", [1, 2])
 def test_cached_chunks_are_read_where_the_worker_put_them_until_the_store_is_rewritten(cache):
     """Requests of random overlapping selections: every staged row, read through its slot row,
     is the store's, whether copied now or cached by an earlier request; only chunks not cached
-    are copied; a new rewrite count (a truncation) drops the cache, as does a store whose
-    tokens changed under the same count would not (so a changed store must bump it)."""
+    are copied; a new rewrite count (a truncation) drops the cache: everything is copied
+    again."""
     rng = np.random.default_rng(11)
     data, _, pages, ref = _store(rng, FLOAT32, blocks=6)
     capc, length = 3, len(pages) * P

@@ -101,8 +101,13 @@ def test_a_dropped_mailbox_gives_its_buffers_to_the_next_one(driver):
     del first
     gc.collect()
     second = mailbox()
-    # the same buffers (two of one size, the lists, may trade places), the words zeroed
-    assert sorted(second.addrs) == sorted(addrs) and not second.ctl.any()
-    assert len([c for c in driver.calls if c[0] == "register"]) == 6  # ctl, idx, count, list, rows, src
+    # the same buffers, the words zeroed; the two lists (place, slot row) have one size and
+    # dtype, so the pool may hand them back the other way round
+    same = [0, 1, 2, *range(4, len(addrs) - 1)]
+    assert [second.addrs[i] for i in same] == [addrs[i] for i in same]
+    assert {second.addrs[3], second.addrs[-1]} == {addrs[3], addrs[-1]}
+    assert not second.ctl.any()
+    registered = [c for c in driver.calls if c[0] == "register"]
+    assert len(registered) == 6  # ctl, idx, count, list, rows, src
     third = mailbox()  # the second is alive: new buffers
     assert set(third.addrs).isdisjoint(addrs)
