@@ -21,16 +21,13 @@ So the device waits for the copy of the rows it needs (in the worker's ``copy_s`
 not wait at all. A wait longer than :data:`WAIT_MS` is taken for a fault: the exchange gives up
 (the rows read as zeros), flags the mailbox, and the layer's next step raises (as it does for a
 failure in the worker).
-``TIERED_DISK_ROWS`` picks the way: ``worker`` (the default; such a layer's step is built op
-by op), ``compiled`` (the same kernels inside the compiled chain) or ``sync`` (the layer waits
-for its selection and the main thread copies: tiered.step.disk_rows.read). On an H100 the
-compiled way's decode-equality test timed out (the device's 20-s wait for the worker), and so,
-now and then, did the worker's: the worker went back to Python between requests, and Numba's
-parallel copy takes the GIL to start, so a host holding the GIL while it waited for the device
-left both waiting. The worker now never takes the GIL (:mod:`tiered.cpu.disk_serve`; a CPU
-test holds the GIL through a device wait): on an H100 the three decode-equality cases then
-passed in four processes of four, and a 1M-token decode over the disk tier took 1.27-1.29x its
-time all in RAM (docs/million-tokens.md).
+``TIERED_DISK_ROWS`` picks the way: ``compiled`` (the default: the exchange and rows kernels
+inside the layer's compiled chain, tiered.step.device_compiled; op by op where the step does not
+compile), ``worker`` (the same kernels, the step always built op by op) or ``sync`` (the layer
+waits for its selection and the main thread copies: tiered.step.disk_rows.read). The worker
+never takes the GIL (:mod:`tiered.cpu.disk_serve`), so a host that holds it while it waits for
+the device does not stall the copy. One H100, 1M tokens, 40 GB of RAM and the rest on disk
+(docs/million-tokens.md): 39.7-41.7 ms/token compiled, 54.4 op by op, 27.1-27.5 all in RAM.
 """
 
 from __future__ import annotations
@@ -48,7 +45,7 @@ from ..runtime import uva
 from . import disk_rows
 from .chunk_word import KernelTable
 
-MODE = os.environ.get("TIERED_DISK_ROWS", "worker")  # or "compiled", "sync" (docstring)
+MODE = os.environ.get("TIERED_DISK_ROWS", "compiled")  # or "worker", "sync" (docstring)
 # Map a page file's blocks into the process before the worker reads them (PageFile.populate),
 # so its copies take no page faults: "auto" where the file fits in the memory available now (it
 # is then in the page cache, or will be), "1" always, "0" never.
