@@ -43,12 +43,18 @@ from .disk_copy import (  # noqa: F401  (the control words and types: the names 
     WAITED_NS, Mailbox, Request, Tensor, stage)
 from .disk_copy import (F_CTL, F_JOB, F_NT, F_TENSORS, FIELDS, T_CODE, T_DIM, TENSOR_FIELDS,
                         _answer, _i64, _ring_row)
-from .disk_team import TEAM_GEN, TEAM_MAX, TEAM_N, TEAM_STOP, TEAM_WORDS, _help
+from .disk_team import TEAM_GEN, TEAM_MAX, TEAM_N, TEAM_SPIN, TEAM_STOP, TEAM_WORDS, _help
 
 # Threads copying a request's rows: the worker and THREADS - 1 helpers of its own (not Numba's:
-# a Numba parallel region takes the GIL to start), sleeping on a futex between copies.
-# TIERED_DISK_THREADS; without futexes (not Linux) the worker alone.
+# a Numba parallel region takes the GIL to start), polling, then sleeping on a futex, between
+# copies. TIERED_DISK_THREADS; without futexes (not Linux) the worker alone.
 THREADS = int(os.environ.get("TIERED_DISK_THREADS", str(min(4, os.cpu_count() or 1))))
+# How long a helper polls for the next copy before it sleeps (TIERED_DISK_SPIN_US): as long as
+# the worker polls for requests (SPIN_NS) where the cores are many enough to spare, else none.
+# A decode step's requests come a layer apart (~1 ms on a GPU), so a polling team is never
+# woken; waking one cost ~50 us a request on the 2-core CPU machine, a request's copy 30-300.
+TEAM_SPIN_NS = 1000 * int(os.environ.get(
+    "TIERED_DISK_SPIN_US", "2000" if (os.cpu_count() or 1) >= 4 * THREADS else "0"))
 
 
 SLOTS = 4096  # requests outstanding at most (a step of 32 layers posts 32)
@@ -151,6 +157,7 @@ class DiskServer:
         self.error: BaseException | None = None
         self.team = np.zeros(TEAM_WORDS, np.int64)  # the copy team (cpu.disk_copy.TEAM_*)
         self.team[TEAM_N] = min(TEAM_MAX, max(0, THREADS - 1)) if FUTEX else 0
+        self.team[TEAM_SPIN] = TEAM_SPIN_NS
         self._helpers: list[threading.Thread] = []
 
     @property

@@ -1,6 +1,8 @@
 """The disk rows' copy (cpu.disk_copy) shared by a team of threads: the disk worker's helpers
-(cpu.disk_serve), each sleeping on a futex until the worker hands it a range of a request's
-located chunks, and the copy of one chunk into its slot of the mailbox's cache."""
+(cpu.disk_serve), each polling, then sleeping on a futex, until the worker hands it a range of
+a request's located chunks, and the copy of one chunk into its slot of the mailbox's cache
+(the chunks to copy asked for AHEAD chunks before their copy: they lie scattered over the page
+file, and a chunk's first loads otherwise wait for a page walk and a miss)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,9 @@ import numba
 import numpy as np
 
 from ._numba import (address_as_pointer, futex_wait, futex_wake, kernel, load_acquire_i64,
-                     store_release_i64)
+                     monotonic_ns, prefetch_address, store_release_i64)
+
+AHEAD = 4  # chunks asked for ahead of the one copied
 
 
 @kernel(inline=True)
@@ -54,6 +58,17 @@ def _copy_slot(k, blks, rows, start, cslot, copy, C, addrs, scales, code, d, des
 
 
 @kernel(inline=True)
+def _prefetch_slot(k, blks, rows, start, copy, addrs, code, d):
+    """Ask for the lines of slot k's chunk where it is to be copied."""
+    if blks[k] < 0 or copy[k] == 0:
+        return
+    width = 1 if code == 2 else (2 if code == 0 else 4)
+    a = addrs[blks[k]] + rows[k] * d * width
+    for e in range(0, (start[k + 1] - start[k]) * d * width, 64):
+        prefetch_address(a + e)
+
+
+@kernel(inline=True)
 def _i64(addr, n):
     """The n int64 words at ``addr``."""
     return numba.carray(address_as_pointer(addr, np.int64), (n,))
@@ -66,12 +81,15 @@ def _u8(addr, n):
 
 # A copy team (the disk worker's helper threads, cpu.disk_serve): TEAM_WORDS int64 words. The
 # generation (its low 32 bits the futex word the helpers sleep on), stop, helpers; the task (a
-# tensor's located chunks: per-slot arrays' addresses and the copy's arguments); per helper its
-# slot range [lo, hi) and the last generation it finished.
+# tensor's located chunks: per-slot arrays' addresses and the copy's arguments); how long a
+# helper polls for the next task before it sleeps (ns; a futex wake-up took tens of
+# microseconds, a request's whole copy ~100); per helper its slot range [lo, hi) and the last
+# generation it finished.
 TEAM_GEN, TEAM_STOP, TEAM_N = 0, 1, 2
 (TASK_SLOTS, TASK_BLKS, TASK_ROWS, TASK_START, TASK_C, TASK_ADDRS, TASK_NADDRS, TASK_SCALES,
  TASK_NSCALES, TASK_CODE, TASK_D, TASK_LIST, TASK_OUT, TASK_WRITE, TASK_CSLOT, TASK_COPY,
  TASK_SRC) = range(3, 20)
+TEAM_SPIN = 20
 TEAM_RANGES, TEAM_DONE, TEAM_MAX, TEAM_WORDS = 22, 52, 12, 64
 
 
@@ -89,27 +107,46 @@ def _team_copy(w, lo, hi):
     scales = _i64(w[TASK_SCALES], w[TASK_NSCALES])
     dest = address_as_pointer(w[TASK_LIST], np.int32)
     src = address_as_pointer(w[TASK_SRC], np.int32)
+    todo = np.empty(max(0, hi - lo), np.int64)  # the slots to copy, in order
+    m = 0
     for k in range(lo, hi):
-        _copy_slot(k, blks, rows, start, cslot, copy, C, addrs, scales, code, d, dest, src, out,
-                   write)
+        if blks[k] >= 0 and copy[k] != 0:
+            todo[m] = k
+            m += 1
+    for i in range(min(m, AHEAD)):
+        _prefetch_slot(todo[i], blks, rows, start, copy, addrs, code, d)
+    for k in range(lo, hi):  # the lists of every slot, cached ones too
+        if write and copy[k] == 0:
+            _copy_slot(k, blks, rows, start, cslot, copy, C, addrs, scales, code, d, dest, src,
+                       out, write)
+    for i in range(m):
+        if i + AHEAD < m:
+            _prefetch_slot(todo[i + AHEAD], blks, rows, start, copy, addrs, code, d)
+        _copy_slot(todo[i], blks, rows, start, cslot, copy, C, addrs, scales, code, d, dest,
+                   src, out, write)
 
 
 @kernel()
 def _help(team_addr, me):
-    """Helper ``me``'s loop (its own thread, no GIL): sleep on the generation word, copy its
-    range of each new task, say so; return when the team stops."""
+    """Helper ``me``'s loop (its own thread, no GIL): poll the generation word for up to
+    ``TEAM_SPIN`` ns after a task, then sleep on it; copy its range of each new task, say so;
+    return when the team stops."""
     w = _i64(team_addr, TEAM_WORDS)
     seen = load_acquire_i64(team_addr + 8 * (TEAM_DONE + me))  # a task posted before it ran
+    idle = monotonic_ns()
     while load_acquire_i64(team_addr + 8 * TEAM_STOP) == 0:
         g = load_acquire_i64(team_addr + 8 * TEAM_GEN)
         if g == seen:
-            futex_wait(team_addr + 8 * TEAM_GEN, g)
+            if monotonic_ns() - idle > w[TEAM_SPIN]:
+                futex_wait(team_addr + 8 * TEAM_GEN, g)
+                idle = monotonic_ns()  # woken: a task, most likely, and polls again after it
             continue
         if load_acquire_i64(team_addr + 8 * TEAM_STOP) != 0:
             break  # the generation of a stop (set before it), not a task
         seen = g
         _team_copy(w, w[TEAM_RANGES + 2 * me], w[TEAM_RANGES + 2 * me + 1])
         store_release_i64(team_addr + 8 * (TEAM_DONE + me), g)
+        idle = monotonic_ns()
 
 @kernel(inline=True)
 def run(team_addr, slots, blks, rows, start, cslot, copy, C, addrs, scales, code, d, list_addr,

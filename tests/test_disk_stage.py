@@ -50,10 +50,12 @@ def _store(rng, code, blocks=3):
     return data, scales, pages, ref
 
 
-def _team(helpers):
-    """A copy team of ``helpers`` threads (cpu.disk_team._help) and a stop for it."""
+def _team(helpers, spin_ns=0):
+    """A copy team of ``helpers`` threads (cpu.disk_team._help) polling ``spin_ns`` for a task
+    before they sleep, and a stop for it."""
     team = np.zeros(disk_team.TEAM_WORDS, np.int64)
     team[disk_team.TEAM_N] = helpers
+    team[disk_team.TEAM_SPIN] = spin_ns
     threads = [threading.Thread(target=disk_team._help, args=(team.ctypes.data, i), daemon=True)
                for i in range(helpers)]
     for t in threads:
@@ -69,7 +71,7 @@ def _team(helpers):
     return team, stop
 
 
-@pytest.mark.parametrize("way", ["numba threads", "alone", "team of 3"])
+@pytest.mark.parametrize("way", ["numba threads", "alone", "team of 3", "team of 3, polling"])
 @pytest.mark.parametrize("code", [FLOAT16, FLOAT32, INT8])
 def test_staged_rows_are_the_disk_blocks_rows_of_the_selected_chunks(code, way):
     rng = np.random.default_rng(code)
@@ -84,7 +86,9 @@ def test_staged_rows_are_the_disk_blocks_rows_of_the_selected_chunks(code, way):
     mail.idx[:] = np.array([[5, 0, 2], [1, 5, 0]], np.uint32).ravel()
     mail.count[:] = [3, 2]  # head 1's third slot is not selected
     stats = np.zeros(disk_serve.STATS_WORDS, np.int64)
-    team, stop = _team(2) if way == "team of 3" else (None, None)
+    # a polling team takes each generation without sleeping (polls of 10 s: never asleep here)
+    team, stop = (_team(2, 10**10 if "polling" in way else 0) if way.startswith("team")
+                  else (None, None))
 
     def staged(job, epoch):
         disk_serve.stage(Request(job=job, mail=mail, capc=capc, length=length, pages=pages,

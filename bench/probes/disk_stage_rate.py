@@ -137,10 +137,13 @@ def gpu_rows(mail, row, make, threads):
             cp.cuda.runtime.hostUnregister(b.ctypes.data)
 
 
-def team_of(threads):
-    """The disk worker's copy team: its address (the calling thread and threads - 1 helpers)."""
+def team_of(threads, spin_us=None):
+    """The disk worker's copy team: its address (the calling thread and threads - 1 helpers
+    polling ``spin_us`` for a task before they sleep; None: the worker's default)."""
     server = disk_serve.DiskServer()
     server.team[disk_team.TEAM_N] = threads - 1
+    if spin_us is not None:
+        server.team[disk_team.TEAM_SPIN] = 1000 * spin_us
     for i in range(threads - 1):
         threading.Thread(target=disk_team._help, args=(server.team.ctypes.data, i),
                          daemon=True).start()
@@ -164,6 +167,9 @@ def main():
     ap.add_argument("--reselect", type=float, default=0.0,
                     help="also time requests that keep this share of the previous request's "
                          "chunks (cached by the worker), as the disk worker copies")
+    ap.add_argument("--spin-us", type=int, default=None,
+                    help="the copy team's helpers poll this long for a task before they sleep "
+                         f"(default: the worker's, here {disk_serve.TEAM_SPIN_NS // 1000})")
     args = ap.parse_args()
     block_bytes = PPB * H * P * D * 2
     blocks = max(2, int(args.gib * 2**30 // block_bytes))
@@ -199,7 +205,9 @@ def main():
 
     def row(label, make, threads, where="main"):  # threads 0: this thread alone; -n: the
         numba.set_num_threads(max(1, threads))  # worker's team of n (the disk worker's way)
-        team = teams.setdefault(threads, team_of(-threads)).team.ctypes.data if threads < 0 else 0
+        if threads < 0 and threads not in teams:  # one team per size, made once
+            teams[threads] = team_of(-threads, args.spin_us)
+        team = teams[threads].team.ctypes.data if threads < 0 else 0
         fn = (lambda: timed(make, args.reps, stats, threads > 0, team))
         s, nbytes = fn() if where == "main" else in_thread(
             lambda: (numba.set_num_threads(max(1, threads)), fn())[1])
