@@ -13,7 +13,7 @@ import contextlib
 
 import numpy as np
 
-from .gather import causal_softmax_rows
+from .gather import causal_softmax_rows, softmax_pv_rows
 
 # Largest score buffer (rep * block * n float32) before the query block is shrunk to fit.
 MAX_SCRATCH_BYTES = 256 * 2**20
@@ -143,3 +143,19 @@ def _attend(q, k, v, scale, past: int, block: int, column_mass, lse_out):
             ob *= inv_sum[: rep * b, None]
             out[heads, i0 : i0 + b] = ob.reshape(rep, b, dv)
     return out
+
+
+def softmax_pv(s, v):
+    """A decode query's exact partial over a set of tokens from its scores: s (H, rep, R)
+    float32 (-inf: a slot not in the set), v (H, R, dv) float32. Returns (o (H, rep, dv)
+    normalized, lse (H, rep)); a row of no token: o 0, lse -inf. One Numba kernel on the calling
+    thread with a vectorized exp (MLX's CPU exp is scalar)."""
+    s = _as_f32("s", s, "(H, rep, R)")
+    v = _as_f32("v", v, "(H, R, dv)")
+    H, rep, R = s.shape
+    if v.shape[:2] != (H, R):
+        raise ValueError(f"Invalid shape of v: expected ({H}, {R}, dv), got {v.shape}")
+    o = np.empty((H, rep, v.shape[2]), np.float32)
+    lse = np.empty((H, rep), np.float32)
+    softmax_pv_rows(s.copy(), v, o, lse)
+    return o, lse

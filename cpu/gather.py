@@ -308,3 +308,41 @@ def causal_softmax_rows(S, block_rows, first_visible, inv_sum, lse):
             S[r, j] = 0.0
         inv_sum[r] = np.float32(1.0) / acc
         lse[r] = mx + np.float32(math.log(acc))
+
+
+@kernel("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, ::1])",
+        inf_safe=True)
+def softmax_pv_rows(S, V, O, lse):
+    """Per kv head h and query r: p = exp(S[h, r] - max) (a -inf entry exactly 0), O[h, r] =
+    p @ V[h] / sum(p), lse[h, r] = log-sum-exp; a row of nothing but -inf: O 0, lse -inf. On
+    the calling thread (the CPU step's gathers run beside it on the workers); S is overwritten
+    with p."""
+    H, rep, R = S.shape
+    dv = V.shape[2]
+    inv = np.empty(rep, np.float32)
+    for h in range(H):
+        for r in range(rep):
+            mx = row_max(S[h, r], R)
+            acc = np.float32(0.0)
+            if mx == -INF32:
+                for j in range(R):
+                    S[h, r, j] = 0.0
+            else:
+                for j in range(R):
+                    x = S[h, r, j]
+                    e = fast_exp(x - mx) if x > -INF32 else np.float32(0.0)
+                    S[h, r, j] = e
+                    acc += e
+            inv[r] = np.float32(1.0) / acc if acc > 0 else np.float32(0.0)
+            lse[h, r] = mx + np.float32(math.log(acc)) if acc > 0 else -INF32
+            for e in range(dv):
+                O[h, r, e] = 0.0
+        for j in range(R):
+            for r in range(rep):
+                p = S[h, r, j]
+                if p != 0.0:
+                    for e in range(dv):
+                        O[h, r, e] += p * V[h, j, e]
+        for r in range(rep):
+            for e in range(dv):
+                O[h, r, e] *= inv[r]

@@ -1,11 +1,11 @@
-"""tiered.cpu.attention.causal_attention against a float64 numpy reference."""
+"""tiered.cpu.attention.causal_attention and softmax_pv against float64 numpy references."""
 
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
-from tiered.cpu.attention import causal_attention
+from tiered.cpu.attention import causal_attention, softmax_pv
 
 
 def causal_attention_reference(q, k, v, scale):
@@ -97,3 +97,32 @@ def test_causal_attention_exports_the_log_sum_exp_of_each_row():
         top = s.max(1)
         want = top + np.log(np.exp(s - top[:, None]).sum(1))
         np.testing.assert_allclose(lse[qh], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("R", [1, 7, 4099])
+@pytest.mark.parametrize("rep", [1, 3])
+def test_softmax_pv_is_the_partial_over_the_finite_scores(R, rep):
+    """A decode query's partial over a set (the CPU step's resident set): o the softmax-weighted
+    values over the finite scores only, lse their log-sum-exp; a row of none: 0 and -inf."""
+    H, dv = 3, 40
+    rng = np.random.default_rng(R + rep)
+    s = (rng.standard_normal((H, rep, R)) * 4).astype(np.float32)
+    s[rng.random(s.shape) < 0.3] = -np.inf  # slots not in the set
+    s[0, :, 0] = 60.0  # a large score: the max subtracted before exp
+    s[1, rep - 1] = -np.inf  # an empty set for one query
+    v = rng.standard_normal((H, R, dv)).astype(np.float32)
+    o, lse = softmax_pv(s, v)
+    assert o.shape == (H, rep, dv) and lse.shape == (H, rep) and o.dtype == np.float32
+    s64 = s.astype(np.float64)
+    for h in range(H):
+        for r in range(rep):
+            fin = np.isfinite(s64[h, r])
+            if not fin.any():
+                assert lse[h, r] == -np.inf and not o[h, r].any()
+                continue
+            m = s64[h, r, fin].max()
+            p = np.exp(s64[h, r, fin] - m)
+            np.testing.assert_allclose(lse[h, r], m + np.log(p.sum()), rtol=1e-6, atol=1e-5)
+            np.testing.assert_allclose(o[h, r], p @ v[h, fin] / p.sum(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="shape of v"):
+        softmax_pv(s, v[:, :-1] if R > 1 else v[:2])
