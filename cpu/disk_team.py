@@ -107,23 +107,19 @@ def _team_copy(w, lo, hi):
     scales = _i64(w[TASK_SCALES], w[TASK_NSCALES])
     dest = address_as_pointer(w[TASK_LIST], np.int32)
     src = address_as_pointer(w[TASK_SRC], np.int32)
-    todo = np.empty(max(0, hi - lo), np.int64)  # the slots to copy, in order
-    m = 0
+    # pf walks ahead of k over the slots to copy, keeping AHEAD of them asked for (no array
+    # allocated here: this runs inlined in the worker's native loop)
+    pf, ahead = lo, 0
     for k in range(lo, hi):
+        while pf < hi and ahead < AHEAD:
+            if blks[pf] >= 0 and copy[pf] != 0:
+                _prefetch_slot(pf, blks, rows, start, copy, addrs, code, d)
+                ahead += 1
+            pf += 1
         if blks[k] >= 0 and copy[k] != 0:
-            todo[m] = k
-            m += 1
-    for i in range(min(m, AHEAD)):
-        _prefetch_slot(todo[i], blks, rows, start, copy, addrs, code, d)
-    for k in range(lo, hi):  # the lists of every slot, cached ones too
-        if write and copy[k] == 0:
-            _copy_slot(k, blks, rows, start, cslot, copy, C, addrs, scales, code, d, dest, src,
-                       out, write)
-    for i in range(m):
-        if i + AHEAD < m:
-            _prefetch_slot(todo[i + AHEAD], blks, rows, start, copy, addrs, code, d)
-        _copy_slot(todo[i], blks, rows, start, cslot, copy, C, addrs, scales, code, d, dest,
-                   src, out, write)
+            ahead -= 1
+        _copy_slot(k, blks, rows, start, cslot, copy, C, addrs, scales, code, d, dest, src, out,
+                   write)
 
 
 @kernel()
