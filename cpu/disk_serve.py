@@ -52,7 +52,7 @@ THREADS = int(os.environ.get("TIERED_DISK_THREADS", str(min(4, os.cpu_count() or
 # How long a helper polls for the next copy before it sleeps (TIERED_DISK_SPIN_US): as long as
 # the worker polls for requests (SPIN_NS) where the cores are many enough to spare, else none.
 # A decode step's requests come a layer apart (~1 ms on a GPU), so a polling team is never
-# woken; waking one cost ~50 us a request on the 2-core CPU machine, a request's copy 30-300.
+# woken; waking one cost ~45 us a request on the 2-core CPU machine, a request's copy 30-300.
 TEAM_SPIN_NS = 1000 * int(os.environ.get(
     "TIERED_DISK_SPIN_US", "2000" if (os.cpu_count() or 1) >= 4 * THREADS else "0"))
 
