@@ -58,10 +58,8 @@ def _copy_slot(k, blks, rows, start, cslot, copy, C, addrs, scales, code, d, des
 
 
 @kernel(inline=True)
-def _prefetch_slot(k, blks, rows, start, copy, addrs, code, d):
-    """Ask for the lines of slot k's chunk where it is to be copied."""
-    if blks[k] < 0 or copy[k] == 0:
-        return
+def _prefetch_slot(k, blks, rows, start, addrs, code, d):
+    """Ask for the lines of slot k's chunk (one to be copied: on disk, not cached)."""
     width = 1 if code == 2 else (2 if code == 0 else 4)
     a = addrs[blks[k]] + rows[k] * d * width
     for e in range(0, (start[k + 1] - start[k]) * d * width, 64):
@@ -113,7 +111,7 @@ def _team_copy(w, lo, hi):
     for k in range(lo, hi):
         while pf < hi and ahead < AHEAD:
             if blks[pf] >= 0 and copy[pf] != 0:
-                _prefetch_slot(pf, blks, rows, start, copy, addrs, code, d)
+                _prefetch_slot(pf, blks, rows, start, addrs, code, d)
                 ahead += 1
             pf += 1
         if blks[k] >= 0 and copy[k] != 0:

@@ -163,8 +163,7 @@ class DecodePaths:
             o_r, lse_r = self._resident_partial(s_r)
             dispatch.eval(o_r, lse_r)
             return o_r, lse_r
-        dispatch.eval(self.res_v)
-        return softmax_pv(np.asarray(s_r), np.asarray(self.res_v))
+        return softmax_pv(ops.numpy_view(s_r), ops.numpy_view(self.res_v))
 
     def _select_device(self, q, s_r, Hq: int, rep: int, select: bool = True):
         """Scores of every token from the compressed keys (the resident tokens' replaced by
