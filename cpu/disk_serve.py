@@ -30,6 +30,7 @@ raises it at the layer's next step (tiered.step.disk_stage).
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import time
@@ -41,7 +42,7 @@ from ._numba import (FUTEX, futex_wake, kernel, load_acquire_i64, monotonic_ns, 
 from .disk_copy import (  # noqa: F401  (the control words and types: the names users import)
     ANSWERED, CTL_WORDS, EXPORTED, FAULT, FLOAT16, FLOAT32, INT8, ROWS_WORD, STATS_WORDS,
     WAITED_NS, Mailbox, Request, Tensor, stage)
-from .disk_copy import (F_CTL, F_JOB, F_NT, F_TENSORS, FIELDS, T_CODE, T_DIM, TENSOR_FIELDS,
+from .disk_copy import (F_CTL, F_JOB, F_LENGTH, F_NT, F_TENSORS, FIELDS, T_CODE, T_DIM, TENSOR_FIELDS,
                         _answer, _i64, _ring_row)
 from .disk_team import TEAM_GEN, TEAM_MAX, TEAM_N, TEAM_SPIN, TEAM_STOP, TEAM_WORDS, _help
 
@@ -150,7 +151,7 @@ class DiskServer:
         self.state = np.zeros(SLOTS, np.int64)  # 1: a request in that row (the worker frees it)
         self._held: list = [None] * SLOTS  # per row, what its addresses point into (kept alive)
         self._free = list(range(SLOTS - 1, -1, -1))
-        self._busy: set = set()  # rows posted and not yet seen freed
+        self._busy: collections.deque = collections.deque()  # rows posted, not yet seen freed
         self._posted = 0
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -174,6 +175,12 @@ class DiskServer:
         until the worker frees the row) and the posted count, released. No wait, no GIL
         needed on the worker's side."""
         row, keep = _ring_row(req)
+        self.post_row(row, keep, req.job, req.length)
+
+    def post_row(self, row: np.ndarray, keep: list, job: int, length: int) -> None:
+        """:meth:`post` of a request's row made before (:func:`tiered.cpu.disk_copy._ring_row`
+        of a request with the same mailbox, tables and pages: only its number and length
+        differ), ``keep`` what it points into."""
         with self._lock:
             if self._thread is None:
                 team = self.team.ctypes.data
@@ -184,18 +191,28 @@ class DiskServer:
                                                 daemon=True)
                 for t in [*self._helpers, self._thread]:
                     t.start()
-            for s in [s for s in self._busy if self.state[s] == 0]:  # answered: let go
-                self._busy.discard(s)
+            busy, state = self._busy, self.state
+            while busy and state[busy[0]] == 0:  # answered, oldest first: let go
+                s = busy.popleft()
                 self._held[s] = None
                 self._free.append(s)
+            if not self._free:
+                # rows answered out of order wait behind the oldest: look at all of them
+                for s in [s for s in busy if state[s] == 0]:
+                    busy.remove(s)
+                    self._held[s] = None
+                    self._free.append(s)
             if not self._free:
                 raise RuntimeError(f"{SLOTS} disk-row requests outstanding: their steps never "
                                    "ran on the device")
             s = self._free.pop()
-            self._busy.add(s)
+            busy.append(s)
             self._held[s] = keep
-            self.ring[s] = row
-            self.state[s] = 1
+            ring = self.ring[s]
+            ring[:] = row
+            ring[F_JOB] = job
+            ring[F_LENGTH] = length
+            state[s] = 1
             self.queue[self._posted % SLOTS] = s
             self._posted += 1
             store_release(self.ctl.ctypes.data + 8 * POSTED, self._posted)
@@ -221,7 +238,8 @@ class DiskServer:
                 for s in np.flatnonzero(self.state):
                     req = self._held[s][0]
                     req.mail.ctl[FAULT] = 2
-                    store_release(req.mail.ctl_addr + 8 * ANSWERED, req.job)
+                    store_release(req.mail.ctl_addr + 8 * ANSWERED,
+                                  int(self.ring[s, F_JOB]))  # req: a row's first request
                     self.state[s] = 0
                 time.sleep(0.001)
 

@@ -17,6 +17,8 @@ from .block_maker import np_view as _np_view
 from .disk import DiskTierError, PageFile
 from .slabs import SlabPool
 
+_ITEMSIZE = {name: np.dtype(dt).itemsize for name, dt in NP_DTYPES.items()}
+
 HOST_DTYPES = ("float16", "float32", "int8")
 
 
@@ -91,9 +93,10 @@ class HostTensor:
 
     @property
     def block_bytes(self) -> int:
-        n = int(np.prod(self.block_shape)) * np.dtype(NP_DTYPES[self.dtype]).itemsize
+        rows = self.pages_per_block * self.n_kv_heads * self.page_size  # Python ints: a step's
+        n = rows * self.head_dim * _ITEMSIZE[self.dtype]  # budget check reads this per layer
         if self.dtype == "int8":
-            n += int(np.prod(self.block_shape[:-1])) * 4
+            n += rows * 4
         return n
 
     @property

@@ -227,7 +227,8 @@ class HostStore(DeviceWrites, PageReads):
 
     def bytes_to_append(self, tokens: int) -> int:
         """Host bytes (RAM or disk) the next ``tokens`` appended tokens allocate: whole blocks."""
-        return self._blocks_to_append(tokens) * sum(t.block_bytes for t in self.tensors)
+        blocks = self._blocks_to_append(tokens)  # 0 at most steps: the blocks hold them
+        return blocks * sum(t.block_bytes for t in self.tensors) if blocks else 0
 
     def _new_reservations(self, blocks: int) -> int:
         """Bytes that growing every tensor by ``blocks`` blocks reserves anew in the host

@@ -253,6 +253,30 @@ def test_a_request_whose_step_never_ran_is_passed_over():
     server.close()
 
 
+def test_a_row_made_before_is_posted_as_the_new_requests_row():
+    """disk_stage.post makes a layer's ring row once while its tables hold and posts it with
+    each step's number and length: the ring then holds what that request's own row would be,
+    and the worker answers that request with its rows."""
+    from tiered.cpu.disk_copy import _ring_row
+
+    disk_serve.warm()
+    server = disk_serve.DiskServer()
+    mail, req, ref, blocks = _served(FLOAT16, seed=5)
+    row, keep = _ring_row(Request(job=1, **req))
+    shorter = dict(req, length=req["length"] - 1)
+    server.post_row(row, keep, 7, shorter["length"])
+    s = server.queue[0]
+    np.testing.assert_array_equal(server.ring[s], _ring_row(Request(job=7, **shorter))[0])
+    _device_exports(mail, 7, np.array([[0, 5], [2, 1]], np.uint32), [2, 2])
+    assert _answered(mail, 7)
+    assert mail.ctl[disk_serve.ROWS_WORD] == 4 * C - 1  # the last chunk ends at the length
+    rows = mail.rows["values"].reshape(-1, D)[mail.src[: 4 * C - 1]]
+    want = np.concatenate([ref[0, :C], ref[0, 5 * C:6 * C - 1], ref[1, 2 * C:3 * C],
+                           ref[1, C:2 * C]])
+    np.testing.assert_array_equal(rows, want)
+    server.close()
+
+
 class _Host:  # a store as disk_stage.check sees it: its mailbox
     pass
 

@@ -39,7 +39,7 @@ import weakref
 import mlx.core as mx
 import numpy as np
 
-from ..cpu import disk_serve
+from ..cpu import disk_copy, disk_serve
 from ..cpu.disk_serve import FLOAT16, FLOAT32, INT8, Mailbox, Request, Tensor
 from ..runtime import uva
 from . import disk_rows
@@ -179,6 +179,7 @@ class _LayerState:
         self.tables: dict = {}
         self.last = None  # the mailbox's last reader (rows kernel output, one element)
         self.specs: dict = {}  # names -> the launch's static part (per mailbox)
+        self.row = None  # (key, ring row, what it points into) of the last request (post)
 
     def mailbox(self, host, H, capc, chunk, names) -> Mailbox:
         if self.mail is None or not self.mail.fits(H, capc, chunk, names):
@@ -288,11 +289,16 @@ def post(host, H: int, capc: int, chunk: int, names: tuple):
     mail = st.mailbox(host, H, capc, chunk, names)
     specs = st.launch_specs(host, names)
     tensors = [st.tensor(getattr(host, n), mail.addrs[slot]) for n, _, _, _, slot, _ in specs]
-    job = next(_jobs)
-    disk_serve.SERVER.post(Request(job=job, mail=mail, capc=capc, length=host.length,
-                                   pages=np.asarray(host.logical_pages(0), np.int64),
-                                   page_size=int(host.page_size), tensors=tensors,
-                                   epoch=host.rewrites))
+    job, length = next(_jobs), host.length
+    pages = np.asarray(host.logical_pages(0), np.int64)  # the same array until pages change
+    # the ring row of the last request while its mailbox, tables, pages and epoch hold (the
+    # objects named are kept alive by the row's ``keep``: their ids stay theirs)
+    key = (id(mail), capc, id(pages), host.rewrites, *map(id, tensors))
+    if st.row is None or st.row[0] != key:
+        req = Request(job=job, mail=mail, capc=capc, length=length, pages=pages,
+                      page_size=int(host.page_size), tensors=tensors, epoch=host.rewrites)
+        st.row = (key, *disk_copy._ring_row(req))
+    disk_serve.SERVER.post_row(st.row[1], st.row[2], job, length)
     if not _NO_PREV:
         _NO_PREV.append(mx.zeros((1,), mx.int32))
         mx.eval(_NO_PREV[0])
