@@ -138,7 +138,8 @@ def print_disk_steps(start: dict, steps: list, times: list) -> None:
               f" ms ({d['bytes'] / 2**20:.1f} MiB), polling {1e3 * d.get('poll_s', 0):.1f} ms, "
               f"late {d.get('late', 0)} of {d['layer_steps']}, rows copied "
               f"{d.get('copied_rows', 0)} of {d.get('rows', 0)} (the rest cached)"
-              + (f", minor faults {f - faults}" if faults is not None else ""), flush=True)
+              + (f", page faults minor {f[0] - faults[0]}, major {f[1] - faults[1]}"
+                 if faults is not None else ""), flush=True)
         prev, faults = c, f
 
 
@@ -283,7 +284,8 @@ def main(argv=None):
             y = decode_step(model, cache, y, times, queue, out)
             if st:
                 st.step()
-            disk_steps.append((disk_stage.counts(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt))
+            ru = resource.getrusage(resource.RUSAGE_SELF)
+            disk_steps.append((disk_stage.counts(), (ru.ru_minflt, ru.ru_majflt)))
     print_disk_steps(disk0, disk_steps, times)
     slow = st.print_slow(times) if st else None
     print("first decode steps (compiles included):",

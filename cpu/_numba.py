@@ -262,6 +262,26 @@ def sleep_us(typingctx, us):
     return types.void(us), codegen
 
 
+@intrinsic
+def madvise(typingctx, address, length, advice):
+    """libc's ``madvise(address, length, advice)`` inside a kernel (no GIL); address a multiple
+    of the page size. Returns its result (0, or -1 where the system refuses)."""
+    if not all(isinstance(a, types.Integer) for a in (address, length, advice)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        i32, i64 = ir.IntType(32), ir.IntType(64)
+        ptr = ir.IntType(8).as_pointer()
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i32, [ptr, i64, i32]),
+                                            "madvise")
+        a, n, adv = args
+        n = builder.sext(n, i64) if length.bitwidth < 64 else n
+        adv = builder.trunc(adv, i32) if advice.bitwidth > 32 else adv
+        return builder.sext(builder.call(fn, [builder.inttoptr(a, ptr), n, adv]), i64)
+
+    return types.int64(address, length, advice), codegen
+
+
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())  # Linux only
 FUTEX = _SYS_FUTEX is not None and platform.system() == "Linux"
 _FUTEX_WAIT, _FUTEX_WAKE = 128, 129  # FUTEX_WAIT / FUTEX_WAKE with FUTEX_PRIVATE_FLAG

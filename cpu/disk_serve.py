@@ -44,7 +44,8 @@ from .disk_copy import (  # noqa: F401  (the control words and types: the names 
     WAITED_NS, Mailbox, Request, Tensor, stage)
 from .disk_copy import (F_CTL, F_JOB, F_LENGTH, F_NT, F_TENSORS, FIELDS, T_CODE, T_DIM, TENSOR_FIELDS,
                         _answer, _i64, _ring_row)
-from .disk_team import TEAM_GEN, TEAM_MAX, TEAM_N, TEAM_SPIN, TEAM_STOP, TEAM_WORDS, _help
+from .disk_team import (TEAM_ADVISE, TEAM_ADVISE_OFF, TEAM_ADVISE_ON, TEAM_GEN, TEAM_MAX, TEAM_N,
+                        TEAM_SPIN, TEAM_STOP, TEAM_WORDS, _help)
 
 # Threads copying a request's rows: the worker and THREADS - 1 helpers of its own (not Numba's:
 # a Numba parallel region takes the GIL to start), polling, then sleeping on a futex, between
@@ -57,6 +58,15 @@ THREADS = int(os.environ.get("TIERED_DISK_THREADS", str(min(4, os.cpu_count() or
 TEAM_SPIN_NS = 1000 * int(os.environ.get(
     "TIERED_DISK_SPIN_US", "2000" if (os.cpu_count() or 1) >= 4 * THREADS else "0"))
 
+
+# The copy team asks the kernel to read a request's disk pages ahead of its copies (cpu.disk_team,
+# TEAM_ADVISE) after a request copied at more than ADVISE_ON_NS a chunk-head (pages read from the
+# disk: 150-300 us a chunk one at a time), until one copies at less than ADVISE_OFF_NS (pages in
+# the page cache: ~1.5 us a chunk-head at 1M tokens on an H100 host, where a madvise call would
+# cost as much as the copy). TIERED_DISK_ADVISE: auto, 1 (always), 0 (never).
+ADVISE = os.environ.get("TIERED_DISK_ADVISE", "auto")
+ADVISE_ON_NS, ADVISE_OFF_NS = {"1": (-1, -1), "0": (1 << 62, 1 << 62)}.get(ADVISE, (20_000, 4_000))
+ADVISE_MIN = 16  # chunk-heads copied for a request's rate to count
 
 SLOTS = 4096  # requests outstanding at most (a step of 32 layers posts 32)
 # The ring's control words: requests posted (the host's count, released), stop, the worker's
@@ -83,6 +93,7 @@ def _serve(ring, queue, ctl_addr, state_addr, team_addr, stats):
     Python, it answers while the host holds the GIL, even in a call that waits for the device.
     Returns when ``ctl[STOP]`` is set."""
     tally = _i64(ctl_addr, RING_WORDS)
+    team = _i64(team_addr, TEAM_WORDS)
     pending = np.empty(SLOTS, np.int64)
     arrived = np.zeros(SLOTS, np.int64)
     polled = np.zeros(SLOTS, np.uint8)
@@ -116,6 +127,12 @@ def _serve(ring, queue, ctl_addr, state_addr, team_addr, stats):
                 tally[N_CHUNKS] += stats[1]
                 tally[N_COPIED_ROWS] += stats[2]
                 tally[N_COPIED_CHUNKS] += stats[3]
+                if stats[3] >= ADVISE_MIN:  # the copy rate says where the pages were read from
+                    per = (last - t0) // stats[3]
+                    if per > team[TEAM_ADVISE_ON]:
+                        team[TEAM_ADVISE] = 1
+                    elif per < team[TEAM_ADVISE_OFF]:
+                        team[TEAM_ADVISE] = 0
                 width = 0
                 for j in range(r[F_NT]):
                     code = r[F_TENSORS + j * TENSOR_FIELDS + T_CODE]
@@ -159,6 +176,8 @@ class DiskServer:
         self.team = np.zeros(TEAM_WORDS, np.int64)  # the copy team (cpu.disk_copy.TEAM_*)
         self.team[TEAM_N] = min(TEAM_MAX, max(0, THREADS - 1)) if FUTEX else 0
         self.team[TEAM_SPIN] = TEAM_SPIN_NS
+        self.team[TEAM_ADVISE_ON], self.team[TEAM_ADVISE_OFF] = ADVISE_ON_NS, ADVISE_OFF_NS
+        self.team[TEAM_ADVISE] = int(ADVISE == "1")
         self._helpers: list[threading.Thread] = []
 
     @property

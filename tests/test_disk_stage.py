@@ -71,7 +71,8 @@ def _team(helpers, spin_ns=0):
     return team, stop
 
 
-@pytest.mark.parametrize("way", ["numba threads", "alone", "team of 3", "team of 3, polling"])
+@pytest.mark.parametrize("way", ["numba threads", "alone", "team of 3", "team of 3, polling",
+                                 "team of 3, advising"])
 @pytest.mark.parametrize("code", [FLOAT16, FLOAT32, INT8])
 def test_staged_rows_are_the_disk_blocks_rows_of_the_selected_chunks(code, way):
     rng = np.random.default_rng(code)
@@ -89,6 +90,8 @@ def test_staged_rows_are_the_disk_blocks_rows_of_the_selected_chunks(code, way):
     # a polling team takes each generation without sleeping (polls of 10 s: never asleep here)
     team, stop = (_team(2, 10**10 if "polling" in way else 0) if way.startswith("team")
                   else (None, None))
+    if "advising" in way:  # each thread asks for its chunks' pages before it copies them
+        team[disk_team.TEAM_ADVISE] = 1
 
     def staged(job, epoch):
         disk_serve.stage(Request(job=job, mail=mail, capc=capc, length=length, pages=pages,
@@ -274,6 +277,33 @@ def test_a_row_made_before_is_posted_as_the_new_requests_row():
     want = np.concatenate([ref[0, :C], ref[0, 5 * C:6 * C - 1], ref[1, 2 * C:3 * C],
                            ref[1, C:2 * C]])
     np.testing.assert_array_equal(rows, want)
+    server.close()
+
+
+def test_the_worker_asks_for_pages_ahead_after_a_slow_copy_and_stops_after_a_fast_one():
+    """The disk worker sets its team's TEAM_ADVISE from each request's copy time per chunk-head
+    (cpu.disk_serve): here with thresholds that every copy passes over, then under."""
+    disk_serve.warm()
+    data, _, pages, ref = _store(np.random.default_rng(9), FLOAT16, blocks=12)
+    capc = 12  # 24 chunks a head: 24 chunk-heads selected, all copied
+    mail = Mailbox(H, capc, C, {"values": D}, {"values": FLOAT16}, _address)
+    tensor = Tensor(addrs=np.array([b.ctypes.data for b in data], np.int64),
+                    disk=np.ones(12, np.uint8), scales=np.zeros(0, np.int64), ppb=PPB,
+                    code=FLOAT16, dim=D, out=mail.addrs[4])
+    server = disk_serve.DiskServer()
+    team = server.team
+    team[disk_team.TEAM_ADVISE_ON], team[disk_team.TEAM_ADVISE_OFF] = -1, -1  # every copy slow
+    for job, (on, off, want) in enumerate([(-1, -1, 1), (1 << 62, 1 << 62, 0)], start=1):
+        team[disk_team.TEAM_ADVISE_ON], team[disk_team.TEAM_ADVISE_OFF] = on, off
+        server.post(Request(job=job, mail=mail, capc=capc, length=len(pages) * P, pages=pages,
+                            page_size=P, tensors=[tensor], epoch=job))  # all copied again
+        sel = np.stack([np.arange(0, 2 * capc, 2), np.arange(1, 2 * capc, 2)]).astype(np.uint32)
+        _device_exports(mail, job, sel, [capc, capc])
+        assert _answered(mail, job)
+        assert team[disk_team.TEAM_ADVISE] == want
+        rows = mail.rows["values"].reshape(-1, D)[mail.src[: 2 * capc * C]]
+        np.testing.assert_array_equal(rows[: capc * C].reshape(capc, C, D)[1],
+                                      ref[0, 2 * C:3 * C])  # head 0's second chunk: chunk 2
     server.close()
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import sys
 import tempfile
 import threading
@@ -75,10 +76,12 @@ def requests(mail, tensor, blocks, rng, share, reselect=0.0, epoch=0):
     return make
 
 
-def timed(make, reps, stats, threads=True, team=0):
+def timed(make, reps, stats, threads=True, team=0, before=None):
     ts = []
     for _ in range(reps):
         r = make()
+        if before is not None:
+            before()  # untimed: e.g. the page file out of the page cache
         t = time.perf_counter()
         disk_serve.stage(r, stats, threads, team)
         ts.append(time.perf_counter() - t)
@@ -167,6 +170,9 @@ def main():
     ap.add_argument("--reselect", type=float, default=0.0,
                     help="also time requests that keep this share of the previous request's "
                          "chunks (cached by the worker), as the disk worker copies")
+    ap.add_argument("--cold", action="store_true",
+                    help="only the copies from a page file out of the page cache (dropped before "
+                         "each request), the team asking for the pages ahead (TEAM_ADVISE) or not")
     ap.add_argument("--spin-us", type=int, default=None,
                     help="the copy team's helpers poll this long for a task before they sleep "
                          f"(default: the worker's, here {disk_serve.TEAM_SPIN_NS // 1000})")
@@ -215,6 +221,21 @@ def main():
               f"{nbytes / 2**20:5.2f} MiB  {nbytes / s / 1e9:6.2f} GB/s", flush=True)
 
     print(f"threading layer: {numba.threading_layer()}")
+    if args.cold:
+        def drop():  # unmapped from the process, then out of the page cache (clean pages)
+            pf.release()
+            os.posix_fadvise(pf.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.fsync(pf.fd)
+        for n in [c for c in counts if c < 0] + [-1]:
+            for advise in (0, 1, 0, 1):
+                server = teams.get(n) or teams.setdefault(n, team_of(-n, args.spin_us))
+                server.team[disk_team.TEAM_ADVISE] = advise
+                s, nbytes = timed(make_disk, args.reps, stats, False, server.team.ctypes.data,
+                                  drop)
+                print(f"page file, cold, {'advised' if advise else 'one by one':<10} team {-n:>2} "
+                      f"{1e3 * s:8.3f} ms  {nbytes / 2**20:5.2f} MiB  {nbytes / s / 1e9:6.2f} GB/s",
+                      flush=True)
+        return
     timed(make_ram, args.reps, stats)  # first touches of the RAM blocks
     for n in counts:
         row("RAM blocks", make_ram, n)
