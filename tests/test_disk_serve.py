@@ -239,3 +239,15 @@ def test_the_worker_answers_while_the_host_holds_the_gil():
     rows = mail.rows["values"].reshape(-1, D)
     np.testing.assert_array_equal(rows[:C].astype(np.float32), ref[0, C:2 * C])
     server.close()
+
+
+def test_the_workers_kernels_compile_ahead_in_a_process_of_their_own(monkeypatch):
+    """warm_ahead starts one process that compiles the worker's kernels into the disk cache (and
+    succeeds); warm() then waits for it and loads them."""
+    monkeypatch.setattr(disk_serve, "_warm", [])
+    monkeypatch.setattr(disk_serve, "_ahead", [])
+    proc = disk_serve.warm_ahead()
+    assert proc is not None and disk_serve.warm_ahead() is proc  # one process, not one a call
+    disk_serve.warm()
+    assert proc.poll() == 0 and disk_serve._warm
+    assert disk_serve.warm_ahead() is None  # compiled here now

@@ -22,7 +22,9 @@ compressed layer's first prompt chunk on the device path, its step's chain
 (nothing but a launch of it waits for it, not the next layer's compression), and they compile
 while the rest of the prompt is read. The chain's kernels take the width and the token counts
 as shapes and inputs, not in their templates, so the signatures at the first chunk are those
-of the decode step a million tokens later.
+of the decode step a million tokens later. Where a host budget may send pages to the disk
+tier, the disk worker's CPU kernels compile then too, in a process of their own
+(:func:`tiered.cpu.disk_serve.warm_ahead`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import logging
 
 import mlx.core as mx
 
+from ..cpu import disk_serve
 from ..metal import ptx_cache
 from ..runtime import staging, uva
 from . import device_append, device_compiled, device_decode, device_encode
@@ -112,6 +115,8 @@ def decode_kernels(layer, queries: mx.array, scale: float, sinks=None) -> int:
 
 
 def _request_decode(layer, queries: mx.array, scale: float, sinks) -> int:
+    if layer.parent.context.host_budget.limit is not None:  # pages may go to the disk tier:
+        disk_serve.warm_ahead()  # its worker's kernels compile in a process of their own
     tables, host = layer._tables, layer.parent.host
     if tables is None or host is None or layer.res_k is None:
         return 0  # not on the device path yet (its tables come with the first write)
