@@ -79,7 +79,8 @@ case "$step" in
   fourm)
     # Issue 62's 4M tokens on one H200 host (139 GB of HBM: the 1/8 tier of 4M tokens and the
     # weights do not fit an H100's 80 GB): int8 values, 80 GB of them in RAM, the rest (~55 GB)
-    # in the disk tier's page file, in one 10-minute call. FOURM_EXTRA: more flags of million.py.
+    # in the disk tier's page file, in one 10-minute call. FOURM_EXTRA: more flags of million.py
+    # (an H100 host: FOURM_EXTRA="--budget 0.0625 --cache-limit-gb 8", ~575 s with FOURM_LIMIT=575).
     mkdir -p "${OUT:-/tmp/out}"; cd bench; rm -rf /tmp/pages
     df -h /tmp | tail -1; free -g | sed -n 2p
     timeout "${FOURM_LIMIT:-570}" python3 million.py --model llama3-8b --tokens 4000000 \
@@ -88,9 +89,12 @@ case "$step" in
       ${FOURM_EXTRA:-} \
       > "${OUT:-/tmp/out}/million_4m.log" 2>&1 &
     run=$!
-    # its open files every 30 s, and what they are (a 4M run once stopped on the limit)
+    # its open files every 30 s, and what they are (a 4M run once stopped on the limit); the
+    # run's end seen within 2 s (a 30 s sleep once left no time to copy a finished run's files)
+    i=0
     while kill -0 $run 2>/dev/null; do
-      sleep 30; py=$(pgrep -P $run | head -1); [ -n "$py" ] || continue
+      sleep 2; i=$((i + 1)); [ $((i % 15)) -eq 0 ] || continue
+      py=$(pgrep -P $run | head -1); [ -n "$py" ] || continue
       echo "$(date +%T) $(ls /proc/$py/fd 2>/dev/null | wc -l) open: $(ls -l /proc/$py/fd 2>/dev/null \
         | awk 'NR>1{print $NF}' | sed 's/[0-9]\+/N/g' | sort | uniq -c | sort -rn | head -3 | tr -s ' \n' ' ')" \
         >> "${OUT:-/tmp/out}/fourm_fds.log"
