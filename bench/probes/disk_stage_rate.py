@@ -153,6 +153,40 @@ def team_of(threads, spin_us=None):
     return server
 
 
+def served_cold(pf, blocks, rng, args, drop, mode):
+    """Requests through the disk worker itself (cpu.disk_serve.DiskServer, its own team), the
+    page file dropped from the page cache before each: posted, exported as the device does,
+    answered; ``mode`` auto: the worker's own switch to asking for pages ahead (TEAM_ADVISE),
+    never: that switch off. Prints the answers' median ms and how many were advised."""
+    server = disk_serve.DiskServer()
+    if mode == "never":
+        server.team[disk_team.TEAM_ADVISE_ON] = server.team[disk_team.TEAM_ADVISE_OFF] = 1 << 62
+    else:
+        server.team[disk_team.TEAM_ADVISE_ON] = disk_serve.ADVISE_ON_NS
+        server.team[disk_team.TEAM_ADVISE_OFF] = disk_serve.ADVISE_OFF_NS
+    server.team[disk_team.TEAM_ADVISE] = 0
+    mail = Mailbox(H, CAPC, C, {"values": D}, {"values": FLOAT16}, lambda b: b.ctypes.data)
+    tensor = Tensor(addrs=np.asarray([pf.address(i) for i in range(blocks)], np.int64),
+                    disk=np.ones(blocks, np.uint8), scales=np.zeros(0, np.int64), ppb=PPB,
+                    code=FLOAT16, dim=D, out=mail.addrs[4])
+    make = requests(mail, tensor, blocks, rng, args.share, epoch=10)
+    ts, advised = [], 0
+    for _ in range(args.reps):
+        req = make()
+        drop()
+        advised += int(server.team[disk_team.TEAM_ADVISE])
+        server.post(req)
+        t = time.perf_counter()
+        disk_serve.store_release(mail.ctl_addr + 8 * disk_serve.EXPORTED, req.job)
+        while mail.ctl[disk_serve.ANSWERED] < req.job:
+            time.sleep(0)
+        ts.append(time.perf_counter() - t)
+    server.close()
+    print(f"worker, cold, switch {mode:<5} team {disk_serve.THREADS:>2} answered in "
+          f"{1e3 * float(np.median(ts)):8.3f} ms (median of {len(ts)}; first {1e3 * ts[0]:.1f} ms); "
+          f"{advised} advised", flush=True)
+
+
 def in_thread(fn):
     out = []
     t = threading.Thread(target=lambda: out.append(fn()))
@@ -235,6 +269,8 @@ def main():
                 print(f"page file, cold, {'advised' if advise else 'one by one':<10} team {-n:>2} "
                       f"{1e3 * s:8.3f} ms  {nbytes / 2**20:5.2f} MiB  {nbytes / s / 1e9:6.2f} GB/s",
                       flush=True)
+        for mode in ("never", "auto", "never", "auto"):
+            served_cold(pf, blocks, rng, args, drop, mode)
         return
     timed(make_ram, args.reps, stats)  # first touches of the RAM blocks
     for n in counts:
