@@ -187,9 +187,10 @@ class PageFile:
         self.check_size(index + 1)  # mapped past the file's end, a read would be a SIGBUS
         mm = Mapping(self.fd, self.stride, index * self.stride)
         # Reads of a block are a few rows here and there: a page fault reads its page alone,
-        # not the 32 around it (2-core machine, a 2 GiB file out of the page cache: 1,211-1,247
-        # us a 4 KB read through a plain mapping, 72-75 with MADV_RANDOM). What reads a block
-        # whole (verify, populate) says so first (_sequential).
+        # not the 32 around it (`python bench/probes/disk_stage_rate.py --gib 2 --cold`, 2-core
+        # machine: a 1M layer's request of 1,024 chunk-heads from a page file out of the page
+        # cache, one fault after another, 1,145-1,377 ms plain, 48-80 ms so). What reads a
+        # block whole (verify, populate) says so first (_sequential).
         mm.madvise(MADV_RANDOM)
         self.maps.append(mm)
         self.views.append(mm.array(self.dtype, self.block_shape))
