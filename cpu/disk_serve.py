@@ -44,8 +44,8 @@ from ._numba import (FUTEX, futex_wake, kernel, load_acquire_i64, monotonic_ns, 
 from .disk_copy import (  # noqa: F401  (the control words and types: the names users import)
     ANSWERED, CTL_WORDS, EXPORTED, FAULT, FLOAT16, FLOAT32, INT8, ROWS_WORD, STATS_WORDS,
     WAITED_NS, Mailbox, Request, Tensor, stage)
-from .disk_copy import (F_CTL, F_JOB, F_LENGTH, F_NT, F_TENSORS, FIELDS, T_CODE, T_DIM, TENSOR_FIELDS,
-                        _answer, _i64, _ring_row)
+from .disk_copy import (F_CTL, F_JOB, F_LENGTH, F_NT, F_TENSORS, FIELDS, T_CODE, T_DIM,
+                        TENSOR_FIELDS, _answer, _i64, _ring_row)
 from .disk_team import (TEAM_ADVISE, TEAM_ADVISE_OFF, TEAM_ADVISE_ON, TEAM_GEN, TEAM_MAX, TEAM_N,
                         TEAM_SPIN, TEAM_STOP, TEAM_WORDS, _help)
 

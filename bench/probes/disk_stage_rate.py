@@ -183,8 +183,8 @@ def served_cold(pf, blocks, rng, args, drop, mode):
         ts.append(time.perf_counter() - t)
     server.close()
     print(f"worker, cold, switch {mode:<5} team {disk_serve.THREADS:>2} answered in "
-          f"{1e3 * float(np.median(ts)):8.3f} ms (median of {len(ts)}; first {1e3 * ts[0]:.1f} ms); "
-          f"{advised} advised", flush=True)
+          f"{1e3 * float(np.median(ts)):8.3f} ms (median of {len(ts)}; "
+          f"first {1e3 * ts[0]:.1f} ms); {advised} advised", flush=True)
 
 
 def in_thread(fn):
