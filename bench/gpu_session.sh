@@ -2,7 +2,7 @@
 # What runs on the accelerator machine (device tool), one step per call:
 #   bash bench/gpu_session.sh stage .device/part-00     # carry that part; copies it to /tmp/stage
 #   bash bench/gpu_session.sh install                   # unpack the wheels, build the package tree
-#   bash bench/gpu_session.sh tests|kernels|decode|million|cold|fourm|grid
+#   bash bench/gpu_session.sh tests|disk|kernels|decode|million|cold|fourm|grid
 # Wheels: ../shared/tools/pack-wheels.sh parts of mlx, mlx-cuda-13, mlx-lm, faiss-cpu (107 MB;
 # nanobind's wheel beside them for TIERED_NATIVE=1), cut again into two so that they travel in
 # two calls (`cat .device/part-* >/tmp/w.tar; rm .device/part-*; split -b 58M -d /tmp/w.tar
@@ -10,7 +10,7 @@
 # package is a tree of symlinks (tiered/ with cpu/, metal/, scheduler/ as subpackages, as
 # pyproject maps them), so no build backend is needed offline. Results are copied to $OUT.
 set -uo pipefail
-step=${1:?usage: gpu_session.sh stage PART | install | tests | kernels | decode | million | cold | fourm | grid}
+step=${1:?usage: gpu_session.sh stage PART | install | tests | disk | kernels | decode | million | cold | fourm | grid}
 export PYTHONPATH=/tmp/pkg:/tmp/site
 export TOKENIZERS_PARALLELISM=false
 collect() { mkdir -p "${OUT:-/tmp/out}"; for f in "$@"; do [ -f "$f" ] && cp "$f" "${OUT:-/tmp/out}/"; done; }
@@ -39,6 +39,14 @@ case "$step" in
       tests/test_tiered_lookahead.py tests/test_scheduler.py tests/test_disk.py tests/test_disk_budgets.py tests/test_codecs.py \
       tests/test_calibration.py} > "${OUT:-/tmp/out}/tests.log" 2>&1
     rc=$?; tail -25 "${OUT:-/tmp/out}/tests.log"; exit $rc ;;
+  disk)
+    # The disk tier on the device path: its decode against pages in RAM (compiled and op by op,
+    # float32 and int8) and the worker's and copy's own tests, on this host's cores.
+    mkdir -p "${OUT:-/tmp/out}"
+    timeout -k 5 "${TEST_LIMIT:-300}" python3 -P -m pytest -q -p no:cacheprovider \
+      tests/test_device_decode.py tests/test_disk_serve.py tests/test_disk_stage.py \
+      -k "not device_decode or disk_tier" > "${OUT:-/tmp/out}/disk_tests.log" 2>&1
+    rc=$?; tail -8 "${OUT:-/tmp/out}/disk_tests.log"; exit $rc ;;
   kernels)
     python3 bench/kernels.py --sizes 16384 131072 1048576 --reps 20
     collect bench/results/kernels_cuda.* ;;
