@@ -39,9 +39,10 @@ def scratch_bytes() -> int:
     return _scratch[0]
 
 
-def _as_f32(name, x, want):
+def _as_f32(name, x, want, copy: bool = False):
     try:
-        x = np.ascontiguousarray(x, dtype=np.float32)
+        x = (np.array(x, dtype=np.float32, order="C", copy=True) if copy
+             else np.ascontiguousarray(x, dtype=np.float32))
     except (TypeError, ValueError) as err:
         raise ValueError(f"Invalid {name}: cannot be read as a float32 array ({err})") from None
     if x.ndim != 3:
@@ -150,12 +151,12 @@ def softmax_pv(s, v):
     float32 (-inf: a slot not in the set), v (H, R, dv) float32. Returns (o (H, rep, dv)
     normalized, lse (H, rep)); a row of no token: o 0, lse -inf. One Numba kernel on the calling
     thread with a vectorized exp (MLX's CPU exp is scalar)."""
-    s = _as_f32("s", s, "(H, rep, R)")
+    s = _as_f32("s", s, "(H, rep, R)", copy=True)  # the kernel writes p over it
     v = _as_f32("v", v, "(H, R, dv)")
     H, rep, R = s.shape
     if v.shape[:2] != (H, R):
         raise ValueError(f"Invalid shape of v: expected ({H}, {R}, dv), got {v.shape}")
     o = np.empty((H, rep, v.shape[2]), np.float32)
     lse = np.empty((H, rep), np.float32)
-    softmax_pv_rows(s.copy(), v, o, lse)
+    softmax_pv_rows(s, v, o, lse)
     return o, lse

@@ -47,7 +47,7 @@ from .disk_copy import (  # noqa: F401  (the control words and types: the names 
 from .disk_copy import (F_CTL, F_JOB, F_LENGTH, F_NT, F_TENSORS, FIELDS, T_CODE, T_DIM,
                         TENSOR_FIELDS, _answer, _i64, _ring_row)
 from .disk_team import (TEAM_ADVISE, TEAM_ADVISE_OFF, TEAM_ADVISE_ON, TEAM_GEN, TEAM_MAX, TEAM_N,
-                        TEAM_SPIN, TEAM_STOP, TEAM_WORDS, _help)
+                        TEAM_SPIN, TEAM_STOP, TEAM_WORDS, _help, row_width)
 
 # Threads copying a request's rows: the worker and THREADS - 1 helpers of its own (not Numba's:
 # a Numba parallel region takes the GIL to start), polling, then sleeping on a futex, between
@@ -137,9 +137,8 @@ def _serve(ring, queue, ctl_addr, state_addr, team_addr, stats):
                         team[TEAM_ADVISE] = 0
                 width = 0
                 for j in range(r[F_NT]):
-                    code = r[F_TENSORS + j * TENSOR_FIELDS + T_CODE]
-                    width += r[F_TENSORS + j * TENSOR_FIELDS + T_DIM] * (
-                        1 if code == INT8 else (2 if code == FLOAT16 else 4))
+                    width += r[F_TENSORS + j * TENSOR_FIELDS + T_DIM] * row_width(
+                        r[F_TENSORS + j * TENSOR_FIELDS + T_CODE])
                 tally[N_BYTES] += stats[0] * width
             else:  # the mailbox went on to a later request: this one's step never ran
                 tally[N_PASSED] += 1

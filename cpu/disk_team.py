@@ -69,9 +69,15 @@ def _copy_slot(k, blks, rows, start, cslot, copy, C, addrs, scales, code, d, des
 
 
 @kernel(inline=True)
+def row_width(code):
+    """Bytes of a row element in a block of storage ``code`` (int8, float16, float32)."""
+    return 1 if code == 2 else (2 if code == 0 else 4)
+
+
+@kernel(inline=True)
 def _prefetch_slot(k, blks, rows, start, addrs, code, d):
     """Ask for the lines of slot k's chunk (one to be copied: on disk, not cached)."""
-    width = 1 if code == 2 else (2 if code == 0 else 4)
+    width = row_width(code)
     a = addrs[blks[k]] + rows[k] * d * width
     for e in range(0, (start[k + 1] - start[k]) * d * width, 64):
         prefetch_address(a + e)
@@ -96,7 +102,7 @@ def _advise(address, nbytes, last):
 def _advise_slots(lo, hi, blks, rows, start, copy, addrs, scales, code, d):
     """:func:`_advise` over the chunks to copy in slots [lo, hi): their rows, and an int8
     tensor's scales."""
-    width = 1 if code == 2 else (2 if code == 0 else 4)
+    width = row_width(code)
     last, last_s = np.int64(-1), np.int64(-1)
     for k in range(lo, hi):
         if blks[k] < 0 or copy[k] == 0:
