@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -37,6 +38,8 @@ def test_two_ranks_answer_the_pass_key_as_one_process(tmp_path):
     assert "pass key" in one and "2 ranks" in two
     assert a["phases"] == ["compressed"]
     assert b["found"] is True and (a["expected"] in a["answer"]) is True
+    # the same answer: the first number each run gives is the pass key
+    assert [re.search(r"\d+", x["answer"]).group() for x in (a, b)] == [a["expected"]] * 2
     ranks = b["ranks"]
     assert len(ranks) == 2 and all(r["bytes"]["host"] > 0 for r in ranks)  # compressed shards
     assert abs(ranks[0]["held_tokens"] - ranks[1]["held_tokens"]) <= 2 * 10 + 1
