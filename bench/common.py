@@ -11,6 +11,13 @@ import sys
 import time
 
 import tiered  # noqa: F401  (optimized BLAS before mlx)
+from tiered.runtime import allocator
+
+# A benchmark run as a program (not imported by the tests) runs on jemalloc where one is
+# installed, as `tiered run` does (tiered.runtime.allocator; TIERED_MALLOC=glibc: not)
+_BENCH = os.path.dirname(os.path.abspath(__file__))
+if os.path.dirname(os.path.abspath(sys.argv[0] or ".")) in (_BENCH, os.path.join(_BENCH, "probes")):
+    allocator.restart_with_jemalloc()
 
 import mlx.core as mx
 import mlx_lm

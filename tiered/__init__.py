@@ -10,10 +10,17 @@ Importing tiered first loads an optimized BLAS for MLX's CPU backend on Linux (s
 ``tiered.runtime._platform``); it patches nothing in mlx-lm until :func:`install` is called
 (``TieredCache.for_model`` calls it). On an NVIDIA GPU whose MLX kernel cache lacks them, it
 starts compiling the MLX kernels a prefill launches, in small processes
-(:func:`tiered.metal.mlx_warm.start_early`; ``TIERED_WARM_KERNELS=0`` turns it off).
+(:func:`tiered.metal.mlx_warm.start_early`; ``TIERED_WARM_KERNELS=0`` turns it off). The
+command line (``tiered``, ``python -m tiered``) first starts itself again on jemalloc where
+one is installed (:mod:`tiered.runtime.allocator`).
 """
 
-from .runtime._platform import BLAS, passive_openmp, preload_blas
+from .runtime import allocator as _allocator
+
+if _allocator.is_tiered_command():  # the command line: on jemalloc (runtime.allocator), once
+    _allocator.restart_with_jemalloc()
+
+from .runtime._platform import BLAS, passive_openmp, preload_blas  # noqa: E402
 
 passive_openmp()  # before anything loads an OpenMP runtime (Numba's workers, faiss)
 preload_blas()

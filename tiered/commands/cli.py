@@ -311,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_run)
     i = sub.add_parser("info", help="backend, device, BLAS, versions, matmul speed")
     i.add_argument("--json", action="store_true")
+    i.add_argument("--preload", action="store_true",
+                   help="print only the jemalloc library to preload (LD_PRELOAD=$(tiered info "
+                        "--preload) python app.py); exit 1 where there is none")
     i.set_defaults(func=cmd_info)
     for name, what in MLX_COMMANDS.items():  # parsed by their own parsers (tiered.commands.cli_mlx)
         sub.add_parser(name, help=what, add_help=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 import tiered
@@ -45,11 +46,21 @@ def info_dict() -> dict:
         "device": str(mx.default_device()),
         "blas": {"status": tiered.BLAS.status, "path": tiered.BLAS.path,
                  "detail": tiered.BLAS.detail},
+        "allocator": _allocator(),
         "versions": versions,
         "cpu_count": os.cpu_count(),
         "matmul_gflops": round(_matmul_gflops(), 1),
         "decode_step": _decode_step(),
     }
+
+
+def _allocator() -> dict:
+    """The host allocator this process runs on and the jemalloc it would take
+    (tiered.runtime.allocator)."""
+    from ..runtime import allocator
+
+    return {"in_use": allocator.in_use(), "jemalloc": allocator.find_jemalloc(),
+            "setting": allocator.choice()}
 
 
 def _decode_step() -> dict:
@@ -68,6 +79,13 @@ def _decode_step() -> dict:
 
 
 def cmd_info(args) -> int:
+    if getattr(args, "preload", False):
+        from ..runtime import allocator
+
+        found = allocator.find_jemalloc()
+        print(found or "no jemalloc library found (Debian: apt-get install libjemalloc2)",
+              file=sys.stdout if found else sys.stderr)
+        return 0 if found else 1
     d = info_dict()
     if args.json:
         print(json.dumps(d, indent=2))
@@ -77,6 +95,12 @@ def cmd_info(args) -> int:
     print(f"backend: {d['backend']} ({d['device']}), {d['cpu_count']} CPU cores")
     print(f"BLAS: {blas['status']}" + (f" {blas['path']}" if blas["path"] else "")
           + (f" ({blas['detail']})" if blas["detail"] else ""))
+    al = d["allocator"]
+    found = al["jemalloc"] or "not found; Debian: apt-get install libjemalloc2"
+    print(f"host allocator: {al['in_use']}" + (
+        "" if al["in_use"] == "jemalloc" else f" (TIERED_MALLOC={al['setting']})"
+        if al["setting"].lower() in ("glibc", "default", "system", "0", "off")
+        else f" (jemalloc: {found})"))
     print("versions: " + ", ".join(f"{k} {v}" for k, v in d["versions"].items()))
     print(f"matmul: {d['matmul_gflops']} GFLOP/s (fp32 1024x1024)")
     step = d["decode_step"]
