@@ -2,7 +2,9 @@
 # What runs on the accelerator machine (device tool), one step per call:
 #   bash bench/gpu_session.sh stage .device/part-00     # carry that part; copies it to /tmp/stage
 #   bash bench/gpu_session.sh install                   # unpack the wheels, build the package tree
-#   bash bench/gpu_session.sh tests|disk|kernels|decode|million|cold|fourm|grid
+#   bash bench/gpu_session.sh tests|disk|kernels|decode|malloc|million|cold|fourm|grid
+# jemalloc (tiered.runtime.allocator): the machine has none; carry .device/libjemalloc.so.2
+# (`cp /usr/lib/x86_64-linux-gnu/libjemalloc.so.2 .device/`) in the install call.
 # Wheels: ../shared/tools/pack-wheels.sh parts of mlx, mlx-cuda-13, mlx-lm, faiss-cpu (107 MB;
 # nanobind's wheel beside them for TIERED_NATIVE=1), cut again into two so that they travel in
 # two calls (`cat .device/part-* >/tmp/w.tar; rm .device/part-*; split -b 58M -d /tmp/w.tar
@@ -10,9 +12,10 @@
 # package is a tree of symlinks (tiered/ with cpu/, metal/, scheduler/ as subpackages, as
 # pyproject maps them), so no build backend is needed offline. Results are copied to $OUT.
 set -uo pipefail
-step=${1:?usage: gpu_session.sh stage PART | install | tests | disk | kernels | decode | million | cold | fourm | grid}
+step=${1:?usage: gpu_session.sh stage PART | install | tests | disk | kernels | decode | malloc | million | cold | fourm | grid}
 export PYTHONPATH=/tmp/pkg:/tmp/site
 export TOKENIZERS_PARALLELISM=false
+[ -z "${TIERED_MALLOC:-}" ] && [ -f /tmp/site/libjemalloc.so.2 ] && export TIERED_MALLOC=/tmp/site/libjemalloc.so.2
 collect() { mkdir -p "${OUT:-/tmp/out}"; for f in "$@"; do [ -f "$f" ] && cp "$f" "${OUT:-/tmp/out}/"; done; }
 case "$step" in
   stage)
@@ -21,10 +24,12 @@ case "$step" in
     set -e
     cat /tmp/stage/part-* | tar xf - -C /tmp/stage
     [ -d /tmp/site/mlx ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/stage/*.whl
+    for f in /tmp/stage/libjemalloc.so.2 .device/libjemalloc.so.2; do [ -f "$f" ] && cp "$f" /tmp/site/; done
     rm -rf /tmp/pkg && mkdir -p /tmp/pkg/tiered
     for f in "$PWD"/tiered/*; do ln -s "$f" /tmp/pkg/tiered/; done
     for sub in cpu metal scheduler; do ln -s "$PWD/$sub" "/tmp/pkg/tiered/$sub"; done
     (cd /tmp && python3 -c "import tiered, tiered.metal, mlx.core as mx; print(mx.default_device(), tiered.metal.accelerator(), mx.__version__)")
+    (cd /tmp && TIERED_MALLOC=/tmp/site/libjemalloc.so.2 python3 -m tiered info | grep allocator) || true
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ;;
   tests)
     # To a log under $OUT, not through a pipe: a run cut off by the call's time limit still
@@ -54,6 +59,21 @@ case "$step" in
     python3 bench/decode_speed.py --model llama3-8b --contexts ${CONTEXTS:-4096 16384 65536 131072} \
       --steps 20 --warmup 3 --calibration-tokens 2048
     collect bench/results/decode_speed_gpu_llama3-8b.* ;;
+  malloc)
+    # Issue 57: the step's graph building on glibc's malloc against jemalloc, one process each,
+    # alternating (MALLOC_ROUNDS pairs), `KVCache` and tiered side by side in each.
+    mkdir -p "${OUT:-/tmp/out}"; cd bench
+    for i in $(seq 1 "${MALLOC_ROUNDS:-2}"); do
+      for m in glibc /tmp/site/libjemalloc.so.2; do
+        n=$([ "$m" = glibc ] && echo glibc || echo jemalloc)
+        TIERED_MALLOC=$m timeout "${MALLOC_LIMIT:-140}" python3 decode_speed.py --model llama3-8b \
+          --contexts ${CONTEXTS:-32768} --budgets 0.125 --methods KVCache tiered --steps 20 \
+          --warmup 30 --calibration-tokens 2048 --name "malloc_${n}_$i" \
+          > "${OUT:-/tmp/out}/malloc_${n}_$i.log" 2>&1
+        echo "$n $i rc=$?"; grep -h "^| [0-9]" "${OUT:-/tmp/out}/malloc_${n}_$i.log" | head -4
+        collect "results/malloc_${n}_$i.md"
+      done
+    done ;;
   million)
     # Issue 62's pair on one machine: every page in RAM, then a 40 GB host budget (the rest in
     # the disk tier's page file; MILLION_RUNS="disk:40GB ram:80GB" swaps the order). The token
