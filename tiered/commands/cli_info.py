@@ -9,6 +9,8 @@ import time
 
 import tiered
 
+from ..runtime import allocator
+
 
 def _matmul_gflops(n: int = 1024, reps: int = 5) -> float:
     import mlx.core as mx
@@ -57,10 +59,17 @@ def info_dict() -> dict:
 def _allocator() -> dict:
     """The host allocator this process runs on and the jemalloc it would take
     (tiered.runtime.allocator)."""
-    from ..runtime import allocator
-
     return {"in_use": allocator.in_use(), "jemalloc": allocator.find_jemalloc(),
             "setting": allocator.choice()}
+
+
+def _no_jemalloc() -> str:
+    """Why no jemalloc would be preloaded here."""
+    if allocator.turned_off():
+        return f"jemalloc not taken: TIERED_MALLOC={allocator.choice()}"
+    if allocator.choice() != "auto":
+        return f"no jemalloc: TIERED_MALLOC={allocator.choice()} is not a file"
+    return "no jemalloc library found; Debian: apt-get install libjemalloc2"
 
 
 def _decode_step() -> dict:
@@ -80,11 +89,8 @@ def _decode_step() -> dict:
 
 def cmd_info(args) -> int:
     if getattr(args, "preload", False):
-        from ..runtime import allocator
-
         found = allocator.find_jemalloc()
-        print(found or "no jemalloc library found (Debian: apt-get install libjemalloc2)",
-              file=sys.stdout if found else sys.stderr)
+        print(found or _no_jemalloc(), file=sys.stdout if found else sys.stderr)
         return 0 if found else 1
     d = info_dict()
     if args.json:
@@ -96,11 +102,8 @@ def cmd_info(args) -> int:
     print(f"BLAS: {blas['status']}" + (f" {blas['path']}" if blas["path"] else "")
           + (f" ({blas['detail']})" if blas["detail"] else ""))
     al = d["allocator"]
-    found = al["jemalloc"] or "not found; Debian: apt-get install libjemalloc2"
-    print(f"host allocator: {al['in_use']}" + (
-        "" if al["in_use"] == "jemalloc" else f" (TIERED_MALLOC={al['setting']})"
-        if al["setting"].lower() in ("glibc", "default", "system", "0", "off")
-        else f" (jemalloc: {found})"))
+    print(f"host allocator: {al['in_use']}"
+          + ("" if al["in_use"] == "jemalloc" else f" ({al['jemalloc'] or _no_jemalloc()})"))
     print("versions: " + ", ".join(f"{k} {v}" for k, v in d["versions"].items()))
     print(f"matmul: {d['matmul_gflops']} GFLOP/s (fp32 1024x1024)")
     step = d["decode_step"]

@@ -40,11 +40,16 @@ def choice() -> str:
     return os.environ.get("TIERED_MALLOC", "auto").strip() or "auto"
 
 
+def turned_off() -> bool:
+    """Whether ``TIERED_MALLOC`` keeps the system allocator."""
+    return choice().lower() in OFF
+
+
 def find_jemalloc() -> str | None:
     """The jemalloc library to preload: ``TIERED_MALLOC``'s path, else an installed one; None
     where there is none (or not on Linux, or ``TIERED_MALLOC`` turns it off)."""
     want = choice()
-    if not sys.platform.startswith("linux") or want.lower() in OFF:
+    if not sys.platform.startswith("linux") or turned_off():
         return None
     if want != "auto":
         return want if os.path.isfile(want) else None
